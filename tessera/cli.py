@@ -1,0 +1,155 @@
+"""`tessera generate | models`. The only place that reads environment variables."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from tessera.config import DTYPES
+
+
+def _read_prompts(path: Path) -> list[str | list[dict]]:
+    """A text file (one prompt a line) or JSONL: each line a string, {"prompt": ...}
+    or {"messages": [...]} (chat)."""
+    prompts: list[str | list[dict]] = []
+    jsonl = path.suffix in (".jsonl", ".json")
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            prompts.append(line)
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{path}:{number}: not valid JSON ({exc.msg})")
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append(item["prompt"])
+        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+            prompts.append(item["messages"])
+        else:
+            raise SystemExit(f'{path}:{number}: expected a string, {{"prompt": ...}} or {{"messages": [...]}}')
+    if not prompts:
+        raise SystemExit(f"{path} holds no prompts")
+    return prompts
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto: bfloat16 on GPUs and on CPUs with native bf16, else float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="most sequences decoded together (max_num_seqs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="token budget of one step (prefill chunks + decodes)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="fix the KV cache size instead of sizing it from free memory")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="share of free memory for the KV cache (default 0.2 on CPU, 0.9 on CUDA)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the tokenizer's")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def _make_llm(args: argparse.Namespace):
+    from tessera.llm import LLM
+
+    cache_dir = os.environ.get("TESSERA_CACHE_DIR")
+    return LLM(args.model, dtype=args.dtype, tokenizer=args.tokenizer, max_model_len=args.max_model_len,
+               max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+               memory_fraction=args.memory_fraction, device=args.device, seed=args.seed,
+               chat_template=args.chat_template, cache_dir=cache_dir)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tessera.sampling.params import SamplingParams
+
+    prompts: list = list(args.prompts)
+    if args.input_file:
+        prompts += _read_prompts(Path(args.input_file))
+    if not prompts:
+        raise SystemExit("give a prompt, or --input-file FILE")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed,
+                            ignore_eos=args.ignore_eos)
+    llm = _make_llm(args)
+    token_prompts = [llm.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}])
+                     if args.chat or isinstance(p, list) else p for p in prompts]
+    started = time.perf_counter()
+    outputs = llm.generate(token_prompts, params, use_tqdm=len(prompts) > 1)
+    elapsed = time.perf_counter() - started
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            for prompt, out in zip(prompts, outputs):
+                c = out.outputs[0]
+                f.write(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids,
+                                    "finish_reason": c.finish_reason}) + "\n")
+    elif len(prompts) == 1:
+        print(outputs[0].outputs[0].text)
+    else:
+        for prompt, out in zip(prompts, outputs):
+            shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
+            print(f"### {shown}\n{out.outputs[0].text}\n")
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"[{len(outputs)} prompts, {generated} tokens generated in {elapsed:.2f}s: "
+          f"{generated / elapsed:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from tessera.models.registry import router_classes
+
+    for model_type, router in sorted(router_classes().items()):
+        print(f"{model_type:12s} {router.model_cls.__name__}  (gguf: yes)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="LLM inference and serving engine")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline")
+    gen.add_argument("prompts", nargs="*", help="prompt texts")
+    gen.add_argument("--input-file", help="text file (one prompt a line) or JSONL")
+    gen.add_argument("--output-file", help="write JSONL results here instead of printing")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sample-seed", "--request-seed", type=int, default=None, dest="sample_seed",
+                     help="per-request sampling seed (reproducible outputs)")
+    _add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list the supported model types")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Typed, validated configuration. Environment variables are read only in cli.py."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent with another."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    """What to load. `model=None` means the embedded default model (SmolLM2-135M-Instruct)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    chat_template: str | None = None
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0,
+                 f"max_model_len must be positive, got {self.max_model_len}")
+        self.cache_dir = Path(self.cache_dir)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry. The cache gets `memory_fraction` of the memory still free
+    after warm-up; None means 0.9 on CUDA (the process owns the GPU) and 0.2 on CPU (the
+    machine is shared with everything else; 4-5 GiB on a 24 GiB host). `num_blocks`
+    overrides the sizing altogether (tests, tight RAM)."""
+
+    block_size: int = 16
+    memory_fraction: float | None = None
+    num_blocks: int | None = None
+
+    def fraction_for(self, device: str) -> float:
+        if self.memory_fraction is not None:
+            return self.memory_fraction
+        return 0.9 if device.startswith("cuda") else 0.2
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                 f"block_size must be a power of two, got {self.block_size}")
+        _require(self.memory_fraction is None or 0.0 < self.memory_fraction <= 1.0,
+                 f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        _require(self.num_blocks is None or self.num_blocks > 0,
+                 f"num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits: a sequence cap and one token budget per step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs,
+                 "max_num_batched_tokens must be >= max_num_seqs "
+                 f"({self.max_num_batched_tokens} < {self.max_num_seqs})")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.device.split(":")[0] in ("cpu", "cuda"),
+                 f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

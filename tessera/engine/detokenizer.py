@@ -1,0 +1,38 @@
+"""Incremental detokenization with prefix and read offsets.
+
+Decoding a sliding window of tokens (rather than each token alone) keeps spaces and merged
+characters right; text ending in U+FFFD is held back until the rest of a multi-byte
+character arrives, so no delta ever carries half a UTF-8 character.
+"""
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from tessera.engine.sequence import Sequence
+
+
+def detokenize_incrementally(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
+    """Append to `seq.text` what the newest tokens add, and return that delta."""
+    skip = seq.params.skip_special_tokens
+    ids = seq.token_ids
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+        delta = full_text[len(prefix_text):]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        seq.text += delta
+        return delta
+    return ""
+
+
+def flush(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
+    """At the end of a sequence, emit whatever was held back (an incomplete character is
+    emitted as U+FFFD rather than lost)."""
+    skip = seq.params.skip_special_tokens
+    ids = seq.token_ids
+    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    delta = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.text += delta
+    return delta

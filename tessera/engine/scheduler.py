@@ -1,0 +1,112 @@
+"""Continuous batching under one token budget per step.
+
+Each step: running sequences first (a decode needs one token; a sequence still in its
+prompt gets its next chunk), then waiting sequences in arrival order fill what is left of
+the budget and of `max_num_seqs`. When blocks run out, the most recently arrived running
+sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tessera.config import SchedulerConfig
+from tessera.engine.block_manager import BlockManager
+from tessera.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence's tokens (so it samples one)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and n < seq.num_tokens - seq.num_computed_tokens:
+                break
+            while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # `seq` itself was the last one and got preempted
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out  # no admissions in a step that had to give blocks back
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted) sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED

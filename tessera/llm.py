@@ -1,0 +1,107 @@
+"""Offline inference in the shape vLLM users know: LLM(model).generate(prompts, params)."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from tessera.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tessera.engine.engine import Engine
+from tessera.engine.outputs import RequestOutput
+from tessera.sampling.params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+class LLM:
+    """`model=None` loads the embedded default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto",
+                 tokenizer: str | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                 enable_chunked_prefill: bool = True, block_size: int = 16,
+                 num_kv_blocks: int | None = None, memory_fraction: float | None = None,
+                 device: str = "cpu", seed: int = 0, chat_template: str | None = None,
+                 cache_dir: str | Path | None = None, show_progress: bool = True):
+        model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
+                                   dtype=dtype, max_model_len=max_model_len,
+                                   chat_template=chat_template)
+        if cache_dir is not None:
+            model_config.cache_dir = Path(cache_dir)
+        config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size=block_size, memory_fraction=memory_fraction,
+                              num_blocks=num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            device=device, seed=seed)
+        self.show_progress = show_progress
+        self.engine = Engine(config, show_progress=show_progress)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or the --chat-template override) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        template = self.engine.router.chat_template
+        if not template:
+            raise ChatTemplateError("this model's tokenizer has no chat template; pass one with "
+                                    "--chat-template FILE (or LLM(chat_template=...))")
+        text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        # The template already holds any BOS token; do not add special tokens twice.
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+             use_tqdm: bool | None) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                engine.add_request(request_id, prompt, p)
+        except Exception:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        show = self.show_progress if use_tqdm is None else use_tqdm
+        with tqdm(total=len(prompts), desc="Generating", unit=" prompts", disable=not show) as bar:
+            while len(finished) < len(prompts):
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]

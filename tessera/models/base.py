@@ -1,0 +1,100 @@
+"""BaseRouter: everything the engine needs to know about one model type.
+
+A router exposes the config, tokenizer, chat template, stop tokens, model class and
+weights. Each hook is a cached property backed by a `get_*` method, so a model folder
+overrides only what differs from the Hugging Face defaults.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from functools import cached_property
+from pathlib import Path
+from typing import ClassVar, Iterator
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from tessera.config import ModelConfig
+from tessera.ops.registry import OpTarget
+from tessera.weights.gguf import iter_gguf_weights
+from tessera.weights.safetensors import iter_hf_weights
+from tessera.weights.source import ModelSource
+
+logger = logging.getLogger(__name__)
+
+
+class BaseRouter:
+    model_types: ClassVar[tuple[str, ...]] = ()   # config.json model_type values served
+    model_cls: ClassVar[type[nn.Module]]
+    gguf_permute_qk: ClassVar[bool] = False       # llama.cpp permuted Q/K rows on export
+
+    def __init__(self, source: ModelSource, metadata_dir: Path, model_config: ModelConfig):
+        self.source = source
+        self.metadata_dir = metadata_dir  # holds config.json and tokenizer files
+        self.model_config = model_config
+
+    @cached_property
+    def config(self) -> PretrainedConfig:
+        return self.get_config()
+
+    def get_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(str(self.metadata_dir))
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.get_tokenizer()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        path = self.model_config.tokenizer or str(self.metadata_dir)
+        return AutoTokenizer.from_pretrained(path)
+
+    @cached_property
+    def chat_template(self) -> str | None:
+        """The --chat-template override (a file or a literal template), else the tokenizer's."""
+        override = self.model_config.chat_template
+        if override:
+            path = Path(override)
+            return path.read_text() if path.is_file() else override
+        return getattr(self.tokenizer, "chat_template", None)
+
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.get_eos_token_ids())
+
+    def get_eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+
+        def add(value) -> None:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+
+        add(getattr(self.config, "eos_token_id", None))
+        gen_config = self.metadata_dir / "generation_config.json"
+        if gen_config.is_file():
+            add(json.loads(gen_config.read_text()).get("eos_token_id"))
+        add(self.tokenizer.eos_token_id)
+        return ids
+
+    @cached_property
+    def max_model_len(self) -> int:
+        limit = int(getattr(self.config, "max_position_embeddings", 0) or 2048)
+        wanted = self.model_config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted or limit
+
+    def build_model(self, target: OpTarget) -> nn.Module:
+        return self.model_cls(self.config, target)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.source.is_gguf:
+            cfg = self.config
+            return iter_gguf_weights(
+                self.source.path, permute_qk=self.gguf_permute_qk,
+                num_heads=cfg.num_attention_heads,
+                num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        return iter_hf_weights(self.source.path)

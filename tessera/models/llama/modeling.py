@@ -1,0 +1,123 @@
+"""Llama, assembled from shared ops. Reads like Hugging Face's modeling_llama, minus the
+cache plumbing: attention metadata arrives through the runner's attention context."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tessera.ops.activation import SiluAndMul
+from tessera.ops.attention import Attention
+from tessera.ops.embedding import LMHead, VocabEmbedding
+from tessera.ops.linear import Linear, PackedLinear
+from tessera.ops.norm import RMSNorm
+from tessera.ops.registry import OpTarget
+from tessera.ops.rotary import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"Llama MLP supports hidden_act 'silu' only, got {config.hidden_act!r}")
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {0: size, 1: size}, target, bias=bias)
+        self.down_proj = Linear(size, config.hidden_size, target, bias=bias)
+        self.act_fn = SiluAndMul(target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     target, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, target, bias=bias)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
+                                          rope_parameters(config), target)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              self.head_dim ** -0.5, target)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+    mlp_cls = LlamaMLP
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        self.self_attn = self.attention_cls(config, target)
+        self.mlp = self.mlp_cls(config, target)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
+        self.layers = nn.ModuleList(self.layer_cls(config, target) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our packed parameter's fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors that carry nothing we load (recomputed buffers)
+    ignored_weight_suffixes = ("rotary_emb.inv_freq",)
+    model_cls = LlamaModel
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config, target)
+        tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, target, tied_to=tied)
+        if tied is not None:
+            self.ignored_weight_suffixes = (*self.ignored_weight_suffixes, "lm_head.weight")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,8 @@
+from tessera.models.base import BaseRouter
+from tessera.models.llama.modeling import LlamaForCausalLM
+
+
+class LlamaRouter(BaseRouter):
+    model_types = ("llama",)
+    model_cls = LlamaForCausalLM
+    gguf_permute_qk = True

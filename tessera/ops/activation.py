@@ -1,0 +1,23 @@
+"""Gated activations over a packed gate-up projection."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.ops.registry import OpTarget, register_op
+
+
+@register_op("silu_and_mul", name="torch_silu_and_mul", priority=0)
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    def __init__(self, target: OpTarget):
+        super().__init__()
+        self._act = target.op("silu_and_mul")
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act(gate_up)

@@ -1,0 +1,47 @@
+"""The attention layer models use. It owns no weights: it writes this step's K/V into the
+paged cache (bound by the runner) and runs the prefill and decode implementations chosen
+from the registry over the rows of each kind."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.ops.attention.metadata import current_metadata
+from tessera.ops.registry import OpTarget
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 target: OpTarget):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = scale
+        self._write = target.op("kv_write", head_size=head_size)
+        self._prefill = target.op("paged_attention", phase="prefill", head_size=head_size)
+        self._decode = target.op("paged_attention", phase="decode", head_size=head_size)
+        # Bound by the runner once the cache is allocated: (k_cache, v_cache).
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache not bound; the model runner binds it before the first step")
+        meta = current_metadata()
+        k_cache, v_cache = self.kv_cache
+        q = q.view(-1, self.num_heads, self.head_size)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            out = self._decode(q, k_cache, v_cache, meta, self.scale)
+        elif nd == 0:
+            out = self._prefill(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            out = torch.cat((
+                self._decode(q[:nd], k_cache, v_cache, meta, self.scale),
+                self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, self.scale),
+            ))
+        return out.flatten(1)

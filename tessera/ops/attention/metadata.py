@@ -1,0 +1,48 @@
+"""Per-step attention metadata, installed for the duration of one forward pass.
+
+Rows are ordered decodes first: the first `num_decodes` sequences contribute exactly one
+query token each (batched together); the rest are prefill chunks of any length, which may
+follow already-cached context (chunked prefill, prefix caching).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor       # [num_tokens] cache slot per token; -1 = do not write
+    block_tables: torch.Tensor       # [num_seqs, max_blocks] block ids (padded with 0)
+    seq_lens: torch.Tensor           # [num_seqs] context length including this step's tokens
+    query_start_loc: torch.Tensor    # [num_seqs + 1] offsets of each sequence's tokens
+    num_decodes: int                 # leading sequences with exactly one query token
+    num_decode_tokens: int           # == num_decodes (kept separate for padded graphs)
+    seq_lens_list: list[int]         # host copies: no device syncs inside layers
+    query_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+_current: list[AttentionMetadata] = []
+
+
+@contextmanager
+def attention_context(metadata: AttentionMetadata) -> Iterator[None]:
+    """Scope `metadata` to one forward pass; nested or leaked contexts are impossible."""
+    _current.append(metadata)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def current_metadata() -> AttentionMetadata:
+    if not _current:
+        raise RuntimeError("attention called outside attention_context(); the runner installs it")
+    return _current[-1]

@@ -1,0 +1,33 @@
+"""RMSNorm with an optional fused residual add: (x + residual) is normalised and also
+returned as the next residual, so the add costs no extra pass in fused builders."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.ops.registry import OpTarget, register_op
+from tessera.ops.weights import make_param
+
+
+@register_op("rms_norm", name="torch_rms_norm", priority=0)
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if residual is not None:
+        x = x + residual
+        residual = x
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype), residual
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param((hidden_size,), target.dtype, target.device)
+        self._norm = target.op("rms_norm")
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out, new_residual = self._norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, new_residual)

@@ -1,0 +1,32 @@
+"""Parameters that load themselves: each owns a `weight_loader(param, tensor, shard_id)`."""
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch
+from torch import nn
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not have the shape the model expects."""
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise WeightShapeError(f"{what}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+    with torch.no_grad():
+        copy_checked(param.data, tensor, getattr(param, "tessera_name", "parameter"))
+
+
+def make_param(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+               loader: Callable = default_weight_loader, shard_ids: tuple = ()) -> nn.Parameter:
+    """An uninitialised parameter; every element is overwritten by the loader (missing
+    weights are an error, so nothing can be left unset)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    param.weight_loader = loader
+    param.shard_ids = shard_ids  # packed parameters are complete only when every shard loaded
+    return param

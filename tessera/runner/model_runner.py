@@ -1,0 +1,66 @@
+"""Runs one scheduled step: builds inputs, runs the model, computes logits only where a
+token is sampled, and samples. Owns the KV cache tensors and binds them to the model's
+attention layers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.engine.scheduler import ScheduledSeq
+from tessera.ops.attention import Attention, attention_context
+from tessera.runner.inputs import ModelInputs, build_inputs
+from tessera.sampling.sampler import Sampler, SamplingBatch
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device,
+                 dtype: torch.dtype, sampler: Sampler):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.sampler = sampler
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        if not self.attn_layers:
+            raise ValueError(f"{type(model).__name__} has no Attention layers to give a KV cache")
+        self.num_blocks = 0
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_token = sum(2 * a.num_kv_heads * a.head_size for a in self.attn_layers)
+        return per_token * self.block_size * elem
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_size]."""
+        self.release_kv_cache()
+        for layer in self.attn_layers:
+            shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            layer.kv_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                              torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.num_blocks = num_blocks
+
+    def release_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            layer.kv_cache = None
+        self.num_blocks = 0
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Logits [S, vocab] (float32) for the rows in `inputs.lm_head_indices`."""
+        with attention_context(inputs.attn):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        return self.model.compute_logits(hidden.index_select(0, inputs.lm_head_indices))
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int]]:
+        """Run one step; returns (sequence, sampled token) for each sequence that samples."""
+        inputs = build_inputs(scheduled, self.block_size, self.device)
+        if not inputs.sampled_rows:  # only partial prefill chunks this step
+            with attention_context(inputs.attn):
+                self.model(inputs.input_ids, inputs.positions)
+            return []
+        logits = self.forward(inputs)
+        batch = SamplingBatch(params=[s.seq.params for s in inputs.sampled_rows],
+                              generators=[s.seq.generator for s in inputs.sampled_rows])
+        tokens = self.sampler(logits, batch).tolist()
+        return list(zip(inputs.sampled_rows, tokens))

@@ -1,0 +1,86 @@
+"""Warm-up: run the largest step the config allows, measure what it needed, and give the KV
+cache a fraction of the memory that remains (TGI's warmup, vLLM's memory profiling)."""
+from __future__ import annotations
+
+import gc
+import logging
+import resource
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tessera.ops.attention import AttentionMetadata
+from tessera.platform import available_memory_bytes
+from tessera.runner.inputs import ModelInputs
+from tessera.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class KVCachePlan:
+    num_blocks: int
+    activation_bytes: int
+    available_bytes: int
+    bytes_per_block: int
+
+
+def _dummy_inputs(num_tokens: int, num_logit_rows: int, block_size: int,
+                  device: torch.device) -> ModelInputs:
+    """One sequence of `num_tokens` prompt tokens in blocks 0.., logits for the last rows."""
+    num_blocks = (num_tokens + block_size - 1) // block_size
+    attn = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        num_decodes=0, num_decode_tokens=0, seq_lens_list=[num_tokens], query_lens_list=[num_tokens])
+    return ModelInputs(
+        input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device),
+        positions=torch.arange(num_tokens, device=device), attn=attn,
+        lm_head_indices=torch.arange(num_tokens - num_logit_rows, num_tokens, device=device),
+        sampled_rows=[])
+
+
+def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int) -> int:
+    """Run the largest step once with a scratch cache; returns the bytes it needed beyond
+    what was resident before (an upper bound on CPU, exact on CUDA)."""
+    device = runner.device
+    num_blocks = (num_tokens + runner.block_size - 1) // runner.block_size
+    runner.allocate_kv_cache(num_blocks)
+    inputs = _dummy_inputs(num_tokens, min(num_logit_rows, num_tokens), runner.block_size, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        runner.forward(inputs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        rss_before = psutil.Process().memory_info().rss
+        runner.forward(inputs)
+        max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        peak = max(max_rss - rss_before, 0)
+    runner.release_kv_cache()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return int(peak)
+
+
+def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,
+                  max_num_seqs: int, max_model_len: int) -> KVCachePlan:
+    num_tokens = min(max_num_batched_tokens, max_model_len)
+    activation = profile_peak_step(runner, num_tokens, max_num_seqs)
+    available = available_memory_bytes(str(runner.device))
+    per_block = runner.kv_bytes_per_block()
+    budget = int(available * memory_fraction) - activation
+    num_blocks = max(budget // per_block, 0)
+    # More blocks than every sequence at full length could use is memory held for nothing.
+    useful = max_num_seqs * ((max_model_len + runner.block_size - 1) // runner.block_size)
+    num_blocks = min(num_blocks, useful)
+    logger.info("warm-up: peak step of %d tokens needed %.1f MiB; %.1f GiB available, "
+                "%.0f%% of it for the KV cache", num_tokens, activation / 2**20,
+                available / 2**30, memory_fraction * 100)
+    return KVCachePlan(num_blocks, activation, available, per_block)

@@ -1,0 +1,110 @@
+"""GGUF files: tensors dequantized with the `gguf` package and renamed to Hugging Face names;
+config and tokenizer converted once by transformers and cached as a plain folder.
+
+llama.cpp's converter permutes the rows of Q and K for llama-family models (it uses the
+interleaved rotary layout); models that need it set `gguf_permute_qk`, and we undo it here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp tensor names (shared by its decoder architectures) -> Hugging Face names.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+CONVERSION_VERSION = 1  # bump when the cached folder's contents change
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    m = _LAYER_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            raise KeyError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem not in _GLOBAL_NAMES:
+        raise KeyError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+    return f"{_GLOBAL_NAMES[stem]}.{kind}"
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: interleaved rotary halves back to rotate-half rows."""
+    head_rows = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_rows // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int,
+                      num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            raise ValueError(f"{path.name} stores precomputed rope frequencies (llama3-style rope "
+                             "scaling), which tessera does not read from GGUF yet; use the Hugging "
+                             "Face folder of this model instead")
+        name = hf_tensor_name(tensor.name)
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(f"{tensor.name}: GGUF type {tensor.tensor_type.name} cannot be "
+                             f"dequantized by the installed gguf package ({exc})") from exc
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        # Quantized tensors come back as fresh arrays; F32 ones are views of the read-only
+        # memory map, so copy those (torch needs writable memory).
+        array = np.array(array.reshape(shape), dtype=np.float32, copy=not array.flags.writeable)
+        if permute_qk and name.endswith("q_proj.weight"):
+            array = _unpermute_rows(array, num_heads)
+        elif permute_qk and name.endswith("k_proj.weight"):
+            array = _unpermute_rows(array, num_kv_heads)
+        yield name, torch.from_numpy(array)
+
+
+def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
+    """A folder with config.json and tokenizer files converted from the GGUF by transformers.
+
+    The conversion reads the whole vocabulary in Python (seconds); it runs once per file and
+    is cached under `cache_dir/gguf/`, keyed by the file's name, size and mtime.
+    """
+    stat = path.stat()
+    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}"
+    folder = Path(cache_dir) / "gguf" / key
+    marker = folder / "tessera-conversion.json"
+    if marker.is_file():
+        return folder
+    from transformers import AutoConfig, AutoTokenizer
+
+    logger.info("converting GGUF metadata and tokenizer of %s once (cached in %s)", path.name, folder)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "tessera-conversion.json").write_text(json.dumps({"source": str(path), "version": CONVERSION_VERSION}))
+    if folder.exists():  # another process won the race; theirs is as good as ours
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(folder)
+    return folder
