@@ -98,10 +98,15 @@ class LLM:
             raise
         finished: dict[str, RequestOutput] = {}
         show = self.show_progress if use_tqdm is None else use_tqdm
-        with tqdm(total=len(prompts), desc="Generating", unit=" prompts", disable=not show) as bar:
-            while len(finished) < len(prompts):
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(prompts), desc="Generating", unit=" prompts", disable=not show) as bar:
+                while len(finished) < len(prompts):
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+        except BaseException:  # a failed or interrupted run must not leave requests holding blocks
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
         return [finished[i] for i in ids]

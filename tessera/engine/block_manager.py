@@ -45,10 +45,11 @@ class BlockManager:
             seq.block_table.append(block)
 
     def free(self, seq: Sequence) -> None:
+        stale = [b for b in seq.block_table if self.ref_counts[b] <= 0]
+        if stale:  # checked before touching anything, so a bad call corrupts nothing
+            raise RuntimeError(f"blocks {stale} freed more often than allocated")
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
-            if self.ref_counts[block] < 0:
-                raise RuntimeError(f"block {block} freed more often than allocated")
             if self.ref_counts[block] == 0:
                 self.free_blocks.append(block)
         seq.block_table = []

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field and the range."""
 
@@ -27,8 +30,8 @@ class SamplingParams:
 
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if self.top_k == -1:  # vLLM spelling of "disabled"
             self.top_k = 0
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -41,4 +44,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / T overflows; the distribution is a point mass anyway.
+        return self.temperature < GREEDY_TEMPERATURE

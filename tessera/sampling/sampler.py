@@ -21,7 +21,7 @@ class SamplingBatch:
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    k_max = int(top_k.max())
+    k_max = min(int(top_k.max()), logits.shape[-1])  # k beyond the vocabulary filters nothing
     kth = logits.topk(k_max, dim=-1).values  # [B, k_max], descending
     k = torch.where(top_k > 0, top_k, k_max).clamp(max=k_max)
     threshold = kth.gather(1, (k - 1).unsqueeze(1))

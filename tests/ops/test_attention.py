@@ -1,0 +1,201 @@
+"""Paged attention (the pure-torch reference ops and the Attention layer) against naive dense
+causal attention, on random data with scattered block tables and GQA."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tessera.ops.attention import Attention, AttentionMetadata, attention_context
+from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
+from tessera.ops.registry import OpTarget
+
+
+@dataclass
+class Case:
+    meta: AttentionMetadata
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    query: torch.Tensor        # [T, Hq, D] this step's queries, decodes first
+    key: torch.Tensor          # [T, Hk, D] this step's new keys
+    value: torch.Tensor
+    dense_k: list[torch.Tensor]  # per sequence, every key [ctx_len, Hk, D]
+    dense_v: list[torch.Tensor]
+    specs: list[tuple[int, int]]
+    scale: float
+
+
+def make_case(specs: list[tuple[int, int]], *, block_size: int, num_heads: int, num_kv_heads: int,
+              head_size: int, seed: int, spare_blocks: int = 5) -> Case:
+    """specs: (context length including this step, query length) per sequence, decodes first.
+
+    Cache slots of earlier tokens are filled; slots of this step's tokens are left for the
+    caller to write (the layer and kv_write do that). Every other slot holds large values, so
+    attending to anything outside a sequence's context shows up in the result.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-ctx // block_size) for ctx, _ in specs]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_size), 50.0)
+    v_cache = torch.full_like(k_cache, -80.0)
+    order = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-contiguous
+    tables, slots, queries, keys, values, dense_k, dense_v = [], [], [], [], [], [], []
+    for (ctx, q_len), nb in zip(specs, blocks_per_seq):
+        table = [order.pop() for _ in range(nb)]
+        tables.append(table)
+        k = torch.randn(ctx, num_kv_heads, head_size, generator=g)
+        v = torch.randn(ctx, num_kv_heads, head_size, generator=g)
+        dense_k.append(k)
+        dense_v.append(v)
+        for pos in range(ctx):
+            slot = table[pos // block_size] * block_size + pos % block_size
+            if pos < ctx - q_len:
+                k_cache.view(-1, num_kv_heads, head_size)[slot] = k[pos]
+                v_cache.view(-1, num_kv_heads, head_size)[slot] = v[pos]
+            else:
+                slots.append(slot)
+        queries.append(torch.randn(q_len, num_heads, head_size, generator=g))
+        keys.append(k[ctx - q_len:])
+        values.append(v[ctx - q_len:])
+    max_blocks = max(blocks_per_seq)
+    # Padding points at a real block that belongs to some other sequence.
+    block_tables = torch.full((len(specs), max_blocks), tables[0][0], dtype=torch.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    q_lens = [q for _, q in specs]
+    num_decodes = 0
+    while num_decodes < len(specs) and q_lens[num_decodes] == 1:
+        num_decodes += 1
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=block_tables,
+        seq_lens=torch.tensor([c for c, _ in specs], dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32), num_decodes=num_decodes,
+        num_decode_tokens=num_decodes, seq_lens_list=[c for c, _ in specs], query_lens_list=q_lens)
+    return Case(meta, k_cache, v_cache, torch.cat(queries), torch.cat(keys), torch.cat(values),
+                dense_k, dense_v, specs, head_size ** -0.5)
+
+
+def naive_attention(case: Case) -> torch.Tensor:
+    """Dense causal attention in float64, one query and one head at a time."""
+    out = []
+    num_heads = case.query.shape[1]
+    num_kv_heads = case.dense_k[0].shape[1]
+    group = num_heads // num_kv_heads
+    row = 0
+    for (ctx, q_len), k, v in zip(case.specs, case.dense_k, case.dense_v):
+        for j in range(q_len):
+            pos = ctx - q_len + j
+            q = case.query[row].double()
+            heads = []
+            for h in range(num_heads):
+                kh, vh = k[:pos + 1, h // group].double(), v[:pos + 1, h // group].double()
+                weights = torch.softmax(kh @ q[h] * case.scale, dim=0)
+                heads.append(weights @ vh)
+            out.append(torch.stack(heads))
+            row += 1
+    return torch.stack(out).float()
+
+
+GEOMETRIES = [  # (num_heads, num_kv_heads, head_size, block_size)
+    (4, 2, 16, 4),
+    (4, 4, 8, 16),
+    (8, 1, 16, 8),
+    (6, 3, 8, 1),
+]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size", GEOMETRIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_decode_matches_dense_attention(num_heads, num_kv_heads, head_size, block_size, seed):
+    lengths = [1, block_size, 2 * block_size + 1, 37, 5]
+    case = make_case([(n, 1) for n in lengths], block_size=block_size, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_size=head_size, seed=seed)
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = paged_decode_ref(case.query, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert out.shape == case.query.shape
+    torch.testing.assert_close(out, naive_attention(case), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size", GEOMETRIES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_prefill_matches_dense_causal_attention(num_heads, num_kv_heads, head_size, block_size, seed):
+    specs = [
+        (9, 9),     # a fresh prompt: nothing cached before it
+        (23, 7),    # a chunk that follows 16 cached tokens
+        (block_size * 3, block_size),  # a chunk starting exactly at a block boundary
+        (12, 2),    # a short chunk after cached context
+        (6, 6),
+    ]
+    case = make_case(specs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_size=head_size, seed=seed)
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = paged_prefill_ref(case.query, case.key, case.value, case.k_cache, case.v_cache,
+                            case.meta, case.scale)
+    torch.testing.assert_close(out, naive_attention(case), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size", GEOMETRIES)
+def test_attention_layer_mixed_decode_and_prefill_batch(num_heads, num_kv_heads, head_size, block_size):
+    specs = [(17, 1), (1, 1), (block_size + 3, 1), (10, 10), (30, 5), (4, 1)]
+    # (4, 1) after prefills is a one-token chunk following cached context: a prefill row.
+    case = make_case(specs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_size=head_size, seed=7)
+    assert case.meta.num_decodes == 3
+    layer = Attention(num_heads, head_size, num_kv_heads, case.scale, OpTarget("cpu", torch.float32))
+    layer.kv_cache = (case.k_cache, case.v_cache)
+    with attention_context(case.meta):
+        out = layer(case.query.flatten(1), case.key.flatten(1), case.value.flatten(1))
+    assert out.shape == (case.query.shape[0], num_heads * head_size)
+    expected = naive_attention(case).flatten(1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    # The layer wrote this step's K/V into the cache slots it was given.
+    flat_k = case.k_cache.view(-1, num_kv_heads, head_size)
+    torch.testing.assert_close(flat_k[case.meta.slot_mapping], case.key)
+
+
+def test_attention_layer_needs_a_bound_cache_and_a_context():
+    layer = Attention(4, 8, 2, 8 ** -0.5, OpTarget("cpu", torch.float32))
+    q, kv = torch.randn(1, 32), torch.randn(1, 16)
+    with pytest.raises(RuntimeError, match="not bound"):
+        layer(q, kv, kv)
+    layer.kv_cache = (torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8))
+    with pytest.raises(RuntimeError, match="attention_context"):
+        layer(q, kv, kv)
+    with pytest.raises(ValueError, match="multiple"):
+        Attention(6, 8, 4, 1.0, OpTarget("cpu", torch.float32))
+
+
+def test_kv_write_skips_padding_slots():
+    k_cache = torch.zeros(2, 4, 1, 2)
+    v_cache = torch.zeros(2, 4, 1, 2)
+    key = torch.arange(1, 7, dtype=torch.float32).view(3, 1, 2)
+    value = -key
+    kv_write_ref(key, value, k_cache, v_cache, torch.tensor([5, -1, 2]))
+    flat_k, flat_v = k_cache.view(-1, 1, 2), v_cache.view(-1, 1, 2)
+    torch.testing.assert_close(flat_k[5], key[0])
+    torch.testing.assert_close(flat_k[2], key[2])
+    torch.testing.assert_close(flat_v[2], value[2])
+    written = {2, 5}
+    for slot in range(8):
+        if slot not in written:
+            assert not flat_k[slot].any() and not flat_v[slot].any()
+
+
+def test_naive_reference_is_not_trivially_equal():
+    """Sanity check of the oracle: dropping causality or the scale changes the answer."""
+    case = make_case([(8, 8)], block_size=4, num_heads=2, num_kv_heads=1, head_size=8, seed=3)
+    expected = naive_attention(case)
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    wrong_scale = paged_prefill_ref(case.query, case.key, case.value, case.k_cache, case.v_cache,
+                                    case.meta, case.scale * 2)
+    assert not torch.allclose(wrong_scale, expected, atol=1e-3)
+    q = case.query.transpose(0, 1)
+    k = case.key.transpose(0, 1).expand(2, -1, -1)
+    v = case.value.transpose(0, 1).expand(2, -1, -1)
+    non_causal = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(8), -1) @ v
+    assert not torch.allclose(non_causal.transpose(0, 1), expected, atol=1e-3)

@@ -1,0 +1,137 @@
+"""`tessera generate` and `tessera models`: a real process for the main paths, main() in
+process for the rest. Outputs are compared with the LLM API on the same tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.cli import main
+
+ENGINE_ARGS = ["--num-kv-blocks", "64", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: extra OpenMP threads only add waiting
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(make_tiny_llama):
+    folder, _ = make_tiny_llama(seed=0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return LLM(tiny, dtype="float32", num_kv_blocks=64, show_progress=False)
+
+
+def run_cli(*args: str, cache_dir) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TESSERA_CACHE_DIR=str(cache_dir),
+               TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "tessera.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_generate_one_prompt_prints_the_generated_text(tiny, reference, tmp_path):
+    proc = run_cli("generate", "--model", str(tiny), *ENGINE_ARGS, "--max-new-tokens", "4", "hello",
+                   cache_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    expected = reference.generate("hello", SamplingParams(temperature=0.0, max_new_tokens=4))[0]
+    assert proc.stdout == expected.outputs[0].text + "\n"
+    n = len(expected.outputs[0].token_ids)
+    assert f"[1 prompts, {n} tokens generated in" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_model_path_exits_non_zero_with_a_clear_message(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = run_cli("generate", "--model", str(missing), *ENGINE_ARGS, "hello", cache_dir=tmp_path)
+    assert proc.returncode != 0
+    assert f"error: model '{missing}' is not a local folder or .gguf file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_input_file_jsonl_with_output_file(tiny, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    messages = [{"role": "user", "content": "Paged attention"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join([
+        json.dumps("The quick brown fox"),
+        "",
+        json.dumps({"prompt": "Café, naïve"}),
+        json.dumps({"messages": messages}),
+    ]) + "\n")
+    out_file = tmp_path / "out.jsonl"
+    code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--max-new-tokens", "5",
+                 "--ignore-eos", "--input-file", str(prompts), "--output-file", str(out_file),
+                 "hello"])
+    assert code == 0
+    records = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["hello", "The quick brown fox", "Café, naïve", messages]
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    expected = reference.generate(["hello", "The quick brown fox", "Café, naïve"], params)
+    expected.append(reference.chat(messages, params)[0])
+    for record, exp in zip(records, expected):
+        assert record["token_ids"] == exp.outputs[0].token_ids
+        assert len(record["token_ids"]) == 5
+        assert record["text"] == exp.outputs[0].text
+        assert record["finish_reason"] == "length"
+
+
+def test_input_file_of_plain_lines_prints_each_prompt_and_output(tiny, reference, tmp_path, capsys,
+                                                                 monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond one\n")
+    code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--max-new-tokens", "3",
+                 "--input-file", str(prompts)])
+    assert code == 0
+    out = capsys.readouterr().out
+    expected = reference.generate(["first prompt", "second one"],
+                                  SamplingParams(temperature=0.0, max_new_tokens=3))
+    assert out == "".join(f"### {p}\n{e.outputs[0].text}\n\n"
+                          for p, e in zip(["first prompt", "second one"], expected))
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "prompts.jsonl:2: not valid JSON"),
+    ("42", "prompts.jsonl:2: expected a string"),
+    ('{"text": "x"}', "prompts.jsonl:2: expected a string"),
+])
+def test_bad_jsonl_line_is_reported_with_its_line_number(tmp_path, line, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps("ok") + "\n" + line + "\n")
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(tmp_path / "unused"), "--input-file", str(prompts)])
+    assert message in str(info.value.code)
+
+
+def test_no_prompt_at_all_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="give a prompt"):
+        main(["generate", "--model", str(tmp_path)])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(SystemExit, match="holds no prompts"):
+        main(["generate", "--input-file", str(empty)])
+
+
+def test_invalid_sampling_option_exits_2_naming_it(tmp_path, capsys):
+    code = main(["generate", "--model", str(tmp_path), "--top-p", "0", "hello"])
+    assert code == 2
+    assert "error: `top_p` must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_models_lists_llama(capsys):
+    assert main(["models"]) == 0
+    assert "llama" in capsys.readouterr().out.split()
