@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from tessera.bench.cli import add_bench_parser
+    add_bench_parser(sub, _add_engine_args)
+
     models = sub.add_parser("models", help="list the supported model types")
     models.set_defaults(func=cmd_models)
     return parser

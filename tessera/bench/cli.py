@@ -1,0 +1,66 @@
+"""`tessera bench throughput | latency`: tessera beside transformers' `generate`, one process."""
+from __future__ import annotations
+
+import argparse
+import platform
+from pathlib import Path
+
+import torch
+
+from tessera.bench.report import markdown_table, write_json
+from tessera.bench.workload import Workload
+
+
+def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
+    bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
+    bench.add_argument("workload", choices=("throughput", "latency"))
+    bench.add_argument("--num-prompts", type=int, default=32, help="throughput: prompts in the run")
+    bench.add_argument("--batch-sizes", default="1", help="latency: comma-separated batch sizes")
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    bench.add_argument("--baseline", choices=("transformers",), default=None)
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    bench.add_argument("--output-json", default=None)
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tessera.bench.offline import tessera_latency, tessera_throughput
+    from tessera.cli import _make_llm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = _make_llm(args)
+    engine = llm.engine
+    vocab = engine.router.config.vocab_size
+    sizes = [int(s) for s in args.batch_sizes.split(",")] if args.workload == "latency" else [args.num_prompts]
+    work = Workload(max(sizes), args.input_len, args.output_len)
+    prompts = work.prompts(vocab, engine.router.eos_token_ids)
+    rows: list[object] = []
+    model = None
+    if args.baseline == "transformers":
+        from tessera.bench.transformers_baseline import load_transformers_model
+        model = load_transformers_model(engine.router.source, engine.dtype)
+    for size in sizes:
+        w = Workload(size, args.input_len, args.output_len)
+        if args.workload == "throughput":
+            rows.append(tessera_throughput(llm, w, prompts[:size], args.repeats))
+        else:
+            rows.append(tessera_latency(llm, w, prompts[:size], args.repeats))
+        if model is not None:
+            from tessera.bench.transformers_baseline import transformers_latency, transformers_throughput
+            fn = transformers_throughput if args.workload == "throughput" else transformers_latency
+            rows.append(fn(model, w, prompts[:size], args.repeats))
+    columns = (["engine", "output_tokens_per_s", "elapsed_s", "requests_per_s", "total_tokens_per_s"]
+               if args.workload == "throughput" else ["engine", "tpot_ms", "batch_size", "ttft_ms"])
+    meta = {"workload": args.workload, "model": engine.router.source.name, "dtype": str(engine.dtype),
+            "threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
+            "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+    print(f"\n{args.workload}: {meta['model']} {meta['dtype']}, {meta['threads']} threads, "
+          f"{args.input_len} in / {args.output_len} out, median of {args.repeats}")
+    print(markdown_table(rows, columns, "transformers" if model is not None else None))
+    if args.output_json:
+        write_json(Path(args.output_json), meta, rows)
+    return 0

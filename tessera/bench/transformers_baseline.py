@@ -1,0 +1,59 @@
+"""The same workloads through transformers' `generate` (static batch, same dtype and threads),
+run in the same process so the comparison shares the machine's state."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tessera.bench.offline import LatencyResult, ThroughputResult
+from tessera.bench.workload import Workload, median
+from tessera.weights.source import ModelSource
+
+
+def load_transformers_model(source: ModelSource, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    if source.is_gguf:  # transformers dequantizes GGUF itself (needs `accelerate`)
+        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                                     dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
+    return model.eval()
+
+
+def _generate(model, prompts: list[list[int]], new_tokens: int) -> None:
+    ids = torch.tensor(prompts)  # equal lengths: a static batch needs no padding
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+
+
+def transformers_throughput(model, work: Workload, prompts: list[list[int]], repeats: int) -> ThroughputResult:
+    _generate(model, prompts[:1], 4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _generate(model, prompts, work.output_len)
+        times.append(time.perf_counter() - start)
+    t = median(times)
+    n_out = work.num_prompts * work.output_len
+    return ThroughputResult("transformers", t, work.num_prompts / t, n_out / t,
+                            (n_out + work.num_prompts * work.input_len) / t)
+
+
+def transformers_latency(model, work: Workload, prompts: list[list[int]], repeats: int) -> LatencyResult:
+    batch = prompts[:work.num_prompts]
+    _generate(model, batch[:1], 4)
+    ttfts, totals = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _generate(model, batch, 1)
+        ttfts.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        _generate(model, batch, work.output_len)
+        totals.append(time.perf_counter() - start)
+    ttft = median(ttfts)
+    tpot = (median(totals) - ttft) / max(work.output_len - 1, 1)
+    return LatencyResult("transformers", len(batch), ttft * 1e3, tpot * 1e3)

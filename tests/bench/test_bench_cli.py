@@ -1,0 +1,36 @@
+"""`tessera bench` runs both engines on the same workload and reports real measurements."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.bench.workload import Workload
+from tessera.cli import main
+
+
+@pytest.mark.parametrize("workload,extra", [
+    ("throughput", ["--num-prompts", "3"]),
+    ("latency", ["--batch-sizes", "1,2"]),
+])
+def test_bench_with_transformers_baseline(make_tiny_llama, tmp_path, capsys, workload, extra):
+    folder, _ = make_tiny_llama()
+    out = tmp_path / "result.json"
+    code = main(["bench", workload, "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--input-len", "8", "--output-len", "5", "--repeats", "1", "--baseline", "transformers",
+                 "--output-json", str(out), *extra])
+    assert code == 0
+    data = json.loads(out.read_text())
+    engines = [r["engine"] for r in data["results"]]
+    assert engines.count("tessera") == engines.count("transformers") >= 1
+    metric = "output_tokens_per_s" if workload == "throughput" else "tpot_ms"
+    assert all(r[metric] > 0 for r in data["results"])
+    table = capsys.readouterr().out
+    assert f"{metric} vs transformers" in table and "| tessera |" in table
+
+
+def test_workload_prompts_are_reproducible_and_avoid_special_ids():
+    w = Workload(num_prompts=4, input_len=16, output_len=1, seed=3)
+    a, b = w.prompts(500, frozenset({250})), w.prompts(500, frozenset({250}))
+    assert a == b and len(a) == 4 and all(len(p) == 16 for p in a)
+    assert all(100 <= t < 500 and t != 250 for p in a for t in p)
