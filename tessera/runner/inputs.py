@@ -20,6 +20,7 @@ class ModelInputs:
     attn: AttentionMetadata
     lm_head_indices: torch.Tensor  # [S] token rows whose logits are needed
     sampled_rows: list[ScheduledSeq]  # the sequences those S rows belong to, in order
+    max_block_id: int              # highest KV block this step touches
 
 
 def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> ModelInputs:
@@ -34,6 +35,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     lm_head_indices: list[int] = []
     sampled_rows: list[ScheduledSeq] = []
     max_blocks = max(len(s.seq.block_table) for s in rows)
+    max_block_id = max(max(s.seq.block_table) for s in rows)
     tables = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
     for r, item in enumerate(rows):
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
@@ -58,4 +60,4 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq_lens=to(seq_lens, torch.int32), query_start_loc=to(query_start, torch.int32),
         num_decodes=num_decodes, num_decode_tokens=num_decodes,
         seq_lens_list=seq_lens, query_lens_list=query_lens)
-    return ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices), sampled_rows)
+    return ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices), sampled_rows, max_block_id)

@@ -31,13 +31,28 @@ class ModelRunner:
         return per_token * self.block_size * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_size]."""
+        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_size].
+
+        Allocated uninitialised and zeroed block by block on first use: zeroing gigabytes
+        up front costs seconds of start-up and commits memory nothing may ever use, but a
+        never-written slot inside a gathered block must not hold NaN garbage (attention
+        masks it, and 0 * NaN is still NaN).
+        """
         self.release_kv_cache()
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            layer.kv_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                              torch.zeros(shape, dtype=self.dtype, device=self.device))
+            layer.kv_cache = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                              torch.empty(shape, dtype=self.dtype, device=self.device))
         self.num_blocks = num_blocks
+        self._zeroed_blocks = 0
+
+    def _zero_blocks_up_to(self, end: int) -> None:
+        if end <= self._zeroed_blocks:
+            return
+        for layer in self.attn_layers:
+            for cache in layer.kv_cache:
+                cache[self._zeroed_blocks:end].zero_()
+        self._zeroed_blocks = end
 
     def release_kv_cache(self) -> None:
         for layer in self.attn_layers:
@@ -47,6 +62,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the rows in `inputs.lm_head_indices`."""
+        self._zero_blocks_up_to(inputs.max_block_id + 1)
         with attention_context(inputs.attn):
             hidden = self.model(inputs.input_ids, inputs.positions)
         return self.model.compute_logits(hidden.index_select(0, inputs.lm_head_indices))
@@ -56,6 +72,7 @@ class ModelRunner:
         """Run one step; returns (sequence, sampled token) for each sequence that samples."""
         inputs = build_inputs(scheduled, self.block_size, self.device)
         if not inputs.sampled_rows:  # only partial prefill chunks this step
+            self._zero_blocks_up_to(inputs.max_block_id + 1)
             with attention_context(inputs.attn):
                 self.model(inputs.input_ids, inputs.positions)
             return []

@@ -40,7 +40,7 @@ def _dummy_inputs(num_tokens: int, num_logit_rows: int, block_size: int,
         input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device),
         positions=torch.arange(num_tokens, device=device), attn=attn,
         lm_head_indices=torch.arange(num_tokens - num_logit_rows, num_tokens, device=device),
-        sampled_rows=[])
+        sampled_rows=[], max_block_id=num_blocks - 1)
 
 
 def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int) -> int:
