@@ -1,7 +1,7 @@
 """Rotary position embedding (rotate-half layout, as Hugging Face checkpoints store q/k).
 
 cos/sin are precomputed for every position up to max_position once; each step gathers rows
-by position, so a batch mixing prefill and decode needs no special casing.
+by position once, so a batch mixing prefill and decode needs no special casing.
 """
 from __future__ import annotations
 
@@ -52,12 +52,9 @@ def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:
 
 
 @register_op("rotary", name="torch_rotary", priority=0)
-def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               cos_sin: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq*D], k: [T, Hk*D]; cos_sin: [max_pos, D] holding cos in the first half."""
-    cos, sin = cos_sin.index_select(0, positions).chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq*D], k: [T, Hk*D]; cos/sin: [T, 1, D] for these tokens' positions."""
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         x = x.view(x.shape[0], -1, head_size)
@@ -69,15 +66,28 @@ def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin for every position up to max_position, computed once; forward gathers the
+    rows for one step's positions (once per step, shared by every layer)."""
+
     def __init__(self, head_size: int, max_position: int, params: dict, target: OpTarget):
         super().__init__()
-        self.head_size = head_size
         inv_freq = inverse_frequencies(head_size, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # Stored in the model dtype, as transformers casts cos/sin before applying them.
         cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(target.dtype)
         self.register_buffer("cos_sin", cos_sin.to(target.device), persistent=False)
-        self._rotary = target.op("rotary")
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return self._rotary(positions, q, k, self.cos_sin, self.head_size)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin.index_select(0, positions).chunk(2, dim=-1)
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
+
+
+class ApplyRotary(nn.Module):
+    def __init__(self, head_size: int, target: OpTarget):
+        super().__init__()
+        self.head_size = head_size
+        self._rotary = target.op("rotary", head_size=head_size)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rotary(q, k, rope[0], rope[1], self.head_size)

@@ -175,7 +175,7 @@ def test_kv_write_skips_padding_slots():
     v_cache = torch.zeros(2, 4, 1, 2)
     key = torch.arange(1, 7, dtype=torch.float32).view(3, 1, 2)
     value = -key
-    kv_write_ref(key, value, k_cache, v_cache, torch.tensor([5, -1, 2]))
+    kv_write_ref(key, value, k_cache, v_cache, torch.tensor([5, -1, 2]), has_padding=True)
     flat_k, flat_v = k_cache.view(-1, 1, 2), v_cache.view(-1, 1, 2)
     torch.testing.assert_close(flat_k[5], key[0])
     torch.testing.assert_close(flat_k[2], key[2])

@@ -12,7 +12,9 @@ from tessera.ops.embedding import LMHead, VocabEmbedding
 from tessera.ops.linear import Linear, PackedLinear
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
-from tessera.ops.rotary import RotaryEmbedding, rope_parameters
+from tessera.ops.rotary import ApplyRotary, RotaryEmbedding, rope_parameters
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin for this step's positions
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -45,14 +47,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
                                      target, bias=bias)
         self.o_proj = Linear(q_size, config.hidden_size, target, bias=bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
-                                          rope_parameters(config), target)
+        self.rotary = ApplyRotary(self.head_dim, target)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, target)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -67,14 +68,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -85,14 +86,17 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          rope_parameters(config), target)
         self.layers = nn.ModuleList(self.layer_cls(config, target) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -33,7 +33,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._write(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
             out = self._decode(q, k_cache, v_cache, meta, self.scale)

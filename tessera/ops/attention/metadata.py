@@ -7,7 +7,7 @@ follow already-cached context (chunked prefill, prefix caching).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -23,6 +23,21 @@ class AttentionMetadata:
     num_decode_tokens: int           # == num_decodes (kept separate for padded graphs)
     seq_lens_list: list[int]         # host copies: no device syncs inside layers
     query_lens_list: list[int]
+    has_padding: bool = False        # some slot is -1 (padded graph rows)
+    _decode_view: tuple | None = field(default=None, repr=False)
+
+    def decode_view(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables cut to the longest decode, key mask [B, 1, 1, L]); computed once
+        per step and shared by every layer."""
+        if self._decode_view is None or self._decode_view[0] != block_size:
+            b = self.num_decodes
+            max_len = max(self.seq_lens_list[:b])
+            max_blocks = (max_len + block_size - 1) // block_size
+            tables = self.block_tables[:b, :max_blocks]
+            positions = torch.arange(max_blocks * block_size, device=tables.device)
+            mask = (positions.unsqueeze(0) < self.seq_lens[:b].unsqueeze(1)).view(b, 1, 1, -1)
+            self._decode_view = (block_size, tables, mask)
+        return self._decode_view[1], self._decode_view[2]
 
     @property
     def num_seqs(self) -> int:

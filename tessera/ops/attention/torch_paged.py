@@ -13,9 +13,9 @@ from tessera.ops.registry import register_op
 
 @register_op("kv_write", name="torch_kv_write", priority=0)
 def kv_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key/value: [T, Hk, D]. Rows whose slot is -1 (graph padding) are not written."""
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = False) -> None:
+    """key/value: [T, Hk, D]. With `has_padding`, rows whose slot is -1 are not written."""
+    if has_padding:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
@@ -72,14 +72,9 @@ def paged_decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     b = meta.num_decodes
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
-    block_size = k_cache.shape[1]
-    max_len = max(meta.seq_lens_list[:b])
-    max_blocks = (max_len + block_size - 1) // block_size
-    tables = meta.block_tables[:b, :max_blocks]
+    tables, mask = meta.decode_view(k_cache.shape[1])
     k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hk, L, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2)
-    positions = torch.arange(k.shape[2], device=query.device)
-    mask = (positions.unsqueeze(0) < meta.seq_lens[:b].unsqueeze(1)).view(b, 1, 1, -1)
     q = query.view(b, num_kv_heads, -1, head_size)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.reshape(b, -1, head_size)
