@@ -111,7 +111,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     from tessera.models.registry import router_classes
 
     for model_type, router in sorted(router_classes().items()):
-        print(f"{model_type:12s} {router.model_cls.__name__}  (gguf: yes)")
+        print(f"{model_type:12s} {router.model_cls.__name__}")
     return 0
 
 

@@ -60,7 +60,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
     print(f"\n{args.workload}: {meta['model']} {meta['dtype']}, {meta['threads']} threads, "
           f"{args.input_len} in / {args.output_len} out, median of {args.repeats}")
-    print(markdown_table(rows, columns, "transformers" if model is not None else None))
+    print(markdown_table(rows, columns, "transformers" if model is not None else None,
+                         higher_is_better=args.workload == "throughput"))
     if args.output_json:
         write_json(Path(args.output_json), meta, rows)
     return 0

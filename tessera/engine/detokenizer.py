@@ -11,28 +11,25 @@ from transformers import PreTrainedTokenizerBase
 from tessera.engine.sequence import Sequence
 
 
-def detokenize_incrementally(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
-    """Append to `seq.text` what the newest tokens add, and return that delta."""
+def _advance(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool) -> str:
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids
     prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
     full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
-    if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-        delta = full_text[len(prefix_text):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        seq.text += delta
-        return delta
-    return ""
+    if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
+        return ""
+    delta = full_text[len(prefix_text):]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.text += delta
+    return delta
+
+
+def detokenize_incrementally(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
+    """Append to `seq.text` what the newest tokens add, and return that delta."""
+    return _advance(tokenizer, seq, final=False)
 
 
 def flush(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
     """At the end of a sequence, emit whatever was held back (an incomplete character is
     emitted as U+FFFD rather than lost)."""
-    skip = seq.params.skip_special_tokens
-    ids = seq.token_ids
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-    full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
-    delta = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-    seq.text += delta
-    return delta
+    return _advance(tokenizer, seq, final=True)

@@ -120,12 +120,12 @@ def builders(kind: str) -> list[OpBuilder]:
     return list(_BUILDERS[kind])
 
 
-def selections() -> list[OpChoice]:
-    """Every lookup made so far in this process (for `tessera inspect`)."""
-    return [choice for choice in _SELECTIONS]
-
-
 _SELECTIONS: list[OpChoice] = []
+
+
+def selections() -> list[OpChoice]:
+    """Every distinct lookup made so far in this process, in order (for inspection)."""
+    return list(_SELECTIONS)
 
 
 def get_op(spec: OpSpec) -> Callable:

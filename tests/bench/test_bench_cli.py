@@ -26,7 +26,7 @@ def test_bench_with_transformers_baseline(make_tiny_llama, tmp_path, capsys, wor
     metric = "output_tokens_per_s" if workload == "throughput" else "tpot_ms"
     assert all(r[metric] > 0 for r in data["results"])
     table = capsys.readouterr().out
-    assert f"{metric} vs transformers" in table and "| tessera |" in table
+    assert "speedup vs transformers" in table and "| tessera |" in table
 
 
 def test_workload_prompts_are_reproducible_and_avoid_special_ids():
@@ -34,3 +34,15 @@ def test_workload_prompts_are_reproducible_and_avoid_special_ids():
     a, b = w.prompts(500, frozenset({250})), w.prompts(500, frozenset({250}))
     assert a == b and len(a) == 4 and all(len(p) == 16 for p in a)
     assert all(100 <= t < 500 and t != 250 for p in a for t in p)
+
+
+def test_speedup_column_direction():
+    from tessera.bench.offline import LatencyResult, ThroughputResult
+    from tessera.bench.report import markdown_table
+
+    lat = [LatencyResult("tessera", 1, 10.0, 5.0), LatencyResult("transformers", 1, 10.0, 10.0)]
+    table = markdown_table(lat, ["engine", "tpot_ms", "batch_size"], "transformers", higher_is_better=False)
+    assert "| tessera | 5.00 | 1 | 2.00x |" in table  # half the time per token: twice as fast
+    thr = [ThroughputResult("tessera", 1.0, 1.0, 300.0, 1.0), ThroughputResult("transformers", 1.0, 1.0, 100.0, 1.0)]
+    table = markdown_table(thr, ["engine", "output_tokens_per_s"], "transformers")
+    assert "| tessera | 300.00 | 3.00x |" in table
