@@ -57,6 +57,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fix the KV cache size instead of sizing it from free memory")
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="share of free memory for the KV cache (default 0.2 on CPU, 0.9 on CUDA)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse cached KV blocks of shared prompt prefixes")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt in one step (needs --max-num-batched-tokens >= max model length)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the tokenizer's")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
 
@@ -68,6 +72,8 @@ def _make_llm(args: argparse.Namespace):
     return LLM(args.model, dtype=args.dtype, tokenizer=args.tokenizer, max_model_len=args.max_model_len,
                max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+               enable_prefix_caching=not args.no_prefix_caching,
+               enable_chunked_prefill=not args.no_chunked_prefill,
                memory_fraction=args.memory_fraction, device=args.device, seed=args.seed,
                chat_template=args.chat_template, cache_dir=cache_dir)
 

@@ -44,6 +44,7 @@ class CacheConfig:
     block_size: int = 16
     memory_fraction: float | None = None
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def fraction_for(self, device: str) -> float:
         if self.memory_fraction is not None:

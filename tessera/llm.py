@@ -26,7 +26,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str = "auto",
                  tokenizer: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 enable_chunked_prefill: bool = True, block_size: int = 16,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                 block_size: int = 16,
                  num_kv_blocks: int | None = None, memory_fraction: float | None = None,
                  device: str = "cpu", seed: int = 0, chat_template: str | None = None,
                  cache_dir: str | Path | None = None, show_progress: bool = True):
@@ -38,7 +39,7 @@ class LLM:
         config = EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size=block_size, memory_fraction=memory_fraction,
-                              num_blocks=num_kv_blocks),
+                              num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),

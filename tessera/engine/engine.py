@@ -18,6 +18,7 @@ from tessera.engine.detokenizer import detokenize_incrementally, flush
 from tessera.engine.outputs import CompletionOutput, RequestOutput
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tessera.engine.stats import EngineStats
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
@@ -59,7 +60,8 @@ class Engine:
                                   Sampler(config.seed))
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks)
-        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
+                                          enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.requests: dict[str, Sequence] = {}
 
@@ -126,6 +128,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> EngineStats:
+        """A snapshot of load and cache counters (what the server's /metrics publishes)."""
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)
+
     # --- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -137,8 +148,7 @@ class Engine:
                                    f"({self.block_manager.num_free_blocks} free blocks)")
             return []
         results = self.runner.execute(plan.scheduled)
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+        self.scheduler.step_done(plan)
         now = time.monotonic()
         outputs = []
         for item, token in results:

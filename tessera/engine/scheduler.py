@@ -79,20 +79,30 @@ class Scheduler:
             return out  # no admissions in a step that had to give blocks back
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed_tokens
+            match = self.blocks.match_prefix(seq)
+            cached = len(match.blocks) * self.blocks.block_size
+            n = seq.num_tokens - cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+            fresh = self.blocks.num_blocks_for(cached + n) - len(match.blocks)
+            if fresh + match.num_free > self.blocks.num_free_blocks:
                 break
             self.waiting.popleft()
+            seq.num_computed_tokens = self.blocks.take_prefix(seq, match)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def step_done(self, plan: SchedulerOutput) -> None:
+        """Record that the model computed the planned tokens (their KV is now cached)."""
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.cache_full_blocks(item.seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

@@ -18,7 +18,9 @@ def test_garbage_in_unwritten_slots_never_reaches_outputs(make_tiny_llama):
     folder, _ = make_tiny_llama()
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7], list(range(10, 31)), [40] * 9]  # partial last blocks everywhere
-    llm = LLM(folder, dtype="float32", num_kv_blocks=64, block_size=8, show_progress=False)
+    # No prefix caching: the second run must compute every block again over the poison.
+    llm = LLM(folder, dtype="float32", num_kv_blocks=64, block_size=8, show_progress=False,
+              enable_prefix_caching=False)
     clean = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     _poison(llm)
     dirty = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
