@@ -13,17 +13,44 @@ from tessera.bench.workload import Workload
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
-    bench.add_argument("workload", choices=("throughput", "latency"))
+    bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked"),
+                       help="throughput/latency: beside --baseline; prefix: TTFT of a request "
+                            "sharing a long prefix, caching on vs off; chunked: decode ITL while a "
+                            "long prompt arrives, chunked prefill on vs off")
     bench.add_argument("--num-prompts", type=int, default=32, help="throughput: prompts in the run")
     bench.add_argument("--batch-sizes", default="1", help="latency: comma-separated batch sizes")
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    bench.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared prefix tokens")
+    bench.add_argument("--num-decodes", type=int, default=4, help="chunked: running decode requests")
+    bench.add_argument("--long-prompt-len", type=int, default=2048, help="chunked: arriving prompt")
+    bench.add_argument("--chunk-tokens", type=int, default=256, help="chunked: step token budget")
     bench.add_argument("--baseline", choices=("transformers",), default=None)
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     bench.add_argument("--output-json", default=None)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+
+def _scenario(args: argparse.Namespace, engine) -> int:
+    from tessera.bench.scenarios import chunked_itl, prefix_ttft
+
+    if args.workload == "prefix":
+        rows = prefix_ttft(engine, args.prefix_len, args.input_len, args.repeats)
+        columns = ["engine", "ttft_ms", "prefix_len", "suffix_len"]
+        higher = False
+    else:
+        rows = chunked_itl(engine, args.num_decodes, args.long_prompt_len, args.chunk_tokens)
+        columns = ["engine", "max_itl_ms", "p50_itl_ms", "long_prompt_ttft_ms", "num_decodes"]
+        higher = False
+    meta = {"workload": args.workload, "model": engine.router.source.name, "dtype": str(engine.dtype),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    print(f"\n{args.workload}: {meta['model']} {meta['dtype']}, {meta['threads']} threads")
+    print(markdown_table(rows, columns, rows[1].engine, higher_is_better=higher))
+    if args.output_json:
+        write_json(Path(args.output_json), meta, rows)
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -34,6 +61,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     llm = _make_llm(args)
     engine = llm.engine
+    if args.workload in ("prefix", "chunked"):
+        return _scenario(args, engine)
     vocab = engine.router.config.vocab_size
     sizes = [int(s) for s in args.batch_sizes.split(",")] if args.workload == "latency" else [args.num_prompts]
     work = Workload(max(sizes), args.input_len, args.output_len)

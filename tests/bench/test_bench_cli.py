@@ -46,3 +46,18 @@ def test_speedup_column_direction():
     thr = [ThroughputResult("tessera", 1.0, 1.0, 300.0, 1.0), ThroughputResult("transformers", 1.0, 1.0, 100.0, 1.0)]
     table = markdown_table(thr, ["engine", "output_tokens_per_s"], "transformers")
     assert "| tessera | 300.00 | 3.00x |" in table
+
+
+@pytest.mark.parametrize("workload,extra,metric", [
+    ("prefix", ["--prefix-len", "64", "--input-len", "8"], "ttft_ms"),
+    ("chunked", ["--long-prompt-len", "120", "--chunk-tokens", "32", "--num-decodes", "2"], "max_itl_ms"),
+])
+def test_scenarios_compare_feature_on_and_off(make_tiny_llama, tmp_path, workload, extra, metric):
+    folder, _ = make_tiny_llama()
+    out = tmp_path / "scenario.json"
+    code = main(["bench", workload, "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "128",
+                 "--repeats", "1", "--output-json", str(out), *extra])
+    assert code == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["engine"].rsplit(" ", 1)[1] for r in results] == ["on", "off"]
+    assert all(r[metric] > 0 for r in results)
