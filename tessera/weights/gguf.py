@@ -6,6 +6,7 @@ interleaved rotary layout); models that need it set `gguf_permute_qk`, and we un
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -29,7 +30,7 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-CONVERSION_VERSION = 1  # bump when the cached folder's contents change
+CONVERSION_VERSION = 2  # bump when the cached folder's contents change
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -73,11 +74,22 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int,
         # Quantized tensors come back as fresh arrays; F32 ones are views of the read-only
         # memory map, so copy those (torch needs writable memory).
         array = np.array(array.reshape(shape), dtype=np.float32, copy=not array.flags.writeable)
-        if permute_qk and name.endswith("q_proj.weight"):
+        if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute_rows(array, num_heads)
-        elif permute_qk and name.endswith("k_proj.weight"):
+        elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute_rows(array, num_kv_heads)
         yield name, torch.from_numpy(array)
+
+
+def _set_bias_flags(config, path: Path) -> None:
+    """GGUF metadata has no bias flags; the tensors say whether the checkpoint has biases."""
+    from gguf import GGUFReader
+
+    names = {t.name for t in GGUFReader(str(path)).tensors}
+    if any(n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")) for n in names):
+        config.attention_bias = True
+    if any(n.endswith(("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")) for n in names):
+        config.mlp_bias = True
 
 
 def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
@@ -87,7 +99,10 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     is cached under `cache_dir/gguf/`, keyed by the file's name, size and mtime.
     """
     stat = path.stat()
-    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CONVERSION_VERSION}"
+    # The path is part of the key: two files of one name, size and mtime in different
+    # folders (two fine-tunes at one quant type, copied with `cp -p`) are not the same.
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    key = f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{where}-v{CONVERSION_VERSION}"
     folder = Path(cache_dir) / "gguf" / key
     marker = folder / "tessera-conversion.json"
     if marker.is_file():
@@ -96,6 +111,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
 
     logger.info("converting GGUF metadata and tokenizer of %s once (cached in %s)", path.name, folder)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    _set_bias_flags(config, path)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
