@@ -82,7 +82,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     seed: int = 0
+    # where returned logprobs come from: "raw" (the model's distribution, vLLM's default)
+    # or "processed" (after penalties, temperature and filters, as TGI reports them)
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         _require(self.device.split(":")[0] in ("cpu", "cuda"),
                  f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _require(self.logprobs_mode in ("raw", "processed"),
+                 f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Sequence as Seq
+from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
@@ -30,7 +30,8 @@ class LLM:
                  block_size: int = 16,
                  num_kv_blocks: int | None = None, memory_fraction: float | None = None,
                  device: str = "cpu", seed: int = 0, chat_template: str | None = None,
-                 cache_dir: str | Path | None = None, show_progress: bool = True):
+                 cache_dir: str | Path | None = None, show_progress: bool = True,
+                 logprobs_mode: str = "raw"):
         model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
                                    dtype=dtype, max_model_len=max_model_len,
                                    chat_template=chat_template)
@@ -43,7 +44,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),
-            device=device, seed=seed)
+            device=device, seed=seed, logprobs_mode=logprobs_mode)
         self.show_progress = show_progress
         self.engine = Engine(config, show_progress=show_progress)
         self._ids = itertools.count()
@@ -55,7 +56,30 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
+        """One RequestOutput per prompt, in order. A prompt is a string or a list of token
+        ids; `sampling_params` is one SamplingParams for all prompts or one per prompt."""
+        prompts, params_list = self._pair(prompts, sampling_params)
+        return self._run(prompts, params_list, use_tqdm)
+
+    def generate_stream(self, prompts: Prompt | Seq[Prompt],
+                        sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+                        ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, RequestOutput) as the engine produces them: each carries
+        the text, token ids and logprobs its step added (`outputs[j].delta_text`, ...),
+        and the last one of a prompt has `finished=True`. Stopping the iteration early
+        aborts the requests still running."""
+        prompts, params_list = self._pair(prompts, sampling_params)
+        ids = self._add(prompts, params_list)
+        index = {request_id: i for i, request_id in enumerate(ids)}
+        try:
+            for out in self.engine.iter_outputs(ids):
+                yield index[out.request_id], out
+        finally:  # closed early, or a step raised: free whatever is still running
+            for request_id in ids:
+                self.engine.abort(request_id)
+
+    @staticmethod
+    def _pair(prompts: Prompt | Seq[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -66,7 +90,7 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm)
+        return prompts, params_list
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -86,8 +110,8 @@ class LLM:
         # The template already holds any BOS token; do not add special tokens twice.
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
-             use_tqdm: bool | None) -> list[RequestOutput]:
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        """Queue every prompt, or none of them (a bad one aborts those already queued)."""
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
@@ -97,15 +121,20 @@ class LLM:
             for request_id in ids:
                 engine.abort(request_id)
             raise
+        return ids
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+             use_tqdm: bool | None) -> list[RequestOutput]:
+        engine = self.engine
+        ids = self._add(prompts, params)
         finished: dict[str, RequestOutput] = {}
         show = self.show_progress if use_tqdm is None else use_tqdm
         try:
             with tqdm(total=len(prompts), desc="Generating", unit=" prompts", disable=not show) as bar:
-                while len(finished) < len(prompts):
-                    for out in engine.step():
-                        if out.finished:
-                            finished[out.request_id] = out
-                            bar.update(1)
+                for out in engine.iter_outputs(ids):
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
         except BaseException:  # a failed or interrupted run must not leave requests holding blocks
             for request_id in ids:
                 engine.abort(request_id)

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence as Seq
+from typing import Collection, Iterator, Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 
 from tessera.config import ConfigError, EngineConfig
 from tessera.engine.block_manager import BlockManager
-from tessera.engine.detokenizer import detokenize_incrementally, flush
-from tessera.engine.outputs import CompletionOutput, RequestOutput
+from tessera.engine.output_processor import Delta, OutputProcessor
+from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import Scheduler
-from tessera.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.stats import EngineStats
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
@@ -56,13 +56,16 @@ class Engine:
         load_weights(self.model, weights)
         logger.info("loaded %s (%s, %s) in %.1fs", self.router.source.name,
                     type(self.model).__name__, self.dtype, time.perf_counter() - started)
+        sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode)
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device, self.dtype,
-                                  Sampler(config.seed))
+                                  sampler)
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer, self.router.eos_token_ids)
+        # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
 
     def _size_kv_cache(self) -> int:
@@ -95,6 +98,12 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None) -> Sequence:
+        """Queue a request; returns its first sequence (all of them: `seq.group.seqs`).
+
+        With n / best_of > 1 the request runs as that many independent sequences (seeds
+        seed, seed + 1, ... when a seed is given). The first one is scheduled at once; the
+        others join when it has computed the prompt, so that they reuse its cached prompt
+        blocks instead of computing the prompt again."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -108,21 +117,41 @@ class Engine:
         if len(token_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is "
                                f"{self.max_model_len}, leaving no room to generate")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        seq = Sequence(request_id, text, token_ids, params, self.max_model_len, generator)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
+        self._check_against_vocab(params, vocab)
+        seqs = []
+        for index in range(params.best_of):
+            seed = params.child_seed(index)
+            generator = None if seed is None else torch.Generator().manual_seed(seed)
+            seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,
+                                 generator, index=index))
+        group = SequenceGroup(request_id, seqs, pending=seqs[1:])
+        for seq in seqs:
+            seq.group = group
+            seq.arrival_time = seqs[0].arrival_time
+        self.requests[request_id] = seqs[0]
+        self.scheduler.add(seqs[0])
+        return seqs[0]
+
+    @staticmethod
+    def _check_against_vocab(params: SamplingParams, vocab: int) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise RequestError(f"`{name}` must be <= the vocabulary size {vocab}, got {value}")
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise RequestError(f"`logit_bias` token ids must be in [0, {vocab}), got {bad[0]}")
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; its blocks are freed at once."""
+        """Drop a request (all its sequences) wherever it is; its blocks are freed at once."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        seq.finish_reason = FinishReason.ABORT
-        self.scheduler.finish(seq)
+        for s in seq.group.seqs:
+            if not s.is_finished:
+                s.finish_reason = FinishReason.ABORT
+                self.scheduler.finish(s)
+        seq.group.pending.clear()
         return True
 
     def has_unfinished(self) -> bool:
@@ -140,43 +169,48 @@ class Engine:
     # --- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that got a new token."""
+        """Schedule, run the model once, and report every request that got a new token
+        (see outputs.py for what a RequestOutput holds while streaming and at the end)."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending "
                                    f"({self.block_manager.num_free_blocks} free blocks)")
             return []
-        results = self.runner.execute(plan.scheduled)
+        result = self.runner.execute(plan.scheduled)
         self.scheduler.step_done(plan)
         now = time.monotonic()
-        outputs = []
-        for item, token in results:
-            seq = item.seq
-            seq.token_ids.append(token)
-            delta = detokenize_incrementally(self.tokenizer, seq)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                delta += flush(self.tokenizer, seq)
+        processor = self.output_processor
+        for rows, infos in result.prompt_logprobs:
+            processor.record_prompt_logprobs(rows.item.seq, rows.start, infos)
+        progressed: dict[SequenceGroup, dict[Sequence, Delta]] = {}
+        for sample in result.samples:
+            seq = sample.item.seq
+            group = seq.group
+            progressed.setdefault(group, {})[seq] = processor.append_token(
+                seq, sample.token_id, sample.logprobs)
+            if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-                self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq, delta, [token], now))
+            if group.pending:  # the first sequence has computed the prompt: fan out
+                for child in reversed(group.pending):
+                    self.scheduler.waiting.appendleft(child)  # ahead of newer requests
+                group.pending.clear()
+        outputs = []
+        for group, deltas in progressed.items():
+            if group.is_finished:
+                self.requests.pop(group.request_id, None)
+            outputs.append(processor.request_output(group, deltas, now))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        if not params.ignore_eos and token in self.router.eos_token_ids:
-            return FinishReason.EOS
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= seq.max_total_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def _output(self, seq: Sequence, delta: str, delta_ids: list[int], now: float) -> RequestOutput:
-        reason = seq.finish_reason.value if seq.finish_reason else None
-        completion = CompletionOutput(0, seq.text, seq.output_token_ids, reason, delta, delta_ids)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             finished=seq.status is SequenceStatus.FINISHED,
-                             metrics={"arrival_time": seq.arrival_time, "time": now})
+    def iter_outputs(self, request_ids: Collection[str] | None = None) -> Iterator[RequestOutput]:
+        """Step until the given requests (default: all) have finished, yielding their
+        outputs as they come: the streaming view of step() for offline use. Other
+        requests keep running; their outputs are not yielded."""
+        wanted = None if request_ids is None else set(request_ids)
+        remaining = None if wanted is None else {r for r in wanted if r in self.requests}
+        while self.has_unfinished() and (remaining is None or remaining):
+            for out in self.step():
+                if wanted is None or out.request_id in wanted:
+                    if out.finished and remaining is not None:
+                        remaining.discard(out.request_id)
+                    yield out

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tessera.config import SchedulerConfig
-from tessera.engine.block_manager import BlockManager
+from tessera.engine.block_manager import BlockManager, PrefixMatch
 from tessera.engine.sequence import Sequence, SequenceStatus
 
 
@@ -79,7 +79,9 @@ class Scheduler:
             return out  # no admissions in a step that had to give blocks back
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            match = self.blocks.match_prefix(seq)
+            # prompt logprobs need logits at every prompt position: no cached prefix then
+            match = (PrefixMatch([], [], 0) if seq.needs_prompt_logits
+                     else self.blocks.match_prefix(seq))
             cached = len(match.blocks) * self.blocks.block_size
             n = seq.num_tokens - cached
             if n > budget:

@@ -1,6 +1,9 @@
 """A request's sequence: its tokens, how many of them the KV cache already holds, and its
 blocks. The scheduler moves it between waiting and running; preemption resets
-`num_computed_tokens` to 0 (the output so far is kept and recomputed as prompt)."""
+`num_computed_tokens` to 0 (the output so far is kept and recomputed as prompt).
+
+A request with n / best_of > 1 is a SequenceGroup of independent sequences sharing the
+prompt (each with its own seed); the engine hands them to the scheduler one by one."""
 from __future__ import annotations
 
 import enum
@@ -9,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.engine.outputs import PositionLogprobs
 from tessera.sampling.params import SamplingParams
 
 
@@ -41,15 +45,45 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # incremental detokenization state
+    index: int = 0                        # position in its group (n / best_of)
+    group: SequenceGroup | None = None
+    # incremental detokenization state; `text` is everything decoded so far, of which the
+    # first `num_emitted_chars` have been handed out (the rest may be the start of a stop
+    # string); at the end it is trimmed to what the caller sees
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    num_emitted_chars: int = 0
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[PositionLogprobs] | None = None          # when params.logprobs is set
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # the group's first sequence
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.read_offset = len(self.prompt_token_ids)
         self.prefix_offset = max(self.read_offset - 6, 0)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0:
+            self.prompt_logprobs = [None]  # nothing predicts the first prompt token
+
+    @property
+    def output_text(self) -> str:
+        return self.text[:self.num_emitted_chars]
+
+    @property
+    def num_prompt_logprobs_done(self) -> int:
+        """Prompt positions whose next-token logprobs are recorded (position p predicts
+        token p + 1)."""
+        return 0 if self.prompt_logprobs is None else len(self.prompt_logprobs) - 1
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether logits of prompt positions are still wanted: then the scheduler must not
+        reuse cached prefix blocks (their positions would not be computed)."""
+        return (self.prompt_logprobs is not None
+                and self.num_prompt_logprobs_done < self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -70,3 +104,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its sequences (n or best_of of them) and those not yet scheduled."""
+
+    request_id: str
+    seqs: list[Sequence]
+    pending: list[Sequence] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seqs[0].params
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,15 +1,31 @@
 """Runs one scheduled step: builds inputs, runs the model, computes logits only where a
-token is sampled, and samples. Owns the KV cache tensors and binds them to the model's
-attention layers."""
+token is sampled (or prompt logprobs are wanted), and samples. Owns the KV cache tensors
+and binds them to the model's attention layers."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.ops.attention import Attention, attention_context
-from tessera.runner.inputs import ModelInputs, build_inputs
-from tessera.sampling.sampler import Sampler, SamplingBatch
+from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
+from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prompt_logprobs
+
+
+@dataclass
+class SampledToken:
+    item: ScheduledSeq
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class StepResult:
+    samples: list[SampledToken] = field(default_factory=list)
+    # per sequence asking for prompt logprobs: its rows and their logprobs, in position order
+    prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -68,16 +84,35 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, inputs.lm_head_indices))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, int]]:
-        """Run one step; returns (sequence, sampled token) for each sequence that samples."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
+        """Run one step: the sampled token (and its logprobs) of each sequence that samples,
+        and the prompt logprobs this step computed."""
         inputs = build_inputs(scheduled, self.block_size, self.device)
-        if not inputs.sampled_rows:  # only partial prefill chunks this step
+        if not inputs.sampled_rows and not inputs.prompt_rows:  # only partial prefill chunks
             self._zero_blocks_up_to(inputs.max_block_id + 1)
             with attention_context(inputs.attn):
                 self.model(inputs.input_ids, inputs.positions)
-            return []
+            return StepResult()
         logits = self.forward(inputs)
-        batch = SamplingBatch(params=[s.seq.params for s in inputs.sampled_rows],
-                              generators=[s.seq.generator for s in inputs.sampled_rows])
-        tokens = self.sampler(logits, batch).tolist()
-        return list(zip(inputs.sampled_rows, tokens))
+        rows = inputs.sampled_rows
+        result = StepResult()
+        if rows:
+            seqs = [s.seq for s in rows]
+            batch = SamplingBatch(params=[s.params for s in seqs],
+                                  generators=[s.generator for s in seqs],
+                                  token_ids=[s.token_ids for s in seqs],
+                                  num_prompt_tokens=[s.num_prompt_tokens for s in seqs])
+            out = self.sampler.sample(logits[:len(rows)], batch)
+            result.samples = [SampledToken(item, token, lp) for item, token, lp
+                              in zip(rows, out.token_ids.tolist(), out.logprobs)]
+        if inputs.prompt_rows:
+            targets = [t for r in inputs.prompt_rows for t in r.next_token_ids]
+            num_top = [r.item.seq.params.prompt_logprobs for r in inputs.prompt_rows
+                       for _ in range(r.count)]
+            info = prompt_logprobs(logits[len(rows):],
+                                   torch.tensor(targets, device=logits.device), num_top)
+            offset = 0
+            for r in inputs.prompt_rows:
+                result.prompt_logprobs.append((r, info[offset:offset + r.count]))
+                offset += r.count
+        return result

@@ -1,4 +1,5 @@
 from tessera.sampling.params import SamplingParams, SamplingParamsError
-from tessera.sampling.sampler import Sampler, SamplingBatch
+from tessera.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, TokenLogprobs
 
-__all__ = ["Sampler", "SamplingBatch", "SamplingParams", "SamplingParamsError"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "SamplingParams", "SamplingParamsError",
+           "TokenLogprobs"]

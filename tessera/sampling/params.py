@@ -1,48 +1,191 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction.
+
+Names follow vLLM where vLLM has the parameter (`n`, `best_of`, `logprobs`, `min_tokens`,
+`stop`, ...) and TGI where only TGI has it (`typical_p`, `do_sample`). `max_new_tokens` is
+the primary name of the length limit and `max_tokens` an alias; `min_new_tokens` is an
+alias of `min_tokens`. Every invalid value raises `SamplingParamsError` naming the field
+and the allowed range, so the server can hand the message to the client as it is.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-
 GREEDY_TEMPERATURE = 1e-5
+_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+LOGIT_BIAS_RANGE = 100.0         # OpenAI: [-100, 100]
+PENALTY_RANGE = 2.0              # OpenAI frequency / presence penalty: [-2, 2]
 
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field and the range."""
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
-    """`temperature=0` means greedy; `top_k=0` and `top_p=1` disable those filters."""
+    """How to choose the tokens of one request.
 
-    max_new_tokens: int = 16
+    Greedy or sampled: with `do_sample=None` (the default, vLLM's rule) `temperature=0`
+    means greedy and anything else samples. `do_sample=True` always samples;
+    `do_sample=False` is greedy unless a warper is set (temperature != 1, top_k, top_p,
+    typical_p, min_p), which is TGI's rule. Penalties, `logit_bias` and `min_tokens` apply
+    to greedy rows too. `top_k=0` (or -1), `top_p=1`, `min_p=0`, `typical_p=1` and the
+    neutral penalties disable those processors.
+    """
+
+    max_new_tokens: int | None = None   # default 16; `max_tokens` is an alias
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    do_sample: bool | None = None
+    repetition_penalty: float = 1.0     # HF / TGI: over prompt and output tokens
+    frequency_penalty: float = 0.0      # OpenAI: over output tokens, times their count
+    presence_penalty: float = 0.0       # OpenAI: over output tokens present at all
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
+    n: int = 1
+    best_of: int | None = None          # default n; the n best by cumulative logprob
+    min_tokens: int | None = None       # default 0; `min_new_tokens` is an alias
     ignore_eos: bool = False
+    stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None         # alternatives per generated token (0: the chosen only)
+    prompt_logprobs: int | None = None  # alternatives per prompt token (0: the prompt token only)
+    max_tokens: int | None = None       # alias of max_new_tokens
+    min_new_tokens: int | None = None   # alias of min_tokens
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:
             return SamplingParamsError(f"`{name}` {rule}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        self.max_new_tokens = self._alias("max_new_tokens", "max_tokens", 16)
+        self.min_tokens = self._alias("min_tokens", "min_new_tokens", 0)
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", "must be an integer >= 1")
-        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}]")
+
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:  # also NaN
             raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if self.top_k == -1:  # vLLM spelling of "disabled"
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1] (1 disables it)")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1] (0 disables it)")
+        if not _is_number(self.typical_p) or not 0.0 < self.typical_p <= 1.0:
+            raise bad("typical_p", "must be in (0, 1] (1 disables it)")
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise bad("do_sample", "must be true, false or null")
+        if self.do_sample and self.temperature < GREEDY_TEMPERATURE:
+            raise bad("temperature", "must be strictly positive when `do_sample` is true")
+
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 disables it)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise bad(name, f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 disables it)")
+        self.logit_bias = self._check_logit_bias()
+
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
+            raise bad("seed", "must be an integer in [-2**63, 2**64)")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.best_of is None:
+            self.best_of = self.n
+        if not _is_int(self.best_of) or self.best_of < self.n:
+            raise bad("best_of", f"must be an integer >= n ({self.n})")
+        if self.best_of > 1 and self.greedy:
+            name = "best_of" if self.best_of > self.n else "n"
+            raise bad(name, "must be 1 when decoding is greedy (set temperature > 0 or do_sample)")
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        self.stop = self._check_stop()
         self.stop_token_ids = list(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of integers >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise bad(name, "must be null or an integer >= 0 (how many alternatives)")
+
+    def _alias(self, name: str, alias: str, default: int) -> int:
+        value, other = getattr(self, name), getattr(self, alias)
+        if value is not None and other is not None and value != other:
+            raise SamplingParamsError(f"`{name}` and its alias `{alias}` disagree: {value!r} != {other!r}")
+        value = default if value is None and other is None else (value if value is not None else other)
+        setattr(self, alias, value)
+        return value
+
+    def _check_logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError(f"`logit_bias` must be a mapping of token id to bias, "
+                                      f"got {self.logit_bias!r}")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            token = int(key) if isinstance(key, str) and key.strip().isdigit() else key  # JSON keys
+            if not _is_int(token) or token < 0:
+                raise SamplingParamsError(f"`logit_bias` keys must be token ids >= 0, got {key!r}")
+            if not _is_number(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+                raise SamplingParamsError(f"`logit_bias` values must be in [-{LOGIT_BIAS_RANGE:g}, "
+                                          f"{LOGIT_BIAS_RANGE:g}], got {value!r} for token {key!r}")
+            bias[token] = float(value)
+        return bias or None
+
+    def _check_stop(self) -> list[str]:
+        stop = self.stop
+        if stop is None:
+            return []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise SamplingParamsError(f"`stop` must be a string or a list of non-empty strings, "
+                                      f"got {self.stop!r}")
+        return list(stop)
+
+    # --- what the sampler needs to know -----------------------------------------------------
+
+    @property
+    def has_warpers(self) -> bool:
+        return (self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0
+                or self.typical_p < 1.0 or self.min_p > 0.0)
 
     @property
     def greedy(self) -> bool:
+        if self.do_sample is False and not self.has_warpers:
+            return True
         # Below this, logits / T overflows; the distribution is a point mass anyway.
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether the chosen token's logprob is computed (asked for, or to rank best_of)."""
+        return self.logprobs is not None or self.best_of > self.n
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of the request's `index`-th sequence (n / best_of): seed + index."""
+        return None if self.seed is None else (self.seed + index) % 2**64

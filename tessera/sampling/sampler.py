@@ -1,65 +1,178 @@
 """Batched next-token choice for rows with different parameters.
 
-Per-row parameters become tensors once per step; filters run only when some row asks for
-them. Sampling uses the exponential race (argmax p / E, E ~ Exp(1)), so a row's draw
-depends only on its own generator: a seeded request samples the same tokens whatever else
-shares the batch.
+One step, for a [B, V] float32 logits tensor:
+
+1. logit_bias, then min_tokens (EOS and stop token ids at -inf while a row is short of its
+   minimum), then penalties: repetition (HF: prompt and output tokens), frequency and
+   presence (OpenAI: output tokens). These apply to greedy rows too.
+2. Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p, min-p
+   and typical-p (HF's order) and draw by the exponential race (argmax p / E, E ~ Exp(1)),
+   so a row's draw depends only on its own generator: a seeded request samples the same
+   tokens whatever else shares the batch.
+3. For rows that want them: the chosen token's logprob, its rank and the top-n
+   alternatives. By default these come from the raw model distribution, before any
+   processing (vLLM's default `raw_logprobs`); `logprobs_mode="processed"` takes them from
+   the distribution actually sampled from (after penalties, temperature and filters;
+   TGI's behaviour), where filtered-out tokens have logprob -inf.
+
+Every processor runs only when some row needs it, on all rows at once; per-row
+parameters become tensors once per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
+from tessera.sampling import processors as P
 from tessera.sampling.params import SamplingParams
+
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass
 class SamplingBatch:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]  # per row; None: the engine's shared generator
+    # Per row: the sequence's token ids (prompt then output; referenced, not copied) and
+    # how many of them are prompt. Needed only for penalties and min_tokens.
+    token_ids: list[list[int]] | None = None
+    num_prompt_tokens: list[int] | None = None
+
+    def output_ids(self, row: int) -> list[int]:
+        if self.token_ids is None:
+            return []
+        return self.token_ids[row][self.num_prompt_tokens[row]:]
+
+    def all_ids(self, row: int) -> list[int]:
+        return [] if self.token_ids is None else self.token_ids[row]
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    k_max = min(int(top_k.max()), logits.shape[-1])  # k beyond the vocabulary filters nothing
-    kth = logits.topk(k_max, dim=-1).values  # [B, k_max], descending
-    k = torch.where(top_k > 0, top_k, k_max).clamp(max=k_max)
-    threshold = kth.gather(1, (k - 1).unsqueeze(1))
-    keep = (logits >= threshold) | (top_k <= 0).unsqueeze(1)
-    return logits.masked_fill(~keep, float("-inf"))
+@dataclass
+class TokenLogprobs:
+    """Logprob information for one position: the chosen (or prompt) token, its rank (1 =
+    most likely) and the top-n alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
-def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-    drop_sorted = mass_before >= top_p.unsqueeze(1)
-    drop_sorted[:, 0] = False  # always keep the best token
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                  # [B] int64
+    logprobs: list[TokenLogprobs | None]     # per row; None where not asked for
+
+
+def logprob_info(logprobs: torch.Tensor, chosen: torch.Tensor,
+                 num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """logprobs [R, V] (log_softmax'ed), chosen [R] -> per row the chosen token's logprob,
+    rank and its `num_top[r]` best alternatives (one topk for all rows)."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+    ranks = (logprobs > chosen_lp).sum(dim=1).add_(1)
+    k = min(max(num_top, default=0), logprobs.shape[1])
+    top_ids: list[list[int]] = [[] for _ in num_top]
+    top_lps: list[list[float]] = [[] for _ in num_top]
+    if k > 0:
+        values, ids = logprobs.topk(k, dim=1)
+        top_ids, top_lps = ids.tolist(), values.tolist()
+    return [TokenLogprobs(t, lp, r, list(zip(ids[:n], lps[:n])))
+            for t, lp, r, ids, lps, n in zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(),
+                                             ranks.tolist(), top_ids, top_lps, num_top)]
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
+                 logprobs_mode: str = "raw"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits: [B, V] float32 -> chosen token ids [B] (int64, on the logits' device)."""
+        return self.sample(logits, batch).token_ids
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         params = batch.params
-        greedy = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        x = logits[rows]
+        x = self._preprocess(logits, batch)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            chosen = x.argmax(dim=-1)
+            warped = None
+        else:
+            chosen, warped = self._sample_rows(x, batch, sampled_rows)
+        return SamplerOutput(chosen, self._logprobs(logits, x, warped, sampled_rows, chosen, params))
+
+    # --- the steps --------------------------------------------------------------------------
+
+    def _preprocess(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """logit_bias, min_tokens and penalties; returns `logits` itself if none applies."""
+        params = batch.params
+        x = logits
+        if any(p.logit_bias for p in params):
+            rows, ids, bias = [], [], []
+            for i, p in enumerate(params):
+                for token, value in (p.logit_bias or {}).items():
+                    rows.append(i)
+                    ids.append(token)
+                    bias.append(value)
+            x = P.apply_logit_bias(x, rows, ids, bias)
+        if any(p.min_tokens for p in params):
+            rows, ids = [], []
+            for i, p in enumerate(params):
+                if p.min_tokens and len(batch.output_ids(i)) < p.min_tokens:
+                    stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                    rows.extend([i] * len(stops))
+                    ids.extend(stops)
+            if rows:
+                x = P.suppress_tokens(x, rows, ids)
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalised:
+            x = x.clone() if x is logits else x
+            x[penalised] = self._penalise(x[penalised], batch, penalised)
+        return x
+
+    def _penalise(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+        params = [batch.params[i] for i in rows]
+        vocab, device = x.shape[1], x.device
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=x.dtype, device=device)
+
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = P.token_counts([batch.all_ids(i) for i in rows], vocab, device) > 0
+            x = P.apply_repetition_penalty(x, seen, column("repetition_penalty"))
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            counts = P.token_counts([batch.output_ids(i) for i in rows], vocab, device)
+            x = P.apply_frequency_presence_penalties(x, counts, column("frequency_penalty"),
+                                                     column("presence_penalty"))
+        return x
+
+    def _sample_rows(self, x: torch.Tensor, batch: SamplingBatch,
+                     rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Warp and draw the non-greedy rows; returns all rows' choices and the warped
+        logits of the sampled rows."""
+        params = [batch.params[i] for i in rows]
         device = x.device
-        temps = torch.tensor([params[i].temperature for i in rows], dtype=x.dtype, device=device)
-        x = x / temps.unsqueeze(1)
-        if any(params[i].top_k > 0 for i in rows):
-            x = _apply_top_k(x, torch.tensor([params[i].top_k for i in rows], device=device))
-        if any(params[i].top_p < 1.0 for i in rows):
-            x = _apply_top_p(x, torch.tensor([params[i].top_p for i in rows], dtype=x.dtype, device=device))
-        probs = x.softmax(dim=-1)
-        noise = torch.empty_like(probs, device="cpu")
+
+        def column(name: str, dtype: torch.dtype = x.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+        y = P.apply_temperature(x[rows], column("temperature"))
+        if any(p.top_k > 0 for p in params):
+            y = P.apply_top_k(y, column("top_k", torch.long))
+        if any(p.top_p < 1.0 for p in params):
+            y = P.apply_top_p(y, column("top_p"))
+        if any(p.min_p > 0.0 for p in params):
+            y = P.apply_min_p(y, column("min_p"))
+        if any(p.typical_p < 1.0 for p in params):
+            y = P.apply_typical_p(y, column("typical_p"))
+        probs = y.softmax(dim=-1)
+        noise = torch.empty(probs.shape, dtype=probs.dtype)
         shared = [j for j, i in enumerate(rows) if batch.generators[i] is None]
         if shared:
             noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
@@ -68,6 +181,37 @@ class Sampler:
             if gen is not None:
                 noise[j].exponential_(generator=gen)
         sampled = (probs / noise.to(device)).argmax(dim=-1)
-        out = greedy.clone()
+        if len(rows) == x.shape[0]:
+            return sampled, y
+        out = x.argmax(dim=-1)
         out[rows] = sampled
+        return out, y
+
+    def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
+                  sampled_rows: list[int], chosen: torch.Tensor,
+                  params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+        rows = [i for i, p in enumerate(params) if p.needs_logprobs]
+        out: list[TokenLogprobs | None] = [None] * len(params)
+        if not rows:
+            return out
+        if self.logprobs_mode == "raw":
+            source = raw[rows]
+        else:  # the distribution each row was chosen from
+            source = x[rows]
+            if warped is not None:
+                position = {i: j for j, i in enumerate(sampled_rows)}
+                mine = [k for k, i in enumerate(rows) if i in position]
+                if mine:
+                    source[mine] = warped[[position[rows[k]] for k in mine]]
+        info = logprob_info(source.log_softmax(dim=-1), chosen[rows],
+                            [params[i].logprobs or 0 for i in rows])
+        for i, item in zip(rows, info):
+            out[i] = item
         return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor,
+                    num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Logprobs of prompt tokens: row r of `logits` predicts `next_token_ids[r]`. Always
+    from the raw model distribution (no sampling parameters apply to the prompt)."""
+    return logprob_info(logits.log_softmax(dim=-1), next_token_ids, num_top)

@@ -1,0 +1,123 @@
+"""Logits processors as vectorised functions over a [B, V] float tensor.
+
+Each takes per-row parameters as tensors and leaves the rows whose parameter is neutral
+exactly unchanged (a row with top_p=1 keeps its whole tail even where float rounding of a
+cumulative sum would say otherwise). None of them loops over rows or the vocabulary in
+Python. Formulas follow Hugging Face transformers' processors of the same name, which the
+tests check them against; the order the sampler applies them in is theirs too.
+"""
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32: how often each token occurs in each row's list (a scatter-add of one
+    flat index tensor, not a loop over rows). Ids >= vocab_size are ignored."""
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32)
+    lengths = torch.tensor([len(ids) for ids in token_ids])
+    if int(lengths.sum()):
+        flat = torch.tensor([t for ids in token_ids for t in ids]).clamp_(max=vocab_size)
+        rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+        counts.index_put_((rows, flat), torch.ones(flat.numel()), accumulate=True)
+    return counts[:, :vocab_size].to(device)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
+                             penalty: torch.Tensor) -> torch.Tensor:
+    """HF / TGI: for tokens already in the prompt or output (`seen`, bool [B, V]), a
+    positive logit is divided by the penalty and a negative one multiplied by it."""
+    penalty = penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen & (penalty != 1.0), penalised, logits)
+
+
+def apply_frequency_presence_penalties(logits: torch.Tensor, output_counts: torch.Tensor,
+                                       frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """OpenAI: logit -= frequency * count + presence * (count > 0), over output tokens."""
+    return (logits - frequency.unsqueeze(1) * output_counts
+            - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype))
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], token_ids: list[int],
+                     bias: list[float]) -> torch.Tensor:
+    """Add `bias[i]` to logits[rows[i], token_ids[i]] (ids beyond the vocabulary ignored)."""
+    vocab = logits.shape[1]
+    keep = [i for i, t in enumerate(token_ids) if t < vocab]
+    if not keep:
+        return logits
+    device = logits.device
+    index = (torch.tensor([rows[i] for i in keep], device=device),
+             torch.tensor([token_ids[i] for i in keep], device=device))
+    values = torch.tensor([bias[i] for i in keep], dtype=logits.dtype, device=device)
+    return logits.index_put(index, values, accumulate=True)
+
+
+def suppress_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:
+    """Set logits[rows[i], token_ids[i]] to -inf (min_tokens: EOS and stop token ids)."""
+    vocab = logits.shape[1]
+    keep = [i for i, t in enumerate(token_ids) if t < vocab]
+    if not keep:
+        return logits
+    device = logits.device
+    index = (torch.tensor([rows[i] for i in keep], device=device),
+             torch.tensor([token_ids[i] for i in keep], device=device))
+    return logits.index_put(index, torch.tensor(NEG_INF, dtype=logits.dtype, device=device))
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the k best logits of each row (ties with the k-th kept, as in HF); k <= 0 or
+    k >= V keeps everything."""
+    k_max = min(int(top_k.max()), logits.shape[-1])
+    if k_max <= 0:
+        return logits
+    kth = logits.topk(k_max, dim=-1).values  # [B, k_max], descending
+    k = torch.where(top_k > 0, top_k, k_max).clamp(max=k_max)
+    threshold = kth.gather(1, (k - 1).unsqueeze(1))
+    keep = (logits >= threshold) | (top_k <= 0).unsqueeze(1)
+    return logits.masked_fill(~keep, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus: keep the smallest set of best tokens whose probability reaches top_p (a
+    token is dropped when the tokens better than it already hold top_p); the best token
+    always stays."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the best token's (HF MinP)."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    drop = (probs < threshold) & (min_p > 0).unsqueeze(1)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def apply_typical_p(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.; HF TypicalLogitsWarper): rank tokens by
+    how far their surprisal is from the entropy and keep the closest ones until their
+    probability reaches `mass`."""
+    log_probs = logits.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)
+    distance = (-log_probs - entropy).abs()
+    sorted_distance, order = distance.sort(dim=-1)
+    cumulative = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass.unsqueeze(1)).sum(dim=1).clamp(max=logits.shape[-1] - 1)
+    drop_sorted = sorted_distance > sorted_distance.gather(1, last.unsqueeze(1))
+    drop_sorted[:, 0] = False
+    drop_sorted &= (mass < 1.0).unsqueeze(1)
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
