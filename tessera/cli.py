@@ -63,6 +63,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill each prompt in one step (needs --max-num-batched-tokens >= max model length)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the tokenizer's")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
+                   help="logprobs from the model's distribution (raw) or the one sampled from (processed)")
 
 
 def _make_llm(args: argparse.Namespace):
@@ -75,39 +77,92 @@ def _make_llm(args: argparse.Namespace):
                enable_prefix_caching=not args.no_prefix_caching,
                enable_chunked_prefill=not args.no_chunked_prefill,
                memory_fraction=args.memory_fraction, device=args.device, seed=args.seed,
-               chat_template=args.chat_template, cache_dir=cache_dir)
+               chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from tessera.sampling.params import SamplingParams
+
+    bias = {}
+    for item in args.logit_bias:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise SystemExit(f"--logit-bias expects TOKEN_ID=BIAS, got {item!r}")
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, typical_p=args.typical_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, logit_bias=bias or None, seed=args.sample_seed,
+        ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_id,
+        include_stop_str_in_output=args.include_stop_str, n=args.n, best_of=args.best_of,
+        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+
+
+def _logprobs_json(positions) -> list | None:
+    if positions is None:
+        return None
+    return [None if p is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
+                                     "text": lp.decoded_token} for t, lp in p.items()]
+            for p in positions]
+
+
+def _record(prompt, out) -> dict:
+    """One JSONL line: the first completion's fields at the top (as before), every
+    completion under "completions" when there are several."""
+    def completion(c) -> dict:
+        fields = {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}
+        if c.cumulative_logprob is not None:
+            fields["cumulative_logprob"] = c.cumulative_logprob
+        if c.logprobs is not None:
+            fields["logprobs"] = _logprobs_json(c.logprobs)
+        return fields
+
+    record = {"prompt": prompt, **completion(out.outputs[0])}
+    if len(out.outputs) > 1:
+        record["completions"] = [dict(index=c.index, **completion(c)) for c in out.outputs]
+    if out.prompt_logprobs is not None:
+        record["prompt_logprobs"] = _logprobs_json(out.prompt_logprobs)
+    return record
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tessera.sampling.params import SamplingParams
-
     prompts: list = list(args.prompts)
     if args.input_file:
         prompts += _read_prompts(Path(args.input_file))
     if not prompts:
         raise SystemExit("give a prompt, or --input-file FILE")
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.sample_seed,
-                            ignore_eos=args.ignore_eos)
+    params = _sampling_params(args)
+    if args.stream and (len(prompts) != 1 or params.n != 1 or args.output_file):
+        raise SystemExit("--stream prints one prompt's single completion as it is generated")
     llm = _make_llm(args)
     token_prompts = [llm.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}])
                      if args.chat or isinstance(p, list) else p for p in prompts]
     started = time.perf_counter()
-    outputs = llm.generate(token_prompts, params, use_tqdm=len(prompts) > 1)
+    if args.stream:
+        for _, out in llm.generate_stream(token_prompts, params):
+            print(out.outputs[0].delta_text, end="", flush=True)
+        print()
+        outputs = [out]
+    else:
+        outputs = llm.generate(token_prompts, params, use_tqdm=len(prompts) > 1)
     elapsed = time.perf_counter() - started
     if args.output_file:
         with open(args.output_file, "w") as f:
             for prompt, out in zip(prompts, outputs):
-                c = out.outputs[0]
-                f.write(json.dumps({"prompt": prompt, "text": c.text, "token_ids": c.token_ids,
-                                    "finish_reason": c.finish_reason}) + "\n")
-    elif len(prompts) == 1:
+                f.write(json.dumps(_record(prompt, out)) + "\n")
+    elif args.stream:
+        pass
+    elif len(prompts) == 1 and params.n == 1:
         print(outputs[0].outputs[0].text)
     else:
         for prompt, out in zip(prompts, outputs):
             shown = prompt if isinstance(prompt, str) else prompt[-1].get("content", "")
-            print(f"### {shown}\n{out.outputs[0].text}\n")
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+            texts = [c.text if params.n == 1 else f"[{c.index}] {c.text}" for c in out.outputs]
+            print(f"### {shown}\n" + "\n".join(texts) + "\n")
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"[{len(outputs)} prompts, {generated} tokens generated in {elapsed:.2f}s: "
           f"{generated / elapsed:.1f} tok/s]", file=sys.stderr)
     return 0
@@ -138,6 +193,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sample-seed", "--request-seed", type=int, default=None, dest="sample_seed",
                      help="per-request sampling seed (reproducible outputs)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the best's probability")
+    gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="HF/TGI: divide (or multiply) the logits of prompt and output tokens")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI: minus this x count")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI: minus this if present")
+    gen.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS",
+                     help="add BIAS (-100..100) to a token's logit (repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop before this text (repeatable)")
+    gen.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                     help="stop at this token id (repeatable)")
+    gen.add_argument("--include-stop-str", action="store_true", help="keep the matched stop text")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--best-of", type=int, default=None, help="generate this many, keep the n best")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="logprob of each token and its N best alternatives (in --output-file)")
+    gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                     help="logprobs of the prompt tokens (in --output-file)")
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
