@@ -168,6 +168,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tessera.server.serve import run_server
+    from tessera.weights.source import resolve_model_source
+
+    name = args.served_model_name or resolve_model_source(args.model).name
+    api_key = args.api_key or os.environ.get("TESSERA_API_KEY")
+    return run_server(lambda: _make_llm(args).engine,
+                      model_name=name, host=args.host, port=args.port, api_key=api_key,
+                      max_concurrent_requests=args.max_concurrent_requests,
+                      max_input_tokens=args.max_input_tokens)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from tessera.models.registry import router_classes
 
@@ -219,6 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tessera.bench.cli import add_bench_parser
     add_bench_parser(sub, _add_engine_args)
+
+    serve = sub.add_parser("serve", help="serve the TGI and OpenAI APIs on one port")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every route but /health (or TESSERA_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    serve.add_argument("--max-concurrent-requests", type=int, default=128,
+                       help="requests in flight beyond which clients get 429 'Model is overloaded'")
+    serve.add_argument("--max-input-tokens", type=int, default=None,
+                       help="longest prompt accepted (default: max model length - 1)")
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the supported model types")
     models.set_defaults(func=cmd_models)

@@ -1,0 +1,74 @@
+"""The FastAPI app: TGI and OpenAI routes on one port, health, metrics, auth and errors."""
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tessera.server import openai_routes, tgi
+from tessera.server.errors import APIError, Unavailable, ValidationFailed, openai_error, tgi_error
+from tessera.server.state import ServerState
+
+
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith("/v1/")
+
+
+def _render(request: Request, exc: APIError) -> JSONResponse:
+    return openai_error(exc) if _is_openai(request) else tgi_error(exc)
+
+
+def _describe(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request body"
+
+
+def create_app(state: ServerState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="tessera", version="0.1.0", lifespan=lifespan)
+    app.state.tessera = state
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _render(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def body_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _render(request, ValidationFailed(_describe(exc)))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next) -> Response:
+        if state.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                err = APIError("invalid or missing API key")
+                err.status, err.error_type, err.openai_type = 401, "authentication", "AuthenticationError"
+                return _render(request, err)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.limits.max_body_bytes:
+            err = ValidationFailed(f"request body of {length} bytes exceeds the limit of "
+                                   f"{state.limits.max_body_bytes} bytes")
+            err.status = 413
+            return _render(request, err)
+        if not state.ready and request.url.path not in ("/health", "/metrics"):
+            return _render(request, Unavailable("the model is still loading"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.ready and state.engine is not None and state.engine.is_healthy():
+            return JSONResponse({})
+        return JSONResponse({"error": "unhealthy", "error_type": "healthcheck"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(tgi.router)
+    app.include_router(openai_routes.router)
+    return app

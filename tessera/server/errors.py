@@ -1,0 +1,66 @@
+"""Errors and their two wire shapes: TGI's {"error", "error_type"} and OpenAI's
+{"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    """An error with an HTTP status and a TGI error_type; routes render it in their dialect."""
+
+    status = 500
+    error_type = "generation"
+    openai_type = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    @property
+    def tgi_message(self) -> str:
+        return self.message
+
+
+class ValidationFailed(APIError):
+    status, error_type, openai_type = 422, "validation", "BadRequestError"
+
+    @property
+    def tgi_message(self) -> str:
+        return f"Input validation error: {self.message}"
+
+
+class Overloaded(APIError):
+    status, error_type, openai_type = 429, "overloaded", "RateLimitError"
+
+
+class GenerationFailed(APIError):
+    status, error_type, openai_type = 424, "generation", "InternalServerError"
+
+    @property
+    def tgi_message(self) -> str:
+        return f"Request failed during generation: {self.message}"
+
+
+class ModelNotFound(APIError):
+    status, error_type, openai_type = 404, "validation", "NotFoundError"
+
+
+class Unavailable(APIError):
+    status, error_type, openai_type = 503, "unhealthy", "ServiceUnavailableError"
+
+
+def tgi_error(exc: APIError) -> JSONResponse:
+    return JSONResponse({"error": exc.tgi_message, "error_type": exc.error_type}, status_code=exc.status)
+
+
+def openai_error(exc: APIError) -> JSONResponse:
+    # OpenAI answers bad requests with 400 (TGI with 422); engine failures are 500 there.
+    status = {422: 400, 424: 500}.get(exc.status, exc.status)
+    body = {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": status}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def openai_error_body(exc: APIError) -> dict:
+    status = {422: 400, 424: 500}.get(exc.status, exc.status)
+    return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": status}}

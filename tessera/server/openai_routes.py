@@ -1,0 +1,322 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions, streaming in
+vLLM's chunk order and serialised like it (absent fields dropped, not null)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tessera.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tessera.sampling.params import SamplingParams, SamplingParamsError
+from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
+from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from tessera.server.state import ServerState
+from tessera.server.tracking import collect, run_request
+
+router = APIRouter(prefix="/v1")
+FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort"}
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.tessera
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise ModelNotFound(f"The model `{name}` does not exist. This server serves `{state.model_name}`.",
+                            param="model")
+
+
+def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
+            prompt_logprobs: int | None = None, best_of: int | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+            frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+            logit_bias=body.logit_bias, seed=body.seed, n=body.n, best_of=best_of,
+            stop=body.stop, stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+    except SamplingParamsError as exc:
+        raise ValidationFailed(str(exc)) from exc
+
+
+def _check_length(state: ServerState, n_prompt: int, max_tokens: int) -> None:
+    limit = state.limits.max_total_tokens
+    if n_prompt + max_tokens > limit:
+        raise ValidationFailed(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.", param="max_tokens")
+
+
+def _usage(n_prompt: int, n_completion: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def _stream_body(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield _sse(chunk)
+    except APIError as exc:
+        yield _sse(openai_error_body(exc))
+    yield _sse("[DONE]")
+
+
+# --- /v1/models ------------------------------------------------------------------------------
+
+@router.get("/models")
+async def models(request: Request) -> dict:
+    state = _state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "tessera", "max_model_len": state.limits.max_total_tokens}]}
+
+
+# --- /v1/completions --------------------------------------------------------------------------
+
+def _completion_logprobs(state: ServerState, ids: list[int], lps: list[PositionLogprobs | None],
+                         offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for t, lp in zip(ids, lps):
+        text = state.token_text(t)
+        tokens.append(text)
+        token_lps.append(lp[t].logprob if lp and t in lp else None)
+        tops.append({state.token_text(a): v.logprob for a, v in lp.items()} if lp else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise ValidationFailed("`prompt` cannot be empty", param="prompt")
+    out = []
+    for p in prompt:
+        ids = list(state.tokenizer(p).input_ids) if isinstance(p, str) else list(p)
+        if not ids:
+            raise ValidationFailed("`prompt` cannot be empty", param="prompt")
+        out.append((p if isinstance(p, str) else None, ids))
+    return out
+
+
+@router.post("/completions")
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    state = _state(request)
+    _check_model(state, body.model)
+    if body.suffix is not None:
+        raise ValidationFailed("`suffix` is not supported", param="suffix")
+    if body.stream and body.best_of not in (None, body.n):
+        raise ValidationFailed("`best_of` must equal `n` when streaming", param="best_of")
+    prompts = _prompts(state, body.prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    for _, ids in prompts:
+        _check_length(state, len(ids), max_tokens)
+    params = _params(body, max_tokens, body.logprobs,
+                     prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+                     best_of=body.best_of)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    streams = [run_request(state, f"{rid}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
+    n_prompt = sum(len(ids) for _, ids in prompts)
+
+    def echo_text(i: int) -> str:
+        text, ids = prompts[i]
+        return text if text is not None else state.tokenizer.decode(ids)
+
+    if body.stream:
+        async def chunks() -> AsyncIterator[dict]:
+            n_out = 0
+            echoed: set[int] = set()
+            ended: set[int] = set()
+            async for i, out in _merge(streams):
+                for c in out.outputs:
+                    if (i, c.index) in ended or (not c.delta_token_ids and c.finish_reason is None):
+                        continue
+                    if c.finish_reason is not None:
+                        ended.add((i, c.index))
+                    n_out += len(c.delta_token_ids)
+                    index = i * body.n + c.index
+                    text = c.delta_text
+                    if body.echo and index not in echoed:
+                        echoed.add(index)
+                        text = echo_text(i) + text
+                    logprobs = None
+                    if body.logprobs is not None and c.delta_logprobs is not None:
+                        logprobs = _completion_logprobs(state, c.delta_token_ids, c.delta_logprobs,
+                                                        len(c.text) - len(c.delta_text))
+                    yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                           "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                        "finish_reason": FINISH.get(c.finish_reason) if c.finish_reason else None,
+                                        "stop_reason": c.stop_reason}]}
+            if body.stream_options and body.stream_options.include_usage:
+                yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                       "choices": [], "usage": _usage(n_prompt, n_out)}
+
+        return StreamingResponse(_stream_body(chunks()), media_type="text/event-stream")
+
+    finals = await asyncio.gather(*(collect(request, s) for s in streams))
+    choices, n_out = [], 0
+    for i, out in enumerate(finals):
+        for c in out.outputs:
+            n_out += len(c.token_ids)
+            text = (echo_text(i) + c.text) if body.echo else c.text
+            logprobs = None
+            if body.logprobs is not None and c.logprobs is not None:
+                ids, lps = c.token_ids, c.logprobs
+                if body.echo and out.prompt_logprobs is not None:
+                    ids, lps = out.prompt_token_ids + ids, out.prompt_logprobs + lps
+                logprobs = _completion_logprobs(state, ids, lps, 0)
+            choices.append({"index": i * body.n + c.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": FINISH.get(c.finish_reason), "stop_reason": c.stop_reason})
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                         "choices": choices, "usage": _usage(n_prompt, n_out)})
+
+
+# --- /v1/chat/completions ---------------------------------------------------------------------
+
+def _chat_logprobs(state: ServerState, ids: list[int], lps: list[PositionLogprobs], top: int) -> dict:
+    def entry(t: int, logprob: float) -> dict:
+        text = state.token_text(t)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for t, lp in zip(ids, lps):
+        item = entry(t, lp[t].logprob)
+        ranked = sorted((v.rank, a, v.logprob) for a, v in lp.items() if v.rank is not None and v.rank <= top)
+        item["top_logprobs"] = [entry(a, logprob) for _, a, logprob in ranked[:top]]
+        content.append(item)
+    return {"content": content}
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    if not state.chat_template:
+        raise ValidationFailed("this model has no chat template; start the server with "
+                               "--chat-template FILE", param="messages")
+    if body.tools:
+        raise ValidationFailed("`tools` are not supported by this server yet", param="tools")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ValidationFailed(f"`response_format` {body.response_format.type!r} is not supported yet; "
+                               "only 'text'", param="response_format")
+    messages = []
+    for m in body.messages:
+        msg = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):  # content parts: text only
+            parts = [p.get("text", "") for p in m.content if p.get("type") == "text"]
+            if len(parts) != len(m.content):
+                raise ValidationFailed("only text content parts are supported", param="messages")
+            msg["content"] = "".join(parts)
+        messages.append(msg)
+    if not messages:
+        raise ValidationFailed("`messages` cannot be empty", param="messages")
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages, chat_template=state.chat_template, tokenize=False,
+            add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+    except Exception as exc:  # a template error names what the template disliked
+        raise ValidationFailed(f"chat template error: {exc}", param="messages") from exc
+    return list(state.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    state = _state(request)
+    _check_model(state, body.model)
+    ids = _chat_prompt(state, body)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = requested if requested is not None else max(state.limits.max_total_tokens - len(ids), 1)
+    _check_length(state, len(ids), max_tokens)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ValidationFailed("`top_logprobs` needs `logprobs` to be true", param="top_logprobs")
+    top = body.top_logprobs or 0
+    params = _params(body, max_tokens, top if body.logprobs else None)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    stream = run_request(state, rid, ids, params)
+
+    if body.stream:
+        async def chunks() -> AsyncIterator[dict]:
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+            for i in range(body.n):
+                yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]}
+            n_out = 0
+            ended: set[int] = set()
+            async for out in stream:
+                for c in out.outputs:
+                    if c.index in ended or (not c.delta_token_ids and c.finish_reason is None):
+                        continue
+                    if c.finish_reason is not None:
+                        ended.add(c.index)
+                    n_out += len(c.delta_token_ids)
+                    if not c.delta_text and c.finish_reason is None:
+                        continue  # nothing to show yet (held back for a stop string)
+                    logprobs = None
+                    if body.logprobs and c.delta_logprobs is not None:
+                        logprobs = _chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top)
+                    delta = {"content": c.delta_text} if c.delta_text else {}
+                    yield {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                                "finish_reason": FINISH.get(c.finish_reason) if c.finish_reason else None,
+                                                "stop_reason": c.stop_reason}]}
+            if body.stream_options and body.stream_options.include_usage:
+                yield {**base, "choices": [], "usage": _usage(len(ids), n_out)}
+
+        return StreamingResponse(_stream_body(chunks()), media_type="text/event-stream")
+
+    out = await collect(request, stream)
+    choices, n_out = [], 0
+    for c in out.outputs:
+        n_out += len(c.token_ids)
+        logprobs = _chat_logprobs(state, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs, "finish_reason": FINISH.get(c.finish_reason),
+                        "stop_reason": c.stop_reason})
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+                         "choices": choices, "usage": _usage(len(ids), n_out)})

@@ -1,0 +1,117 @@
+"""Request bodies of the TGI and OpenAI routes (response bodies are built as plain dicts,
+in the exact shapes of ../shared/API.md)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class GenerateParameters(BaseModel):
+    """TGI's 19 parameters. Every field defaults as TGI's code does (not its OpenAPI doc)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adapter_id: str | None = None
+    best_of: int | None = None
+    decoder_input_details: bool = False
+    details: bool = False
+    do_sample: bool = False
+    frequency_penalty: float | None = None
+    grammar: dict[str, Any] | None = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    return_full_text: bool | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    temperature: float | None = None
+    top_k: int | None = None
+    top_n_tokens: int | None = None
+    top_p: float | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool = False
+
+
+def default_parameters() -> GenerateParameters:
+    """What TGI uses when a request has no `parameters` object at all."""
+    return GenerateParameters(do_sample=True, details=False)
+
+
+class GenerateRequest(BaseModel):
+    inputs: str
+    parameters: GenerateParameters = Field(default_factory=default_parameters)
+
+
+class CompatGenerateRequest(GenerateRequest):
+    stream: bool = False
+
+
+class TokenizeRequest(BaseModel):
+    inputs: str
+    parameters: GenerateParameters | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _OpenAISampling(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions (plus vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id ... pass to the template
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None

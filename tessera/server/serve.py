@@ -1,0 +1,52 @@
+"""`tessera serve`: start the HTTP server at once, load and warm the model in the background
+(/health says 503 until then), and drain in-flight requests on SIGTERM."""
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import asynccontextmanager
+from typing import Callable
+
+import uvicorn
+
+from tessera.engine.engine import Engine
+from tessera.server.app import create_app
+from tessera.server.async_engine import AsyncEngine
+from tessera.server.state import ServerLimits, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str = "127.0.0.1",
+               port: int = 8080, api_key: str | None = None, max_concurrent_requests: int = 128,
+               max_input_tokens: int | None = None, drain_timeout_s: float = 30.0) -> int:
+    state = ServerState(model_name, ServerLimits(max_concurrent_requests=max_concurrent_requests,
+                                                 max_input_tokens=max_input_tokens or 0), api_key)
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def load() -> None:
+        try:
+            engine = AsyncEngine(make_engine(), max_concurrent_requests)
+            engine.start()
+            state.attach(engine)
+            logger.info("ready: serving %s on http://%s:%d (TGI routes and OpenAI /v1)", model_name, host, port)
+        except BaseException as exc:  # noqa: BLE001 - reported, then the server exits non-zero
+            logger.exception("loading the model failed")
+            failed.append(exc)
+            if server is not None:
+                server.should_exit = True
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=load, name="tessera-load", daemon=True).start()
+        yield
+        if state.engine is not None:  # uvicorn has drained the connections by now
+            state.engine.shutdown(timeout=drain_timeout_s)
+
+    app = create_app(state, lifespan=lifespan)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=int(drain_timeout_s))
+    server = uvicorn.Server(config)
+    server.run()
+    return 1 if failed else 0

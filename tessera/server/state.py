@@ -1,0 +1,69 @@
+"""What every route needs: the async engine, the tokenizer, the served name and the limits.
+The HTTP server starts before the model has loaded (so /health can say 503 meanwhile);
+`attach` completes the state once warm-up is done."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from tessera.engine.stats import EngineStats
+from tessera.server.async_engine import AsyncEngine
+from tessera.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerLimits:
+    """TGI launcher defaults, except the token limits, which come from the model."""
+
+    max_input_tokens: int = 0
+    max_total_tokens: int = 0
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_client_batch_size: int = 4
+    max_body_bytes: int = 2_000_000  # refused before parsing, let alone tokenizing
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    api_key: str | None = None
+    engine: AsyncEngine | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    chat_template: str | None = None
+    ready: bool = False
+    special_ids: frozenset[int] = frozenset()
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self._stats)
+        self._token_text: dict[int, str] = {}
+
+    def _stats(self) -> EngineStats:
+        if self.engine is None:
+            return EngineStats(0, 0, 0.0, 0, 0, 0, 0)
+        return self.engine.engine.stats()
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """The model is loaded and warm: start answering requests."""
+        core = engine.engine
+        self.engine = engine
+        self.tokenizer = core.tokenizer
+        self.chat_template = core.router.chat_template
+        self.special_ids = frozenset(core.tokenizer.all_special_ids)
+        self.limits.max_total_tokens = core.max_model_len
+        if not self.limits.max_input_tokens or self.limits.max_input_tokens >= core.max_model_len:
+            self.limits.max_input_tokens = core.max_model_len - 1
+        self.limits.max_concurrent_requests = engine.max_concurrent_requests
+        self.ready = True
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own (as TGI reports it), cached: the vocabulary is fixed."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text

@@ -1,0 +1,83 @@
+"""Runs one request through the async engine, recording its metrics and turning engine
+exceptions into API errors."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from tessera.engine.engine import RequestError
+from tessera.engine.outputs import RequestOutput
+from tessera.sampling.params import SamplingParams, SamplingParamsError
+from tessera.server.async_engine import EngineDeadError, GenerationError, OverloadedError
+from tessera.server.errors import GenerationFailed, Overloaded, Unavailable, ValidationFailed
+from tessera.server.state import ServerState
+
+
+async def run_request(state: ServerState, request_id: str, prompt_ids: list[int],
+                      params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """The request's outputs; metrics recorded on the way; errors raised as APIError."""
+    m = state.metrics
+    arrival = time.monotonic()
+    last = None
+    tokens = 0
+    outcome = "aborted"  # unless it ends otherwise (a client that went away)
+    try:
+        async for out in state.engine.generate(request_id, prompt_ids, params):
+            now = time.monotonic()
+            new = sum(len(c.delta_token_ids) for c in out.outputs)
+            if new:
+                if last is None:
+                    m.ttft.observe(now - arrival)
+                    scheduled = out.metrics.get("first_scheduled_time")
+                    if scheduled is not None:
+                        m.queue_time.observe(max(scheduled - out.metrics.get("arrival_time", scheduled), 0.0))
+                else:
+                    m.itl.observe(now - last)
+                last = now
+                tokens += new
+            if out.finished:
+                outcome = "success"
+                m.e2e.observe(now - arrival)
+                m.prompt_tokens.inc(len(prompt_ids))
+            yield out
+    except OverloadedError as exc:
+        outcome = "overloaded"
+        raise Overloaded(str(exc)) from exc
+    except (RequestError, SamplingParamsError) as exc:
+        outcome = "validation_error"
+        raise ValidationFailed(str(exc)) from exc
+    except GenerationError as exc:
+        outcome = "generation_error"
+        raise GenerationFailed(str(exc)) from exc
+    except EngineDeadError as exc:
+        outcome = "unavailable"
+        raise Unavailable(str(exc)) from exc
+    finally:
+        m.generation_tokens.inc(tokens)
+        m.requests.labels(outcome=outcome).inc()
+
+
+async def collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The final output of a non-streaming request; aborts it if the client disconnects."""
+
+    async def consume() -> RequestOutput:
+        final = None
+        async for out in outputs:
+            final = out
+        return final
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                break
+        return await task
+    finally:
+        if not task.done():
+            task.cancel()
+        await outputs.aclose()
