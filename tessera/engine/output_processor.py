@@ -96,6 +96,16 @@ class OutputProcessor:
 
     # --- outputs ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _metrics(group, now: float) -> dict[str, float]:
+        """Monotonic times: arrival, first admission to the running batch (queue time ends),
+        and this output."""
+        metrics = {"arrival_time": group.seqs[0].arrival_time, "time": now}
+        scheduled = [s.first_scheduled_time for s in group.seqs if s.first_scheduled_time is not None]
+        if scheduled:
+            metrics["first_scheduled_time"] = min(scheduled)
+        return metrics
+
     def completion(self, seq: Sequence, delta: Delta | None) -> CompletionOutput:
         text, ids = delta if delta is not None else ("", [])
         return CompletionOutput(
@@ -120,5 +130,5 @@ class OutputProcessor:
         return RequestOutput(
             group.request_id, first.prompt, first.prompt_token_ids,
             [self.completion(s, deltas.get(s)) for s in seqs], finished=finished,
-            metrics={"arrival_time": first.arrival_time, "time": now},
+            metrics=self._metrics(group, now),
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None)

@@ -7,6 +7,7 @@ sequence is preempted: its blocks are freed and it is recomputed later from its 
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -95,6 +96,8 @@ class Scheduler:
             seq.num_computed_tokens = self.blocks.take_prefix(seq, match)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -38,6 +38,7 @@ class Sequence:
     max_total_tokens: int  # prompt + output never exceeds this (max_model_len)
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # first admission to the running batch
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
