@@ -84,17 +84,29 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, prefix: int = 256) -> torch.Tensor:
     """Nucleus: keep the smallest set of best tokens whose probability reaches top_p (a
     token is dropped when the tokens better than it already hold top_p); the best token
-    always stays."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, NEG_INF)
+    always stays.
+
+    A full sort of the vocabulary is the expensive part on CPU (260 ms for 64 x 49k), so
+    only the best `prefix` tokens are sorted (with topk); every token beyond a prefix that
+    already holds top_p is dropped anyway, so the result is the full sort's. Only when
+    some row's nucleus reaches past the prefix (a flat distribution) is everything sorted."""
+    active = top_p < 1.0
+    probs = logits.softmax(dim=-1)
+    vocab = logits.shape[-1]
+    for k in (min(prefix, vocab), vocab):
+        top_ids = logits.topk(k, dim=-1).indices  # sorted, best first
+        top_probs = probs.gather(1, top_ids)
+        cumulative = top_probs.cumsum(dim=-1)
+        if bool(((cumulative[:, -1] >= top_p) | ~active).all()):
+            break
+    mass_before = cumulative - top_probs
+    keep_sorted = mass_before < top_p.unsqueeze(1)
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_ids, keep_sorted)
+    return logits.masked_fill(~(keep | (~active).unsqueeze(1)), NEG_INF)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

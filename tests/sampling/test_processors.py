@@ -60,6 +60,16 @@ def test_top_p_matches_hf(logits):
     assert torch.equal(out[3], logits[3])
 
 
+@pytest.mark.parametrize("prefix", [1, 3, 8, 20])
+def test_top_p_sorting_only_a_growing_prefix_gives_the_full_sort_result(logits, prefix):
+    near_flat = torch.randn(2, V, generator=torch.Generator().manual_seed(1)) * 0.05  # wide nuclei
+    flat = torch.cat([logits, near_flat])
+    ps = [0.1, 0.5, 0.9, 1.0, 0.99, 0.3, 0.95, 0.8]
+    out = P.apply_top_p(flat, torch.tensor(ps), prefix=prefix)
+    assert_same(out, rows_like_hf(flat, hf.TopPLogitsWarper, ps))
+    assert torch.equal(out, P.apply_top_p(flat, torch.tensor(ps), prefix=V))
+
+
 def test_top_p_of_1_keeps_the_whole_tail_despite_rounding():
     # Float32 cumulative sums of many tiny probabilities reach 1.0 before the last token;
     # a row with top_p=1 must still keep every token.
