@@ -119,7 +119,7 @@ class Engine:
                                f"{self.max_model_len}, leaving no room to generate")
         self._check_against_vocab(params, vocab)
         seqs = []
-        for index in range(params.best_of):
+        for index in range(params.num_sequences):
             seed = params.child_seed(index)
             generator = None if seed is None else torch.Generator().manual_seed(seed)
             seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,

@@ -124,7 +124,7 @@ class OutputProcessor:
         else:
             params = group.params
             seqs = group.seqs
-            if params.best_of > params.n:
+            if params.num_sequences > params.n:
                 seqs = sorted(seqs, key=lambda s: (-s.cumulative_logprob, s.index))[:params.n]
         first = group.seqs[0]
         return RequestOutput(

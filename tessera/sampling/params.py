@@ -9,6 +9,7 @@ and the allowed range, so the server can hand the message to the client as it is
 from __future__ import annotations
 
 import math
+import functools
 from dataclasses import dataclass, field
 
 GREEDY_TEMPERATURE = 1e-5
@@ -41,7 +42,7 @@ class SamplingParams:
     neutral penalties disable those processors.
     """
 
-    max_new_tokens: int | None = None   # default 16; `max_tokens` is an alias
+    max_new_tokens: int = 16            # `max_tokens` is an alias
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -54,8 +55,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     n: int = 1
-    best_of: int | None = None          # default n; the n best by cumulative logprob
-    min_tokens: int | None = None       # default 0; `min_new_tokens` is an alias
+    best_of: int | None = None          # None: n; else run best_of, keep the n best by cumulative logprob
+    min_tokens: int = 0                 # `min_new_tokens` is an alias
     ignore_eos: bool = False
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -63,15 +64,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None         # alternatives per generated token (0: the chosen only)
     prompt_logprobs: int | None = None  # alternatives per prompt token (0: the prompt token only)
-    max_tokens: int | None = None       # alias of max_new_tokens
-    min_new_tokens: int | None = None   # alias of min_tokens
-
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:
             return SamplingParamsError(f"`{name}` {rule}, got {getattr(self, name)!r}")
 
-        self.max_new_tokens = self._alias("max_new_tokens", "max_tokens", 16)
-        self.min_tokens = self._alias("min_tokens", "min_new_tokens", 0)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -107,12 +103,10 @@ class SamplingParams:
             raise bad("seed", "must be an integer in [-2**63, 2**64)")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if self.best_of is None:
-            self.best_of = self.n
-        if not _is_int(self.best_of) or self.best_of < self.n:
-            raise bad("best_of", f"must be an integer >= n ({self.n})")
-        if self.best_of > 1 and self.greedy:
-            name = "best_of" if self.best_of > self.n else "n"
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", f"must be null or an integer >= n ({self.n})")
+        if self.num_sequences > 1 and self.greedy:
+            name = "best_of" if self.num_sequences > self.n else "n"
             raise bad(name, "must be 1 when decoding is greedy (set temperature > 0 or do_sample)")
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -126,14 +120,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, "must be null or an integer >= 0 (how many alternatives)")
-
-    def _alias(self, name: str, alias: str, default: int) -> int:
-        value, other = getattr(self, name), getattr(self, alias)
-        if value is not None and other is not None and value != other:
-            raise SamplingParamsError(f"`{name}` and its alias `{alias}` disagree: {value!r} != {other!r}")
-        value = default if value is None and other is None else (value if value is not None else other)
-        setattr(self, alias, value)
-        return value
 
     def _check_logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -182,10 +168,55 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
     @property
+    def num_sequences(self) -> int:
+        """How many sequences the request runs: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
     def needs_logprobs(self) -> bool:
         """Whether the chosen token's logprob is computed (asked for, or to rank best_of)."""
-        return self.logprobs is not None or self.best_of > self.n
+        return self.logprobs is not None or self.num_sequences > self.n
 
     def child_seed(self, index: int) -> int | None:
         """The seed of the request's `index`-th sequence (n / best_of): seed + index."""
         return None if self.seed is None else (self.seed + index) % 2**64
+
+
+def _accept_aliases(cls, aliases: dict[str, str]):
+    """Let the constructor take `alias=value` for a field and read it back as a property;
+    the aliases are not fields, so repr, ==, and dataclasses.replace see only the
+    primary names. Giving both with different values is an error; an invalid value is
+    reported under the name the caller used."""
+    init = cls.__init__
+    names = [f for f in cls.__dataclass_fields__]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        used = {}
+        for alias, name in aliases.items():
+            if alias not in kwargs:
+                continue
+            used[name] = alias
+            value = kwargs.pop(alias)
+            positional = names.index(name) < len(args)
+            given = args[names.index(name)] if positional else kwargs.get(name)
+            if value is not None and given is not None and given != value:
+                raise SamplingParamsError(f"`{name}` and its alias `{alias}` disagree: {given!r} != {value!r}")
+            if value is not None and not positional:
+                kwargs[name] = value
+        try:
+            init(self, *args, **kwargs)
+        except SamplingParamsError as exc:  # name the field as the caller spelled it
+            message = str(exc)
+            for name, alias in used.items():
+                if message.startswith(f"`{name}` "):
+                    raise SamplingParamsError(f"`{alias}`" + message[len(name) + 2:]) from None
+            raise
+
+    cls.__init__ = __init__
+    for alias, name in aliases.items():
+        setattr(cls, alias, property(lambda self, name=name: getattr(self, name), doc=f"alias of {name}"))
+    return cls
+
+
+_accept_aliases(SamplingParams, {"max_tokens": "max_new_tokens", "min_new_tokens": "min_tokens"})

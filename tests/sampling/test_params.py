@@ -1,6 +1,7 @@
 """SamplingParams: defaults, normalisation, and one named error per invalid value."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -74,8 +75,8 @@ def test_new_defaults_are_neutral():
     p = SamplingParams()
     assert (p.min_p, p.typical_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == \
         (0.0, 1.0, 1.0, 0.0, 0.0)
-    assert (p.n, p.best_of, p.min_tokens, p.logprobs, p.prompt_logprobs, p.logit_bias) == \
-        (1, 1, 0, None, None, None)
+    assert (p.n, p.best_of, p.num_sequences, p.min_tokens, p.logprobs, p.prompt_logprobs, p.logit_bias) == \
+        (1, None, 1, 0, None, None, None)
     assert p.stop == [] and not p.has_penalties and not p.needs_logprobs and p.do_sample is None
 
 
@@ -83,12 +84,34 @@ def test_max_tokens_and_min_new_tokens_are_aliases():
     assert SamplingParams(max_tokens=7).max_new_tokens == 7
     assert SamplingParams(max_new_tokens=7).max_tokens == 7
     assert SamplingParams(max_new_tokens=7, max_tokens=7).max_new_tokens == 7
+    assert SamplingParams(7, max_tokens=7).max_new_tokens == 7
+    assert SamplingParams(max_tokens=None).max_new_tokens == 16
     assert SamplingParams(min_new_tokens=3).min_tokens == 3
     assert SamplingParams(min_tokens=3).min_new_tokens == 3
     with pytest.raises(SamplingParamsError, match="`max_new_tokens` and its alias `max_tokens`"):
         SamplingParams(max_new_tokens=7, max_tokens=8)
     with pytest.raises(SamplingParamsError, match="`min_tokens` and its alias `min_new_tokens`"):
         SamplingParams(min_tokens=1, min_new_tokens=2)
+    with pytest.raises(SamplingParamsError, match="disagree: 5 != 6"):
+        SamplingParams(5, max_tokens=6)
+
+
+def test_errors_name_the_alias_the_caller_used():
+    with pytest.raises(SamplingParamsError, match=r"^`max_tokens` must be an integer >= 1, got 0$"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(SamplingParamsError, match=r"^`min_new_tokens` must be an integer in \[0, max_new_tokens=4\]"):
+        SamplingParams(max_tokens=4, min_new_tokens=9)
+    with pytest.raises(SamplingParamsError, match=r"^`max_new_tokens` must be an integer >= 1"):
+        SamplingParams(max_new_tokens=0)
+
+
+def test_aliases_are_not_fields_so_replace_works():
+    p = SamplingParams(max_tokens=7, min_new_tokens=2, n=2)
+    assert "max_tokens" not in repr(p) and p == SamplingParams(max_new_tokens=7, min_tokens=2, n=2)
+    q = dataclasses.replace(p, max_new_tokens=50, n=3, seed=4)
+    assert (q.max_new_tokens, q.max_tokens, q.min_tokens, q.num_sequences, q.seed) == (50, 50, 2, 3, 4)
+    with pytest.raises(SamplingParamsError, match="disagree"):
+        dataclasses.replace(p, max_tokens=9)  # replace passes max_new_tokens=7 as well
 
 
 def test_stop_accepts_a_string_or_a_list():
@@ -104,7 +127,7 @@ def test_logit_bias_keys_may_be_json_strings():
 
 def test_best_of_defaults_to_n_and_children_get_consecutive_seeds():
     p = SamplingParams(n=3, seed=10)
-    assert p.best_of == 3 and not p.needs_logprobs
+    assert p.best_of is None and p.num_sequences == 3 and not p.needs_logprobs
     assert [p.child_seed(i) for i in range(3)] == [10, 11, 12]
     assert SamplingParams(n=2, best_of=4).needs_logprobs  # ranks its sequences
     assert SamplingParams(n=2).child_seed(1) is None
