@@ -232,3 +232,41 @@ def test_iter_outputs_leaves_other_requests_running(llm):
     rest = list(engine.iter_outputs())
     assert rest[-1].request_id == "long" and rest[-1].finished
     assert len(rest[-1].outputs[0].token_ids) == 8
+
+
+# --- the default model's tokenizer (SmolLM2's byte-level BPE, 49k tokens) ------------------------
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    from tessera.config import ModelConfig
+    from tessera.models.registry import get_router
+
+    return get_router(ModelConfig()).tokenizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text, stop", [
+    ("日本語のテキスト、中文文本和 emoji 👩‍👩‍👧‍👦🇫🇷🙂 mixed.", None),
+    ("Prices: 5€ → 10€; naïve café ☕ done", "☕"),
+    ("你好，世界！再见。", "世界"),
+])
+def test_default_tokenizer_streams_whole_characters_and_stops(smollm_tokenizer, text, stop):
+    from tessera.engine.output_processor import OutputProcessor
+    from tessera.engine.sequence import Sequence
+
+    tok = smollm_tokenizer
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "test setup: multi-token characters"
+    params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True, stop=stop)
+    seq = Sequence("r", None, tok("Say:", add_special_tokens=False).input_ids, params, 10_000)
+    processor = OutputProcessor(tok, frozenset({tok.eos_token_id}))
+    deltas = []
+    for token in ids:
+        deltas.append(processor.append_token(seq, token, None)[0])
+        if seq.finish_reason is not None:
+            break
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == seq.output_text
+    expected = text if stop is None else text[:text.index(stop)]
+    assert seq.output_text == expected
+    assert seq.finish_reason.value == ("length" if stop is None else "stop_sequence")
