@@ -220,7 +220,13 @@ class Sampler:
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor,
-                    num_top: Sequence[int]) -> list[TokenLogprobs]:
+                    num_top: Sequence[int], chunk: int = 128) -> list[TokenLogprobs]:
     """Logprobs of prompt tokens: row r of `logits` predicts `next_token_ids[r]`. Always
-    from the raw model distribution (no sampling parameters apply to the prompt)."""
-    return logprob_info(logits.log_softmax(dim=-1), next_token_ids, num_top)
+    from the raw model distribution (no sampling parameters apply to the prompt). Done
+    `chunk` rows at a time, so a long prompt chunk adds no second [rows, V] tensor."""
+    out: list[TokenLogprobs] = []
+    for start in range(0, logits.shape[0], chunk):
+        end = start + chunk
+        out += logprob_info(logits[start:end].log_softmax(dim=-1), next_token_ids[start:end],
+                            num_top[start:end])
+    return out

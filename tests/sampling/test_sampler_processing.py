@@ -221,3 +221,17 @@ def test_seeded_row_is_independent_of_other_rows_processors():
     assert len(set(alone)) > 1
     assert run([1, 2, 3, 4, 5]) == alone
     assert run([5, 3]) == alone
+
+
+def test_prompt_logprobs_in_chunks_equal_one_pass():
+    from tessera.sampling.sampler import prompt_logprobs
+
+    torch.manual_seed(13)
+    logits = torch.randn(10, 30)
+    targets = torch.randint(0, 30, (10,))
+    num_top = [0, 1, 2, 3, 0, 5, 1, 1, 2, 4]
+    whole = prompt_logprobs(logits, targets, num_top, chunk=100)
+    assert prompt_logprobs(logits, targets, num_top, chunk=3) == whole
+    lp = logits.log_softmax(-1)
+    assert [w.logprob for w in whole] == pytest.approx(lp.gather(1, targets[:, None]).squeeze(1).tolist())
+    assert [len(w.top) for w in whole] == num_top
