@@ -182,8 +182,7 @@ class Sampler:
         return out, y
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One draw per row by inverting its CDF (float64, so even 1e-12 probabilities
-        keep their share) at a uniform from the row's own generator, or the engine's."""
+        """One uniform per row from the row's own generator, or the engine's."""
         uniforms = torch.empty(probs.shape[0], dtype=torch.float64)
         shared = [j for j, g in enumerate(generators) if g is None]
         if shared:
@@ -191,10 +190,7 @@ class Sampler:
         for j, gen in enumerate(generators):
             if gen is not None:
                 uniforms[j] = torch.rand(1, dtype=torch.float64, generator=gen)
-        cdf = probs.double().cumsum(dim=-1)
-        targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
-        chosen = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-        return chosen.clamp_(max=probs.shape[1] - 1)
+        return inverse_cdf(probs, uniforms.to(probs.device))
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
                   sampled_rows: list[int], chosen: torch.Tensor,
@@ -217,6 +213,17 @@ class Sampler:
         for i, item in zip(rows, info):
             out[i] = item
         return out
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row r's token whose CDF interval holds uniforms[r] (in [0, 1)). The CDF is summed in
+    float64, so even 1e-12 probabilities keep their share; a token of probability 0 is
+    never chosen (rounding at the top end falls back to the last possible token)."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    chosen = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)
+    last_possible = torch.searchsorted(cdf, total)  # where the CDF reaches its total
+    return torch.minimum(chosen, last_possible).squeeze(1)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor,

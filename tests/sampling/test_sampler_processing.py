@@ -235,3 +235,15 @@ def test_prompt_logprobs_in_chunks_equal_one_pass():
     lp = logits.log_softmax(-1)
     assert [w.logprob for w in whole] == pytest.approx(lp.gather(1, targets[:, None]).squeeze(1).tolist())
     assert [len(w.top) for w in whole] == num_top
+
+
+def test_inverse_cdf_never_picks_a_token_of_probability_zero():
+    from tessera.sampling.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 5)
+    uniforms = torch.tensor([0.0, 0.2499, 0.25, 0.5, 1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, uniforms).tolist() == [1, 1, 3, 3, 3]
+    # the product rounding up to the total (forced here with u = 1) lands on the last possible token
+    assert inverse_cdf(probs[:1], torch.tensor([1.0], dtype=torch.float64)).tolist() == [3]
+    unnormalised = torch.tensor([[2.0, 0.0, 2.0, 0.0]] * 2)
+    assert inverse_cdf(unnormalised, torch.tensor([0.49, 0.51], dtype=torch.float64)).tolist() == [0, 2]
