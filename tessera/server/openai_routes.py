@@ -36,7 +36,7 @@ def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
             prompt_logprobs: int | None = None, best_of: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
             min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,

@@ -83,6 +83,7 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
             typical_p=p.typical_p if p.typical_p is not None else 1.0,
             repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None else 1.0,
             frequency_penalty=p.frequency_penalty or 0.0, seed=seed, stop=list(p.stop),
+            include_stop_str_in_output=True,  # TGI's generated_text keeps the stop sequence
             n=best_of, best_of=best_of,
             logprobs=top_n,  # TGI reports every token's logprob (details and stream events)
             prompt_logprobs=0 if p.decoder_input_details else None,
