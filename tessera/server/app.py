@@ -29,6 +29,43 @@ def _describe(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request body"
 
 
+class _Guard:
+    """API key, body size and readiness checks, as plain ASGI middleware: Starlette's
+    `@app.middleware("http")` wraps `receive`, which hides client disconnects from
+    `request.is_disconnected()` (and non-streaming requests would then never abort)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        error = self._check(request)
+        if error is not None:
+            return await _render(request, error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _check(self, request: Request) -> APIError | None:
+        state = self.state
+        path = request.url.path
+        if state.api_key and path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                err = APIError("invalid or missing API key")
+                err.status, err.error_type, err.openai_type = 401, "authentication", "AuthenticationError"
+                return err
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > state.limits.max_body_bytes:
+            err = ValidationFailed(f"request body of {length} bytes exceeds the limit of "
+                                   f"{state.limits.max_body_bytes} bytes")
+            err.status = 413
+            return err
+        if not state.ready and path not in ("/health", "/metrics"):
+            return Unavailable("the model is still loading")
+        return None
+
+
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="tessera", version="0.1.0", lifespan=lifespan)
     app.state.tessera = state
@@ -41,23 +78,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def body_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _render(request, ValidationFailed(_describe(exc)))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next) -> Response:
-        if state.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                err = APIError("invalid or missing API key")
-                err.status, err.error_type, err.openai_type = 401, "authentication", "AuthenticationError"
-                return _render(request, err)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.limits.max_body_bytes:
-            err = ValidationFailed(f"request body of {length} bytes exceeds the limit of "
-                                   f"{state.limits.max_body_bytes} bytes")
-            err.status = 413
-            return _render(request, err)
-        if not state.ready and request.url.path not in ("/health", "/metrics"):
-            return _render(request, Unavailable("the model is still loading"))
-        return await call_next(request)
+    app.add_middleware(_Guard, state=state)
 
     @app.get("/health")
     async def health() -> Response:

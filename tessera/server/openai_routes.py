@@ -67,7 +67,8 @@ def _sse(obj: dict | str) -> str:
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests as they come, tagged with the request's position."""
+    """Outputs of several requests as they come, tagged with the request's position. Each
+    pump owns (and closes) its stream; on exit the pumps are only cancelled."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -76,9 +77,13 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
             async for out in stream:
                 await queue.put((i, out))
         except BaseException as exc:  # noqa: BLE001 - delivered to the consumer
-            await queue.put((i, exc))
+            if not isinstance(exc, asyncio.CancelledError):
+                await queue.put((i, exc))
+            else:
+                raise
         finally:
-            await queue.put((i, done))
+            await stream.aclose()
+            queue.put_nowait((i, done))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     remaining = len(tasks)
@@ -94,8 +99,24 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
     finally:
         for t in tasks:
             t.cancel()
-        for s in streams:
-            await s.aclose()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _admitted(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Wait for the engine to accept the request (its first output) before the response
+    starts, so that overload and engine-side validation get their HTTP status (429, 400)
+    instead of an error chunk inside a 200 stream."""
+    first = await stream.__anext__()
+
+    async def rest() -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    return rest()
 
 
 async def _stream_body(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -165,6 +186,16 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     streams = [run_request(state, f"{rid}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
+    if body.stream:
+        admitted = []
+        try:
+            for s in streams:
+                admitted.append(await _admitted(s))
+        except BaseException:
+            for s in [*admitted, *streams[len(admitted):]]:
+                await s.aclose()
+            raise
+        streams = admitted
     n_prompt = sum(len(ids) for _, ids in prompts)
 
     def echo_text(i: int) -> str:
@@ -275,6 +306,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     _check_length(state, len(ids), max_tokens)
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationFailed("`top_logprobs` needs `logprobs` to be true", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise ValidationFailed("`top_logprobs` must be in [0, 20]", param="top_logprobs")
     top = body.top_logprobs or 0
     params = _params(body, max_tokens, top if body.logprobs else None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -282,6 +315,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     stream = run_request(state, rid, ids, params)
 
     if body.stream:
+        stream = await _admitted(stream)
         async def chunks() -> AsyncIterator[dict]:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
             for i in range(body.n):

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class GenerateParameters(BaseModel):
     """TGI's 19 parameters. Every field defaults as TGI's code does (not its OpenAPI doc)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # as TGI's serde: unknown keys are ignored
 
     adapter_id: str | None = None
     best_of: int | None = None
@@ -22,7 +22,7 @@ class GenerateParameters(BaseModel):
     max_new_tokens: int | None = None
     repetition_penalty: float | None = None
     return_full_text: bool | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)  # TGI's seed is a u64
     stop: list[str] = Field(default_factory=list)
     temperature: float | None = None
     top_k: int | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Callable
 
 import uvicorn
@@ -15,6 +15,19 @@ from tessera.server.async_engine import AsyncEngine
 from tessera.server.state import ServerLimits, ServerState
 
 logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM after its graceful shutdown, which would end the
+    process with -15; a drained, orderly exit is status 0."""
+
+    @contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:  # before uvicorn's exit handler would re-raise them
+                self._captured_signals.clear()
 
 
 def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str = "127.0.0.1",
@@ -47,6 +60,6 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
     app = create_app(state, lifespan=lifespan)
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=int(drain_timeout_s))
-    server = uvicorn.Server(config)
+    server = _Server(config)
     server.run()
     return 1 if failed else 0
