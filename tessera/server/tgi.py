@@ -57,14 +57,20 @@ def _prefill(state: ServerState, out: RequestOutput, p: GenerateParameters) -> l
             for t, lp in zip(out.prompt_token_ids, lps)]
 
 
-def _headers(state: ServerState, start: float, first: float | None, n_in: int, n_out: int,
-             inputs: str) -> dict[str, str]:
-    total = time.monotonic() - start
-    inference = total if first is None else time.monotonic() - first
+def _headers(state: ServerState, start: float, validated: float, out: RequestOutput, n_in: int,
+             n_out: int, inputs: str) -> dict[str, str]:
+    """TGI's timing headers: validation, queue (until first scheduled), inference (from then
+    to the last token); milliseconds except x-compute-time (seconds)."""
+    end = time.monotonic()
+    total = end - start
+    scheduled = out.metrics.get("first_scheduled_time", validated)
+    queue = max(scheduled - out.metrics.get("arrival_time", validated), 0.0)
+    inference = max(out.metrics.get("time", end) - scheduled, 0.0)
     return {"x-compute-type": "cpu" if state.engine.engine.device.type == "cpu" else "gpu",
             "x-compute-time": f"{total:.6f}", "x-compute-characters": str(len(inputs)),
-            "x-total-time": str(int(total * 1000)), "x-validation-time": "0",
-            "x-queue-time": "0", "x-inference-time": str(int(inference * 1000)),
+            "x-total-time": str(int(total * 1000)),
+            "x-validation-time": str(int((validated - start) * 1000)),
+            "x-queue-time": str(int(queue * 1000)), "x-inference-time": str(int(inference * 1000)),
             "x-time-per-token": str(int(inference * 1000 / max(n_out, 1))),
             "x-prompt-tokens": str(n_in), "x-generated-tokens": str(n_out)}
 
@@ -74,6 +80,7 @@ async def _generate(request: Request, body: GenerateRequest) -> tuple[dict, dict
     start = time.monotonic()
     p = body.parameters
     ids, params = validate_generate(body.inputs, p, state, stream=False)
+    validated = time.monotonic()
     out = await collect(request, run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params))
     completions = sorted(out.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))
     best = completions[0]
@@ -87,7 +94,7 @@ async def _generate(request: Request, body: GenerateRequest) -> tuple[dict, dict
                 {"generated_text": prefix + c.text, **_sequence_details(state, c, p, prefill, params.seed)}
                 for c in completions[1:]]
         response["details"] = details
-    return response, _headers(state, start, None, len(ids), len(best.token_ids), body.inputs)
+    return response, _headers(state, start, validated, out, len(ids), len(best.token_ids), body.inputs)
 
 
 @router.post("/generate")
