@@ -18,6 +18,16 @@ TINY_CORPUS = [
 ] * 20
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny-model tests: their ops take microseconds, and on a busy 2-core
+    host a second OpenMP thread turns each into milliseconds of waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tessera import LLM, SamplingParams
 from tessera.cli import main
@@ -16,12 +15,7 @@ from tessera.cli import main
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--dtype", "float32"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: extra OpenMP threads only add waiting
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
 
 
 @pytest.fixture(scope="module")

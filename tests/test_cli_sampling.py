@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tessera import LLM, SamplingParams
 from tessera.cli import main
@@ -13,12 +12,7 @@ from tessera.cli import main
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--dtype", "float32"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
 
 
 @pytest.fixture(scope="module")

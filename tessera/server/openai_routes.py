@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tessera.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tessera.engine.outputs import PositionLogprobs, RequestOutput
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling

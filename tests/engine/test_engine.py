@@ -5,7 +5,6 @@ free."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tessera import LLM, SamplingParams
 from tessera.config import ConfigError
@@ -24,14 +23,7 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops take microseconds; with 2 OpenMP threads on a busy 2-core host
-    each one waits milliseconds for the other thread. One thread keeps this module fast."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ prefilled in chunks."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tessera.engine.block_manager as block_manager_module
 from tessera import LLM, SamplingParams
@@ -19,12 +18,7 @@ def shared_prefix_prompts() -> list[list[int]]:
     return [SYSTEM + [60 + i, 61 + i, 62 + 2 * i][: 1 + i % 3] for i in range(6)] + [SYSTEM[:20] + [99]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second OpenMP thread only adds waiting
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,7 @@ EOS = 2
 ATOL = 1e-4  # float32 on both sides; see tests/models/test_llama_parity.py
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
 
 
 @pytest.fixture(scope="module")

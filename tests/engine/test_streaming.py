@@ -16,12 +16,7 @@ from tessera.engine.stop import find_stop, partial_stop_length
 CJK = "你好世界 東京 🙂🎉 naïve"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
 
 
 @pytest.fixture(scope="module")

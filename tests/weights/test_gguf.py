@@ -251,14 +251,7 @@ class Case:
         return self._ref
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: a second intra-op thread buys nothing, and on a busy 2-core host
-    OpenMP's spinning makes each small matmul ~1000x slower. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
 
 
 @pytest.fixture(scope="module")
