@@ -54,13 +54,15 @@ def tgi_error(exc: APIError) -> JSONResponse:
     return JSONResponse({"error": exc.tgi_message, "error_type": exc.error_type}, status_code=exc.status)
 
 
-def openai_error(exc: APIError) -> JSONResponse:
+def _openai_status(exc: APIError) -> int:
     # OpenAI answers bad requests with 400 (TGI with 422); engine failures are 500 there.
-    status = {422: 400, 424: 500}.get(exc.status, exc.status)
-    body = {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": status}
-    return JSONResponse({"error": body}, status_code=status)
+    return {422: 400, 424: 500}.get(exc.status, exc.status)
 
 
 def openai_error_body(exc: APIError) -> dict:
-    status = {422: 400, 424: 500}.get(exc.status, exc.status)
-    return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param, "code": status}}
+    return {"error": {"message": exc.message, "type": exc.openai_type, "param": exc.param,
+                      "code": _openai_status(exc)}}
+
+
+def openai_error(exc: APIError) -> JSONResponse:
+    return JSONResponse(openai_error_body(exc), status_code=_openai_status(exc))
