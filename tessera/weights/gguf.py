@@ -30,7 +30,7 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-CONVERSION_VERSION = 2  # bump when the cached folder's contents change
+CONVERSION_VERSION = 3  # bump when the cached folder's contents change
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -92,6 +92,20 @@ def _set_bias_flags(config, path: Path) -> None:
         config.mlp_bias = True
 
 
+def _set_head_dim(config, path: Path) -> None:
+    """transformers' conversion does not read `<arch>.attention.key_length`; models whose
+    head_dim is not hidden_size / heads (Qwen3) need it, so it is set from the file."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    arch = fields.get("general.architecture")
+    if arch is None:
+        return
+    key = fields.get(f"{arch.contents()}.attention.key_length")
+    if key is not None:
+        config.head_dim = int(key.contents())
+
+
 def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     """A folder with config.json and tokenizer files converted from the GGUF by transformers.
 
@@ -112,6 +126,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     logger.info("converting GGUF metadata and tokenizer of %s once (cached in %s)", path.name, folder)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     _set_bias_flags(config, path)
+    _set_head_dim(config, path)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

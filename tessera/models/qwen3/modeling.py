@@ -1,0 +1,47 @@
+"""Qwen3: Llama with an RMSNorm over head_dim on every query and key head, applied before
+rotary (transformers' Qwen3Attention), an explicit head_dim, and biases only if
+attention_bias. Built by swapping the attention class into the Llama stack."""
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
+                                           LlamaModel, Rope)
+from tessera.models.qwen2.modeling import check_no_sliding_window
+from tessera.ops.norm import RMSNorm
+from tessera.ops.registry import OpTarget
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)  # qkv and o_proj biases follow attention_bias
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, target)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, target)
+
+    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        # [tokens * heads, head_dim]: every head normalised on its own, with a 2-D input as
+        # every rms_norm builder expects
+        return norm(x.reshape(-1, self.head_dim)).reshape(x.shape[0], -1)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        q, k = self.rotary(q, k, rope)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3Model(LlamaModel):
+    layer_cls = Qwen3DecoderLayer
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen3Model
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        check_no_sliding_window(config)
+        super().__init__(config, target)

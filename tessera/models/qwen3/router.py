@@ -1,0 +1,8 @@
+from tessera.models.base import BaseRouter
+from tessera.models.qwen3.modeling import Qwen3ForCausalLM
+
+
+class Qwen3Router(BaseRouter):
+    model_types = ("qwen3",)
+    model_cls = Qwen3ForCausalLM
+    gguf_permute_qk = False  # llama.cpp's converter does not permute qwen3's Q/K
