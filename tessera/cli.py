@@ -1,4 +1,4 @@
-"""`tessera generate | models`. The only place that reads environment variables."""
+"""`tessera generate | serve | bench | models | inspect`. The only place that reads environment variables."""
 from __future__ import annotations
 
 import argparse
@@ -181,10 +181,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from tessera.models.registry import router_classes
+    from tessera.inspect import model_table
 
-    for model_type, router in sorted(router_classes().items()):
-        print(f"{model_type:12s} {router.model_cls.__name__}")
+    rows = model_table()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    columns = [("model_type", "MODEL TYPE"), ("model_class", "MODEL CLASS"), ("supports_gguf", "GGUF"),
+               ("supports_sliding_window", "SLIDING WINDOW"), ("is_moe", "MOE"),
+               ("supports_tensor_parallel", "TENSOR PARALLEL")]
+    cells = [[h for _, h in columns]] + [
+        [("yes" if r[k] else "no") if isinstance(r[k], bool) else str(r[k]) for k, _ in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for row in cells:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from tessera.config import ModelConfig
+    from tessera.inspect import format_report, inspect_model
+
+    cache_dir = os.environ.get("TESSERA_CACHE_DIR")
+    config = ModelConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                         max_model_len=args.max_model_len,
+                         **({"cache_dir": Path(cache_dir)} if cache_dir else {}))
+    info = inspect_model(config, device=args.device, block_size=args.block_size, load=not args.no_weights)
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0
 
 
@@ -245,8 +268,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    models = sub.add_parser("models", help="list the supported model types")
+    models = sub.add_parser("models", help="list the native model types and what each supports")
+    models.add_argument("--json", action="store_true", help="machine-readable output")
     models.set_defaults(func=cmd_models)
+
+    insp = sub.add_parser("inspect", help="show the router, model class and op choices for a model")
+    insp.add_argument("--model", default=None,
+                      help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    insp.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    insp.add_argument("--dtype", default="auto", choices=DTYPES)
+    insp.add_argument("--device", default="cpu", help="the device the ops are chosen for (cpu or cuda)")
+    insp.add_argument("--max-model-len", type=int, default=None)
+    insp.add_argument("--block-size", type=int, default=16)
+    insp.add_argument("--no-weights", action="store_true", help="build the model but do not load weights")
+    insp.add_argument("--json", action="store_true", help="machine-readable output")
+    insp.set_defaults(func=cmd_inspect)
     return parser
 
 

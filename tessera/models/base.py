@@ -29,6 +29,21 @@ class BaseRouter:
     model_types: ClassVar[tuple[str, ...]] = ()   # config.json model_type values served
     model_cls: ClassVar[type[nn.Module]]
     gguf_permute_qk: ClassVar[bool] = False       # llama.cpp permuted Q/K rows on export
+    # What `tessera models` / `tessera inspect` report. A router claims a feature only once it
+    # has it and a test for it; `features()` reads each router's own declarations, so a folder
+    # that subclasses another's router does not inherit claims nobody has tested for it.
+    supports_gguf: ClassVar[bool] = False            # loads .gguf files (tested with one)
+    supports_sliding_window: ClassVar[bool] = False  # sliding-window attention in the paged cache
+    is_moe: ClassVar[bool] = False                   # mixture-of-experts MLP
+    supports_tensor_parallel: ClassVar[bool] = False  # not built yet for any model
+
+    FEATURES: ClassVar[tuple[str, ...]] = ("supports_gguf", "supports_sliding_window", "is_moe",
+                                           "supports_tensor_parallel")
+
+    @classmethod
+    def features(cls) -> dict[str, bool]:
+        """{feature attribute: claimed}, from this class's own body only."""
+        return {name: bool(vars(cls).get(name, False)) for name in cls.FEATURES}
 
     def __init__(self, source: ModelSource, metadata_dir: Path, model_config: ModelConfig):
         self.source = source

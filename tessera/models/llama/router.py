@@ -6,3 +6,4 @@ class LlamaRouter(BaseRouter):
     model_types = ("llama",)
     model_cls = LlamaForCausalLM
     gguf_permute_qk = True
+    supports_gguf = True  # tests/weights/test_gguf.py

@@ -6,3 +6,4 @@ class Qwen2Router(BaseRouter):
     model_types = ("qwen2",)
     model_cls = Qwen2ForCausalLM
     gguf_permute_qk = False  # llama.cpp's converter does not permute qwen2's Q/K
+    supports_gguf = True  # tests/models/test_qwen_parity.py

@@ -6,3 +6,4 @@ class Qwen3Router(BaseRouter):
     model_types = ("qwen3",)
     model_cls = Qwen3ForCausalLM
     gguf_permute_qk = False  # llama.cpp's converter does not permute qwen3's Q/K
+    supports_gguf = True  # tests/models/test_qwen_parity.py

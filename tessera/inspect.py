@@ -1,0 +1,158 @@
+"""`tessera inspect`: what the engine would run for a model, without generating anything.
+
+Resolves the router, builds the model on CPU (weights loaded unless asked not to) and
+reports the op registry's choice for every lookup the model made, with the reasons each
+other candidate was passed over. Everything comes from the router and the registry; no
+model type is named here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from tessera.config import ModelConfig
+from tessera.models.base import BaseRouter
+from tessera.models.llama.modeling import head_dim_of
+from tessera.models.registry import get_router, router_classes
+from tessera.ops import registry
+from tessera.ops.attention import Attention
+from tessera.ops.registry import OpChoice, OpTarget
+from tessera.platform import cpu_has_native_bf16, resolve_dtype
+
+
+def model_table() -> list[dict[str, Any]]:
+    """One row per native model type: its router, model class and claimed features."""
+    rows = []
+    for model_type, router in sorted(router_classes().items()):
+        rows.append({"model_type": model_type, "router": router.__name__,
+                     "model_class": router.model_cls.__name__, **router.features()})
+    return rows
+
+
+def dtype_reason(name: str, device: str) -> str:
+    """Why resolve_dtype picks what it picks (mirrors tessera.platform.resolve_dtype)."""
+    if name != "auto":
+        return f"--dtype {name}"
+    if device.startswith("cuda"):
+        return "auto: bfloat16 on CUDA"
+    if cpu_has_native_bf16():
+        return "auto: this CPU has native bf16 (avx512_bf16 or amx_bf16)"
+    return "auto: this CPU has no native bf16, so float32 (emulated bf16 is slower)"
+
+
+@contextmanager
+def _recorded_lookups() -> Iterator[list[OpChoice]]:
+    """The lookups made inside the block, even those already recorded by an earlier build in
+    this process (selections() lists each distinct lookup once). Saved and restored around
+    the block, so the registry's record is as it would have been without inspection."""
+    saved = registry.selections()
+    registry._SELECTIONS.clear()
+    found: list[OpChoice] = []
+    try:
+        yield found
+    finally:
+        found.extend(registry.selections())
+        registry._SELECTIONS[:] = saved + [c for c in found if c not in saved]
+
+
+def _spec_json(spec: registry.OpSpec) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        out[f.name] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    return out
+
+
+def _op_json(choice: OpChoice) -> dict[str, Any]:
+    return {"spec": _spec_json(choice.spec), "builder": choice.builder.name,
+            "priority": choice.builder.priority,
+            "rejected": [{"builder": name, "reasons": list(reasons)} for name, reasons in choice.rejected],
+            # select_op stops at the first fit; builders below it were never tried
+            "not_tried": [b.name for b in registry.builders(choice.spec.kind)
+                          if b.priority < choice.builder.priority
+                          or (b.priority == choice.builder.priority and b.name != choice.builder.name
+                              and b.name not in dict(choice.rejected))]}
+
+
+def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size: int = 16,
+                  load: bool = True) -> dict[str, Any]:
+    """Everything `tessera inspect` prints, as plain data (the --json output)."""
+    from tessera.weights.loader import load_weights
+
+    router: BaseRouter = get_router(model_config)
+    cfg = router.config
+    dtype = resolve_dtype(model_config.dtype, device)
+    started = time.perf_counter()
+    with _recorded_lookups() as lookups:
+        model = router.build_model(OpTarget(torch.device(device).type, dtype)).eval()
+    loaded = None
+    if load:
+        loaded = len(load_weights(model, router.iter_weights()))
+    build_s = time.perf_counter() - started
+    attn = [m for m in model.modules() if isinstance(m, Attention)]
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = sum(2 * a.num_kv_heads * a.head_size for a in attn) * elem
+    heads = cfg.num_attention_heads
+    return {
+        "source": {"kind": router.source.kind, "path": str(router.source.path), "name": router.source.name},
+        "router": type(router).__name__,
+        "model_type": cfg.model_type,
+        "model_class": f"{type(model).__module__}.{type(model).__name__}",
+        "path": "native",
+        "path_note": "native model folder (no transformers fallback exists yet)",
+        "features": router.features(),
+        "config": {
+            "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "head_dim": head_dim_of(cfg), "vocab_size": cfg.vocab_size,
+            "max_model_len": router.max_model_len,
+            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "dtype": str(dtype).removeprefix("torch."),
+            "dtype_reason": dtype_reason(model_config.dtype, device),
+        },
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weights_loaded": loaded,
+        "build_seconds": round(build_s, 3),
+        "ops": [_op_json(c) for c in lookups],
+        "kv_cache": {"block_size": block_size, "attention_layers": len(attn),
+                     "bytes_per_token": per_token, "bytes_per_block": per_token * block_size},
+    }
+
+
+def format_report(info: dict[str, Any]) -> str:
+    """The human-readable form of inspect_model's result."""
+    c, kv = info["config"], info["kv_cache"]
+    src = info["source"]
+    yes = [name for name, on in info["features"].items() if on]
+    lines = [
+        f"source:       {src['kind']} {src['path']}",
+        f"router:       {info['router']} (model_type {info['model_type']!r})",
+        f"model class:  {info['model_class']}",
+        f"path:         {info['path_note']}",
+        f"features:     {', '.join(yes) or 'none'}",
+        f"config:       {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+        f"{c['num_attention_heads']} heads / {c['num_key_value_heads']} kv heads, head_dim "
+        f"{c['head_dim']}, vocab {c['vocab_size']}, max_model_len {c['max_model_len']}"
+        f"{', tied embeddings' if c['tie_word_embeddings'] else ''}",
+        f"dtype:        {c['dtype']} ({c['dtype_reason']})",
+        f"parameters:   {info['parameters']:,}"
+        + (f" ({info['weights_loaded']} tensors loaded)" if info["weights_loaded"] is not None
+           else " (weights not loaded)") + f", built in {info['build_seconds']:.2f}s",
+        f"kv cache:     block_size {kv['block_size']}, {kv['attention_layers']} attention layers, "
+        f"{kv['bytes_per_token']:,} bytes/token, {kv['bytes_per_block']:,} bytes/block",
+        "ops:",
+    ]
+    for op in info["ops"]:
+        spec = op["spec"]
+        shown = ", ".join(f"{k}={v}" for k, v in spec.items() if k != "kind" and v is not None)
+        lines.append(f"  {spec['kind']} [{shown}] -> {op['builder']} (priority {op['priority']})")
+        for rej in op["rejected"]:
+            lines.append(f"      rejected {rej['builder']}: {'; '.join(rej['reasons'])}")
+        if op["not_tried"]:
+            lines.append(f"      not tried (lower priority): {', '.join(op['not_tried'])}")
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""`tessera models` (the feature table) and `tessera inspect` (router, model class, op
+choices with the reasons other builders were rejected) on a tiny llama folder."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tessera.ops  # noqa: F401  (registers the real builders)
+from tessera.cli import main
+from tessera.models.base import BaseRouter
+from tessera.ops import registry
+from tessera.ops.registry import register_op, select_op
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(make_tiny_llama):
+    folder, _ = make_tiny_llama(seed=0)
+    return folder
+
+
+@pytest.fixture
+def isolated_registry():
+    """As tests/ops/test_registry.py: restores builders, recorded selections and the cache."""
+    builders = {kind: list(entries) for kind, entries in registry._BUILDERS.items()}
+    selections = list(registry._SELECTIONS)
+    select_op.cache_clear()
+    try:
+        yield
+    finally:
+        registry._BUILDERS.clear()
+        registry._BUILDERS.update(builders)
+        registry._SELECTIONS[:] = selections
+        select_op.cache_clear()
+
+
+def inspect_json(capsys, *args: str) -> dict:
+    assert main(["inspect", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_models_table_lists_native_types_with_their_gguf_support(capsys):
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split("  ")
+    assert [h.strip() for h in header if h.strip()] == [
+        "MODEL TYPE", "MODEL CLASS", "GGUF", "SLIDING WINDOW", "MOE", "TENSOR PARALLEL"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["llama"][:3] == ["llama", "LlamaForCausalLM", "yes"]
+    assert rows["qwen2"][:3] == ["qwen2", "Qwen2ForCausalLM", "yes"]
+    assert rows["qwen3"][:3] == ["qwen3", "Qwen3ForCausalLM", "yes"]
+    assert all(row[-1] == "no" for row in rows.values())  # tensor parallel is not built
+
+
+def test_models_json(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = {r["model_type"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["llama"]["router"] == "LlamaRouter" and rows["llama"]["supports_gguf"] is True
+    assert rows["qwen3"]["supports_sliding_window"] is False and rows["qwen3"]["is_moe"] is False
+
+
+def test_features_are_not_inherited_by_subclasses():
+    """A folder that reuses another's router claims nothing until it declares it."""
+    from tessera.models.llama.router import LlamaRouter
+
+    class Derived(LlamaRouter):
+        model_types = ()
+
+    assert LlamaRouter.features()["supports_gguf"] is True
+    assert Derived.features() == dict.fromkeys(BaseRouter.FEATURES, False)
+
+
+def test_inspect_json_names_router_model_class_and_chosen_builders(tiny, capsys):
+    info = inspect_json(capsys, "--model", str(tiny), "--dtype", "float32")
+    assert info["router"] == "LlamaRouter" and info["model_type"] == "llama"
+    assert info["model_class"] == "tessera.models.llama.modeling.LlamaForCausalLM"
+    assert info["source"]["kind"] == "hf" and info["path"] == "native"
+    c = info["config"]
+    assert (c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"],
+            c["num_key_value_heads"], c["head_dim"], c["vocab_size"]) == (2, 64, 4, 2, 16, 512)
+    assert c["dtype"] == "float32" and c["dtype_reason"] == "--dtype float32"
+    assert info["weights_loaded"] > 0
+    chosen = {(op["spec"]["kind"], op["spec"]["phase"]): op["builder"] for op in info["ops"]}
+    assert chosen[("linear", None)] == "torch_linear"
+    assert chosen[("paged_attention", "decode")] == "torch_paged_decode"
+    # 2 layers x (K + V) x 2 kv heads x head_dim 16 x 4 bytes
+    assert info["kv_cache"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert info["kv_cache"]["bytes_per_block"] == 16 * info["kv_cache"]["bytes_per_token"]
+
+
+def test_inspect_lists_rejected_candidates_and_their_reasons(tiny, capsys, isolated_registry):
+    @register_op("rms_norm", name="test_f64_only_norm", priority=100, dtypes=(torch.float64,))
+    def _norm(*args):  # never chosen: no model asks for float64
+        raise AssertionError("not used")
+
+    info = inspect_json(capsys, "--model", str(tiny), "--dtype", "float32", "--no-weights")
+    norm = next(op for op in info["ops"] if op["spec"]["kind"] == "rms_norm")
+    assert norm["builder"] == "torch_rms_norm"
+    assert norm["rejected"] == [{"builder": "test_f64_only_norm",
+                                 "reasons": ["dtype torch.float32 not supported"]}]
+    assert info["weights_loaded"] is None
+
+    assert main(["inspect", "--model", str(tiny), "--dtype", "float32", "--no-weights"]) == 0
+    text = capsys.readouterr().out
+    assert "rejected test_f64_only_norm: dtype torch.float32 not supported" in text
+    assert "router:       LlamaRouter (model_type 'llama')" in text
+
+
+def test_inspect_records_lookups_even_when_an_earlier_build_made_them(tiny, capsys):
+    """selections() lists each lookup once per process; inspect still reports every op."""
+    first = inspect_json(capsys, "--model", str(tiny), "--dtype", "float32", "--no-weights")
+    again = inspect_json(capsys, "--model", str(tiny), "--dtype", "float32", "--no-weights")
+    assert again["ops"] == first["ops"] and len(first["ops"]) >= 7
