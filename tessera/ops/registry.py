@@ -35,6 +35,9 @@ class OpSpec:
     head_size: int | None = None
     quant: str | None = None
     tp_size: int = 1
+    # attention features a builder may not implement (rejected in its `check`)
+    sliding_window: bool = False
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:

@@ -199,3 +199,80 @@ def test_naive_reference_is_not_trivially_equal():
     v = case.value.transpose(0, 1).expand(2, -1, -1)
     non_causal = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(8), -1) @ v
     assert not torch.allclose(non_causal.transpose(0, 1), expected, atol=1e-3)
+
+
+# --- sliding window and soft-capping ----------------------------------------------------------
+
+def naive_windowed(case: Case, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Dense attention in float64 where the query at position p sees keys in (p - window, p]
+    (transformers' sliding-window causal mask) and scores are soft-capped, if asked."""
+    out = []
+    group = case.query.shape[1] // case.dense_k[0].shape[1]
+    row = 0
+    for (ctx, q_len), k, v in zip(case.specs, case.dense_k, case.dense_v):
+        for j in range(q_len):
+            pos = ctx - q_len + j
+            lo = 0 if window is None else max(0, pos - window + 1)
+            q = case.query[row].double()
+            heads = []
+            for h in range(q.shape[0]):
+                kh, vh = k[lo:pos + 1, h // group].double(), v[lo:pos + 1, h // group].double()
+                scores = kh @ q[h] * case.scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                heads.append(torch.softmax(scores, dim=0) @ vh)
+            out.append(torch.stack(heads))
+            row += 1
+    return torch.stack(out).float()
+
+
+FEATURES = [(3, None), (8, None), (1, None), (None, 2.0), (5, 3.0)]  # (window, softcap)
+
+
+@pytest.mark.parametrize("window, softcap", FEATURES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size, block_size", GEOMETRIES[:3])
+def test_windowed_softcapped_decode_and_prefill_match_dense(window, softcap, num_heads, num_kv_heads,
+                                                            head_size, block_size):
+    specs = [(1, 1), (block_size + 3, 1), (37, 1), (9, 9), (23, 7), (block_size * 3, block_size), (12, 2)]
+    case = make_case(specs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_size=head_size, seed=11)
+    layer = Attention(num_heads, head_size, num_kv_heads, case.scale, OpTarget("cpu", torch.float32),
+                      sliding_window=window, softcap=softcap)
+    layer.kv_cache = (case.k_cache, case.v_cache)
+    with attention_context(case.meta):
+        out = layer(case.query.flatten(1), case.key.flatten(1), case.value.flatten(1))
+    expected = naive_windowed(case, window, softcap)
+    torch.testing.assert_close(out.view_as(case.query), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_window_and_softcap_change_the_answer():
+    """The oracle and the builders really apply both: results differ from plain attention."""
+    case = make_case([(20, 20)], block_size=4, num_heads=2, num_kv_heads=1, head_size=8, seed=5)
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    plain = naive_attention(case)
+    torch.testing.assert_close(naive_windowed(case, None, None), plain, atol=1e-6, rtol=1e-6)
+    windowed = paged_prefill_ref(case.query, case.key, case.value, case.k_cache, case.v_cache,
+                                 case.meta, case.scale, sliding_window=4)
+    capped = paged_prefill_ref(case.query, case.key, case.value, case.k_cache, case.v_cache,
+                               case.meta, case.scale, softcap=0.5)
+    assert not torch.allclose(windowed, plain, atol=1e-3)
+    assert not torch.allclose(capped, plain, atol=1e-3)
+    # a window at least as long as the context is full attention
+    wide = paged_prefill_ref(case.query, case.key, case.value, case.k_cache, case.v_cache,
+                             case.meta, case.scale, sliding_window=20)
+    torch.testing.assert_close(wide, plain, atol=1e-5, rtol=1e-4)
+
+
+def test_attention_spec_states_window_and_softcap():
+    """A builder can refuse the features through its `check`; the layer asks for them."""
+    from tessera.ops.registry import OpBuilder, OpSpec, select_op
+
+    target = OpTarget("cpu", torch.float32)
+    spec = target.spec("paged_attention", phase="decode", head_size=8, sliding_window=True, softcap=True)
+    assert select_op(spec).builder.name == "torch_paged_decode"
+    no_window = OpBuilder(name="fast", kind="paged_attention", priority=9, impl=lambda: None,
+                          check=lambda s: ["sliding window not supported"] if s.sliding_window else [])
+    assert no_window.rejections(spec) == ["sliding window not supported"]
+    assert no_window.rejections(OpSpec("paged_attention", "cpu", torch.float32, phase="decode")) == []
+    with pytest.raises(ValueError, match="sliding_window"):
+        Attention(4, 8, 2, 1.0, target, sliding_window=0)

@@ -12,15 +12,25 @@ from tessera.ops.registry import OpTarget
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 target: OpTarget):
+                 target: OpTarget, sliding_window: int | None = None,
+                 softcap: float | None = None):
+        """sliding_window: the query at position p sees keys in (p - window, p] (None: all).
+        softcap: attention scores become softcap * tanh(scores / softcap) (gemma2)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.scale = scale
+        self.sliding_window, self.softcap = sliding_window, softcap
+        # The spec states which features are needed, so a kernel without them is rejected.
+        # The cache keeps every token; freeing blocks that left the window is not done yet.
+        features = dict(head_size=head_size, sliding_window=sliding_window is not None,
+                        softcap=softcap is not None)
         self._write = target.op("kv_write", head_size=head_size)
-        self._prefill = target.op("paged_attention", phase="prefill", head_size=head_size)
-        self._decode = target.op("paged_attention", phase="decode", head_size=head_size)
+        self._prefill = target.op("paged_attention", phase="prefill", **features)
+        self._decode = target.op("paged_attention", phase="decode", **features)
         # Bound by the runner once the cache is allocated: (k_cache, v_cache).
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -35,13 +45,14 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_size)
         self._write(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decode_tokens
+        extra = (self.scale, self.sliding_window, self.softcap)
         if nd == q.shape[0]:
-            out = self._decode(q, k_cache, v_cache, meta, self.scale)
+            out = self._decode(q, k_cache, v_cache, meta, *extra)
         elif nd == 0:
-            out = self._prefill(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = self._prefill(q, k, v, k_cache, v_cache, meta, *extra)
         else:
             out = torch.cat((
-                self._decode(q[:nd], k_cache, v_cache, meta, self.scale),
-                self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, self.scale),
+                self._decode(q[:nd], k_cache, v_cache, meta, *extra),
+                self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, *extra),
             ))
         return out.flatten(1)

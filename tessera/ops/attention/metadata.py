@@ -24,20 +24,28 @@ class AttentionMetadata:
     seq_lens_list: list[int]         # host copies: no device syncs inside layers
     query_lens_list: list[int]
     has_padding: bool = False        # some slot is -1 (padded graph rows)
-    _decode_view: tuple | None = field(default=None, repr=False)
+    # (block_size, sliding_window) -> (tables, mask); a dict because layers may differ in
+    # window (gemma2 alternates), and each variant is built once per step
+    _decode_views: dict = field(default_factory=dict, repr=False)
 
-    def decode_view(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_view(self, block_size: int,
+                    sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(block tables cut to the longest decode, key mask [B, 1, 1, L]); computed once
-        per step and shared by every layer."""
-        if self._decode_view is None or self._decode_view[0] != block_size:
+        per step and shared by every layer. With `sliding_window` w, the query at position
+        p = seq_len - 1 sees only keys in (p - w, p] (transformers' sliding-window mask)."""
+        key = (block_size, sliding_window)
+        if key not in self._decode_views:
             b = self.num_decodes
             max_len = max(self.seq_lens_list[:b])
             max_blocks = (max_len + block_size - 1) // block_size
             tables = self.block_tables[:b, :max_blocks]
-            positions = torch.arange(max_blocks * block_size, device=tables.device)
-            mask = (positions.unsqueeze(0) < self.seq_lens[:b].unsqueeze(1)).view(b, 1, 1, -1)
-            self._decode_view = (block_size, tables, mask)
-        return self._decode_view[1], self._decode_view[2]
+            positions = torch.arange(max_blocks * block_size, device=tables.device).unsqueeze(0)
+            lens = self.seq_lens[:b].unsqueeze(1)
+            mask = positions < lens
+            if sliding_window is not None:
+                mask &= positions >= lens - sliding_window
+            self._decode_views[key] = (tables, mask.view(b, 1, 1, -1))
+        return self._decode_views[key]
 
     @property
     def num_seqs(self) -> int:

@@ -29,13 +29,34 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k/v [B, Hk, Lk, D]; mask True = attend (None = causal, Lq == Lk).
+
+    Without soft-capping this is SDPA; with it (gemma2) scores become
+    softcap * tanh(scores / softcap) before masking, which SDPA cannot express.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+
+
 @register_op("paged_attention", name="torch_paged_prefill", priority=0, phases=("prefill",))
 def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, sliding_window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Causal attention for the prefill rows (after the decode rows), one sequence at a time.
 
     query: [T, Hq, D] for the prefill tokens only; key/value: the same tokens' new K/V.
+    With `sliding_window` w, the query at absolute position p sees keys in (p - w, p].
     Returns [T, Hq, D].
     """
     out = torch.empty_like(query)
@@ -50,13 +71,14 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             v = _gather_context(v_cache, meta.block_tables[i], ctx_len)
         # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
         mask = None
-        if ctx_len != q_len:
+        if ctx_len != q_len or sliding_window is not None:
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= q_pos
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-            scale=scale, enable_gqa=True)
+            k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        o = _attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
         out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
         start += q_len
     return out
@@ -64,17 +86,25 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 @register_op("paged_attention", name="torch_paged_decode", priority=0, phases=("decode",))
 def paged_decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """One query token per sequence for the first `num_decodes` sequences, batched.
 
     Query heads are grouped under their KV head, so GQA needs no K/V repetition:
-    q [B, Hk, G, D] attends over k [B, Hk, L, D] with a length mask. Returns [B, Hq, D].
+    q [B, Hk, G, D] attends over k [B, Hk, L, D] with a length (and window) mask.
+    The whole context is gathered even with a window; masking keeps the result exact.
+    Returns [B, Hq, D].
     """
     b = meta.num_decodes
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
-    tables, mask = meta.decode_view(k_cache.shape[1])
+    tables, mask = meta.decode_view(k_cache.shape[1], sliding_window)
     k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hk, L, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2)
     q = query.view(b, num_kv_heads, -1, head_size)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:  # [B, Hk, G, D] against [B, Hk, L, D] is already grouped: no repetition needed
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
     return o.reshape(b, -1, head_size)
