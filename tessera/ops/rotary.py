@@ -13,12 +13,15 @@ from torch import nn
 
 from tessera.ops.registry import OpTarget, register_op
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# Kinds whose frequencies depend on the current sequence length (transformers'
+# dynamic_rope_update): computed per token from that token's own sequence length.
+LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 def rope_parameters(config: Any) -> dict:
     """rope_theta and scaling as one dict, from either transformers 5 (`rope_parameters`)
-    or 4 (`rope_theta` + `rope_scaling`) style configs."""
+    or 4 (`rope_theta` + `rope_scaling`) style configs, plus the lengths some kinds need."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = getattr(config, "rope_scaling", None)
     if scaling:
@@ -26,18 +29,82 @@ def rope_parameters(config: Any) -> dict:
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    params.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    if params.get("original_max_position_embeddings") is None:
+        original = getattr(config, "original_max_position_embeddings", None)
+        if original is not None:
+            params["original_max_position_embeddings"] = original
     return params
 
 
-def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:
+def _plain_inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _yarn(dim: int, params: dict) -> tuple[torch.Tensor, float]:
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # 1: keep the original frequency (fast dims), 0: interpolate
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
+def _longrope(dim: int, params: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or params["max_position_embeddings"] / original
+    attention = params.get("attention_factor")
+    if attention is None:  # Phi-3's default: grows with the extension ratio
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    long = seq_len is not None and seq_len > original
+    ext = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * float(params["rope_theta"]) ** shape), float(attention)
+
+
+def rope_frequencies(rotary_dim: int, params: dict,
+                     seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling of cos/sin), as transformers' ROPE_INIT_FUNCTIONS return
+    them. `seq_len` (the sequence's current length) matters only for LENGTH_DEPENDENT kinds."""
+    base = float(params["rope_theta"])
     kind = params["rope_type"]
     if kind == "default":
-        return inv_freq
+        return _plain_inv_freq(rotary_dim, base), 1.0
     if kind == "linear":
-        return inv_freq / float(params["factor"])
+        return _plain_inv_freq(rotary_dim, base) / float(params["factor"]), 1.0
+    if kind == "dynamic":  # NTK: the base grows once the sequence outgrows the trained length
+        trained = params["max_position_embeddings"]
+        length = max(seq_len or trained, trained)
+        factor = float(params["factor"])
+        base = base * ((factor * length / trained) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
+        return _plain_inv_freq(rotary_dim, base), 1.0
+    if kind == "yarn":
+        return _yarn(rotary_dim, params)
+    if kind == "longrope":
+        return _longrope(rotary_dim, params, seq_len)
     if kind == "llama3":
+        inv_freq = _plain_inv_freq(rotary_dim, base)
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
         old_len = float(params["original_max_position_embeddings"])
@@ -47,8 +114,34 @@ def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
+        return torch.where(is_medium, smoothed, scaled), 1.0
     raise ValueError(f"rope_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:
+    return rope_frequencies(rotary_dim, params)[0]
+
+
+def length_threshold(params: dict) -> int:
+    """Sequence length beyond which a LENGTH_DEPENDENT kind changes its frequencies."""
+    key = "max_position_embeddings" if params["rope_type"] == "dynamic" else "original_max_position_embeddings"
+    return int(params[key])
+
+
+def token_seq_lens(positions: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence length after this step (its sequence's seq_len), from the
+    runner's attention metadata; outside a forward pass, the tokens are one sequence."""
+    from tessera.ops.attention.metadata import current_metadata
+
+    try:
+        md = current_metadata()
+    except RuntimeError:
+        return (positions.max() + 1).expand_as(positions)
+    lens = torch.tensor(md.seq_lens_list, device=positions.device)
+    lens = lens.repeat_interleave(torch.tensor(md.query_lens_list, device=positions.device))
+    if lens.numel() != positions.numel():  # padded rows would shift every later token
+        raise RuntimeError(f"{positions.numel()} positions but the metadata describes {lens.numel()} tokens")
+    return lens
 
 
 @register_op("rotary", name="torch_rotary", priority=0)
@@ -67,18 +160,63 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to max_position, computed once; forward gathers the
-    rows for one step's positions (once per step, shared by every layer)."""
+    rows for one step's positions (once per step, shared by every layer).
+
+    Length-dependent kinds follow transformers' dynamic_rope_update in a single-sequence
+    generate: a token uses the frequencies for the length its sequence has after the step
+    computing it (prompt length at prefill, position + 1 at decode), each sequence of a
+    batch its own (never the batch maximum). longrope keeps a second (long-factor) table;
+    dynamic computes cos/sin on the fly for sequences longer than max_position_embeddings
+    (which the engine's max_model_len cap keeps it from reaching today). Keys already in the
+    cache are never re-rotated, so results match transformers exactly only for sequences
+    that do not cross the threshold after their first step: transformers' Phi-3 generate
+    drops its cache and recomputes when a sequence crosses; a chunked prefill uses the
+    length reached at each chunk's end; a prefix-cache hit reuses keys computed for
+    another sequence's length.
+    """
 
     def __init__(self, head_size: int, max_position: int, params: dict, target: OpTarget):
         super().__init__()
-        inv_freq = inverse_frequencies(head_size, params)
+        self.params, self.dtype = params, target.dtype
+        self.length_dependent = params["rope_type"] in LENGTH_DEPENDENT
+        self.register_buffer("cos_sin", self._table(head_size, max_position, None, target),
+                             persistent=False)
+        if self.length_dependent:
+            self.threshold = length_threshold(params)
+            self.head_size = head_size
+            if params["rope_type"] == "longrope":
+                self.register_buffer("long_cos_sin", self._table(head_size, max_position,
+                                                                 self.threshold + 1, target),
+                                     persistent=False)
+
+    def _table(self, head_size: int, max_position: int, seq_len: int | None,
+               target: OpTarget) -> torch.Tensor:
+        inv_freq, scale = rope_frequencies(head_size, self.params, seq_len)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # Stored in the model dtype, as transformers casts cos/sin before applying them.
-        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(target.dtype)
-        self.register_buffer("cos_sin", cos_sin.to(target.device), persistent=False)
+        # Scaled and cast to the model dtype as transformers does before applying them.
+        return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scale).to(target.dtype).to(target.device)
+
+    def _length_dependent_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        # dynamic may run past the table (sequences longer than it was trained for)
+        rows = self.cos_sin.index_select(0, positions.clamp(max=self.cos_sin.shape[0] - 1))
+        lens = token_seq_lens(positions)
+        beyond = lens > self.threshold
+        if not bool(beyond.any()):
+            return rows
+        if self.params["rope_type"] == "longrope":
+            return torch.where(beyond.unsqueeze(1), self.long_cos_sin.index_select(0, positions), rows)
+        rows = rows.clone()  # dynamic: one set of frequencies per sequence length
+        for length in lens[beyond].unique().tolist():
+            pick = lens == length
+            inv_freq, scale = rope_frequencies(self.head_size, self.params, int(length))
+            freqs = positions[pick].float().unsqueeze(1) * inv_freq.to(positions.device)
+            rows[pick] = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scale).to(rows.dtype)
+        return rows
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin.index_select(0, positions).chunk(2, dim=-1)
+        rows = (self._length_dependent_rows(positions) if self.length_dependent
+                else self.cos_sin.index_select(0, positions))
+        cos, sin = rows.chunk(2, dim=-1)
         return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
 
 

@@ -1,0 +1,16 @@
+from typing import Iterator
+
+import torch
+
+from tessera.models.base import BaseRouter
+from tessera.models.phi3.modeling import Phi3ForCausalLM
+
+
+class Phi3Router(BaseRouter):
+    model_types = ("phi3",)
+    model_cls = Phi3ForCausalLM
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.source.is_gguf:  # llama.cpp's fused phi3 tensor names are not mapped yet
+            raise ValueError("phi3: GGUF checkpoints are not supported yet; use a Hugging Face folder")
+        return super().iter_weights()
