@@ -19,16 +19,23 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         param.tessera_name = name
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_weight_suffixes", ())
+    # optional model hook for names a fragment swap cannot express (e.g. one tensor per
+    # expert into a stacked parameter): name -> (parameter name, shard id), or None
+    map_name = getattr(model, "map_weight_name", None)
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(ignored):
             continue
-        name, shard_id = ckpt_name, None
-        for fragment, (packed_fragment, shard) in packed.items():
-            if f".{fragment}." in ckpt_name:
-                name, shard_id = ckpt_name.replace(f".{fragment}.", f".{packed_fragment}."), shard
-                break
+        mapped = map_name(ckpt_name) if map_name is not None else None
+        if mapped is not None:
+            name, shard_id = mapped
+        else:
+            name, shard_id = ckpt_name, None
+            for fragment, (packed_fragment, shard) in packed.items():
+                if f".{fragment}." in ckpt_name:
+                    name, shard_id = ckpt_name.replace(f".{fragment}.", f".{packed_fragment}."), shard
+                    break
         param = params.get(name)
         if param is None:
             unexpected.append(ckpt_name)

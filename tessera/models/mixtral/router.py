@@ -1,0 +1,8 @@
+from tessera.models.base import BaseRouter
+from tessera.models.mixtral.modeling import MixtralForCausalLM
+
+
+class MixtralRouter(BaseRouter):
+    model_types = ("mixtral",)
+    model_cls = MixtralForCausalLM
+    is_moe = True  # tests/models/test_moe_parity.py

@@ -1,0 +1,8 @@
+from tessera.models.base import BaseRouter
+from tessera.models.qwen3_moe.modeling import Qwen3MoeForCausalLM
+
+
+class Qwen3MoeRouter(BaseRouter):
+    model_types = ("qwen3_moe",)
+    model_cls = Qwen3MoeForCausalLM
+    is_moe = True  # tests/models/test_moe_parity.py

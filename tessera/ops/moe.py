@@ -1,0 +1,131 @@
+"""Mixture-of-experts MLP: a router picks top-k experts per token, each expert is a SwiGLU
+MLP, and a token's output is the routing-weighted sum of its experts' outputs.
+
+Expert weights are stacked, `w13` [E, 2I, H] (gate rows then up rows) and `w2` [E, H, I],
+so one parameter holds every expert and a grouped kernel can index it. Checkpoints store
+one tensor per expert and projection; `expert_weight_target` maps those names to a
+(stacked parameter, (expert, half)) shard, which the layer's weight loader copies in.
+"""
+from __future__ import annotations
+
+import re
+from typing import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.ops.linear import Linear
+from tessera.ops.registry import OpTarget, register_op
+from tessera.ops.weights import copy_checked, make_param
+
+
+@register_op("moe_routing", name="torch_softmax_topk", priority=0)
+def softmax_topk_ref(router_logits: torch.Tensor, top_k: int,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weights [T, k] float32, expert ids [T, k]). Softmax in float32 over all experts,
+    then top-k; `renormalize` rescales the k weights to sum to 1 (Mixtral always,
+    Qwen3-MoE when norm_topk_prob)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@register_op("moe_experts", name="torch_grouped_experts", priority=0)
+def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, k] -> [T, H].
+
+    The T*k (token, expert) pairs are sorted by expert so each expert runs two GEMMs over
+    all of its rows at once; the loop is over experts that got rows, never over tokens."""
+    top_k = ids.shape[1]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)          # pair indices grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // top_k                             # pair -> its token row
+    pair_weights = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start:start + count]
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        down = F.linear(F.silu(gate) * up, w2[expert])
+        # the routing weight multiplies in float32 (as transformers does) before the cast back
+        out.index_add_(0, rows, (down * pair_weights[start:start + count, None]).to(x.dtype))
+        start += count
+    return out
+
+
+ExpertShard = tuple[int, int]  # (expert index, 0 = gate or down / 1 = up)
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`, a linear layer with no bias) + stacked SwiGLU experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, target: OpTarget):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = Linear(hidden_size, num_experts, target)
+        self.experts = StackedExperts(hidden_size, intermediate_size, num_experts, target)
+        self._route = target.op("moe_routing")
+        self._experts = target.op("moe_experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
+        return self._experts(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+
+
+class StackedExperts(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, target: OpTarget):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.w13_weight = make_param((num_experts, 2 * intermediate_size, hidden_size), target.dtype,
+                                     target.device, loader=self._load,
+                                     shard_ids=tuple((e, h) for e in range(num_experts) for h in (0, 1)))
+        self.w2_weight = make_param((num_experts, hidden_size, intermediate_size), target.dtype,
+                                    target.device, loader=self._load,
+                                    shard_ids=tuple((e, 0) for e in range(num_experts)))
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        with torch.no_grad():
+            if shard_id is None:  # a checkpoint that already stores the stacked tensor
+                copy_checked(param.data, tensor, "stacked experts")
+                return
+            expert, half = shard_id
+            if not 0 <= expert < param.shape[0]:
+                raise KeyError(f"expert {expert} out of range; this layer has {param.shape[0]} experts")
+            dst = param.data[expert]
+            if param is self.w13_weight:
+                size = self.intermediate_size
+                dst = dst.narrow(0, half * size, size)
+            copy_checked(dst, tensor, f"expert {expert} shard {half}")
+
+
+# checkpoint projection name -> (stacked parameter, half)
+MIXTRAL_EXPERT_NAMES = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", 0)}
+HF_EXPERT_NAMES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
+                   "down_proj": ("w2_weight", 0)}
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+# transformers' own fused layout (its in-memory modules): [E, 2I, H] gate-then-up, [E, H, I]
+_FUSED = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+_FUSED_RE = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def expert_weight_target(name: str, names: dict[str, tuple[str, int]]
+                         ) -> tuple[str, ExpertShard | None] | None:
+    """A checkpoint name of one expert's projection -> (our parameter, (expert, half)); an
+    already stacked tensor -> (parameter, None); anything else -> None."""
+    match = _PER_EXPERT.match(name)
+    if match and match.group(3) in names:
+        prefix, expert, proj = match.groups()
+        param, half = names[proj]
+        return f"{prefix}.experts.{param}", (int(expert), half)
+    match = _FUSED_RE.match(name)
+    if match:
+        return f"{match.group(1)}.experts.{_FUSED[match.group(2)]}", None
+    return None
