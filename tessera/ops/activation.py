@@ -21,3 +21,19 @@ class SiluAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._act(gate_up)
+
+
+@register_op("gelu_tanh_and_mul", name="torch_gelu_tanh_and_mul", priority=0)
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up: transformers' gelu_pytorch_tanh gated MLP."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class GeluTanhAndMul(nn.Module):
+    def __init__(self, target: OpTarget):
+        super().__init__()
+        self._act = target.op("gelu_tanh_and_mul")
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act(gate_up)

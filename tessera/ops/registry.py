@@ -14,7 +14,7 @@ import torch
 
 OP_KINDS = (
     "embedding", "linear", "rms_norm", "rotary", "silu_and_mul",
-    "kv_write", "paged_attention", "moe_routing", "moe_experts",
+    "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
 )
 PHASES = (None, "prefill", "decode")
 

@@ -1,0 +1,136 @@
+"""Gemma2, assembled from shared ops, following transformers' modeling_gemma2:
+- embeddings scaled by sqrt(hidden_size), the factor rounded to the model dtype;
+- RMSNorm weights stored as (1 + w) at load time, so the shared rms_norm op applies them;
+- four norms per layer (input, post-attention, pre- and post-feedforward);
+- attention scaled by query_pre_attn_scalar ** -0.5, scores soft-capped by
+  attn_logit_softcapping, and a sliding window on the layers layer_types marks
+  "sliding_attention" (every other layer by default);
+- gelu_pytorch_tanh gated MLP; final logits soft-capped by final_logit_softcapping."""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tessera.models.llama.modeling import LlamaForCausalLM, Rope, head_dim_of
+from tessera.ops.activation import GeluTanhAndMul
+from tessera.ops.attention import Attention
+from tessera.ops.embedding import VocabEmbedding
+from tessera.ops.linear import Linear, PackedLinear
+from tessera.ops.norm import RMSNorm
+from tessera.ops.registry import OpTarget
+from tessera.ops.rotary import ApplyRotary, RotaryEmbedding, rope_parameters
+from tessera.ops.weights import copy_checked
+
+
+def _plus_one_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+    # Gemma checkpoints store w and normalise with (1 + w); in float32 this is exact.
+    with torch.no_grad():
+        copy_checked(param.data, 1.0 + tensor.float(), getattr(param, "tessera_name", "norm"))
+
+
+class Gemma2RMSNorm(RMSNorm):
+    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
+        super().__init__(hidden_size, eps, target)
+        self.weight.weight_loader = _plus_one_loader
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"Gemma2 MLP supports gelu_pytorch_tanh only, got {act!r}")
+        size = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, {0: size, 1: size}, target, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, target, bias=False)
+        self.act_fn = GeluTanhAndMul(target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Gemma2Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, target: OpTarget):
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
+                                     target, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, target, bias=bias)
+        self.rotary = ApplyRotary(self.head_dim, target)
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              config.query_pre_attn_scalar ** -0.5, target,
+                              sliding_window=config.sliding_window if sliding else None,
+                              softcap=config.attn_logit_softcapping)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary(q, k, rope)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, target: OpTarget):
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma2Attention(config, layer_idx, target)
+        self.mlp = Gemma2MLP(config, target)
+        self.input_layernorm = Gemma2RMSNorm(size, eps, target)
+        self.post_attention_layernorm = Gemma2RMSNorm(size, eps, target)
+        self.pre_feedforward_layernorm = Gemma2RMSNorm(size, eps, target)
+        self.post_feedforward_layernorm = Gemma2RMSNorm(size, eps, target)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual adds are fused into the next norm (input / pre-feedforward / final).
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(rope, hidden))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
+        # transformers multiplies by sqrt(hidden) rounded to the hidden states' dtype
+        self.normalizer = torch.tensor(config.hidden_size ** 0.5, dtype=target.dtype).item()
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          rope_parameters(config), target)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, target)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = Gemma2RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) * self.normalizer
+        rope = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    model_cls = Gemma2Model
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)  # float32
+        if self.final_softcap is not None:  # model-specific; elementwise on [rows, vocab]
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
