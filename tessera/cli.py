@@ -181,7 +181,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from tessera.inspect import model_table
+    from tessera.inspection import model_table
 
     rows = model_table()
     if args.json:
@@ -200,7 +200,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from tessera.config import ModelConfig
-    from tessera.inspect import format_report, inspect_model
+    from tessera.inspection import format_report, inspect_model
 
     cache_dir = os.environ.get("TESSERA_CACHE_DIR")
     config = ModelConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,

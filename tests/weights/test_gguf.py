@@ -422,11 +422,11 @@ def test_rope_freqs_tensor_is_not_supported_yet(untied, tokenizer_json, tmp_path
 
 
 def test_architecture_tessera_does_not_serve(untied, tokenizer_json, tmp_path):
-    """transformers converts a mistral GGUF's metadata fine; tessera has no mistral router."""
+    """transformers converts a stablelm GGUF's metadata fine; tessera has no stablelm router."""
     from tessera.models.registry import UnsupportedModelError
 
-    path = write_llama_gguf(tmp_path / "mistral.gguf", untied, tokenizer_json, QT.F32, arch="mistral")
-    with pytest.raises(UnsupportedModelError, match=r"'mistral'.*\bllama\b"):
+    path = write_llama_gguf(tmp_path / "stablelm.gguf", untied, tokenizer_json, QT.F32, arch="stablelm")
+    with pytest.raises(UnsupportedModelError, match=r"'stablelm'.*\bllama\b"):
         load(path, tmp_path / "cache")
 
 
