@@ -52,6 +52,7 @@ CASES = {
     "default-mha-tied": (dict(num_key_value_heads=4, tie_word_embeddings=True), (5, 23, 47), (27,)),
     "longrope-short": (longrope(128), (5, 23, 47), (27,)),  # 47 + 32 stays under 128
     "longrope-long": (longrope(32), (33, 40, 47), (33, 40)),  # every prompt is past 32
+    "sliding-window": (dict(sliding_window=8), (5, 23, 47), (27,)),  # window << context
 }
 
 def make_tiny_phi3(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -153,7 +154,6 @@ def test_routed_by_model_type():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(sliding_window=16), "sliding window attention is not supported yet"),
     (dict(partial_rotary_factor=0.5), "partial rotary"),
 ])
 def test_unsupported_configs_are_refused(overrides, message, tmp_path, tiny_tokenizer_dir):

@@ -1,26 +1,20 @@
 """Phi-3: the Llama stack (no biases, SiLU gate-up MLP, RMSNorm) whose checkpoints already
 store the fused `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate, up) tensors:
 they match tessera's PackedLinear layouts, so they load whole (shard_id None) and nothing
-is renamed. Rope kinds (default, longrope with Phi-3's attention scaling, ...) come from
+is renamed. Attention uses config.sliding_window (Mistral's layers). Rope kinds (default, longrope with Phi-3's attention scaling, ...) come from
 the shared RotaryEmbedding."""
 from __future__ import annotations
 
 from transformers import PretrainedConfig
 
 from tessera.models.llama.modeling import LlamaForCausalLM
+from tessera.models.mistral.modeling import MistralModel
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import rope_parameters
 
 
 def check_phi3_config(config: PretrainedConfig) -> None:
     """Refuse what tessera cannot compute exactly, rather than compute something else."""
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < config.max_position_embeddings:
-        # tessera's paged attention is full causal attention (sliding windows are not in
-        # ops/attention yet); a window shorter than the context changes the results.
-        raise ValueError(f"phi3: sliding window attention is not supported yet (config has "
-                         f"sliding_window={window} < max_position_embeddings="
-                         f"{config.max_position_embeddings})")
     partial = rope_parameters(config).get("partial_rotary_factor",
                                           getattr(config, "partial_rotary_factor", 1.0))
     if partial is not None and partial < 1.0:
@@ -32,6 +26,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     # The checkpoint's qkv_proj / gate_up_proj names are already ours: no shards to route.
     # Separate q_proj / gate_proj tensors would be unexpected (an error), not silently packed.
     packed_modules_mapping: dict = {}
+    # Attention as transformers' Phi3: sliding window when config.sliding_window is set
+    # (Phi-3-mini-4k: 2047), full causal otherwise -- Mistral's layers do exactly that.
+    model_cls = MistralModel
 
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         check_phi3_config(config)

@@ -9,6 +9,7 @@ from tessera.models.phi3.modeling import Phi3ForCausalLM
 class Phi3Router(BaseRouter):
     model_types = ("phi3",)
     model_cls = Phi3ForCausalLM
+    supports_sliding_window = True  # tests/models/test_phi3_parity.py "sliding-window"
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.source.is_gguf:  # llama.cpp's fused phi3 tensor names are not mapped yet
