@@ -147,7 +147,7 @@ def write_qwen_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path) ->
     llama.cpp tensor names, Q and K rows NOT permuted, q_norm/k_norm as attn_q_norm/attn_k_norm."""
     import gguf
 
-    from tests.weights.test_gguf import CHAT_TEMPLATE, llama_cpp_name, tokenizer_metadata
+    from tests.weights.gguf_writer import CHAT_TEMPLATE, llama_cpp_name, tokenizer_metadata
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

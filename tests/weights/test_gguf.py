@@ -19,7 +19,6 @@ Three independent checks per type:
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -34,129 +33,16 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tessera.sampling.params import SamplingParams
 from tessera.weights.gguf import iter_gguf_weights
+from tests.weights.gguf_writer import (CHAT_TEMPLATE, CONTEXT, llama_cpp_permute, round_trip, storage_type,
+                                     write_llama_gguf)
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 512  # rows of 64/128: 32-blocks
 HEAD_DIM = HIDDEN // HEADS
-CONTEXT = 512
-ROPE_THETA = 10000.0
 INIT_RANGE = 0.1      # logits spread over a few units, so greedy margins dwarf float32 noise
 NUM_KV_BLOCKS = 64
 NEW_TOKENS = 16
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-
 QTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 CASES = (*QTYPES, "Q8_0-tied")  # tied: llama.cpp writes no output.weight
-
-_LAYER_PARTS = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GLOBAL_PARTS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-# --- writing GGUF files the way llama.cpp does --------------------------------------------------
-
-def llama_cpp_name(hf_name: str) -> str:
-    stem, _, kind = hf_name.rpartition(".")
-    if stem in _GLOBAL_PARTS:
-        return f"{_GLOBAL_PARTS[stem]}.{kind}"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
-    assert m and m.group(2) in _LAYER_PARTS, hf_name
-    return f"blk.{m.group(1)}.{_LAYER_PARTS[m.group(2)]}.{kind}"
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py `LlamaModel.permute` (rotate-half rows -> interleaved pairs)."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
-def round_trip(w: np.ndarray, qtype: QT) -> np.ndarray:
-    """What a loader should get back for `w` stored as `qtype`."""
-    return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).reshape(w.shape)
-
-
-def storage_type(array: np.ndarray, qtype: QT) -> QT:
-    return qtype if array.ndim == 2 else QT.F32  # norms (and biases) stay F32, as in llama.cpp
-
-
-def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict:
-    """llama.cpp's gpt2 vocabulary: tokens by id (padded with [PAD{i}] user-defined tokens to
-    the model's vocab size, as convert_hf_to_gguf.py pads them), types, merges "a b"."""
-    data = json.loads(tokenizer_json.read_text())
-    by_id = {i: t for t, i in data["model"]["vocab"].items()}
-    specials = {t["id"] for t in data["added_tokens"] if t["special"]}
-    for t in data["added_tokens"]:
-        by_id[t["id"]] = t["content"]
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i in by_id:
-            tokens.append(by_id[i])
-            types.append(gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL)
-        else:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    return dict(tokens=tokens, types=types, merges=merges)
-
-
-def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, qtype: QT, *,
-                     context_length: int = CONTEXT, extra_tensors: dict[str, np.ndarray] | None = None,
-                     skip: tuple[str, ...] = (), arch: str = "llama") -> Path:
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny random llama")
-    w.add_context_length(context_length)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(ROPE_THETA)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_vocab_size(cfg.vocab_size)
-    vocab = tokenizer_metadata(tokenizer_json, cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["types"])
-    w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)  # the tiny tokenizer adds no BOS either
-    w.add_chat_template(CHAT_TEMPLATE)
-
-    state = model.state_dict()
-    for hf_name, tensor in state.items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # llama.cpp writes output.weight only when it is not the embedding
-        name = llama_cpp_name(hf_name)
-        if name in skip:
-            continue
-        array = tensor.detach().float().numpy()
-        if name.endswith(("attn_q.weight", "attn_q.bias")):
-            array = llama_cpp_permute(array, cfg.num_attention_heads)
-        elif name.endswith(("attn_k.weight", "attn_k.bias")):
-            array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        stored = storage_type(array, qtype)
-        data = gguf.quants.quantize(np.ascontiguousarray(array), stored)
-        # F32/F16 go in as float arrays (the writer infers the type); everything else as the
-        # quantizer's uint8 rows, with raw_dtype so the writer recovers the element shape.
-        w.add_tensor(name, data, raw_dtype=None if stored in (QT.F32, QT.F16) else stored)
-    for name, array in (extra_tensors or {}).items():
-        w.add_tensor(name, array.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-# --- checkpoints ------------------------------------------------------------------------------
 
 def tiny_llama(make_tiny_llama, seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny random HF Llama with bold init and random norm weights (and biases), so a unit
