@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tessera.config import DTYPES
+from tessera.config import DTYPES, MODEL_IMPLS
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:
@@ -44,6 +44,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
+                   help="native: a tessera model folder; transformers: transformers' modeling code with "
+                        "tessera's paged attention; auto: native when a folder serves the type")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto: bfloat16 on GPUs and on CPUs with native bf16, else float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -77,7 +80,8 @@ def _make_llm(args: argparse.Namespace):
                enable_prefix_caching=not args.no_prefix_caching,
                enable_chunked_prefill=not args.no_chunked_prefill,
                memory_fraction=args.memory_fraction, device=args.device, seed=args.seed,
-               chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode)
+               chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
+               model_impl=args.model_impl)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -195,6 +199,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     for row in cells:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print("\nAny other decoder-only type transformers implements runs on the transformers fallback "
+          "(--model-impl auto|transformers): transformers' modeling code with tessera's paged "
+          "attention, no GGUF.")
     return 0
 
 
@@ -204,7 +211,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     cache_dir = os.environ.get("TESSERA_CACHE_DIR")
     config = ModelConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-                         max_model_len=args.max_model_len,
+                         max_model_len=args.max_model_len, model_impl=args.model_impl,
                          **({"cache_dir": Path(cache_dir)} if cache_dir else {}))
     info = inspect_model(config, device=args.device, block_size=args.block_size, load=not args.no_weights)
     print(json.dumps(info, indent=2) if args.json else format_report(info))
@@ -268,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
-    models = sub.add_parser("models", help="list the native model types and what each supports")
+    models = sub.add_parser("models", help="list the native model types and what each supports (others run on the transformers fallback)")
     models.add_argument("--json", action="store_true", help="machine-readable output")
     models.set_defaults(func=cmd_models)
 
@@ -277,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     insp.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
     insp.add_argument("--dtype", default="auto", choices=DTYPES)
+    insp.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
+                   help="native: a tessera model folder; transformers: transformers' modeling code with "
+                        "tessera's paged attention; auto: native when a folder serves the type")
     insp.add_argument("--device", default="cpu", help="the device the ops are chosen for (cpu or cuda)")
     insp.add_argument("--max-model-len", type=int, default=None)
     insp.add_argument("--block-size", type=int, default=16)

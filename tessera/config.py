@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# native: a tessera model folder; transformers: transformers' modeling code with our paged
+# attention; auto: native when a folder serves the type, else transformers
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 class ConfigError(ValueError):
@@ -25,10 +28,13 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     chat_template: str | None = None
+    model_impl: str = "auto"
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.model_impl in MODEL_IMPLS,
+                 f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
         self.cache_dir = Path(self.cache_dir)

@@ -81,8 +81,6 @@ def _op_json(choice: OpChoice) -> dict[str, Any]:
 def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size: int = 16,
                   load: bool = True) -> dict[str, Any]:
     """Everything `tessera inspect` prints, as plain data (the --json output)."""
-    from tessera.weights.loader import load_weights
-
     router: BaseRouter = get_router(model_config)
     cfg = router.config
     dtype = resolve_dtype(model_config.dtype, device)
@@ -91,7 +89,7 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         model = router.build_model(OpTarget(torch.device(device).type, dtype)).eval()
     loaded = None
     if load:
-        loaded = len(load_weights(model, router.iter_weights()))
+        loaded = router.load_weights(model)
     build_s = time.perf_counter() - started
     attn = [m for m in model.modules() if isinstance(m, Attention)]
     elem = torch.empty((), dtype=dtype).element_size()
@@ -102,8 +100,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         "router": type(router).__name__,
         "model_type": cfg.model_type,
         "model_class": f"{type(model).__module__}.{type(model).__name__}",
-        "path": "native",
-        "path_note": "native model folder (no transformers fallback exists yet)",
+        "path": router.implementation,
+        "path_note": router.path_note(),
         "features": router.features(),
         "config": {
             "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,

@@ -31,10 +31,10 @@ class LLM:
                  num_kv_blocks: int | None = None, memory_fraction: float | None = None,
                  device: str = "cpu", seed: int = 0, chat_template: str | None = None,
                  cache_dir: str | Path | None = None, show_progress: bool = True,
-                 logprobs_mode: str = "raw"):
+                 logprobs_mode: str = "raw", model_impl: str = "auto"):
         model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
                                    dtype=dtype, max_model_len=max_model_len,
-                                   chat_template=chat_template)
+                                   chat_template=chat_template, model_impl=model_impl)
         if cache_dir is not None:
             model_config.cache_dir = Path(cache_dir)
         config = EngineConfig(

@@ -44,7 +44,8 @@ def inspect_json(capsys, *args: str) -> dict:
 
 def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     assert main(["models"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    table, _, note = capsys.readouterr().out.partition("\n\n")
+    lines = table.splitlines()
     header = lines[0].split("  ")
     assert [h.strip() for h in header if h.strip()] == [
         "MODEL TYPE", "MODEL CLASS", "GGUF", "SLIDING WINDOW", "MOE", "TENSOR PARALLEL"]
@@ -53,6 +54,7 @@ def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     assert rows["qwen2"][:3] == ["qwen2", "Qwen2ForCausalLM", "yes"]
     assert rows["qwen3"][:3] == ["qwen3", "Qwen3ForCausalLM", "yes"]
     assert all(row[-1] == "no" for row in rows.values())  # tensor parallel is not built
+    assert "transformers fallback" in note and "--model-impl" in note
 
 
 def test_models_json(capsys):

@@ -26,7 +26,6 @@ from tessera.runner.model_runner import ModelRunner
 from tessera.runner.warmup import plan_kv_cache
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.sampler import Sampler
-from tessera.weights.loader import load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +50,8 @@ class Engine:
         target = OpTarget(self.device.type, self.dtype)
         started = time.perf_counter()
         self.model = self.router.build_model(target).eval()
-        weights = tqdm(self.router.iter_weights(), desc="Loading weights", unit=" tensors",
-                       disable=not show_progress, leave=False)
-        load_weights(self.model, weights)
+        self.router.load_weights(self.model, lambda weights: tqdm(
+            weights, desc="Loading weights", unit=" tensors", disable=not show_progress, leave=False))
         logger.info("loaded %s (%s, %s) in %.1fs", self.router.source.name,
                     type(self.model).__name__, self.dtype, time.perf_counter() - started)
         sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode)

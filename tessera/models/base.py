@@ -10,7 +10,7 @@ import json
 import logging
 from functools import cached_property
 from pathlib import Path
-from typing import ClassVar, Iterator
+from typing import Callable, ClassVar, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from tessera.config import ModelConfig
 from tessera.ops.registry import OpTarget
 from tessera.weights.gguf import iter_gguf_weights
+from tessera.weights.loader import load_weights
 from tessera.weights.safetensors import iter_hf_weights
 from tessera.weights.source import ModelSource
 
@@ -36,6 +37,8 @@ class BaseRouter:
     supports_sliding_window: ClassVar[bool] = False  # sliding-window attention in the paged cache
     is_moe: ClassVar[bool] = False                   # mixture-of-experts MLP
     supports_tensor_parallel: ClassVar[bool] = False  # not built yet for any model
+
+    implementation: ClassVar[str] = "native"       # "native" folder or "transformers" fallback
 
     FEATURES: ClassVar[tuple[str, ...]] = ("supports_gguf", "supports_sliding_window", "is_moe",
                                            "supports_tensor_parallel")
@@ -102,8 +105,18 @@ class BaseRouter:
             raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
         return wanted or limit
 
+    def path_note(self) -> str:
+        """How this model runs, for `tessera inspect`."""
+        return f"native model folder ({type(self).__module__.rsplit('.', 1)[0]})"
+
     def build_model(self, target: OpTarget) -> nn.Module:
         return self.model_cls(self.config, target)
+
+    def load_weights(self, model: nn.Module,
+                     progress: Callable[[Iterable], Iterable] = lambda it: it) -> int:
+        """Load the checkpoint into `model` (progress wraps the tensor stream); returns the
+        number of parameters loaded."""
+        return len(load_weights(model, progress(self.iter_weights())))
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.source.is_gguf:

@@ -48,8 +48,30 @@ def get_router(model_config: ModelConfig, source: ModelSource | None = None) -> 
     metadata_dir = (gguf_metadata_folder(source.path, model_config.cache_dir)
                     if source.is_gguf else source.path)
     model_type = json.loads((metadata_dir / "config.json").read_text()).get("model_type")
-    cls = router_classes().get(model_type)
-    if cls is None:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported types: {', '.join(supported_model_types())}")
+    cls = choose_router(model_type, model_config.model_impl, is_gguf=source.is_gguf)
     return cls(source, metadata_dir, model_config)
+
+
+def choose_router(model_type: str | None, model_impl: str = "auto",
+                  is_gguf: bool = False) -> type[BaseRouter]:
+    """The router for `model_type` under --model-impl: native folders first under auto,
+    transformers' own modeling code for types no folder serves (not for GGUF files, which
+    only native folders load)."""
+    from tessera.models.transformers_fallback.router import TransformersRouter, transformers_has_causal_lm
+
+    native = router_classes().get(model_type)
+    if model_impl == "transformers":
+        return TransformersRouter
+    if native is not None:
+        return native
+    if model_impl == "auto" and transformers_has_causal_lm(model_type) and not is_gguf:
+        return TransformersRouter
+    if is_gguf:
+        fallback = " (GGUF files load only through native folders; the transformers fallback needs a safetensors folder)"
+    elif transformers_has_causal_lm(model_type):  # only reachable under --model-impl native
+        fallback = "; --model-impl auto or transformers runs it through transformers' modeling code"
+    else:
+        fallback = " and transformers has no causal LM for it"
+    raise UnsupportedModelError(
+        f"model_type {model_type!r} has no native folder{fallback}; native types: "
+        f"{', '.join(supported_model_types())}")

@@ -308,11 +308,12 @@ def test_rope_freqs_tensor_is_not_supported_yet(untied, tokenizer_json, tmp_path
 
 
 def test_architecture_tessera_does_not_serve(untied, tokenizer_json, tmp_path):
-    """transformers converts a stablelm GGUF's metadata fine; tessera has no stablelm router."""
+    """transformers converts a stablelm GGUF's metadata fine; tessera has no stablelm folder,
+    and the transformers fallback does not take GGUF files."""
     from tessera.models.registry import UnsupportedModelError
 
     path = write_llama_gguf(tmp_path / "stablelm.gguf", untied, tokenizer_json, QT.F32, arch="stablelm")
-    with pytest.raises(UnsupportedModelError, match=r"'stablelm'.*\bllama\b"):
+    with pytest.raises(UnsupportedModelError, match=r"'stablelm'.*GGUF files load only.*\bllama\b"):
         load(path, tmp_path / "cache")
 
 

@@ -1,0 +1,71 @@
+"""TransformersRouter: serves a model type with no native folder through transformers.
+
+Not registered for any model_type: the registry picks it for `--model-impl transformers`, or
+under `auto` when no native folder claims the type but transformers has a causal LM for it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from tessera.models.base import BaseRouter
+from tessera.models.transformers_fallback.attention import ATTN_IMPLEMENTATION
+from tessera.models.transformers_fallback.modeling import TransformersCausalLM
+from tessera.ops.registry import OpTarget
+
+logger = logging.getLogger(__name__)
+
+
+def transformers_has_causal_lm(model_type: str | None) -> bool:
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+class FallbackUnsupportedError(ValueError):
+    """transformers cannot run this model under tessera's paged attention."""
+
+
+class TransformersRouter(BaseRouter):
+    model_types = ()   # chosen by the registry, never by model_type
+    model_cls = TransformersCausalLM
+    implementation = "transformers"
+
+    def path_note(self) -> str:
+        native = ("no native folder serves it" if self.model_config.model_impl == "auto"
+                  else "--model-impl transformers")
+        return (f"transformers fallback: {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(self.config.model_type, '?')} runs transformers' "
+                f"modeling code with tessera's paged attention ({native})")
+
+    def check_supported(self) -> None:
+        cfg: PretrainedConfig = self.config
+        if self.source.is_gguf:
+            raise FallbackUnsupportedError(
+                "GGUF files load only through native model folders; give the fallback a "
+                "safetensors checkpoint directory")
+        if not transformers_has_causal_lm(cfg.model_type):
+            raise FallbackUnsupportedError(
+                f"transformers has no causal LM for model_type {cfg.model_type!r}")
+        if getattr(cfg, "is_encoder_decoder", False):
+            raise FallbackUnsupportedError(f"{cfg.model_type!r} is an encoder-decoder model; "
+                                           "only decoder-only models are served")
+
+    def build_model(self, target: OpTarget) -> nn.Module:
+        """transformers builds and loads the model itself (its loader knows every
+        architecture's checkpoint layout), with our attention function in place."""
+        self.check_supported()
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(self.source.path), config=self.config, dtype=target.dtype,
+            attn_implementation=ATTN_IMPLEMENTATION)
+        hf_model = hf_model.to(torch.device(target.device)).eval()
+        logger.info("model_type %r runs on the transformers fallback (%s)",
+                    self.config.model_type, type(hf_model).__name__)
+        return TransformersCausalLM(hf_model, target)
+
+    def load_weights(self, model: nn.Module,
+                     progress: Callable[[Iterable], Iterable] = lambda it: it) -> int:
+        """Already loaded by from_pretrained in build_model; the count of tensors it holds."""
+        return len(model.hf_model.state_dict())
