@@ -22,14 +22,13 @@ import pytest
 import torch
 
 from tessera import LLM
-from tessera.sampling.params import SamplingParams
 
-# float32 on both sides: the math is the same, only the kernels and their summation order
-# differ (paged vs dense attention, packed QKV / gate-up GEMMs, decode one token at a time
-# vs one full-sequence forward). Measured max |diff| is ~3e-6 on logits of magnitude ~4;
-# 1e-4 leaves ~30x headroom while any real error (a wrong rope frequency, a dropped bias, a
-# mask off by one) moves logits by 1e-2 or more.
-FP32_ATOL = 1e-4
+from tests.models.parity import (FP32_ATOL, GREEDY_NEW_TOKENS, LogitRecorder, assert_rows_match,
+                                 check_greedy_alone_and_batched, check_prefill_and_decode_logits,
+                                 greedy, hf_generate, hf_logits, prompt_ids)
+
+# FP32_ATOL (float32 on both sides) and the reasoning behind it live in tests/models/parity.py
+# with the helpers the other parity tests share.
 # bfloat16 on both sides (transformers' model cast with .to(bfloat16)): one bf16 ulp at a
 # logit of 4 is 2^-5 = 0.031, and the two sides round intermediate results at different
 # places. Measured max |diff| is ~0.06 (2 ulps) over every case and 32 decode steps; 0.25
@@ -43,9 +42,7 @@ BF16_ATOL = 0.25
 BF16_EXACT_TOKENS = 3
 
 INIT_RANGE = 0.1
-VOCAB = 512
 NUM_KV_BLOCKS = 64  # x 16 tokens: room for every batch below
-GREEDY_NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 23, 47)  # inside one block, across one boundary, across two
 
 ROPE_THETA = 10000.0
@@ -80,32 +77,6 @@ class Case:
         return self._greedy[key]
 
 
-def hf_generate(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy generate, EOS disabled (tessera's ignore_eos=True)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    new = out[0, len(prompt):].tolist()
-    assert len(new) == n
-    return new
-
-
-def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """[len, vocab] float32 logits of one forward over the whole sequence (row i predicts i+1)."""
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float()
-
-
-def greedy(n: int = GREEDY_NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def prompt_ids(length: int, seed: int) -> list[int]:
-    """Random token ids (3.. avoids the special tokens), deterministic per (length, seed)."""
-    g = torch.Generator().manual_seed(1000 * seed + length)
-    return torch.randint(3, VOCAB, (length,), generator=g).tolist()
-
-
 def make_checkpoint(make_tiny_llama, name: str) -> tuple[Path, torch.nn.Module]:
     folder, model = make_tiny_llama(seed=len(name), initializer_range=INIT_RANGE, **CASES[name])
     g = torch.Generator().manual_seed(7)
@@ -126,45 +97,6 @@ def case(request, make_tiny_llama) -> Case:
     return Case(request.param, folder, model, llm)
 
 
-class LogitRecorder:
-    """Wraps the runner's forward (hidden -> model.compute_logits for sampled rows) and
-    records, per sampled row, the request, the length of the prefix it predicts after, and
-    the logits row the sampler saw."""
-
-    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch):
-        self.rows: list[tuple[str, int, torch.Tensor]] = []
-        self.steps: list[dict] = []
-        runner = llm.engine.runner
-        original = runner.forward
-
-        def forward(inputs):
-            logits = original(inputs)
-            assert logits.dtype == torch.float32
-            assert logits.shape == (len(inputs.sampled_rows), VOCAB)
-            for item, row in zip(inputs.sampled_rows, logits):
-                # Called before the engine advances num_computed_tokens.
-                prefix = item.seq.num_computed_tokens + item.num_new_tokens
-                self.rows.append((item.seq.request_id, prefix, row.clone()))
-            meta = inputs.attn
-            self.steps.append(dict(num_decodes=meta.num_decodes, num_seqs=meta.num_seqs,
-                                   query_lens=list(meta.query_lens_list)))
-            return logits
-
-        monkeypatch.setattr(runner, "forward", forward)
-
-    def for_request(self, request_id: str) -> list[tuple[int, torch.Tensor]]:
-        return [(prefix, row) for rid, prefix, row in self.rows if rid == request_id]
-
-
-def assert_rows_match(rows: list[tuple[int, torch.Tensor]], reference: torch.Tensor,
-                      atol: float, what: str) -> None:
-    for prefix, row in rows:
-        expected = reference[prefix - 1]
-        diff = (row - expected).abs().max().item()
-        assert diff <= atol, (f"{what}: logits after {prefix} tokens differ from transformers "
-                              f"by {diff:.3g} > {atol}")
-
-
 def drain(llm: LLM) -> dict[str, list[int]]:
     """Step until every request finished; returns request id -> output tokens."""
     done: dict[str, list[int]] = {}
@@ -179,17 +111,7 @@ def drain(llm: LLM) -> dict[str, list[int]]:
 
 def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
     """One request: the prefill's logits and those of 8 single-token decode steps."""
-    prompt = prompt_ids(27, seed=1)  # decodes cross the block boundary at 32
-    rec = LogitRecorder(case.llm, monkeypatch)
-    out = case.llm.generate([prompt], greedy(9), use_tqdm=False)[0]
-    tokens = out.outputs[0].token_ids
-    assert len(tokens) == 9
-    rows = rec.for_request(out.request_id)
-    assert [p for p, _ in rows] == list(range(27, 36))  # 1 prefill + 8 decodes
-    assert [s["query_lens"] for s in rec.steps] == [[27]] + [[1]] * 8
-    for (_, row), token in zip(rows, tokens):
-        assert int(row.argmax()) == token
-    assert_rows_match(rows, hf_logits(case.hf, prompt + tokens), FP32_ATOL, case.name)
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
 
 
 def test_mixed_batch_logits_match(case: Case, monkeypatch):
@@ -217,14 +139,7 @@ def test_mixed_batch_logits_match(case: Case, monkeypatch):
 # --- greedy tokens ----------------------------------------------------------------------------
 
 def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    prompts = [prompt_ids(n, seed=3) for n in PROMPT_LENGTHS]
-    expected = [case.hf_greedy(p) for p in prompts]
-    for prompt, want in zip(prompts, expected):
-        out = case.llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0]
-        assert out.token_ids == want
-        assert out.finish_reason == "length"
-    batched = case.llm.generate(prompts, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in batched] == expected
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
 
 
 def test_text_prompt_matches_hf_generate(case: Case):

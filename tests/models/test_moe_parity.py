@@ -4,11 +4,10 @@ Both are the Llama (Qwen3) stack with a sparse mixture-of-experts MLP swapped in
 (tessera/ops/moe.py): 4 experts, top-2. Mixtral always renormalises the top-k weights;
 Qwen3-MoE only with norm_topk_prob, so one case has it off. One Qwen3-MoE case keeps a
 dense MLP in a layer (mlp_only_layers). Router weights are drawn large enough that tokens
-really spread over experts; norms are randomised. Same tolerances as test_llama_parity.py.
+really spread over experts; norms are randomised. Same float32 tolerance as test_llama_parity.py (FP32_ATOL, tests/models/parity.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,15 @@ import torch
 from tessera import LLM
 from tessera.models.registry import router_classes
 from tessera.ops.moe import SparseMoE
-from tessera.sampling.params import SamplingParams
 from tessera.weights import WeightLoadError, load_weights
 from tessera.weights.safetensors import iter_hf_weights
 
-from tests.models.test_llama_parity import (FP32_ATOL, LogitRecorder, assert_rows_match,
-                                            hf_generate, hf_logits, prompt_ids)
+from tests.models.parity import (VOCAB, Case, check_greedy_alone_and_batched,
+                                 check_prefill_and_decode_logits)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 512
 NUM_KV_BLOCKS = 64
-GREEDY_NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 23, 47)
 
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -70,14 +66,6 @@ def make_tiny_moe(folder: Path, tokenizer_dir: Path, kind: str, seed: int = 0,
     return model
 
 
-@dataclass
-class Case:
-    name: str
-    folder: Path
-    hf: torch.nn.Module
-    llm: LLM
-
-
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
     kind, overrides = CASES[request.param]
@@ -85,10 +73,6 @@ def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
     hf = make_tiny_moe(folder, tiny_tokenizer_dir, kind, seed=len(request.param), **overrides)
     llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
     return Case(request.param, folder, hf, llm)
-
-
-def greedy(n: int = GREEDY_NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def hf_moe_block(hf_layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -118,23 +102,11 @@ def test_checkpoint_has_what_the_case_claims(case: Case):
 
 
 def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-    prompt = prompt_ids(27, seed=1)  # decodes cross the block boundary at 32
-    rec = LogitRecorder(case.llm, monkeypatch)
-    out = case.llm.generate([prompt], greedy(9), use_tqdm=False)[0]
-    tokens = out.outputs[0].token_ids
-    rows = rec.for_request(out.request_id)
-    assert [p for p, _ in rows] == list(range(27, 36))  # 1 prefill + 8 decodes
-    assert [s["query_lens"] for s in rec.steps] == [[27]] + [[1]] * 8
-    assert_rows_match(rows, hf_logits(case.hf, prompt + tokens), FP32_ATOL, case.name)
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
 
 
 def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    prompts = [prompt_ids(n, seed=3) for n in PROMPT_LENGTHS]
-    expected = [hf_generate(case.hf, p, GREEDY_NEW_TOKENS) for p in prompts]
-    for prompt, want in zip(prompts, expected):
-        assert case.llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
-    batched = case.llm.generate(prompts, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in batched] == expected
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
 
 
 def test_missing_expert_is_a_load_error(case: Case):

@@ -10,11 +10,10 @@ matched: a sequence that crosses the switch during generation. transformers' Phi
 generate then drops its cache and recomputes the whole sequence with the long factors;
 tessera keeps the keys already cached (short factors) and uses the long ones from there on
 (see ops/rotary.py). Reference logits are transformers' step-by-step `generate` logits.
-Same tolerances and reasoning as test_llama_parity.py.
+Same float32 tolerance and reasoning as test_llama_parity.py (FP32_ATOL, tests/models/parity.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,13 @@ import torch
 
 from tessera import LLM
 from tessera.models.registry import router_classes
-from tessera.sampling.params import SamplingParams
 
-from tests.models.test_llama_parity import FP32_ATOL, LogitRecorder, hf_generate, prompt_ids
+from tests.models.parity import (FP32_ATOL, VOCAB, Case, LogitRecorder,
+                                 check_greedy_alone_and_batched, greedy, hf_generate, prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 512
 NUM_KV_BLOCKS = 64
-GREEDY_NEW_TOKENS = 32
 HALF_HEAD = 8  # head_dim 16
 
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -72,23 +69,12 @@ def make_tiny_phi3(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides
     return model
 
 
-@dataclass
-class Case:
-    name: str
-    hf: torch.nn.Module
-    llm: LLM
-
-
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
     folder = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_phi3(folder, tiny_tokenizer_dir, seed=len(request.param), **CASES[request.param][0])
     llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    return Case(request.param, hf, llm)
-
-
-def greedy(n: int = GREEDY_NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return Case(request.param, folder, hf, llm)
 
 
 def hf_step_logits(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -129,12 +115,7 @@ def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
 
 
 def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    prompts = [prompt_ids(n, seed=3) for n in CASES[case.name][1]]
-    expected = [hf_generate(case.hf, p, GREEDY_NEW_TOKENS) for p in prompts]
-    for prompt, want in zip(prompts, expected):
-        assert case.llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
-    batched = case.llm.generate(prompts, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in batched] == expected
+    check_greedy_alone_and_batched(case.llm, case.hf, CASES[case.name][1])
 
 
 def test_longrope_long_factors_matter(tmp_path, tiny_tokenizer_dir):

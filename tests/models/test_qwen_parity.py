@@ -4,12 +4,11 @@ Both are the Llama stack with another attention class swapped in (tessera/models
 qwen3), so this checks what differs: Qwen2's Q/K/V biases (and no o_proj bias), Qwen3's
 per-head q_norm / k_norm before rotary and its explicit head_dim (here not hidden/heads),
 with GQA, tied and untied embeddings. Norm weights and biases are randomised so a loader
-that skipped them, or a model that did not apply them, would fail. Same tolerances and
-reasoning as test_llama_parity.py.
+that skipped them, or a model that did not apply them, would fail. Same float32 tolerance
+and reasoning as test_llama_parity.py (FP32_ATOL, tests/models/parity.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,13 @@ import torch
 
 from tessera import LLM
 from tessera.models.registry import router_classes
-from tessera.sampling.params import SamplingParams
 
-from tests.models.test_llama_parity import (FP32_ATOL, LogitRecorder, assert_rows_match,
-                                            hf_generate, hf_logits, prompt_ids)
+from tests.models.parity import (VOCAB, Case, check_greedy_alone_and_batched,
+                                 check_prefill_and_decode_logits, greedy, hf_generate, prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-VOCAB = 512
 NUM_KV_BLOCKS = 64
-GREEDY_NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 23, 47)
 
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -67,24 +63,13 @@ def make_tiny_qwen(folder: Path, tokenizer_dir: Path, kind: str, seed: int = 0,
     return model
 
 
-@dataclass
-class Case:
-    name: str
-    hf: torch.nn.Module
-    llm: LLM
-
-
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
     kind, overrides = CASES[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_qwen(folder, tiny_tokenizer_dir, kind, seed=len(request.param), **overrides)
     llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    return Case(request.param, hf, llm)
-
-
-def greedy(n: int = GREEDY_NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    return Case(request.param, folder, hf, llm)
 
 
 def test_checkpoint_has_what_the_case_claims(case: Case):
@@ -107,23 +92,11 @@ def test_checkpoint_has_what_the_case_claims(case: Case):
 
 
 def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-    prompt = prompt_ids(27, seed=1)  # decodes cross the block boundary at 32
-    rec = LogitRecorder(case.llm, monkeypatch)
-    out = case.llm.generate([prompt], greedy(9), use_tqdm=False)[0]
-    tokens = out.outputs[0].token_ids
-    rows = rec.for_request(out.request_id)
-    assert [p for p, _ in rows] == list(range(27, 36))  # 1 prefill + 8 decodes
-    assert [s["query_lens"] for s in rec.steps] == [[27]] + [[1]] * 8
-    assert_rows_match(rows, hf_logits(case.hf, prompt + tokens), FP32_ATOL, case.name)
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
 
 
 def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    prompts = [prompt_ids(n, seed=3) for n in PROMPT_LENGTHS]
-    expected = [hf_generate(case.hf, p, GREEDY_NEW_TOKENS) for p in prompts]
-    for prompt, want in zip(prompts, expected):
-        assert case.llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
-    batched = case.llm.generate(prompts, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in batched] == expected
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
 
 
 def test_routed_by_model_type():

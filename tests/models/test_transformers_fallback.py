@@ -7,11 +7,9 @@ routing (--model-impl) picks native first under auto."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from tessera import LLM
 from tessera.config import ModelConfig
@@ -19,11 +17,10 @@ from tessera.inspection import inspect_model
 from tessera.models.registry import UnsupportedModelError
 from tessera.models.transformers_fallback.modeling import TransformersCausalLM
 from tessera.models.transformers_fallback.router import FallbackUnsupportedError
-from tessera.sampling.params import SamplingParams
 
-from tests.models.test_llama_parity import (FP32_ATOL, LogitRecorder, assert_rows_match,
-                                            hf_generate, hf_logits, prompt_ids)
-from tests.models.test_mistral_parity import BASE, make_tiny
+from tests.models.parity import (FP32_ATOL, Case, LogitRecorder, assert_rows_match,
+                                 check_greedy_alone_and_batched, check_prefill_and_decode_logits,
+                                 greedy, hf_generate, hf_logits, make_tiny, prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,14 +49,6 @@ def _mistral_window():
 CASES = {"olmo": _olmo, "stablelm": _stablelm}
 
 
-@dataclass
-class Case:
-    name: str
-    folder: Path
-    hf: torch.nn.Module
-    llm: LLM
-
-
 def build_case(name: str, factory, tmp_path_factory, tokenizer_dir: Path, **llm_kwargs) -> Case:
     config_cls, model_cls, overrides = factory()
     folder = tmp_path_factory.mktemp(name)
@@ -73,10 +62,6 @@ def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
     return build_case(request.param, CASES[request.param], tmp_path_factory, tiny_tokenizer_dir)
 
 
-def greedy(n: int = NEW_TOKENS) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def test_auto_routes_types_without_a_folder_to_the_fallback(case: Case):
     model = case.llm.engine.model
     assert isinstance(model, TransformersCausalLM)
@@ -88,23 +73,11 @@ def test_auto_routes_types_without_a_folder_to_the_fallback(case: Case):
 
 
 def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-    prompt = prompt_ids(27, seed=1)
-    rec = LogitRecorder(case.llm, monkeypatch)
-    out = case.llm.generate([prompt], greedy(9), use_tqdm=False)[0]
-    tokens = out.outputs[0].token_ids
-    rows = rec.for_request(out.request_id)
-    assert [p for p, _ in rows] == list(range(27, 36))
-    assert [s["query_lens"] for s in rec.steps] == [[27]] + [[1]] * 8
-    assert_rows_match(rows, hf_logits(case.hf, prompt + tokens), FP32_ATOL, case.name)
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
 
 
 def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    prompts = [prompt_ids(n, seed=3) for n in PROMPT_LENGTHS]
-    expected = [hf_generate(case.hf, p, NEW_TOKENS) for p in prompts]
-    for prompt, want in zip(prompts, expected):
-        assert case.llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
-    batched = case.llm.generate(prompts, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in batched] == expected
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS, NEW_TOKENS)
 
 
 def test_mixed_steps_chunks_and_cached_prefixes_match(case: Case, monkeypatch):

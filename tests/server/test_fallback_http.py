@@ -7,8 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.models.test_llama_parity import hf_generate
-from tests.models.test_mistral_parity import make_tiny
+from tests.models.parity import hf_generate, make_tiny
 from tests.models.test_transformers_fallback import _olmo
 from tests.server.conftest import PROMPT, start_server
 

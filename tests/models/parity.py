@@ -1,0 +1,182 @@
+"""Shared pieces of the parity tests in tests/models: tessera against transformers on tiny
+random checkpoints.
+
+Helpers that know nothing of one architecture (random prompts, transformers' reference
+tokens and logits, a recorder of the logits rows tessera's sampler saw, the float32
+tolerance, a tiny checkpoint writer) and the checks that several test files run on their
+own cases (`check_*`: plain functions, so pytest collects only the test files' own
+`test_*` wrappers and their ids stay per file).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import LLM
+from tessera.sampling.params import SamplingParams
+
+# float32 on both sides: the math is the same, only the kernels and their summation order
+# differ (paged vs dense attention, packed QKV / gate-up GEMMs, decode one token at a time
+# vs one full-sequence forward). Measured max |diff| is ~3e-6 on logits of magnitude ~4;
+# 1e-4 leaves ~30x headroom while any real error (a wrong rope frequency, a dropped bias, a
+# mask off by one) moves logits by 1e-2 or more.
+FP32_ATOL = 1e-4
+
+VOCAB = 512
+GREEDY_NEW_TOKENS = 32
+
+# A tiny Llama-family config (Mistral's argument names); make_tiny's default base.
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+            tie_word_embeddings=False)
+
+
+@dataclass
+class Case:
+    name: str
+    folder: Path
+    hf: torch.nn.Module  # transformers' model, float32, eval
+    llm: LLM             # tessera, float32
+
+
+def make_tiny(folder: Path, tokenizer_dir: Path, config_cls, model_cls, seed: int = 0,
+              base: dict = BASE, **overrides) -> torch.nn.Module:
+    """Saves a random transformers model (+ the tiny tokenizer) to `folder`; returns the
+    float32 eval-mode model. Norm weights are randomised around 1 (a loader that skipped
+    them, or a model that did not apply them, would fail)."""
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**base, **overrides})).eval()
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return model
+
+
+def hf_generate(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate, EOS disabled (tessera's ignore_eos=True)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    assert len(new) == n
+    return new
+
+
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """[len, vocab] float32 logits of one forward over the whole sequence (row i predicts i+1)."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def greedy(n: int = GREEDY_NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    """Random token ids (3.. avoids the special tokens), deterministic per (length, seed)."""
+    g = torch.Generator().manual_seed(1000 * seed + length)
+    return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+
+class LogitRecorder:
+    """Wraps the runner's forward (hidden -> model.compute_logits for sampled rows) and
+    records, per sampled row, the request, the length of the prefix it predicts after, and
+    the logits row the sampler saw."""
+
+    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch):
+        self.rows: list[tuple[str, int, torch.Tensor]] = []
+        self.steps: list[dict] = []
+        runner = llm.engine.runner
+        original = runner.forward
+
+        def forward(inputs):
+            logits = original(inputs)
+            assert logits.dtype == torch.float32
+            assert logits.shape == (len(inputs.sampled_rows), VOCAB)
+            for item, row in zip(inputs.sampled_rows, logits):
+                # Called before the engine advances num_computed_tokens.
+                prefix = item.seq.num_computed_tokens + item.num_new_tokens
+                self.rows.append((item.seq.request_id, prefix, row.clone()))
+            meta = inputs.attn
+            self.steps.append(dict(num_decodes=meta.num_decodes, num_seqs=meta.num_seqs,
+                                   query_lens=list(meta.query_lens_list)))
+            return logits
+
+        monkeypatch.setattr(runner, "forward", forward)
+
+    def for_request(self, request_id: str) -> list[tuple[int, torch.Tensor]]:
+        return [(prefix, row) for rid, prefix, row in self.rows if rid == request_id]
+
+
+def assert_rows_match(rows: list[tuple[int, torch.Tensor]], reference: torch.Tensor,
+                      atol: float, what: str) -> None:
+    for prefix, row in rows:
+        expected = reference[prefix - 1]
+        diff = (row - expected).abs().max().item()
+        assert diff <= atol, (f"{what}: logits after {prefix} tokens differ from transformers "
+                              f"by {diff:.3g} > {atol}")
+
+
+# --- checks the test files share -------------------------------------------------------------
+
+def check_prefill_and_decode_logits(llm: LLM, hf: torch.nn.Module, name: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request: the prefill's logits and those of 8 single-token decode steps equal
+    transformers' (teacher-forced on tessera's tokens), and each sampled token is its row's
+    argmax."""
+    prompt = prompt_ids(27, seed=1)  # decodes cross the block boundary at 32
+    rec = LogitRecorder(llm, monkeypatch)
+    out = llm.generate([prompt], greedy(9), use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 9
+    rows = rec.for_request(out.request_id)
+    assert [p for p, _ in rows] == list(range(27, 36))  # 1 prefill + 8 decodes
+    assert [s["query_lens"] for s in rec.steps] == [[27]] + [[1]] * 8
+    for (_, row), token in zip(rows, tokens):
+        assert int(row.argmax()) == token
+    assert_rows_match(rows, hf_logits(hf, prompt + tokens), FP32_ATOL, name)
+
+
+def check_greedy_alone_and_batched(llm: LLM, hf: torch.nn.Module, prompt_lengths,
+                                   new_tokens: int = GREEDY_NEW_TOKENS) -> None:
+    """Greedy tokens equal transformers' generate, for each prompt alone, then all batched."""
+    prompts = [prompt_ids(n, seed=3) for n in prompt_lengths]
+    expected = [hf_generate(hf, p, new_tokens) for p in prompts]
+    for prompt, want in zip(prompts, expected):
+        out = llm.generate([prompt], greedy(new_tokens), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == want
+        assert out.finish_reason == "length"
+    batched = llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == expected
+
+
+def check_chunked_prefill(folder: Path, llm: LLM, hf: torch.nn.Module, name: str,
+                          monkeypatch: pytest.MonkeyPatch, num_kv_blocks: int, prompt_lengths,
+                          new_tokens: int = GREEDY_NEW_TOKENS) -> None:
+    """A second engine on `folder` with 16-token steps: the longer prompts go in chunks that
+    attend to cached context; tokens equal `llm`'s unchunked ones and transformers', and
+    every sampled logits row equals transformers'."""
+    prompts = [prompt_ids(n, seed=4) for n in prompt_lengths]
+    whole = [o.outputs[0].token_ids
+             for o in llm.generate(prompts, greedy(new_tokens), use_tqdm=False)]
+    chunked_llm = LLM(folder, dtype="float32", num_kv_blocks=num_kv_blocks,
+                      max_num_batched_tokens=16, max_num_seqs=16, show_progress=False)
+    rec = LogitRecorder(chunked_llm, monkeypatch)
+    outs = chunked_llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+    assert max(sum(s["query_lens"]) for s in rec.steps) == 16
+    assert [o.outputs[0].token_ids for o in outs] == whole
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_generate(hf, prompt, new_tokens)
+        assert_rows_match(rec.for_request(out.request_id), hf_logits(hf, prompt + tokens),
+                          FP32_ATOL, f"{name} chunked {len(prompt)}")
