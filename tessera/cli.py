@@ -66,22 +66,66 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill each prompt in one step (needs --max-num-batched-tokens >= max model length)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the tokenizer's")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many ranks (gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="where the ranks meet (MASTER_ADDR when launched by torchrun)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (default: a free one; MASTER_PORT when launched by torchrun)")
     p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
                    help="logprobs from the model's distribution (raw) or the one sampled from (processed)")
 
 
-def _make_llm(args: argparse.Namespace):
-    from tessera.llm import LLM
+def _parallel_config(args: argparse.Namespace):
+    """Spawned ranks by default; ranks launched per node when torchrun's variables (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) are set."""
+    from tessera.config import ParallelConfig
+
+    tp, env = args.tensor_parallel_size, os.environ
+    if tp > 1 and "RANK" in env and "WORLD_SIZE" in env:
+        if int(env["WORLD_SIZE"]) != tp:
+            raise SystemExit(f"WORLD_SIZE={env['WORLD_SIZE']} but --tensor-parallel-size {tp}: "
+                             "every rank of the group holds one shard, so they must match")
+        port = env.get("MASTER_PORT") or args.master_port
+        if port is None:
+            raise SystemExit("launched ranks meet at MASTER_ADDR:MASTER_PORT; set MASTER_PORT or --master-port")
+        return ParallelConfig(tp, master_addr=env.get("MASTER_ADDR", args.master_addr),
+                              master_port=int(port), launched=True, rank=int(env["RANK"]),
+                              local_rank=int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None)
+    return ParallelConfig(tp, master_addr=args.master_addr, master_port=args.master_port)
+
+
+def _engine_config(args: argparse.Namespace):
+    from tessera.llm import engine_config
 
     cache_dir = os.environ.get("TESSERA_CACHE_DIR")
-    return LLM(args.model, dtype=args.dtype, tokenizer=args.tokenizer, max_model_len=args.max_model_len,
+    return engine_config(args.model, dtype=args.dtype, tokenizer=args.tokenizer, max_model_len=args.max_model_len,
                max_num_seqs=args.batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                enable_prefix_caching=not args.no_prefix_caching,
                enable_chunked_prefill=not args.no_chunked_prefill,
                memory_fraction=args.memory_fraction, device=args.device, seed=args.seed,
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
-               model_impl=args.model_impl)
+               model_impl=args.model_impl, parallel=_parallel_config(args))
+
+
+def _serve_rank_if_not_driver(config) -> bool:
+    """On a launched rank > 0: serve the driver's steps until it shuts down; True when done."""
+    if not (config.parallel.launched and config.parallel.rank != 0):
+        return False
+    from tessera.distributed.worker import launched_rank_main
+
+    logging.getLogger(__name__).info("rank %d of %d: following the driver at %s:%s",
+                                     config.parallel.rank, config.parallel.tensor_parallel_size,
+                                     config.parallel.master_addr, config.parallel.master_port)
+    launched_rank_main(config)
+    return True
+
+
+def _make_llm(args: argparse.Namespace, config=None):
+    from tessera.llm import LLM
+
+    return LLM(config=config or _engine_config(args), show_progress=True)
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -141,7 +185,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if args.stream and (len(prompts) != 1 or params.n != 1 or args.output_file):
         raise SystemExit("--stream prints one prompt's single completion as it is generated")
-    llm = _make_llm(args)
+    config = _engine_config(args)
+    if _serve_rank_if_not_driver(config):
+        return 0
+    llm = _make_llm(args, config)
     token_prompts = [llm.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}])
                      if args.chat or isinstance(p, list) else p for p in prompts]
     started = time.perf_counter()
@@ -178,7 +225,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or resolve_model_source(args.model).name
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY")
-    return run_server(lambda: _make_llm(args).engine,
+    config = _engine_config(args)
+    if _serve_rank_if_not_driver(config):  # rank > 0 of a multi-node group opens no port
+        return 0
+    return run_server(lambda: _make_llm(args, config).engine,
                       model_name=name, host=args.host, port=args.port, api_key=api_key,
                       max_concurrent_requests=args.max_concurrent_requests,
                       max_input_tokens=args.max_input_tokens)

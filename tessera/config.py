@@ -82,10 +82,40 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism. With `tensor_parallel_size` > 1 the engine spawns the other ranks
+    on this machine and rendezvous at `master_addr`:`master_port` (a free port if None).
+    With `launched`, every rank was started from outside (torchrun, or one command per
+    node) and this process is `rank`; all of them meet at `master_addr`:`master_port`.
+    `local_rank` picks the GPU on this node. `timeout_s` bounds start-up and every
+    collective: a rank that stops answering fails the engine instead of hanging it."""
+
+    tensor_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    launched: bool = False
+    rank: int = 0
+    local_rank: int | None = None
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1,
+                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.master_port is None or 0 < self.master_port < 65536,
+                 f"master_port must be in 1..65535, got {self.master_port}")
+        _require(0 <= self.rank < self.tensor_parallel_size,
+                 f"rank {self.rank} outside [0, {self.tensor_parallel_size})")
+        _require(not self.launched or self.master_port is not None,
+                 "ranks launched from outside need master_port (MASTER_PORT) to meet at")
+        _require(self.timeout_s > 0, f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     seed: int = 0
     # where returned logprobs come from: "raw" (the model's distribution, vLLM's default)

@@ -7,7 +7,7 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from tessera.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tessera.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
@@ -20,34 +20,57 @@ class ChatTemplateError(ValueError):
     pass
 
 
-class LLM:
-    """`model=None` loads the embedded default model (SmolLM2-135M-Instruct)."""
+def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
+                  tokenizer: str | None = None, max_model_len: int | None = None,
+                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                  block_size: int = 16,
+                  num_kv_blocks: int | None = None, memory_fraction: float | None = None,
+                  device: str = "cpu", seed: int = 0, chat_template: str | None = None,
+                  cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
+                  model_impl: str = "auto", tensor_parallel_size: int = 1,
+                  parallel: ParallelConfig | None = None) -> EngineConfig:
+    """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments)."""
+    model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
+                               dtype=dtype, max_model_len=max_model_len,
+                               chat_template=chat_template, model_impl=model_impl)
+    if cache_dir is not None:
+        model_config.cache_dir = Path(cache_dir)
+    return EngineConfig(
+        model=model_config,
+        cache=CacheConfig(block_size=block_size, memory_fraction=memory_fraction,
+                          num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_chunked_prefill=enable_chunked_prefill),
+        parallel=parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        device=device, seed=seed, logprobs_mode=logprobs_mode)
 
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto",
-                 tokenizer: str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
-                 block_size: int = 16,
-                 num_kv_blocks: int | None = None, memory_fraction: float | None = None,
-                 device: str = "cpu", seed: int = 0, chat_template: str | None = None,
-                 cache_dir: str | Path | None = None, show_progress: bool = True,
-                 logprobs_mode: str = "raw", model_impl: str = "auto"):
-        model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
-                                   dtype=dtype, max_model_len=max_model_len,
-                                   chat_template=chat_template, model_impl=model_impl)
-        if cache_dir is not None:
-            model_config.cache_dir = Path(cache_dir)
-        config = EngineConfig(
-            model=model_config,
-            cache=CacheConfig(block_size=block_size, memory_fraction=memory_fraction,
-                              num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            device=device, seed=seed, logprobs_mode=logprobs_mode)
+
+class LLM:
+    """`model=None` loads the embedded default model (SmolLM2-135M-Instruct). Keyword
+    arguments are engine_config's; `tensor_parallel_size` > 1 shards the model over that
+    many ranks started on this machine, `parallel` gives the whole ParallelConfig (ports,
+    ranks launched on several machines). Close it (or use `with`) to stop the ranks."""
+
+    def __init__(self, model: str | Path | None = None, *, show_progress: bool = True,
+                 config: EngineConfig | None = None, **kwargs):
+        if config is not None and (model is not None or kwargs):
+            raise TypeError("pass either a ready EngineConfig or model and keyword arguments, not both")
+        config = config or engine_config(model, **kwargs)
         self.show_progress = show_progress
         self.engine = Engine(config, show_progress=show_progress)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

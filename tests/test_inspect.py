@@ -53,7 +53,7 @@ def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     assert rows["llama"][:3] == ["llama", "LlamaForCausalLM", "yes"]
     assert rows["qwen2"][:3] == ["qwen2", "Qwen2ForCausalLM", "yes"]
     assert rows["qwen3"][:3] == ["qwen3", "Qwen3ForCausalLM", "yes"]
-    assert all(row[-1] == "no" for row in rows.values())  # tensor parallel is not built
+    assert all(row[-1] == "yes" for row in rows.values())  # every native type is tensor-parallel
     assert "transformers fallback" in note and "--model-impl" in note
 
 

@@ -12,8 +12,13 @@ from typing import Collection, Iterator, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+import torch.distributed as dist
+
 from tessera.config import ConfigError, EngineConfig
+from tessera.distributed.channel import Command, StepChannel
+from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, rank_device
 from tessera.engine.block_manager import BlockManager
+from tessera.engine.errors import EngineFatalError
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import Scheduler
@@ -22,7 +27,7 @@ from tessera.engine.stats import EngineStats
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
-from tessera.runner.model_runner import ModelRunner
+from tessera.runner.model_runner import ModelRunner, StepResult
 from tessera.runner.warmup import plan_kv_cache
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.sampler import Sampler
@@ -47,7 +52,25 @@ class Engine:
             raise ConfigError(
                 f"without chunked prefill, max_num_batched_tokens ({sched.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
-        target = OpTarget(self.device.type, self.dtype)
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1 and not type(self.router).features()["supports_tensor_parallel"]:
+            raise ConfigError(f"{type(self.router).__name__} ({self.router.config.model_type}) does not "
+                              "support tensor parallelism; `tessera models` lists the types that do")
+        self._fatal: EngineFatalError | None = None
+        # rank 0 of a tensor-parallel group drives; the group spawns (or meets) the others,
+        # which build their own shards while this process builds its own
+        self.tp_group = TensorParallelGroup(config) if tp > 1 else None
+        if self.tp_group is not None:
+            self.device = rank_device(config, 0)
+        try:
+            self._build(config, show_progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, show_progress: bool) -> None:
+        tp = config.parallel.tensor_parallel_size
+        target = OpTarget(self.device.type, self.dtype, tp_size=tp, tp_rank=0)
         started = time.perf_counter()
         self.model = self.router.build_model(target).eval()
         self.router.load_weights(self.model, lambda weights: tqdm(
@@ -55,13 +78,15 @@ class Engine:
         logger.info("loaded %s (%s, %s) in %.1fs", self.router.source.name,
                     type(self.model).__name__, self.dtype, time.perf_counter() - started)
         sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode)
+        channel = StepChannel(self.device) if self.tp_group is not None else None
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device, self.dtype,
-                                  sampler)
+                                  sampler, channel=channel,
+                                  ranks_sharing_memory=tp if self.device.type == "cpu" else 1)
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, self.router.eos_token_ids)
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
@@ -175,7 +200,7 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with requests pending "
                                    f"({self.block_manager.num_free_blocks} free blocks)")
             return []
-        result = self.runner.execute(plan.scheduled)
+        result = self._execute(plan.scheduled)
         self.scheduler.step_done(plan)
         now = time.monotonic()
         processor = self.output_processor
@@ -199,6 +224,41 @@ class Engine:
                 self.requests.pop(group.request_id, None)
             outputs.append(processor.request_output(group, deltas, now))
         return outputs
+
+    def _execute(self, scheduled) -> StepResult:
+        if self._fatal is not None:
+            raise self._fatal
+        if self.tp_group is None:
+            return self.runner.execute(scheduled)
+        try:
+            self.tp_group.check_alive()
+            return self.runner.execute(scheduled)
+        except RankFailedError as exc:
+            self._fatal = exc
+        except (RuntimeError, dist.DistBackendError) as exc:  # a collective failed or timed out
+            try:
+                self.tp_group.check_alive()  # name the rank that died, if it was a local one
+                self._fatal = RankFailedError(f"tensor-parallel step failed: {exc}")
+            except RankFailedError as dead:
+                self._fatal = dead
+            self._fatal.__cause__ = exc
+        logger.error("%s", self._fatal)
+        raise self._fatal
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (no-op without TP).
+        The engine takes no requests afterwards."""
+        group = getattr(self, "tp_group", None)
+        if group is None or group.closed:
+            return
+        runner = getattr(self, "runner", None)
+        if runner is not None and self._fatal is None:
+            try:
+                runner.channel.send(Command.SHUTDOWN)
+            except Exception:  # a rank already gone: close() terminates the rest
+                pass
+        self._fatal = self._fatal or EngineFatalError("the engine was closed")
+        group.close()
 
     def iter_outputs(self, request_ids: Collection[str] | None = None) -> Iterator[RequestOutput]:
         """Step until the given requests (default: all) have finished, yielding their

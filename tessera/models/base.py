@@ -125,4 +125,4 @@ class BaseRouter:
                 self.source.path, permute_qk=self.gguf_permute_qk,
                 num_heads=cfg.num_attention_heads,
                 num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        return iter_hf_weights(self.source.path)
+        return iter_hf_weights(self.source.path, lazy=True)

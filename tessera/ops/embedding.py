@@ -1,12 +1,21 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight).
+
+Vocab-parallel under tensor parallelism: each rank holds an equal chunk of vocabulary rows
+(the last one zero-padded). The embedding looks up the ids in its chunk and the ranks'
+rows are summed; the LM head computes its chunk's logits and the chunks are gathered.
+"""
 from __future__ import annotations
+
+from typing import Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.distributed.parallel import all_gather_last, all_reduce, padded_span
 from tessera.ops.registry import OpTarget, register_op
-from tessera.ops.weights import make_param
+from tessera.ops.weights import copy_checked, make_param
+from tessera.weights.lazy import narrow
 
 
 @register_op("embedding", name="torch_embedding", priority=0)
@@ -14,18 +23,42 @@ def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return F.embedding(input_ids, weight)
 
 
+def _vocab_rows_param(vocab_size: int, hidden_size: int, target: OpTarget) -> nn.Parameter:
+    span = padded_span(vocab_size, target.tp_rank, target.tp_size)
+    owned = max(0, min(span.end, vocab_size) - span.start)  # real rows; the rest is padding
+
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        if tuple(tensor.shape) != (vocab_size, hidden_size):
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model shape {(vocab_size, hidden_size)}")
+        with torch.no_grad():
+            copy_checked(param.data[:owned], narrow(tensor, 0, span.start, owned), "vocabulary rows")
+            param.data[owned:].zero_()
+
+    param = make_param((span.size, hidden_size), target.dtype, target.device, loader=load)
+    param.vocab_start = span.start
+    return param
+
+
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, target: OpTarget):
         super().__init__()
-        self.weight = make_param((vocab_size, hidden_size), target.dtype, target.device)
+        self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
+        self.tp_size = target.tp_size
         self._embed = target.op("embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self._embed(input_ids, self.weight)
+        if self.tp_size == 1:
+            return self._embed(input_ids, self.weight)
+        local = input_ids - self.weight.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = self._embed(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return all_reduce(out, self.tp_size)
 
 
 class LMHead(nn.Module):
-    """Logits for selected rows only (`lm_head_indices`), computed in float32 for sampling."""
+    """Logits for selected rows only (`lm_head_indices`), computed in float32 for sampling;
+    with several ranks every rank ends up with the full row (all-gathered)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, target: OpTarget,
                  tied_to: VocabEmbedding | None = None):
@@ -33,8 +66,12 @@ class LMHead(nn.Module):
         if tied_to is not None:
             self.weight = tied_to.weight  # same Parameter: loaded once, counted once
         else:
-            self.weight = make_param((vocab_size, hidden_size), target.dtype, target.device)
+            self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
+        self.vocab_size, self.tp_size = vocab_size, target.tp_size
         self._linear = target.op("linear")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.weight, None).float()
+        logits = self._linear(hidden, self.weight, None).float()
+        if self.tp_size == 1:
+            return logits
+        return all_gather_last(logits, self.tp_size)[..., :self.vocab_size]

@@ -1,5 +1,11 @@
-"""Linear layers. Packed layers (QKV, gate-up) load several checkpoint tensors into one
-weight, each into its own row range, so one GEMM replaces several."""
+"""Linear layers, replicated or tensor-parallel.
+
+Packed layers (QKV, gate-up) load several checkpoint tensors into one weight, each into its
+own row range, so one GEMM replaces several. Under tensor parallelism they are column-
+parallel (each rank owns a span of every shard's rows) and the layers after them are
+row-parallel (each rank owns the matching input columns; partial outputs are summed over
+the ranks). Checkpoint tensors are narrowed to the rank's span before they are read.
+"""
 from __future__ import annotations
 
 from typing import Hashable
@@ -8,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.distributed.parallel import HeadSplit, Span, all_reduce, even_span, split_heads
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param
+from tessera.weights.lazy import narrow
 
 
 @register_op("linear", name="torch_linear", priority=0)
@@ -18,6 +26,8 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 class Linear(nn.Module):
+    """Replicated: every rank holds the whole weight (routers, small projections)."""
+
     def __init__(self, in_features: int, out_features: int, target: OpTarget, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -29,17 +39,48 @@ class Linear(nn.Module):
         return self._linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """Input columns split over the ranks (`in_span`, default a near-even split); each rank's
+    partial product is summed by all-reduce. The bias is added once, on rank 0."""
+
+    def __init__(self, in_features: int, out_features: int, target: OpTarget, bias: bool = False,
+                 in_span: Span | None = None):
+        span = in_span or even_span(in_features, target.tp_rank, target.tp_size)
+        super().__init__(span.size, out_features, target, bias)
+        self.in_span, self.tp_size, self.full_in_features = span, target.tp_size, in_features
+        self.add_bias = target.tp_rank == 0
+        self.weight.weight_loader = self._load_weight
+
+    def _load_weight(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        expected = (self.out_features, self.full_in_features)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model shape {expected}")
+        with torch.no_grad():
+            copy_checked(param.data, narrow(tensor, 1, self.in_span.start, self.in_span.size),
+                         "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._linear(x, self.weight, self.bias if self.add_bias else None)
+        return all_reduce(out, self.tp_size)
+
+
 class PackedLinear(Linear):
-    """Output rows are the concatenation of named shards, e.g. {"q": 576, "k": 192, "v": 192}.
-    A checkpoint may hold each shard separately (shard_id given) or already packed (None)."""
+    """Output rows are the concatenation of named shards, e.g. {"q": 576, "k": 192, "v": 192}
+    (full sizes). Column-parallel: this rank holds rows `shard_spans[id]` of each shard
+    (default a near-even split of each). A checkpoint may hold each shard separately
+    (shard_id given) or already packed in the same order (None)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[Hashable, int], target: OpTarget,
-                 bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), target, bias)
-        self.shard_sizes = dict(shard_sizes)
+                 bias: bool = False, shard_spans: dict[Hashable, Span] | None = None):
+        spans = shard_spans or {k: even_span(n, target.tp_rank, target.tp_size)
+                                for k, n in shard_sizes.items()}
+        super().__init__(in_features, sum(s.size for s in spans.values()), target, bias)
+        self.full_sizes = dict(shard_sizes)
+        self.spans = spans
+        self.shard_sizes = {k: s.size for k, s in spans.items()}  # this rank's rows per shard
         self.shard_offsets: dict[Hashable, int] = {}
         offset = 0
-        for shard_id, size in shard_sizes.items():
+        for shard_id, size in self.shard_sizes.items():
             self.shard_offsets[shard_id] = offset
             offset += size
         for param in (self.weight, self.bias):
@@ -50,12 +91,46 @@ class PackedLinear(Linear):
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         with torch.no_grad():
             if shard_id is None:  # the checkpoint already stores the packed tensor
-                copy_checked(param.data, tensor, "packed weight")
+                expected = (sum(self.full_sizes.values()), *param.shape[1:])
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"packed weight: checkpoint shape {tuple(tensor.shape)} != model "
+                                     f"shape {expected} (shards {self.full_sizes})")
+                start = 0
+                for sid, full in self.full_sizes.items():
+                    self._copy_rows(param, narrow(tensor, 0, start, full), sid)
+                    start += full
                 return
             if shard_id not in self.shard_offsets:
                 raise KeyError(f"unknown shard {shard_id!r}; this layer packs {list(self.shard_sizes)}")
-            start, size = self.shard_offsets[shard_id], self.shard_sizes[shard_id]
-            copy_checked(param.data.narrow(0, start, size), tensor, f"shard {shard_id!r}")
+            self._copy_rows(param, tensor, shard_id)
+
+    def _copy_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable) -> None:
+        span = self.spans[shard_id]
+        expected = (self.full_sizes[shard_id], *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(tensor.shape)} != "
+                             f"model shape {expected}")
+        copy_checked(param.data.narrow(0, self.shard_offsets[shard_id], span.size),
+                     narrow(tensor, 0, span.start, span.size), f"shard {shard_id!r}")
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.shard_sizes.values()), dim=-1)
+
+
+class QKVLinear(PackedLinear):
+    """The packed Q/K/V projection. Under tensor parallelism a rank owns whole KV-head groups
+    (or one replicated KV head and part of its query heads); `heads` says which, and
+    `o_proj_span` is the matching input span of the output projection."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 target: OpTarget, bias: bool = False):
+        heads: HeadSplit = split_heads(num_heads, num_kv_heads, target.tp_rank, target.tp_size)
+        q, kv = heads.q, heads.kv
+        kv_span = Span(kv.start * head_dim, kv.size * head_dim)
+        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                                       "v": num_kv_heads * head_dim}, target, bias,
+                         shard_spans={"q": Span(q.start * head_dim, q.size * head_dim),
+                                      "k": kv_span, "v": kv_span})
+        self.heads = heads
+        self.num_heads, self.num_kv_heads = q.size, kv.size  # this rank's
+        self.o_proj_span = Span(q.start * head_dim, q.size * head_dim)

@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.distributed.parallel import all_reduce, even_span
 from tessera.ops.linear import Linear
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param
+from tessera.weights.lazy import narrow
 
 
 @register_op("moe_routing", name="torch_softmax_topk", priority=0)
@@ -70,20 +72,27 @@ class SparseMoE(nn.Module):
                  renormalize: bool, target: OpTarget):
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.gate = Linear(hidden_size, num_experts, target)
+        self.gate = Linear(hidden_size, num_experts, target)  # replicated: every rank routes
         self.experts = StackedExperts(hidden_size, intermediate_size, num_experts, target)
+        self.tp_size = target.tp_size
         self._route = target.op("moe_routing")
         self._experts = target.op("moe_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
-        return self._experts(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        out = self._experts(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
+        return all_reduce(out, self.tp_size)  # each rank computed its slice of every expert
 
 
 class StackedExperts(nn.Module):
+    """Under tensor parallelism each rank holds a span of every expert's intermediate
+    dimension (its gate and up rows, the matching down columns); outputs are summed."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, target: OpTarget):
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.full_intermediate = intermediate_size
+        self.span = even_span(intermediate_size, target.tp_rank, target.tp_size)
+        self.intermediate_size = intermediate_size = self.span.size  # this rank's
         self.w13_weight = make_param((num_experts, 2 * intermediate_size, hidden_size), target.dtype,
                                      target.device, loader=self._load,
                                      shard_ids=tuple((e, h) for e in range(num_experts) for h in (0, 1)))
@@ -93,16 +102,35 @@ class StackedExperts(nn.Module):
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         with torch.no_grad():
+            full, span, local = self.full_intermediate, self.span, self.intermediate_size
             if shard_id is None:  # a checkpoint that already stores the stacked tensor
-                copy_checked(param.data, tensor, "stacked experts")
+                num_experts, hidden = self.w2_weight.shape[:2]
+                expected = ((num_experts, 2 * full, hidden) if param is self.w13_weight
+                            else (num_experts, hidden, full))
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"stacked experts: checkpoint shape {tuple(tensor.shape)} != "
+                                     f"model shape {expected}")
+                if param is self.w13_weight:  # [E, 2I, H]: this rank's gate rows, then up rows
+                    for half in (0, 1):
+                        copy_checked(param.data.narrow(1, half * local, local),
+                                     narrow(tensor, 1, half * full + span.start, local), "stacked experts")
+                else:                         # [E, H, I]
+                    copy_checked(param.data, narrow(tensor, 2, span.start, local), "stacked experts")
                 return
             expert, half = shard_id
             if not 0 <= expert < param.shape[0]:
                 raise KeyError(f"expert {expert} out of range; this layer has {param.shape[0]} experts")
             dst = param.data[expert]
-            if param is self.w13_weight:
-                size = self.intermediate_size
-                dst = dst.narrow(0, half * size, size)
+            hidden = dst.shape[0] if param is self.w2_weight else dst.shape[1]
+            expected = (full, hidden) if param is self.w13_weight else (hidden, full)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"expert {expert} shard {half}: checkpoint shape "
+                                 f"{tuple(tensor.shape)} != model shape {expected}")
+            if param is self.w13_weight:  # checkpoint [I, H]: this rank's rows of it
+                dst = dst.narrow(0, half * local, local)
+                tensor = narrow(tensor, 0, span.start, local)
+            else:                         # down [H, I]: this rank's columns
+                tensor = narrow(tensor, 1, span.start, local)
             copy_checked(dst, tensor, f"expert {expert} shard {half}")
 
 

@@ -146,6 +146,11 @@ class OpTarget:
     device: str
     dtype: torch.dtype
     tp_size: int = 1
+    tp_rank: int = 0   # which slice of each sharded layer this process holds
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
 
     def spec(self, kind: str, **fields) -> OpSpec:
         return OpSpec(kind=kind, device=self.device, dtype=self.dtype, tp_size=self.tp_size, **fields)

@@ -6,12 +6,15 @@ from typing import Callable, Hashable
 import torch
 from torch import nn
 
+from tessera.weights.lazy import LazyTensor, materialize
+
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor does not have the shape the model expects."""
 
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor | LazyTensor, what: str) -> None:
+    src = materialize(src)
     if tuple(dst.shape) != tuple(src.shape):
         raise WeightShapeError(f"{what}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
     dst.copy_(src.to(dst.dtype))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tessera.distributed.channel import Command, StepChannel
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.ops.attention import Attention, attention_context
 from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
@@ -29,9 +30,18 @@ class StepResult:
 
 
 class ModelRunner:
+    """On the driver, `channel` (tensor parallelism) mirrors every cache and forward call
+    to the other ranks before running it here; the other ranks run the same methods on
+    what they receive (tessera/distributed/worker.py) and have no sampler."""
+
     def __init__(self, model: nn.Module, block_size: int, device: torch.device,
-                 dtype: torch.dtype, sampler: Sampler):
+                 dtype: torch.dtype, sampler: Sampler | None,
+                 channel: StepChannel | None = None, ranks_sharing_memory: int = 1):
         self.model = model
+        self.channel = channel
+        # ranks whose KV caches come out of the same memory as this one's (CPU ranks on one
+        # host); the cache planner divides what it finds among them
+        self.ranks_sharing_memory = ranks_sharing_memory
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -55,6 +65,8 @@ class ModelRunner:
         masks it, and 0 * NaN is still NaN).
         """
         self.release_kv_cache()
+        if self.channel is not None:
+            self.channel.send(Command.ALLOCATE_KV, num_blocks)
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             layer.kv_cache = (torch.empty(shape, dtype=self.dtype, device=self.device),
@@ -71,6 +83,8 @@ class ModelRunner:
         self._zeroed_blocks = end
 
     def release_kv_cache(self) -> None:
+        if self.channel is not None and self.num_blocks:
+            self.channel.send(Command.RELEASE_KV)
         for layer in self.attn_layers:
             layer.kv_cache = None
         self.num_blocks = 0
@@ -78,10 +92,22 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [S, vocab] (float32) for the rows in `inputs.lm_head_indices`."""
+        if self.channel is not None:
+            self.channel.send(Command.FORWARD, inputs=inputs)
+        hidden = self._run_model(inputs)
+        return self.model.compute_logits(hidden.index_select(0, inputs.lm_head_indices))
+
+    @torch.inference_mode()
+    def forward_no_logits(self, inputs: ModelInputs) -> None:
+        """A step of partial prefill chunks only: fill the cache, no row samples."""
+        if self.channel is not None:
+            self.channel.send(Command.FORWARD_NO_LOGITS, inputs=inputs)
+        self._run_model(inputs)
+
+    def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         self._zero_blocks_up_to(inputs.max_block_id + 1)
         with attention_context(inputs.attn):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-        return self.model.compute_logits(hidden.index_select(0, inputs.lm_head_indices))
+            return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
@@ -89,9 +115,7 @@ class ModelRunner:
         and the prompt logprobs this step computed."""
         inputs = build_inputs(scheduled, self.block_size, self.device)
         if not inputs.sampled_rows and not inputs.prompt_rows:  # only partial prefill chunks
-            self._zero_blocks_up_to(inputs.max_block_id + 1)
-            with attention_context(inputs.attn):
-                self.model(inputs.input_ids, inputs.positions)
+            self.forward_no_logits(inputs)
             return StepResult()
         logits = self.forward(inputs)
         rows = inputs.sampled_rows

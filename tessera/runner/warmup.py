@@ -74,8 +74,8 @@ def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batche
     num_tokens = min(max_num_batched_tokens, max_model_len)
     activation = profile_peak_step(runner, num_tokens, max_num_seqs)
     available = available_memory_bytes(str(runner.device))
-    per_block = runner.kv_bytes_per_block()
-    budget = int(available * memory_fraction) - activation
+    per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
+    budget = int(available * memory_fraction) - activation * runner.ranks_sharing_memory
     num_blocks = max(budget // per_block, 0)
     # More blocks than every sequence at full length could use is memory held for nothing.
     useful = max_num_seqs * ((max_model_len + runner.block_size - 1) // runner.block_size)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence as Seq
 
 from tessera.engine.engine import Engine
+from tessera.engine.errors import EngineFatalError
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
 
@@ -89,6 +90,7 @@ class AsyncEngine:
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        self.engine.close()  # stops tensor-parallel ranks; nothing to do without them
 
     @property
     def is_alive(self) -> bool:
@@ -185,6 +187,8 @@ class AsyncEngine:
                 sink.put(GenerationError(str(exc) or type(exc).__name__))
                 self.engine.abort(request_id)
             self._sinks.clear()
+            if isinstance(exc, EngineFatalError):  # no later step can succeed: the loop dies,
+                raise                                # /health turns 503, new requests get 503
             return
         finally:
             self.step_started = None

@@ -7,14 +7,18 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from tessera.weights.lazy import LazyTensor
 
-def iter_hf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+
+def iter_hf_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """With `lazy`, safetensors tensors come as LazyTensor: a loader reads only the slice it
+    keeps (tensor-parallel ranks), valid until the next tensor is requested."""
     files = sorted(folder.glob("*.safetensors"))
     if files:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, (LazyTensor(f, name) if lazy else f.get_tensor(name))
         return
     bins = sorted(folder.glob("pytorch_model*.bin"))
     if not bins:

@@ -18,17 +18,18 @@ from tessera.models.llama.modeling import LlamaForCausalLM, Rope, head_dim_of
 from tessera.ops.activation import GeluTanhAndMul
 from tessera.ops.attention import Attention
 from tessera.ops.embedding import VocabEmbedding
-from tessera.ops.linear import Linear, PackedLinear
+from tessera.ops.linear import PackedLinear, QKVLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary, RotaryEmbedding, rope_parameters
 from tessera.ops.weights import copy_checked
+from tessera.weights.lazy import materialize
 
 
 def _plus_one_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
     # Gemma checkpoints store w and normalise with (1 + w); in float32 this is exact.
     with torch.no_grad():
-        copy_checked(param.data, 1.0 + tensor.float(), getattr(param, "tessera_name", "norm"))
+        copy_checked(param.data, 1.0 + materialize(tensor).float(), getattr(param, "tessera_name", "norm"))
 
 
 class Gemma2RMSNorm(RMSNorm):
@@ -45,7 +46,7 @@ class Gemma2MLP(nn.Module):
             raise ValueError(f"Gemma2 MLP supports gelu_pytorch_tanh only, got {act!r}")
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, {0: size, 1: size}, target, bias=False)
-        self.down_proj = Linear(size, config.hidden_size, target, bias=False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, target, bias=False)
         self.act_fn = GeluTanhAndMul(target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,13 +57,13 @@ class Gemma2Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, target: OpTarget):
         super().__init__()
         self.head_dim = head_dim_of(config)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        num_heads = config.num_attention_heads
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     target, bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, target, bias=bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, num_heads,
+                                  config.num_key_value_heads, target, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, target,
+                                        bias=bias, in_span=self.qkv_proj.o_proj_span)
         self.rotary = ApplyRotary(self.head_dim, target)
         sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,

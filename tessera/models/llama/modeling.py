@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 from tessera.ops.activation import SiluAndMul
 from tessera.ops.attention import Attention
 from tessera.ops.embedding import LMHead, VocabEmbedding
-from tessera.ops.linear import Linear, PackedLinear
+from tessera.ops.linear import PackedLinear, QKVLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary, RotaryEmbedding, rope_parameters
@@ -29,7 +29,7 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, {0: size, 1: size}, target, bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, target, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, target, bias=bias)
         self.act_fn = SiluAndMul(target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,16 +40,24 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         self.head_dim = head_dim_of(config)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     target, bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, target, bias=bias)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        qkv_bias, o_bias = self.biases(config)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, num_heads, num_kv_heads,
+                                  target, bias=qkv_bias)
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, target,
+                                        bias=o_bias, in_span=self.qkv_proj.o_proj_span)
         self.rotary = ApplyRotary(self.head_dim, target)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, target)
+
+    @staticmethod
+    def biases(config: PretrainedConfig) -> tuple[bool, bool]:
+        """(Q/K/V bias, o_proj bias); Llama: both follow attention_bias."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))

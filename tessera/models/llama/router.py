@@ -7,3 +7,4 @@ class LlamaRouter(BaseRouter):
     model_cls = LlamaForCausalLM
     gguf_permute_qk = True
     supports_gguf = True  # tests/weights/test_gguf.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py

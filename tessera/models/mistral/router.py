@@ -7,3 +7,4 @@ class MistralRouter(BaseRouter):
     model_cls = MistralForCausalLM
     gguf_permute_qk = True  # llama.cpp converts mistral as llama: Q/K rows permuted
     supports_sliding_window = True  # tests/models/test_mistral_parity.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py

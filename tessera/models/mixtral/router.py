@@ -6,3 +6,4 @@ class MixtralRouter(BaseRouter):
     model_types = ("mixtral",)
     model_cls = MixtralForCausalLM
     is_moe = True  # tests/models/test_moe_parity.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py

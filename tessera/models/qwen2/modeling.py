@@ -6,7 +6,6 @@ from transformers import PretrainedConfig
 
 from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
                                            LlamaModel)
-from tessera.ops.linear import Linear, PackedLinear
 from tessera.ops.registry import OpTarget
 
 
@@ -22,13 +21,10 @@ def check_no_sliding_window(config: PretrainedConfig) -> None:
 
 
 class Qwen2Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    @staticmethod
+    def biases(config: PretrainedConfig) -> tuple[bool, bool]:
         # Qwen2 always has Q/K/V biases and never an o_proj bias, whatever attention_bias says.
-        self.qkv_proj = PackedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size},
-                                     target, bias=True)
-        self.o_proj = Linear(q_size, config.hidden_size, target, bias=False)
+        return True, False
 
 
 class Qwen2DecoderLayer(LlamaDecoderLayer):

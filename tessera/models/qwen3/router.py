@@ -7,3 +7,4 @@ class Qwen3Router(BaseRouter):
     model_cls = Qwen3ForCausalLM
     gguf_permute_qk = False  # llama.cpp's converter does not permute qwen3's Q/K
     supports_gguf = True  # tests/models/test_qwen_parity.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py

@@ -6,3 +6,4 @@ class Qwen3MoeRouter(BaseRouter):
     model_types = ("qwen3_moe",)
     model_cls = Qwen3MoeForCausalLM
     is_moe = True  # tests/models/test_moe_parity.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py

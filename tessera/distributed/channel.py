@@ -1,0 +1,79 @@
+"""The driver -> ranks step channel: what the other ranks need to run a step, as two
+broadcasts of int64 tensors (a fixed header, then every index tensor concatenated).
+
+Scheduling, sampling and detokenization stay on the driver (rank 0); the others receive
+token ids, positions, slot mapping, block tables and lengths, run the same forward, and
+take part in the collectives inside it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tessera.ops.attention import AttentionMetadata
+from tessera.runner.inputs import ModelInputs
+
+
+class Command(enum.IntEnum):
+    SHUTDOWN = 0
+    FORWARD = 1            # run the model and the LM head on lm_head_indices
+    FORWARD_NO_LOGITS = 2  # only partial prefill chunks: no rows sample
+    ALLOCATE_KV = 3        # arg = number of blocks
+    RELEASE_KV = 4
+
+
+# command, arg, tokens, seqs, table width, decodes, logit rows, max block id, has padding
+HEADER_LEN = 9
+
+
+@dataclass
+class Received:
+    command: Command
+    arg: int = 0
+    inputs: ModelInputs | None = None
+
+
+class StepChannel:
+    def __init__(self, device: torch.device):
+        self.device = device  # gloo carries CPU tensors, NCCL device tensors
+
+    def send(self, command: Command, arg: int = 0, inputs: ModelInputs | None = None) -> None:
+        """Rank 0: announce a command (and its inputs) to every other rank."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        header[0], header[1] = int(command), arg
+        payload = None
+        if inputs is not None:
+            a = inputs.attn
+            header[2:9] = torch.tensor([inputs.input_ids.numel(), a.num_seqs, a.block_tables.shape[1],
+                                        a.num_decodes, inputs.lm_head_indices.numel(),
+                                        inputs.max_block_id, int(a.has_padding)])
+            payload = torch.cat([inputs.input_ids.long(), inputs.positions.long(), a.slot_mapping.long(),
+                                 a.block_tables.long().flatten(), a.seq_lens.long(),
+                                 a.query_start_loc.long(), inputs.lm_head_indices.long()])
+        dist.broadcast(header.to(self.device), src=0)
+        if payload is not None:
+            dist.broadcast(payload.to(self.device), src=0)
+
+    def recv(self) -> Received:
+        """Other ranks: block until the driver's next command."""
+        header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
+        dist.broadcast(header, src=0)
+        command, arg, tokens, seqs, width, decodes, rows, max_block, padded = header.tolist()
+        command = Command(command)
+        if command not in (Command.FORWARD, Command.FORWARD_NO_LOGITS):
+            return Received(command, arg)
+        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows]
+        payload = torch.empty(sum(sizes), dtype=torch.long, device=self.device)
+        dist.broadcast(payload, src=0)
+        ids, positions, slots, tables, seq_lens, starts, lm_rows = payload.split(sizes)
+        seq_lens_list, starts_list = seq_lens.tolist(), starts.tolist()
+        attn = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables.view(seqs, width).int(),
+            seq_lens=seq_lens.int(), query_start_loc=starts.int(),
+            num_decodes=decodes, num_decode_tokens=decodes, seq_lens_list=seq_lens_list,
+            query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:])],
+            has_padding=bool(padded))
+        return Received(command, arg, ModelInputs(ids, positions, attn, lm_rows, [], max_block))

@@ -1,0 +1,83 @@
+"""A non-driver rank: build this rank's shard of the model, then run whatever the driver
+broadcasts (cache allocation, forwards) until it says shut down."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from tessera.config import EngineConfig
+from tessera.distributed.channel import Command, StepChannel
+from tessera.distributed.launcher import RankInfo, init_rank, launched_rank_info, rank_device
+from tessera.models.registry import get_router
+from tessera.ops.registry import OpTarget
+from tessera.platform import resolve_dtype
+from tessera.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def build_rank_model(config: EngineConfig, rank: int, world_size: int):
+    """(router, model with its weights) for one rank: the same on the driver and the others."""
+    device = rank_device(config, rank)
+    dtype = resolve_dtype(config.model.dtype, config.device)
+    router = get_router(config.model)
+    target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank)
+    model = router.build_model(target).eval()
+    router.load_weights(model)
+    return router, model
+
+
+def serve_rank(config: EngineConfig, info: RankInfo) -> None:
+    """Join the group as `info.rank`, load the shard, and follow the driver's commands."""
+    init_rank(config, info)
+    try:
+        _, model = build_rank_model(config, info.rank, info.world_size)
+        device = rank_device(config, info.rank)
+        runner = ModelRunner(model, config.cache.block_size, device,
+                             resolve_dtype(config.model.dtype, config.device), sampler=None)
+        channel = StepChannel(device)
+        while True:
+            msg = channel.recv()
+            if msg.command == Command.SHUTDOWN:
+                break
+            if msg.command == Command.ALLOCATE_KV:
+                runner.allocate_kv_cache(msg.arg)
+            elif msg.command == Command.RELEASE_KV:
+                runner.release_kv_cache()
+            elif msg.command == Command.FORWARD:
+                runner.forward(msg.inputs)  # its LM head joins the logits all-gather
+            else:
+                runner.forward_no_logits(msg.inputs)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """A spawned rank must not outlive its engine (killed without a chance to say SHUTDOWN)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tessera-parent-watch", daemon=True).start()
+
+
+def spawned_rank_main(config: EngineConfig, info: RankInfo, threads: int) -> None:
+    """Entry point of a rank the engine spawned on this machine."""
+    _exit_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    serve_rank(config, info)
+
+
+def launched_rank_main(config: EngineConfig) -> None:
+    """Entry point of a rank > 0 started from outside (torchrun, one command per node)."""
+    serve_rank(config, launched_rank_info(config))

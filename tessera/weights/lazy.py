@@ -1,0 +1,32 @@
+"""Checkpoint tensors read on demand: a tensor-parallel rank reads only its slice."""
+from __future__ import annotations
+
+import torch
+
+
+class LazyTensor:
+    """A safetensors tensor not read yet. `narrow` reads one slice of it from the file,
+    `load` reads all of it."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+        self.name = name
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def materialize(tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
+    return tensor.load() if isinstance(tensor, LazyTensor) else tensor
+
+
+def narrow(tensor: torch.Tensor | LazyTensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """A slice of a checkpoint tensor, read from the file only for that slice when lazy."""
+    if start < 0 or start + length > tensor.shape[dim]:
+        raise ValueError(f"slice [{start}, {start + length}) of dim {dim} is outside shape {tuple(tensor.shape)}")
+    return tensor.narrow(dim, start, length)

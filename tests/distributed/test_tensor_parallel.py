@@ -1,0 +1,200 @@
+"""Tensor parallelism on CPU over gloo: two ranks (the engine's own process and one it
+starts) give transformers' greedy tokens for tiny checkpoints of every native type --
+uneven head and vocabulary splits, fewer KV heads than ranks (replicated), MHA with biases
+and tied embeddings, MoE experts -- and the default model's TP=1 tokens. A killed rank
+fails the engine within seconds; each rank reads only its slices of a safetensors file."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import LLM
+from tessera.config import ConfigError
+from tessera.distributed.launcher import RankFailedError
+from tessera.distributed.parallel import Span, TensorParallelError, split_heads
+from tessera.models.registry import router_classes
+from tessera.sampling.params import SamplingParams
+
+from tests.models.parity import BASE, hf_generate, make_tiny, prompt_ids
+from tests.models.test_moe_parity import make_tiny_moe
+from tests.models.test_phi3_parity import make_tiny_phi3
+from tests.models.test_qwen_parity import make_tiny_qwen
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (5, 23, 47)
+
+
+def greedy(n: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def generate(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(n), use_tqdm=False)]
+
+
+def check_tp2_matches_hf(folder: Path, hf: torch.nn.Module) -> LLM:
+    """TP=2 greedy tokens, batched, equal transformers' (each prompt alone)."""
+    prompts = [prompt_ids(n, seed=3) for n in PROMPT_LENGTHS]
+    expected = [hf_generate(hf, p, NEW_TOKENS) for p in prompts]
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False,
+             tensor_parallel_size=2) as llm:
+        assert llm.engine.runner.model is not None and llm.engine.tp_group.world_size == 2
+        assert generate(llm, prompts) == expected
+    return llm
+
+
+# --- how heads are cut ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads, kv, size, want", [
+    (9, 3, 2, [(Span(0, 3), Span(0, 1)), (Span(3, 6), Span(1, 2))]),      # SmolLM2: whole groups, uneven
+    (4, 1, 2, [(Span(0, 2), Span(0, 1)), (Span(2, 2), Span(0, 1))]),      # one KV head, replicated
+    (8, 2, 4, [(Span(0, 2), Span(0, 1)), (Span(2, 2), Span(0, 1)),
+               (Span(4, 2), Span(1, 1)), (Span(6, 2), Span(1, 1))]),
+    (4, 4, 2, [(Span(0, 2), Span(0, 2)), (Span(2, 2), Span(2, 2))]),      # MHA
+])
+def test_heads_split_into_whole_groups_or_replicated_kv(heads, kv, size, want):
+    got = [split_heads(heads, kv, r, size) for r in range(size)]
+    assert [(s.q, s.kv) for s in got] == want
+    assert sum(s.q.size for s in got) == heads  # every query head computed exactly once
+
+
+@pytest.mark.parametrize("heads, kv, size", [(6, 2, 3), (2, 1, 4)])
+def test_impossible_splits_are_refused(heads, kv, size):
+    with pytest.raises(TensorParallelError):
+        split_heads(heads, kv, 0, size)
+
+
+# --- each rank reads only its slices -----------------------------------------------------------
+
+def test_rank_loads_only_its_slices_without_reading_whole_tensors(make_tiny_llama, monkeypatch):
+    from tessera.models.registry import get_router
+    from tessera.config import ModelConfig
+    from tessera.ops.registry import OpTarget
+    from tessera.weights import lazy
+
+    folder, hf = make_tiny_llama(vocab_size=511, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=130)
+    whole_reads: list[tuple] = []
+    original = lazy.LazyTensor.load
+    monkeypatch.setattr(lazy.LazyTensor, "load",
+                        lambda self: whole_reads.append(tuple(self.shape)) or original(self))
+    router = get_router(ModelConfig(model=str(folder)))
+    model = router.build_model(OpTarget("cpu", torch.float32, tp_size=2, tp_rank=1)).eval()
+    router.load_weights(model)
+    # only 1-D norm weights are read whole; every matrix is read as this rank's slice
+    assert whole_reads and all(len(shape) == 1 for shape in whole_reads)
+    ours, theirs = model.model.layers[0], hf.model.layers[0]
+    # rank 1 of 2 with 4 heads / 2 KV heads (head_dim 16): query heads 2-3, KV head 1
+    q, k, v = ours.self_attn.qkv_proj.weight.split([32, 16, 16])
+    torch.testing.assert_close(q, theirs.self_attn.q_proj.weight[32:64])
+    torch.testing.assert_close(k, theirs.self_attn.k_proj.weight[16:32])
+    torch.testing.assert_close(v, theirs.self_attn.v_proj.weight[16:32])
+    torch.testing.assert_close(ours.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight[:, 32:64])
+    torch.testing.assert_close(ours.mlp.down_proj.weight, theirs.mlp.down_proj.weight[:, 65:130])
+    # vocabulary rows 256..510 and one zero row of padding
+    emb = model.model.embed_tokens.weight
+    torch.testing.assert_close(emb[:255], hf.model.embed_tokens.weight[256:])
+    assert emb.shape[0] == 256 and not emb[255].any()
+
+
+# --- parity with transformers at TP=2 ----------------------------------------------------------
+
+LLAMA_CASES = {
+    # 6 query / 3 KV heads: rank 0 computes one KV group, rank 1 two; odd vocab and MLP widths
+    "uneven-gqa": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                       vocab_size=511, intermediate_size=130),
+    "one-kv-head-replicated": dict(num_attention_heads=4, num_key_value_heads=1),
+    "mha-bias-tied": dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+                          mlp_bias=True, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", list(LLAMA_CASES))
+def test_llama_tp2_matches_transformers(name, make_tiny_llama):
+    folder, hf = make_tiny_llama(seed=len(name), initializer_range=0.1, **LLAMA_CASES[name])
+    check_tp2_matches_hf(folder, hf)
+
+
+def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Module:
+    if kind in ("qwen2", "qwen3"):
+        return make_tiny_qwen(folder, tokenizer_dir, kind, seed=5)
+    if kind == "mixtral":
+        return make_tiny_moe(folder, tokenizer_dir, "mixtral", seed=5, num_local_experts=4,
+                             intermediate_size=96)
+    if kind == "qwen3_moe":
+        return make_tiny_moe(folder, tokenizer_dir, "qwen3_moe", seed=5, num_experts=4,
+                             moe_intermediate_size=48, num_experts_per_tok=2, norm_topk_prob=True)
+    if kind == "phi3":
+        return make_tiny_phi3(folder, tokenizer_dir, seed=5)
+    if kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+        return make_tiny(folder, tokenizer_dir, MistralConfig, MistralForCausalLM, seed=5, sliding_window=8)
+    if kind == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        from tests.models.test_gemma2_parity import BASE as GEMMA2_BASE
+        return make_tiny(folder, tokenizer_dir, Gemma2Config, Gemma2ForCausalLM, seed=5,
+                         base=GEMMA2_BASE, attn_implementation="eager")
+    raise AssertionError(kind)
+
+
+ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "mixtral", "qwen3_moe")
+
+
+@pytest.mark.parametrize("kind", ZOO)
+def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
+    hf = _zoo_checkpoint(kind, tmp_path, tiny_tokenizer_dir)
+    assert hf.config.model_type == kind
+    check_tp2_matches_hf(tmp_path, hf)
+
+
+def test_every_native_type_claims_tensor_parallel():
+    tested = {"llama", *ZOO}
+    assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
+
+
+def test_default_model_tp2_equals_tp1(default_gguf):
+    """SmolLM2-135M (9 query / 3 KV heads, 49152-token vocabulary, Q4_1 GGUF dequantized
+    and sliced per rank): the same greedy tokens as one rank."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Paged attention is"]
+    one = LLM(dtype="float32", num_kv_blocks=64, show_progress=False)
+    token_prompts = [one.tokenizer(p).input_ids for p in prompts]
+    expected = generate(one, token_prompts)
+    with LLM(dtype="float32", num_kv_blocks=64, show_progress=False, tensor_parallel_size=2) as two:
+        assert generate(two, token_prompts) == expected
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+def test_killed_rank_fails_the_engine_within_seconds(make_tiny_llama):
+    folder, _ = make_tiny_llama(max_position_embeddings=4096)
+    with LLM(folder, dtype="float32", num_kv_blocks=300, show_progress=False,
+             tensor_parallel_size=2) as llm:
+        assert generate(llm, [[5] * 10], 4)  # healthy first
+        llm.engine.tp_group.processes[0].kill()
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1"):
+            generate(llm, [[5] * 10], 4000)
+        assert time.monotonic() - started < 10
+        with pytest.raises(RankFailedError):  # and stays failed
+            generate(llm, [[7] * 3], 2)
+
+
+def test_fallback_models_refuse_tensor_parallel(tmp_path, tiny_tokenizer_dir):
+    from tests.models.test_transformers_fallback import _olmo
+
+    config_cls, model_cls, overrides = _olmo()
+    make_tiny(tmp_path, tiny_tokenizer_dir, config_cls, model_cls, **overrides)
+    with pytest.raises(ConfigError, match="does not support tensor parallelism"):
+        LLM(tmp_path, dtype="float32", num_kv_blocks=8, show_progress=False, tensor_parallel_size=2)
+
+
+def test_unsplittable_model_is_a_clear_error(make_tiny_llama):
+    folder, _ = make_tiny_llama(num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(TensorParallelError, match="cannot be split over 4 ranks"):
+        LLM(folder, dtype="float32", num_kv_blocks=8, show_progress=False, tensor_parallel_size=4)
