@@ -188,7 +188,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     if _serve_rank_if_not_driver(config):
         return 0
-    llm = _make_llm(args, config)
+    with _make_llm(args, config) as llm:
+        return _generate(args, llm, prompts, params)
+
+
+def _generate(args: argparse.Namespace, llm, prompts: list, params) -> int:
     token_prompts = [llm.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}])
                      if args.chat or isinstance(p, list) else p for p in prompts]
     started = time.perf_counter()

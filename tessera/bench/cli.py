@@ -54,12 +54,17 @@ def _scenario(args: argparse.Namespace, engine) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tessera.bench.offline import tessera_latency, tessera_throughput
     from tessera.cli import _make_llm
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = _make_llm(args)
+    with _make_llm(args) as llm:
+        return _bench(args, llm)
+
+
+def _bench(args: argparse.Namespace, llm) -> int:
+    from tessera.bench.offline import tessera_latency, tessera_throughput
+
     engine = llm.engine
     if args.workload in ("prefix", "chunked"):
         return _scenario(args, engine)

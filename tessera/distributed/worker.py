@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from tessera.config import EngineConfig
 from tessera.distributed.channel import Command, StepChannel
@@ -33,29 +33,35 @@ def build_rank_model(config: EngineConfig, rank: int, world_size: int):
 
 
 def serve_rank(config: EngineConfig, info: RankInfo) -> None:
-    """Join the group as `info.rank`, load the shard, and follow the driver's commands."""
+    """Join the group as `info.rank`, load the shard, and follow the driver's commands
+    until SHUTDOWN. Then the caller should leave with `exit_now()`: tearing the group down
+    races with the driver closing its rendezvous store (a C++ abort at exit, seen here
+    about one run in three), and a rank has nothing left to flush but stdio."""
     init_rank(config, info)
-    try:
-        _, model = build_rank_model(config, info.rank, info.world_size)
-        device = rank_device(config, info.rank)
-        runner = ModelRunner(model, config.cache.block_size, device,
-                             resolve_dtype(config.model.dtype, config.device), sampler=None)
-        channel = StepChannel(device)
-        while True:
-            msg = channel.recv()
-            if msg.command == Command.SHUTDOWN:
-                break
-            if msg.command == Command.ALLOCATE_KV:
-                runner.allocate_kv_cache(msg.arg)
-            elif msg.command == Command.RELEASE_KV:
-                runner.release_kv_cache()
-            elif msg.command == Command.FORWARD:
-                runner.forward(msg.inputs)  # its LM head joins the logits all-gather
-            else:
-                runner.forward_no_logits(msg.inputs)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    _, model = build_rank_model(config, info.rank, info.world_size)
+    device = rank_device(config, info.rank)
+    runner = ModelRunner(model, config.cache.block_size, device,
+                         resolve_dtype(config.model.dtype, config.device), sampler=None)
+    channel = StepChannel(device)
+    while True:
+        msg = channel.recv()
+        if msg.command == Command.SHUTDOWN:
+            break
+        if msg.command == Command.ALLOCATE_KV:
+            runner.allocate_kv_cache(msg.arg)
+        elif msg.command == Command.RELEASE_KV:
+            runner.release_kv_cache()
+        elif msg.command == Command.FORWARD:
+            runner.forward(msg.inputs)  # its LM head joins the logits all-gather
+        else:
+            runner.forward_no_logits(msg.inputs)
+
+
+def exit_now(code: int = 0) -> None:
+    """Leave the process at once (after flushing stdio), skipping interpreter teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_with_parent() -> None:
@@ -76,8 +82,10 @@ def spawned_rank_main(config: EngineConfig, info: RankInfo, threads: int) -> Non
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{info.rank} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     serve_rank(config, info)
+    exit_now()
 
 
 def launched_rank_main(config: EngineConfig) -> None:
     """Entry point of a rank > 0 started from outside (torchrun, one command per node)."""
     serve_rank(config, launched_rank_info(config))
+    exit_now()

@@ -198,3 +198,36 @@ def test_unsplittable_model_is_a_clear_error(make_tiny_llama):
     folder, _ = make_tiny_llama(num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(TensorParallelError, match="cannot be split over 4 ranks"):
         LLM(folder, dtype="float32", num_kv_blocks=8, show_progress=False, tensor_parallel_size=4)
+
+
+# --- across machines: ranks launched from outside ----------------------------------------------
+
+def test_two_launched_ranks_as_two_nodes_match_one_rank(make_tiny_llama, tmp_path):
+    """Two `tessera generate` processes with torchrun's variables (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) meet over loopback as two nodes would: rank 0 prints the
+    text, rank 1 serves its shard and exits when rank 0 is done."""
+    import os
+    import subprocess
+    import sys
+
+    from tessera.distributed.launcher import free_port
+
+    folder, _ = make_tiny_llama(seed=3, num_attention_heads=4, num_key_value_heads=2)
+    prompt = "The quick brown fox"
+    args = [sys.executable, "-m", "tessera.cli", "generate", prompt, "--model", str(folder),
+            "--dtype", "float32", "--num-kv-blocks", "64", "--max-new-tokens", "24", "--ignore-eos",
+            "--tensor-parallel-size", "2"]
+    port = str(free_port("127.0.0.1"))
+    procs = []
+    for rank in (1, 0):  # the order of arrival does not matter
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "TESSERA_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    rank1_stdout, rank0_stdout = outs[0][0], outs[1][0]
+    assert rank1_stdout == ""  # only the driver answers
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as one:
+        want = one.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].text
+    assert rank0_stdout.strip() == want.strip()

@@ -1,0 +1,42 @@
+"""`tessera serve` with two tensor-parallel ranks over real HTTP: the same tokens as one
+rank, and a rank that dies turns /health to 503 and every request into an error within
+seconds (no hang)."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import PROMPT, start_server, wait_until
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BODY = {"inputs": PROMPT, "parameters": {"max_new_tokens": 12, "details": True}}
+
+
+def test_tp2_serves_one_ranks_tokens_and_fails_loudly_when_a_rank_dies(tiny_model_dir):
+    one = start_server(tiny_model_dir)
+    try:
+        want = httpx.post(f"{one.url}/generate", json=BODY, timeout=30).json()
+    finally:
+        one.stop()
+    two = start_server(tiny_model_dir, llm_kwargs={"tensor_parallel_size": 2})
+    try:
+        r = httpx.post(f"{two.url}/generate", json=BODY, timeout=30)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["generated_text"] == want["generated_text"]
+        assert [t["id"] for t in got["details"]["tokens"]] == [t["id"] for t in want["details"]["tokens"]]
+        two.engine.engine.tp_group.processes[0].kill()
+        started = time.monotonic()
+        r = httpx.post(f"{two.url}/generate", json=BODY, timeout=30)
+        assert r.status_code in (424, 503), r.text
+        assert "rank 1" in r.json()["error"] or r.status_code == 503
+        assert wait_until(lambda: httpx.get(f"{two.url}/health", timeout=5).status_code == 503, timeout=10)
+        assert time.monotonic() - started < 15
+        r = httpx.post(f"{two.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT,
+                                                          "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503, r.text
+    finally:
+        two.stop()
