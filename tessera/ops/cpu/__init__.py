@@ -1,0 +1,1 @@
+"""Hand-written CPU kernels (C, compiled once on first use) behind registry builders."""

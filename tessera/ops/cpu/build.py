@@ -1,0 +1,55 @@
+"""Compile a C kernel of this folder once and load it with ctypes.
+
+The shared library is cached under the tessera cache folder by a hash of its source and
+flags, built into a temporary file and renamed into place (tensor-parallel ranks may build
+at the same time). A plain C file compiles in about a second, where a torch C++ extension
+would take most of a minute of header parsing; the kernels take raw pointers, so ctypes
+(which releases the GIL during the call) is all the binding they need.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+CACHE = Path.home() / ".cache" / "tessera" / "kernels"
+FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma")
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+@lru_cache(maxsize=None)
+def load_kernel(source_name: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
+    """Build (once) and load tessera/ops/cpu/<source_name>; KernelBuildError says why not."""
+    source = HERE / source_name
+    cc = compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler (cc or gcc) on PATH")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir / f"{source.stem}-{digest}.so"
+    if not target.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+        os.close(fd)
+        result = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            raise KernelBuildError(f"{cc} failed on {source.name}: {result.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+        logger.info("built %s", target)
+    return ctypes.CDLL(str(target))

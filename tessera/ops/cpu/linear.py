@@ -1,0 +1,84 @@
+"""The bf16 GEMV builder for `linear` on CPUs with AVX512-BF16.
+
+Decode at small batch multiplies a few rows by every weight matrix; torch's bf16 GEMM
+streams weights at 11-14 GB/s there (docs/benchmarks.md), a third of what the memory
+delivers. For up to `max_rows` rows this builder runs gemv_bf16.c; larger batches (and
+anything not contiguous bf16) go to F.linear, whose GEMM is the better kernel there.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tessera.ops.cpu.build import KernelBuildError, load_kernel
+from tessera.ops.registry import OpSpec, register_op
+
+# Up to this many rows the kernel beats torch's GEMM on the 2-core host (4 and more rows
+# amortise each weight load over more products; measured in tests/ops/test_cpu_gemv.py's
+# companion benchmark `python -m tessera.ops.cpu.bench_gemv`).
+MAX_ROWS = 4
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    lib = load_kernel("gemv_bf16.c")
+    lib.tessera_gemv_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tessera_gemv_bf16.restype = ctypes.c_int
+    return lib
+
+
+def kernel_unavailable() -> str | None:
+    """Why the kernel cannot run here, or None."""
+    if not cpu_has_avx512_bf16():
+        return "this CPU has no AVX512-BF16"
+    try:
+        _library()
+    except (KernelBuildError, OSError) as exc:
+        return f"kernel unavailable: {exc}"
+    return None
+
+
+def _check(spec: OpSpec) -> list[str]:
+    reason = kernel_unavailable()
+    return [reason] if reason else []
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [m, k] (m <= 8), weight [n, k], both contiguous bf16 -> [m, n] bf16 (no bias)."""
+    return _gemv(x, weight, None)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    status = _library().tessera_gemv_bf16(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        m, n, k, torch.get_num_threads())
+    if status:
+        raise ValueError(f"gemv_bf16 refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    return y
+
+
+@register_op("linear", name="cpu_gemv_bf16", priority=10, devices=("cpu",),
+             dtypes=(torch.bfloat16,), check=_check)
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if (not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or not weight.is_contiguous() or weight.shape[1] != k
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
+        return F.linear(x, weight, bias)
+    y = _gemv(x.reshape(rows, k).contiguous(), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
