@@ -1,4 +1,5 @@
-"""`tessera bench throughput | latency`: tessera beside transformers' `generate`, one process."""
+"""`tessera bench throughput | latency | prefix | chunked`: tessera beside transformers' `generate`
+or a feature on and off, one process; `tessera bench serve`: a running server over HTTP."""
 from __future__ import annotations
 
 import argparse
@@ -13,11 +14,12 @@ from tessera.bench.workload import Workload
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
-    bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked"),
+    bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "serve"),
                        help="throughput/latency: beside --baseline; prefix: TTFT of a request "
                             "sharing a long prefix, caching on vs off; chunked: decode ITL while a "
-                            "long prompt arrives, chunked prefill on vs off")
-    bench.add_argument("--num-prompts", type=int, default=32, help="throughput: prompts in the run")
+                            "long prompt arrives, chunked prefill on vs off; serve: TTFT, TPOT, ITL "
+                            "and throughput of a running server (--url)")
+    bench.add_argument("--num-prompts", type=int, default=32, help="throughput/serve: prompts in the run")
     bench.add_argument("--batch-sizes", default="1", help="latency: comma-separated batch sizes")
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
@@ -29,6 +31,21 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench.add_argument("--baseline", choices=("transformers",), default=None)
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     bench.add_argument("--output-json", default=None)
+    serve = bench.add_argument_group("serve", "the serving benchmark; start `tessera serve` (or any "
+                                     "TGI/OpenAI server) first. --seed seeds prompts and arrivals; "
+                                     "--model names the OpenAI model (default: its /v1/models)")
+    serve.add_argument("--url", default=None, help="the running server, e.g. http://127.0.0.1:8080")
+    serve.add_argument("--backend", choices=("tgi", "openai", "openai-chat"), default="openai",
+                       help="tgi: /generate_stream; openai: /v1/completions; openai-chat: /v1/chat/completions")
+    serve.add_argument("--concurrency", default=None,
+                       help="most requests in flight; comma-separated for a sweep (1,4,16,32); default: no cap")
+    serve.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="Poisson arrivals, requests/s (default inf: all at once)")
+    serve.add_argument("--dataset", default=None, help="JSONL file of {\"prompt\": ...} lines (default: random words)")
+    serve.add_argument("--plot", default=None, help="PNG of output tok/s and p99 ITL vs concurrency (sweeps)")
+    serve.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="skip the one untimed request sent before the first level")
+    serve.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -56,6 +73,9 @@ def _scenario(args: argparse.Namespace, engine) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tessera.cli import _make_llm
 
+    if args.workload == "serve":  # measures a server over HTTP: no engine in this process
+        from tessera.bench.serve import run_serve_bench
+        return run_serve_bench(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     with _make_llm(args) as llm:
