@@ -51,7 +51,7 @@ def test_real_builders_are_registered_for_every_kind_the_models_use():
 def test_highest_priority_fitting_builder_wins(isolated_registry):
     register_op("linear", name="test_low", priority=5, dtypes=(F64,))(fake("low"))
     register_op("linear", name="test_high_unfit", priority=50, dtypes=(F64,), quant=("awq",))(fake("x"))
-    register_op("linear", name="test_high", priority=10, dtypes=(F64,))(fake("high"))
+    register_op("linear", name="test_high", priority=20, dtypes=(F64,))(fake("high"))
     spec = OpSpec("linear", "cpu", F64)
     choice = select_op(spec)
     assert choice.builder.name == "test_high"
