@@ -112,6 +112,19 @@ class TensorParallelGroup:
                 raise RankFailedError(f"{proc.name} exited with code {proc.returncode}; "
                                       "the tensor-parallel engine cannot continue")
 
+    def find_dead_rank(self, wait_s: float = 2.0) -> RankFailedError | None:
+        """After a failed collective: the spawned rank that exited, if one does within
+        `wait_s` (a killed process may not be reaped yet when its socket closes)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.check_alive()
+            except RankFailedError as dead:
+                return dead
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def close(self, timeout: float = 10.0) -> None:
         """Tell the ranks to stop (if they can still hear), wait for them, tear down the group."""
         if self.closed:

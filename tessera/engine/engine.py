@@ -236,11 +236,9 @@ class Engine:
         except RankFailedError as exc:
             self._fatal = exc
         except (RuntimeError, dist.DistBackendError) as exc:  # a collective failed or timed out
-            try:
-                self.tp_group.check_alive()  # name the rank that died, if it was a local one
-                self._fatal = RankFailedError(f"tensor-parallel step failed: {exc}")
-            except RankFailedError as dead:
-                self._fatal = dead
+            # name the rank that died, if it was one of ours
+            self._fatal = (self.tp_group.find_dead_rank()
+                           or RankFailedError(f"tensor-parallel step failed: {exc}"))
             self._fatal.__cause__ = exc
         logger.error("%s", self._fatal)
         raise self._fatal

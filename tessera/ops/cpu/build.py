@@ -22,11 +22,35 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 CACHE = Path.home() / ".cache" / "tessera" / "kernels"
-FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-mfma")
+FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mfma")
+# what FLAGS let the compiler use: a kernel built with them must not run without them
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 
 
 class KernelBuildError(RuntimeError):
     pass
+
+
+def missing_cpu_flags() -> list[str]:
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return list(REQUIRED_CPU_FLAGS)
+    return [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+
+
+def unavailable_reason(source_name: str) -> str | None:
+    """Why the kernel in `source_name` cannot run here (no ISA, no compiler, a failed
+    build), or None: what a registry builder's `check` reports."""
+    missing = missing_cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    try:
+        load_kernel(source_name)
+    except (KernelBuildError, OSError) as exc:
+        return f"kernel unavailable: {exc}"
+    return None
 
 
 def compiler() -> str | None:

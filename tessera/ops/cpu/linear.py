@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tessera.ops.cpu.build import KernelBuildError, load_kernel
+from tessera.ops.cpu.build import load_kernel, missing_cpu_flags, unavailable_reason
 from tessera.ops.registry import OpSpec, register_op
 
 # Up to this many rows the kernel beats torch's GEMM on the 2-core host (bf16, 2 threads,
@@ -24,10 +23,7 @@ MAX_ROWS = 4
 
 
 def cpu_has_avx512_bf16() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return not missing_cpu_flags()
 
 
 @lru_cache(maxsize=None)
@@ -42,11 +38,7 @@ def kernel_unavailable() -> str | None:
     """Why the kernel cannot run here, or None."""
     if not cpu_has_avx512_bf16():
         return "this CPU has no AVX512-BF16"
-    try:
-        _library()
-    except (KernelBuildError, OSError) as exc:
-        return f"kernel unavailable: {exc}"
-    return None
+    return unavailable_reason("gemv_bf16.c")
 
 
 def _check(spec: OpSpec) -> list[str]:

@@ -1,0 +1,44 @@
+"""The bf16 paged decode kernel against the pure-torch decode on the same bf16 cache:
+scattered block tables, GQA and MHA, head sizes that are not a multiple of 16, sliding
+windows and soft-capping; errors against a float32 computation of the same bf16 data are
+at bf16 rounding level and no worse than torch's own."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref
+from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.cpu.paged_decode import paged_decode_bf16
+from tessera.ops.registry import OpSpec, select_op
+
+from tests.ops.test_attention import make_case
+
+UNAVAILABLE = unavailable_reason("paged_decode_bf16.c")
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (4, 4, 24), (8, 1, 16)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 2.0), (7, 1.5)])
+def test_matches_torch_decode(num_heads, num_kv_heads, head_size, block_size, window, softcap):
+    case = make_case([(37, 1), (1, 1), (20, 1)], block_size=block_size, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_size=head_size, seed=head_size + block_size)
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    k16, v16, q16 = case.k_cache.bfloat16(), case.v_cache.bfloat16(), case.query.bfloat16()
+    got = paged_decode_bf16(q16, k16, v16, case.meta, case.scale, window, softcap)
+    assert got.dtype == torch.bfloat16 and got.shape == q16.shape
+    exact = paged_decode_ref(q16.float(), k16.float(), v16.float(), case.meta, case.scale, window, softcap)
+    torch_bf16 = paged_decode_ref(q16, k16, v16, case.meta, case.scale, window, softcap)
+    err = (got.float() - exact).abs().max().item()
+    assert err <= 2e-2, err
+    assert err <= 1.5 * (torch_bf16.float() - exact).abs().max().item() + 4e-3
+
+
+def test_registry_prefers_it_for_bf16_decode_only():
+    spec = OpSpec("paged_attention", "cpu", torch.bfloat16, phase="decode", sliding_window=True, softcap=True)
+    assert select_op(spec).builder.name == "cpu_paged_decode_bf16"
+    prefill = OpSpec("paged_attention", "cpu", torch.bfloat16, phase="prefill")
+    assert select_op(prefill).builder.name == "torch_paged_prefill"
+    assert select_op(OpSpec("paged_attention", "cpu", torch.float32, phase="decode")).builder.name \
+        == "torch_paged_decode"
