@@ -64,13 +64,15 @@ def load_kernel(source_name: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler (cc or gcc) on PATH")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir / f"{source.stem}-{digest}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
         os.close(fd)
-        result = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        result = subprocess.run([cc, *FLAGS, f"-I{HERE}", str(source), "-o", tmp],
+                                capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
             raise KernelBuildError(f"{cc} failed on {source.name}: {result.stderr.strip()[-500:]}")

@@ -10,22 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_ROWS 8
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static inline __m512bh load_bf16(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);

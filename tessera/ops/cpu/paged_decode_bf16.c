@@ -11,20 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 static inline __m512 load16(const uint16_t *p, __mmask16 mask) {
     __m256i raw = _mm256_maskz_loadu_epi16(mask, p);

@@ -8,20 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* x, out: [rows, h]; residual_in / residual_out: [rows, h] or NULL (no add); w: [h]. */
 void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint16_t *residual_out,
