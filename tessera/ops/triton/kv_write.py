@@ -1,0 +1,45 @@
+"""KV write by slot mapping in Triton: one program per token copies its K and V rows into
+the paged cache; slot -1 (padded rows of a captured graph) writes nothing."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from tessera.ops.registry import register_op
+from tessera.ops.triton.availability import triton_missing
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kv_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size,
+                        BLOCK: tl.constexpr):
+        token = tl.program_id(0)
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:
+            for start in range(0, row_size, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < row_size
+                src = token * row_size + cols
+                dst = slot * row_size + cols
+                tl.store(k_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
+                tl.store(v_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+
+    return kv_write_kernel
+
+
+@register_op("kv_write", name="triton_kv_write", priority=20, devices=("cuda",),
+             check=triton_missing)
+def triton_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = False) -> None:
+    """key/value [T, Hk, D] into caches [num_blocks, block_size, Hk, D] at `slot_mapping`."""
+    tokens = key.shape[0]
+    if tokens == 0:
+        return
+    row_size = key.shape[1] * key.shape[2]
+    _kernel()[(tokens,)](key.contiguous(), value.contiguous(), k_cache, v_cache,
+                         slot_mapping, row_size, BLOCK=256)

@@ -1,0 +1,53 @@
+"""The Triton kernels against the pure-torch ops, run by tests/ops/test_triton_kernels.py
+in a subprocess with TRITON_INTERPRET=1 (Triton reads it at import), on CPU tensors, or
+directly on a GPU when one is present (`python -m tests.ops.triton_cases cuda`)."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref
+from tessera.ops.triton.kv_write import triton_kv_write
+from tessera.ops.triton.paged_decode import triton_paged_decode
+
+from tests.ops.test_attention import make_case
+
+
+def check_kv_write(device: str) -> None:
+    case = make_case([(9, 1), (20, 3), (5, 5)], block_size=4, num_heads=4, num_kv_heads=2,
+                     head_size=24, seed=1)
+    slots = case.meta.slot_mapping.clone()
+    slots[1] = -1  # a padded row writes nothing
+    want_k, want_v = case.k_cache.clone(), case.v_cache.clone()
+    kv_write_ref(case.key, case.value, want_k, want_v, slots, has_padding=True)
+    got_k, got_v = case.k_cache.clone().to(device), case.v_cache.clone().to(device)
+    triton_kv_write(case.key.to(device), case.value.to(device), got_k, got_v, slots.to(device), True)
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v), "kv_write differs"
+
+
+def check_paged_decode(device: str) -> None:
+    for heads, kv_heads, head_size in ((9, 3, 64), (4, 4, 24), (8, 1, 16)):
+        for block_size in (4, 16):
+            for window, softcap in ((None, None), (5, None), (None, 2.0), (7, 1.5)):
+                case = make_case([(37, 1), (1, 1), (70, 1)], block_size=block_size, num_heads=heads,
+                                 num_kv_heads=kv_heads, head_size=head_size, seed=head_size + block_size)
+                kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+                want = paged_decode_ref(case.query, case.k_cache, case.v_cache, case.meta, case.scale,
+                                        window, softcap)
+                meta = case.meta
+                for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc"):
+                    setattr(meta, name, getattr(meta, name).to(device))
+                # partitions of 16 tokens: contexts of 37 and 70 are merged from 3 and 5 parts
+                got = triton_paged_decode(case.query.to(device), case.k_cache.to(device),
+                                          case.v_cache.to(device), meta, case.scale, window, softcap,
+                                          partition_size=16)
+                err = (got.cpu() - want).abs().max().item()
+                assert err < 1e-4, (heads, kv_heads, head_size, block_size, window, softcap, err)
+
+
+if __name__ == "__main__":
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    check_kv_write(dev)
+    check_paged_decode(dev)
+    print("triton kernels OK")
