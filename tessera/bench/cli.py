@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from tessera.bench.report import markdown_table, write_json
-from tessera.bench.workload import Workload
+from tessera.bench.report import markdown_table, plot_latency_sweep, write_json
+from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
@@ -31,6 +31,14 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench.add_argument("--baseline", choices=("transformers",), default=None)
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     bench.add_argument("--output-json", default=None)
+    bench.add_argument("--dataset", default=None,
+                       help="throughput/serve: JSONL file of {\"prompt\": ...} lines instead of random "
+                            "prompts; throughput takes the first --num-prompts (the file must have that "
+                            "many) and a line's optional \"output_len\" overrides --output-len; serve "
+                            "cycles the file and sends --output-len")
+    bench.add_argument("--plot", default=None,
+                       help="PNG of a sweep: latency (several --batch-sizes): TPOT and TTFT vs batch size "
+                            "per engine; serve (several --concurrency): output tok/s and p99 ITL vs concurrency")
     serve = bench.add_argument_group("serve", "the serving benchmark; start `tessera serve` (or any "
                                      "TGI/OpenAI server) first. --seed seeds prompts and arrivals; "
                                      "--model names the OpenAI model (default: its /v1/models)")
@@ -41,8 +49,6 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                        help="most requests in flight; comma-separated for a sweep (1,4,16,32); default: no cap")
     serve.add_argument("--request-rate", type=float, default=float("inf"),
                        help="Poisson arrivals, requests/s (default inf: all at once)")
-    serve.add_argument("--dataset", default=None, help="JSONL file of {\"prompt\": ...} lines (default: random words)")
-    serve.add_argument("--plot", default=None, help="PNG of output tok/s and p99 ITL vs concurrency (sweeps)")
     serve.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="skip the one untimed request sent before the first level")
     serve.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
@@ -76,22 +82,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workload == "serve":  # measures a server over HTTP: no engine in this process
         from tessera.bench.serve import run_serve_bench
         return run_serve_bench(args)
+    if args.dataset and args.workload != "throughput":
+        raise SystemExit("--dataset applies to the throughput and serve workloads")
+    entries = _dataset(args) if args.dataset else None  # a bad file fails before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     with _make_llm(args) as llm:
-        return _bench(args, llm)
+        return _bench(args, llm, entries)
 
 
-def _bench(args: argparse.Namespace, llm) -> int:
+def _dataset(args: argparse.Namespace) -> list[DatasetEntry]:
+    """The first --num-prompts lines of --dataset; fewer is an error (no cycling)."""
+    entries = read_dataset(Path(args.dataset))
+    if len(entries) < args.num_prompts:
+        raise SystemExit(f"--dataset {args.dataset} has {len(entries)} prompts, fewer than "
+                         f"--num-prompts {args.num_prompts}")
+    return entries[:args.num_prompts]
+
+
+def _requests(args: argparse.Namespace, engine, num: int,
+              entries: list[DatasetEntry] | None) -> tuple[list[list[int]], list[int]]:
+    """The prompts (token ids) and output lengths of the run: the dataset's, tokenized by the
+    engine, or `num` random prompts of --input-len tokens."""
+    if entries is None:
+        prompts = Workload(num, args.input_len, args.output_len).prompts(engine.router.config.vocab_size,
+                                                                         engine.router.eos_token_ids)
+        return prompts, [args.output_len] * num
+    return [engine.encode(e.prompt) for e in entries], [e.output_len or args.output_len for e in entries]
+
+
+def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) -> int:
     from tessera.bench.offline import tessera_latency, tessera_throughput
 
     engine = llm.engine
     if args.workload in ("prefix", "chunked"):
         return _scenario(args, engine)
-    vocab = engine.router.config.vocab_size
     sizes = [int(s) for s in args.batch_sizes.split(",")] if args.workload == "latency" else [args.num_prompts]
-    work = Workload(max(sizes), args.input_len, args.output_len)
-    prompts = work.prompts(vocab, engine.router.eos_token_ids)
+    prompts, output_lens = _requests(args, engine, max(sizes), entries)
     rows: list[object] = []
     model = None
     if args.baseline == "transformers":
@@ -100,22 +127,31 @@ def _bench(args: argparse.Namespace, llm) -> int:
     for size in sizes:
         w = Workload(size, args.input_len, args.output_len)
         if args.workload == "throughput":
-            rows.append(tessera_throughput(llm, w, prompts[:size], args.repeats))
+            rows.append(tessera_throughput(llm, prompts, output_lens, args.repeats))
         else:
             rows.append(tessera_latency(llm, w, prompts[:size], args.repeats))
         if model is not None:
             from tessera.bench.transformers_baseline import transformers_latency, transformers_throughput
-            fn = transformers_throughput if args.workload == "throughput" else transformers_latency
-            rows.append(fn(model, w, prompts[:size], args.repeats))
+            rows.append(transformers_throughput(model, prompts, output_lens, args.repeats)
+                        if args.workload == "throughput" else transformers_latency(model, w, prompts[:size],
+                                                                                   args.repeats))
     columns = (["engine", "output_tokens_per_s", "elapsed_s", "requests_per_s", "total_tokens_per_s"]
                if args.workload == "throughput" else ["engine", "tpot_ms", "batch_size", "ttft_ms"])
     meta = {"workload": args.workload, "model": engine.router.source.name, "dtype": str(engine.dtype),
-            "threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
+            "threads": torch.get_num_threads(), "input_len": None if args.dataset else args.input_len,
+            "output_len": args.output_len, "dataset": args.dataset,
             "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+    source = (f"{len(prompts)} prompts of {args.dataset} ({sum(map(len, prompts))} tokens in / "
+              f"{sum(output_lens)} out)" if args.dataset else f"{args.input_len} in / {args.output_len} out")
     print(f"\n{args.workload}: {meta['model']} {meta['dtype']}, {meta['threads']} threads, "
-          f"{args.input_len} in / {args.output_len} out, median of {args.repeats}")
+          f"{source}, median of {args.repeats}")
     print(markdown_table(rows, columns, "transformers" if model is not None else None,
                          higher_is_better=args.workload == "throughput"))
     if args.output_json:
         write_json(Path(args.output_json), meta, rows)
+    if args.plot and args.workload == "latency":
+        if len(sizes) > 1:
+            plot_latency_sweep(rows, Path(args.plot))
+        else:
+            print("--plot: a sweep needs more than one --batch-sizes value; no plot written")
     return 0

@@ -16,6 +16,17 @@ class ThroughputResult:
     requests_per_s: float
     output_tokens_per_s: float
     total_tokens_per_s: float
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @classmethod
+    def of(cls, engine: str, elapsed_s: float, prompts: list[list[int]], output_lens: list[int]
+           ) -> ThroughputResult:
+        """Rates of one run of `prompts`, each producing its `output_lens` tokens, in elapsed_s."""
+        n_in, n_out = sum(map(len, prompts)), sum(output_lens)
+        return cls(engine, elapsed_s, len(prompts) / elapsed_s, n_out / elapsed_s, (n_in + n_out) / elapsed_s,
+                   len(prompts), n_in, n_out)
 
 
 @dataclass
@@ -30,18 +41,18 @@ def _params(output_len: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
 
 
-def tessera_throughput(llm: LLM, work: Workload, prompts: list[list[int]], repeats: int) -> ThroughputResult:
+def tessera_throughput(llm: LLM, prompts: list[list[int]], output_lens: list[int],
+                       repeats: int) -> ThroughputResult:
+    """All prompts at once, prompt i producing exactly output_lens[i] tokens (EOS ignored)."""
     llm.generate(prompts[:1], _params(4), use_tqdm=False)  # warm caches and allocator
+    params = [_params(n) for n in output_lens]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        outs = llm.generate(prompts, _params(work.output_len), use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
-        assert all(len(o.outputs[0].token_ids) == work.output_len for o in outs)
-    t = median(times)
-    n_out = work.num_prompts * work.output_len
-    return ThroughputResult("tessera", t, work.num_prompts / t, n_out / t,
-                            (n_out + work.num_prompts * work.input_len) / t)
+        assert [len(o.outputs[0].token_ids) for o in outs] == output_lens
+    return ThroughputResult.of("tessera", median(times), prompts, output_lens)
 
 
 def tessera_latency(llm: LLM, work: Workload, prompts: list[list[int]], repeats: int) -> LatencyResult:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from tessera.bench.report import markdown_table, write_json
 from tessera.bench.serve_client import Backend, request_body, run_level, poisson_schedule, served_model
 from tessera.bench.serve_report import (LATENCY_COLUMNS, SUMMARY_COLUMNS, LevelResult, latency_rows,
                                         plot_sweep, summarize)
+from tessera.bench.workload import read_dataset
 
 # Short common words: most tokenizers give each one token (with its leading space), so a
 # prompt of N words is close to N tokens; the exact count the server reports is in the JSON.
@@ -29,9 +29,7 @@ def random_prompts(num: int, words: int, seed: int) -> list[str]:
 
 def dataset_prompts(path: Path, num: int) -> list[str]:
     """The first `num` {"prompt": ...} lines of a JSONL file, cycled if it has fewer."""
-    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise SystemExit(f"{path}: no {{\"prompt\": ...}} lines")
+    prompts = [entry.prompt for entry in read_dataset(path)]
     return [prompts[i % len(prompts)] for i in range(num)]
 
 

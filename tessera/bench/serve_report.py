@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tessera.bench.report import plot_panels
 from tessera.bench.serve_client import LevelRun, RequestRecord
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
@@ -82,19 +83,6 @@ LATENCY_COLUMNS = ["concurrency", "metric", "mean_ms", "p50_ms", "p90_ms", "p99_
 
 def plot_sweep(results: list[LevelResult], path: Path) -> None:
     """Output tok/s and p99 ITL against concurrency: where throughput stops paying for latency."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    labels = [r.concurrency for r in results]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(labels, [r.output_tokens_per_s for r in results], marker="o")
-    left.set(xlabel="concurrency", ylabel="output tokens/s", title="Throughput")
-    right.plot(labels, [r.latency_ms["itl_p99_ms"] or 0.0 for r in results], marker="o", color="tab:red")
-    right.set(xlabel="concurrency", ylabel="ms", title="p99 inter-token latency")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    plot_panels(path, "concurrency", [r.concurrency for r in results],
+                [("Throughput", "output tokens/s", {"": [r.output_tokens_per_s for r in results]}),
+                 ("p99 inter-token latency", "ms", {"": [r.latency_ms["itl_p99_ms"] or 0.0 for r in results]})])

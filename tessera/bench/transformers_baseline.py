@@ -23,24 +23,31 @@ def load_transformers_model(source: ModelSource, dtype: torch.dtype):
 
 
 def _generate(model, prompts: list[list[int]], new_tokens: int) -> None:
-    ids = torch.tensor(prompts)  # equal lengths: a static batch needs no padding
+    """One static batch; prompts of unequal length are left-padded (masked out)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     assert out.shape[1] == ids.shape[1] + new_tokens
 
 
-def transformers_throughput(model, work: Workload, prompts: list[list[int]], repeats: int) -> ThroughputResult:
+def transformers_throughput(model, prompts: list[list[int]], output_lens: list[int],
+                            repeats: int) -> ThroughputResult:
+    """The prompts as static batches, one per distinct output length (generate has one
+    max_new_tokens per call), timed together."""
+    groups: dict[int, list[list[int]]] = {}
+    for prompt, n in zip(prompts, output_lens):
+        groups.setdefault(n, []).append(prompt)
     _generate(model, prompts[:1], 4)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _generate(model, prompts, work.output_len)
+        for n, batch in groups.items():
+            _generate(model, batch, n)
         times.append(time.perf_counter() - start)
-    t = median(times)
-    n_out = work.num_prompts * work.output_len
-    return ThroughputResult("transformers", t, work.num_prompts / t, n_out / t,
-                            (n_out + work.num_prompts * work.input_len) / t)
+    return ThroughputResult.of("transformers", median(times), prompts, output_lens)
 
 
 def transformers_latency(model, work: Workload, prompts: list[list[int]], repeats: int) -> LatencyResult:

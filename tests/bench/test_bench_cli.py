@@ -61,3 +61,70 @@ def test_scenarios_compare_feature_on_and_off(make_tiny_llama, tmp_path, workloa
     results = json.loads(out.read_text())["results"]
     assert [r["engine"].rsplit(" ", 1)[1] for r in results] == ["on", "off"]
     assert all(r[metric] > 0 for r in results)
+
+
+def _dataset(tmp_path, lines: list[str]):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _tiny_bench(folder, *extra: str) -> int:
+    return main(["bench", *extra, "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--repeats", "1"])
+
+
+@pytest.mark.parametrize("baseline", [[], ["--baseline", "transformers"]])
+def test_throughput_runs_a_jsonl_dataset(make_tiny_llama, tmp_path, capsys, baseline):
+    folder, _ = make_tiny_llama()
+    data = _dataset(tmp_path, ['{"prompt": "the quick brown fox"}', "",
+                               '{"prompt": "hello", "output_len": 6}',
+                               '{"prompt": "a somewhat longer prompt about the weather today"}',
+                               '{"prompt": "never read: past --num-prompts"}'])
+    out = tmp_path / "result.json"
+    assert _tiny_bench(folder, "throughput", "--dataset", str(data), "--num-prompts", "3", "--output-len", "4",
+                       "--output-json", str(out), *baseline) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["dataset"] == str(data) and result["meta"]["input_len"] is None
+    rows = result["results"]
+    assert [r["engine"] for r in rows] == ["tessera"] + (["transformers"] if baseline else [])
+    for r in rows:
+        assert (r["num_requests"], r["output_tokens"]) == (3, 4 + 6 + 4)  # a line's output_len wins
+        assert r["prompt_tokens"] >= 3 and r["output_tokens_per_s"] > 0
+    assert rows[0]["prompt_tokens"] == rows[-1]["prompt_tokens"]  # the baseline ran the same prompts
+    assert "prompts.jsonl" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"prompt": "one"}', '{"prompt": "two"}'], "has 2 prompts, fewer than --num-prompts 3"),
+    (['{"prompt": "one"}', '{"text": "two"}', '{"prompt": "three"}'], "line 2: expected"),
+    (['{"prompt": "one"}', '{"prompt": "two"', '{"prompt": "three"}'], "line 2: not JSON"),
+    (['{"prompt": "one", "output_len": 0}', '{"prompt": "2"}', '{"prompt": "3"}'], "line 1: output_len"),
+])
+def test_throughput_dataset_errors_name_the_problem(make_tiny_llama, tmp_path, lines, message):
+    folder, _ = make_tiny_llama()
+    with pytest.raises(SystemExit, match=message):
+        _tiny_bench(folder, "throughput", "--dataset", str(_dataset(tmp_path, lines)), "--num-prompts", "3")
+
+
+def test_dataset_is_for_throughput_and_serve_only(make_tiny_llama, tmp_path):
+    folder, _ = make_tiny_llama()
+    with pytest.raises(SystemExit, match="--dataset applies to the throughput and serve"):
+        _tiny_bench(folder, "latency", "--dataset", str(_dataset(tmp_path, ['{"prompt": "x"}'])))
+
+
+@pytest.mark.parametrize("baseline", [[], ["--baseline", "transformers"]])
+def test_latency_sweep_plot(make_tiny_llama, tmp_path, baseline):
+    folder, _ = make_tiny_llama()
+    plot = tmp_path / "plots" / "latency.png"
+    assert _tiny_bench(folder, "latency", "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "4",
+                       "--plot", str(plot), *baseline) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_latency_plot_needs_a_sweep(make_tiny_llama, tmp_path, capsys):
+    folder, _ = make_tiny_llama()
+    plot = tmp_path / "latency.png"
+    assert _tiny_bench(folder, "latency", "--batch-sizes", "2", "--input-len", "8", "--output-len", "4",
+                       "--plot", str(plot)) == 0
+    assert not plot.exists() and "no plot written" in capsys.readouterr().out
