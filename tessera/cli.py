@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tessera.config import DTYPES, MODEL_IMPLS
+from tessera.config import DTYPES, LOAD_FORMATS, MODEL_IMPLS
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:
@@ -66,6 +66,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill each prompt in one step (needs --max-num-batched-tokens >= max model length)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the tokenizer's")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="dummy: seeded random weights for the model's config (benchmark real shapes "
+                        "from a config.json alone; give --tokenizer if the folder has none)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--master-addr", default="127.0.0.1",
@@ -106,7 +109,8 @@ def _engine_config(args: argparse.Namespace):
                enable_chunked_prefill=not args.no_chunked_prefill,
                memory_fraction=args.memory_fraction, device=args.device, seed=args.seed,
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
-               model_impl=args.model_impl, parallel=_parallel_config(args))
+               model_impl=args.model_impl, load_format=args.load_format,
+               parallel=_parallel_config(args))
 
 
 def _serve_rank_if_not_driver(config) -> bool:

@@ -8,6 +8,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # native: a tessera model folder; transformers: transformers' modeling code with our paged
 # attention; auto: native when a folder serves the type, else transformers
 MODEL_IMPLS = ("auto", "native", "transformers")
+# auto: the checkpoint's weights; dummy: seeded random weights for the config (benchmarking
+# real shapes with nothing to download or read)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ConfigError(ValueError):
@@ -29,10 +32,13 @@ class ModelConfig:
     max_model_len: int | None = None
     chat_template: str | None = None
     model_impl: str = "auto"
+    load_format: str = "auto"
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.load_format in LOAD_FORMATS,
+                 f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _require(self.model_impl in MODEL_IMPLS,
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from tessera.config import ModelConfig
 from tessera.ops.registry import OpTarget
+from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf import iter_gguf_weights
 from tessera.weights.loader import load_weights
 from tessera.weights.safetensors import iter_hf_weights
@@ -115,7 +116,9 @@ class BaseRouter:
     def load_weights(self, model: nn.Module,
                      progress: Callable[[Iterable], Iterable] = lambda it: it) -> int:
         """Load the checkpoint into `model` (progress wraps the tensor stream); returns the
-        number of parameters loaded."""
+        number of parameters loaded. `load_format="dummy"` fills seeded random values."""
+        if self.model_config.load_format == "dummy":
+            return load_dummy_weights(model)
         return len(load_weights(model, progress(self.iter_weights())))
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

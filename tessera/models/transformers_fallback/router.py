@@ -17,6 +17,7 @@ from tessera.models.base import BaseRouter
 from tessera.models.transformers_fallback.attention import ATTN_IMPLEMENTATION
 from tessera.models.transformers_fallback.modeling import TransformersCausalLM
 from tessera.ops.registry import OpTarget
+from tessera.weights.dummy import load_dummy_weights
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,14 @@ class TransformersRouter(BaseRouter):
         """transformers builds and loads the model itself (its loader knows every
         architecture's checkpoint layout), with our attention function in place."""
         self.check_supported()
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            str(self.source.path), config=self.config, dtype=target.dtype,
-            attn_implementation=ATTN_IMPLEMENTATION)
+        if self.model_config.load_format == "dummy":  # shapes only: no checkpoint read
+            hf_model = AutoModelForCausalLM.from_config(self.config, dtype=target.dtype,
+                                                        attn_implementation=ATTN_IMPLEMENTATION)
+            load_dummy_weights(hf_model)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                str(self.source.path), config=self.config, dtype=target.dtype,
+                attn_implementation=ATTN_IMPLEMENTATION)
         hf_model = hf_model.to(torch.device(target.device)).eval()
         logger.info("model_type %r runs on the transformers fallback (%s)",
                     self.config.model_type, type(hf_model).__name__)
@@ -67,5 +73,5 @@ class TransformersRouter(BaseRouter):
 
     def load_weights(self, model: nn.Module,
                      progress: Callable[[Iterable], Iterable] = lambda it: it) -> int:
-        """Already loaded by from_pretrained in build_model; the count of tensors it holds."""
+        """Already loaded (or dummy-filled) in build_model; the count of tensors it holds."""
         return len(model.hf_model.state_dict())
