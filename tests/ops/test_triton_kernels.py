@@ -1,6 +1,7 @@
 """Triton kernels (CUDA builders) against the pure-torch ops through Triton's interpreter on
 CPU: kv_write with padded slots, paged decode with GQA/MHA, odd head sizes, block sizes 4
-and 16, windows, soft-capping and multi-partition merges. Skipped without triton; on a
+and 16, windows, soft-capping and multi-partition merges, and varlen prefill chunks over
+prefix-cached context (causal by absolute position) with windows and soft-capping. Skipped without triton; on a
 GPU machine the same cases also run on the device."""
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def test_cuda_lookups_choose_triton_or_say_why():
         assert ("triton_paged_decode", ("triton is not installed (pip install triton)",)) in choice.rejected
     else:
         assert choice.builder.name == "triton_paged_decode"
+    prefill = select_op(OpSpec("paged_attention", "cuda", torch.bfloat16, phase="prefill"))
+    want = "torch_paged_prefill" if importlib.util.find_spec("triton") is None else "triton_paged_prefill"
+    assert prefill.builder.name == want
     # CPU lookups never consider the CUDA builders
     cpu = select_op(OpSpec("kv_write", "cpu", torch.float32))
     assert cpu.builder.name == "torch_kv_write"

@@ -7,9 +7,10 @@ import sys
 
 import torch
 
-from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref
+from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
 from tessera.ops.triton.kv_write import triton_kv_write
 from tessera.ops.triton.paged_decode import triton_paged_decode
+from tessera.ops.triton.paged_prefill import triton_paged_prefill
 
 from tests.ops.test_attention import make_case
 
@@ -46,8 +47,32 @@ def check_paged_decode(device: str) -> None:
                 assert err < 1e-4, (heads, kv_heads, head_size, block_size, window, softcap, err)
 
 
+def check_paged_prefill(device: str) -> None:
+    """Two decodes, then a 24-token chunk over 16 cached tokens, a fresh 17-token prompt and
+    a 40-token chunk over 30 cached ones: causal by absolute position through the cache."""
+    for heads, kv_heads, head_size in ((9, 3, 64), (4, 4, 24)):
+        for block_size in (16, 32):
+            for window, softcap in ((None, None), (6, None), (None, 2.0)):
+                case = make_case([(20, 1), (9, 1), (40, 24), (17, 17), (70, 40)], block_size=block_size,
+                                 num_heads=heads, num_kv_heads=kv_heads, head_size=head_size,
+                                 seed=block_size + head_size)
+                kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+                nd = case.meta.num_decodes
+                want = paged_prefill_ref(case.query[nd:], case.key[nd:], case.value[nd:], case.k_cache,
+                                         case.v_cache, case.meta, case.scale, window, softcap)
+                meta = case.meta
+                for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc"):
+                    setattr(meta, name, getattr(meta, name).to(device))
+                got = triton_paged_prefill(case.query[nd:].to(device), case.key[nd:].to(device),
+                                           case.value[nd:].to(device), case.k_cache.to(device),
+                                           case.v_cache.to(device), meta, case.scale, window, softcap)
+                err = (got.cpu() - want).abs().max().item()
+                assert err < 1e-4, (heads, kv_heads, head_size, block_size, window, softcap, err)
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     check_kv_write(dev)
     check_paged_decode(dev)
+    check_paged_prefill(dev)
     print("triton kernels OK")

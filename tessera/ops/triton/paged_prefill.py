@@ -1,0 +1,109 @@
+"""Varlen prefill attention over the paged cache in Triton: each program takes BLOCK_M
+queries of one prefill sequence and one head and walks that sequence's cache blocks
+(prefix-cached context and this chunk alike: the chunk's K/V are written before attention
+runs) with an online softmax. Causal by absolute position, with sliding windows and
+soft-capping; GQA reads the shared KV head. tl.dot needs tiles of 16: cache blocks must be
+a multiple of 16 tokens."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from tessera.ops.attention.metadata import AttentionMetadata
+from tessera.ops.registry import register_op
+from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.paged_decode import NO_WINDOW, _next_power_of_2
+
+BLOCK_M = 16
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr,
+                       first_seq, first_row, scale, softcap, window,
+                       num_heads, num_kv_heads, head_size, table_width,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+        seq = first_seq + tl.program_id(0)
+        head = tl.program_id(1)
+        tile = tl.program_id(2)
+        kv_head = head // (num_heads // num_kv_heads)
+        start_row = tl.load(starts_ptr + seq)
+        q_len = tl.load(starts_ptr + seq + 1) - start_row
+        if tile * BLOCK_M < q_len:
+            ctx = tl.load(lens_ptr + seq)
+            m_idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_mask = m_idx < q_len
+            q_pos = ctx - q_len + m_idx                      # absolute positions
+            d = tl.arange(0, BLOCK_D)
+            d_mask = d < head_size
+            rows = start_row - first_row + m_idx              # rows of the prefill query tensor
+            q = tl.load(q_ptr + (rows[:, None] * num_heads + head) * head_size + d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            last = tl.minimum(ctx - q_len + (tile + 1) * BLOCK_M, ctx)  # keys past this are masked
+            lowest = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0)
+            row = num_kv_heads * head_size
+            for pos0 in range((lowest // BLOCK_SIZE) * BLOCK_SIZE, last, BLOCK_SIZE):
+                block = tl.load(tables_ptr + seq * table_width + pos0 // BLOCK_SIZE)
+                offs = tl.arange(0, BLOCK_SIZE)
+                k_pos = pos0 + offs
+                base = (block * BLOCK_SIZE + offs) * row + kv_head * head_size
+                kv_mask = (k_pos < ctx)[:, None] & d_mask[None, :]
+                k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+                if USE_SOFTCAP:
+                    s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+                allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+                allowed = allowed & m_mask[:, None]
+                s = tl.where(allowed, s, -float("inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing yet
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + (rows[:, None] * num_heads + head) * head_size + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+    return prefill_kernel
+
+
+@register_op("paged_attention", name="triton_paged_prefill", priority=20, devices=("cuda",),
+             phases=("prefill",), check=triton_missing)
+def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, sliding_window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
+    """query [T, Hq, D]: the prefill rows (after the decodes), whose K/V are already in the
+    cache -> [T, Hq, D]. `key` / `value` are not read (the cache holds them)."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if block_size % 16:
+        raise ValueError(f"triton_paged_prefill needs cache blocks of a multiple of 16 tokens, got {block_size}")
+    first = meta.num_decodes
+    num_prefills = meta.num_seqs - first
+    out = torch.empty_like(query)
+    if num_prefills == 0:
+        return out
+    max_q = max(meta.query_lens_list[first:])
+    grid = (num_prefills, num_heads, -(-max_q // BLOCK_M))
+    _kernel()[grid](
+        query.contiguous(), k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, first, meta.num_decode_tokens, scale, softcap or 1.0,
+        sliding_window or NO_WINDOW, num_heads, num_kv_heads, head_size, meta.block_tables.shape[1],
+        BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=BLOCK_M,
+        USE_SOFTCAP=softcap is not None,
+        # float32 models get IEEE products (TF32 would break fp32 parity); bf16/fp16 ignore it
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+    return out
