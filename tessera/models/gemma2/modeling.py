@@ -14,14 +14,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.llama.modeling import LlamaForCausalLM, Rope, head_dim_of
+from tessera.models.llama.modeling import LlamaAttention, LlamaForCausalLM, Rope, head_dim_of
 from tessera.ops.activation import GeluTanhAndMul
-from tessera.ops.attention import Attention
 from tessera.ops.embedding import VocabEmbedding
-from tessera.ops.linear import PackedLinear, QKVLinear, RowParallelLinear
+from tessera.ops.linear import PackedLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
-from tessera.ops.rotary import ApplyRotary, RotaryEmbedding, rope_parameters
+from tessera.ops.rotary import RotaryEmbedding, rope_parameters
 from tessera.ops.weights import copy_checked
 from tessera.weights.lazy import materialize
 
@@ -53,28 +52,19 @@ class Gemma2MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class Gemma2Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_idx: int, target: OpTarget):
-        super().__init__()
-        self.head_dim = head_dim_of(config)
-        num_heads = config.num_attention_heads
-        bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, num_heads,
-                                  config.num_key_value_heads, target, bias=bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, target,
-                                        bias=bias, in_span=self.qkv_proj.o_proj_span)
-        self.rotary = ApplyRotary(self.head_dim, target)
-        sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              config.query_pre_attn_scalar ** -0.5, target,
-                              sliding_window=config.sliding_window if sliding else None,
-                              softcap=config.attn_logit_softcapping)
+class Gemma2Attention(LlamaAttention):
+    """Llama's attention (Q/K/V and o_proj biases follow attention_bias) with Gemma2's
+    scale, per-layer window and score soft-capping."""
 
-    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v))
+    def __init__(self, config: PretrainedConfig, layer_idx: int, target: OpTarget):
+        # read by attention_options() during LlamaAttention.__init__
+        self.sliding = config.layer_types[layer_idx] == "sliding_attention"
+        super().__init__(config, target)
+
+    def attention_options(self, config: PretrainedConfig) -> dict:
+        return {"scale": config.query_pre_attn_scalar ** -0.5,
+                "sliding_window": config.sliding_window if self.sliding else None,
+                "softcap": config.attn_logit_softcapping}
 
 
 class Gemma2DecoderLayer(nn.Module):

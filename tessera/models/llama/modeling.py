@@ -50,8 +50,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, target,
                                         bias=o_bias, in_span=self.qkv_proj.o_proj_span)
         self.rotary = ApplyRotary(self.head_dim, target)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
-                              self.head_dim ** -0.5, target)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, target=target,
+                              **self.attention_options(config))
+
+    def attention_options(self, config: PretrainedConfig) -> dict:
+        """Attention's scale / sliding_window / softcap; Llama: 1/sqrt(head_dim), full, none."""
+        return {"scale": self.head_dim ** -0.5}
 
     @staticmethod
     def biases(config: PretrainedConfig) -> tuple[bool, bool]:

@@ -8,15 +8,12 @@ from transformers import PretrainedConfig
 
 from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
                                            LlamaModel)
-from tessera.ops.attention import Attention
-from tessera.ops.registry import OpTarget
 
 
 class MistralAttention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5,
-                              target, sliding_window=getattr(config, "sliding_window", None))
+    def attention_options(self, config: PretrainedConfig) -> dict:
+        return {"scale": self.head_dim ** -0.5,
+                "sliding_window": getattr(config, "sliding_window", None)}
 
 
 class MistralDecoderLayer(LlamaDecoderLayer):

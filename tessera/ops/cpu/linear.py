@@ -46,11 +46,6 @@ def _check(spec: OpSpec) -> list[str]:
     return [reason] if reason else []
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [m, k] (m <= 8), weight [n, k], both contiguous bf16 -> [m, n] bf16 (no bias)."""
-    return _gemv(x, weight, None)
-
-
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
