@@ -1,5 +1,6 @@
 """The bf16 paged decode kernel against the pure-torch decode on the same bf16 cache:
-scattered block tables, GQA and MHA, head sizes that are not a multiple of 16, sliding
+scattered block tables, GQA and MHA, every head-size path (64/128/256 in registers,
+others in memory, sizes not a multiple of 16 or 32), sliding
 windows and soft-capping; errors against a float32 computation of the same bf16 data are
 at bf16 rounding level and no worse than torch's own."""
 from __future__ import annotations
@@ -18,7 +19,10 @@ UNAVAILABLE = unavailable_reason("paged_decode_bf16.c")
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (4, 4, 24), (8, 1, 16)])
+# head sizes 64 / 128 / 256 take the register-tiled value pass (groups larger than one
+# tile of heads: 9/1 at 64, 8/2 at 128); others the generic one; 48 is not a multiple of 32
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size",
+                         [(9, 3, 64), (9, 1, 64), (8, 2, 128), (2, 1, 256), (4, 4, 24), (8, 1, 16), (6, 2, 48)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 2.0), (7, 1.5)])
 def test_matches_torch_decode(num_heads, num_kv_heads, head_size, block_size, window, softcap):

@@ -3,7 +3,14 @@
  * cache layout [num_blocks, block_size, num_kv_heads, head_size]; float32 scores, a
  * two-pass softmax, float32 accumulation of V; output rounded to bfloat16.
  * window > 0: the query at p = len - 1 sees keys in (p - window, p]. softcap > 0:
- * scores become softcap * tanh(scores / softcap) (gemma2). Built by build.py. */
+ * scores become softcap * tanh(scores / softcap) (gemma2).
+ *
+ * One work item is one (sequence, KV head): every query head of the GQA group is served
+ * from one read of each key and value row. Scores: four keys at a time, vdpbf16ps on the
+ * bf16 query and key (products are exact in float32) and one transpose-and-add for the
+ * four sums. Softmax: vectorised exp. Values: for head sizes 64, 128 and 256 the output
+ * rows of a tile of heads stay in registers across all keys; other sizes accumulate in
+ * memory. Built by build.py. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -11,29 +18,143 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx512_math.h"
 #include "bf16.h"
 
-static inline __m512 load16(const uint16_t *p, __mmask16 mask) {
-    __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+typedef struct {
+    const uint16_t *k_cache, *v_cache;
+    const int32_t *table;   /* this sequence's block table */
+    int64_t block_size, row_stride, head_offset;  /* elements per cache slot; this KV head's */
+} KvRows;
+
+static inline const uint16_t *row_of(const KvRows *kv, const uint16_t *cache, int64_t t) {
+    const int64_t slot = (int64_t)kv->table[t / kv->block_size] * kv->block_size + t % kv->block_size;
+    return cache + slot * kv->row_stride + kv->head_offset;
+}
+
+static inline __m512bh load_bf16x32(const uint16_t *p, __mmask32 mask, int masked) {
+    return masked ? (__m512bh)_mm512_maskz_loadu_epi16(mask, p) : (__m512bh)_mm512_loadu_si512(p);
+}
+
+static inline __m512 bf16x16_to_f32(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-static inline float dot(const uint16_t *k, const float *q, int64_t d) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 mask = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
-        acc = _mm512_fmadd_ps(load16(k + i, mask), _mm512_maskz_loadu_ps(mask, q + i), acc);
+/* scores[g * n + (t - start)] = q_g . k_t for every head g of the group and key t. */
+static void scores_pass(const uint16_t *q, int64_t group, int64_t d, const KvRows *kv,
+                        int64_t start, int64_t len, float *scores) {
+    const int64_t n = len - start, full = d / 32 * 32;
+    const __mmask32 tail = (__mmask32)((1ull << (d - full)) - 1ull);
+    int64_t t = start;
+    for (; t + 4 <= len; t += 4) {
+        const uint16_t *k0 = row_of(kv, kv->k_cache, t), *k1 = row_of(kv, kv->k_cache, t + 1);
+        const uint16_t *k2 = row_of(kv, kv->k_cache, t + 2), *k3 = row_of(kv, kv->k_cache, t + 3);
+        for (int64_t g = 0; g < group; g++) {
+            const uint16_t *qg = q + g * d;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t i = 0; i < d; i += 32) {
+                const int masked = i >= full;
+                const __m512bh qv = load_bf16x32(qg + i, tail, masked);
+                a0 = _mm512_dpbf16_ps(a0, qv, load_bf16x32(k0 + i, tail, masked));
+                a1 = _mm512_dpbf16_ps(a1, qv, load_bf16x32(k1 + i, tail, masked));
+                a2 = _mm512_dpbf16_ps(a2, qv, load_bf16x32(k2 + i, tail, masked));
+                a3 = _mm512_dpbf16_ps(a3, qv, load_bf16x32(k3 + i, tail, masked));
+            }
+            _mm_storeu_ps(scores + g * n + (t - start), sum4(a0, a1, a2, a3));
+        }
     }
-    return _mm512_reduce_add_ps(acc);
+    for (; t < len; t++) {
+        const uint16_t *k0 = row_of(kv, kv->k_cache, t);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 a0 = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i += 32) {
+                const int masked = i >= full;
+                a0 = _mm512_dpbf16_ps(a0, load_bf16x32(q + g * d + i, tail, masked),
+                                      load_bf16x32(k0 + i, tail, masked));
+            }
+            scores[g * n + (t - start)] = _mm512_reduce_add_ps(a0);
+        }
+    }
 }
 
-static inline void axpy(float *acc, float p, const uint16_t *v, int64_t d) {
-    const __m512 pv = _mm512_set1_ps(p);
-    for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 mask = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
-        __m512 a = _mm512_maskz_loadu_ps(mask, acc + i);
-        _mm512_mask_storeu_ps(acc + i, mask, _mm512_fmadd_ps(pv, load16(v + i, mask), a));
+/* In place: row <- exp(row * scale (soft-capped) - max); returns 1 / sum. */
+static float softmax_row(float *row, int64_t n, float scale, float softcap) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + i), vscale);
+        if (softcap > 0.0f) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, s);
+            for (int j = 0; j < 16; j++) tmp[j] = softcap * tanhf(tmp[j] / softcap);
+            s = _mm512_loadu_ps(tmp);
+        }
+        _mm512_mask_storeu_ps(row + i, m, s);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, s);
     }
+    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), best));
+        _mm512_mask_storeu_ps(row + i, m, e);
+        vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(vsum);
+}
+
+static inline void store_out(uint16_t *out, __m512 v) {
+    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* out_g = inv[g] * sum_t p[g, t] v_t with the output rows of `tile` heads held in
+ * registers; D (64, 128 or 256) and tile are constants after inlining. */
+static inline __attribute__((always_inline)) void values_pass_fixed(
+        const float *p, const float *inv, int64_t group, const KvRows *kv, int64_t start,
+        int64_t len, uint16_t *out, const int D, const int tile) {
+    const int64_t n = len - start;
+    for (int64_t g0 = 0; g0 < group; g0 += tile) {
+        const int heads = group - g0 < tile ? (int)(group - g0) : tile;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t t = start; t < len; t++) {
+            const uint16_t *v = row_of(kv, kv->v_cache, t);
+            __m512 vv[16];
+            for (int c = 0; c < D / 16; c++) vv[c] = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(v + c * 16)));
+            for (int h = 0; h < tile; h++) {
+                if (h >= heads) break;
+                const __m512 pv = _mm512_set1_ps(p[(g0 + h) * n + (t - start)]);
+                for (int c = 0; c < D / 16; c++) acc[h * (D / 16) + c] = _mm512_fmadd_ps(pv, vv[c], acc[h * (D / 16) + c]);
+            }
+        }
+        for (int h = 0; h < heads; h++) {
+            const __m512 s = _mm512_set1_ps(inv[g0 + h]);
+            for (int c = 0; c < D / 16; c++)
+                store_out(out + (g0 + h) * D + c * 16, _mm512_mul_ps(acc[h * (D / 16) + c], s));
+        }
+    }
+}
+
+/* Any head size: accumulate in `acc` ([group, d] floats). */
+static void values_pass_any(const float *p, const float *inv, int64_t group, int64_t d,
+                            const KvRows *kv, int64_t start, int64_t len, float *acc, uint16_t *out) {
+    const int64_t n = len - start;
+    memset(acc, 0, sizeof(float) * group * d);
+    for (int64_t t = start; t < len; t++) {
+        const uint16_t *v = row_of(kv, kv->v_cache, t);
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
+            const __m512 vv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, v + i));
+            for (int64_t g = 0; g < group; g++) {
+                float *a = acc + g * d + i;
+                _mm512_mask_storeu_ps(a, m, _mm512_fmadd_ps(_mm512_set1_ps(p[g * n + (t - start)]), vv,
+                                                            _mm512_maskz_loadu_ps(m, a)));
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < d; i++) out[g * d + i] = f32_to_bf16(acc[g * d + i] * inv[g]);
 }
 
 /* q, out: [batch, num_heads, d]; block_tables: [batch, table_width]; seq_lens: [batch]. */
@@ -49,50 +170,37 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
     {
         int64_t capacity = 0;
         float *scores = NULL;
-        float *qf = malloc(sizeof(float) * d);
-        float *acc = malloc(sizeof(float) * d);
-        if (!qf || !acc) failed = 1;
+        float *inv = malloc(sizeof(float) * group);
+        float *acc = malloc(sizeof(float) * group * d);
+        if (!inv || !acc) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < work; item++) {
             if (failed) continue;
             const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
             const int64_t len = seq_lens[b];
             const int64_t start = window > 0 && len > window ? len - window : 0;
-            if (len - start > capacity) {
+            const int64_t n = len - start;
+            if (n * group > capacity) {
                 free(scores);
-                capacity = len - start;
+                capacity = n * group;
                 scores = malloc(sizeof(float) * capacity);
                 if (!scores) { failed = 1; capacity = 0; continue; }
             }
-            const int32_t *table = block_tables + b * table_width;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t h = kvh * group + g;
-                const uint16_t *qh = q + (b * num_heads + h) * d;
-                for (int64_t i = 0; i < d; i++) qf[i] = bf16_to_f32(qh[i]);
-                float best = -INFINITY;
-                for (int64_t t = start; t < len; t++) {
-                    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                    float s = dot(k_cache + (slot * num_kv_heads + kvh) * d, qf, d) * scale;
-                    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                    scores[t - start] = s;
-                    if (s > best) best = s;
-                }
-                float total = 0.0f;
-                for (int64_t t = 0; t < len - start; t++) {
-                    scores[t] = expf(scores[t] - best);
-                    total += scores[t];
-                }
-                memset(acc, 0, sizeof(float) * d);
-                for (int64_t t = start; t < len; t++) {
-                    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                    axpy(acc, scores[t - start] / total, v_cache + (slot * num_kv_heads + kvh) * d, d);
-                }
-                uint16_t *oh = out + (b * num_heads + h) * d;
-                for (int64_t i = 0; i < d; i++) oh[i] = f32_to_bf16(acc[i]);
+            const KvRows kv = {k_cache, v_cache, block_tables + b * table_width, block_size,
+                               num_kv_heads * d, kvh * d};
+            const int64_t first_head = b * num_heads + kvh * group;
+            scores_pass(q + first_head * d, group, d, &kv, start, len, scores);
+            for (int64_t g = 0; g < group; g++) inv[g] = softmax_row(scores + g * n, n, scale, softcap);
+            uint16_t *o = out + first_head * d;
+            switch (d) {
+                case 64: values_pass_fixed(scores, inv, group, &kv, start, len, o, 64, 4); break;
+                case 128: values_pass_fixed(scores, inv, group, &kv, start, len, o, 128, 2); break;
+                case 256: values_pass_fixed(scores, inv, group, &kv, start, len, o, 256, 1); break;
+                default: values_pass_any(scores, inv, group, d, &kv, start, len, acc, o);
             }
         }
         free(scores);
-        free(qf);
+        free(inv);
         free(acc);
     }
     return failed;

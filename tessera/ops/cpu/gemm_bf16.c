@@ -1,0 +1,113 @@
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), bfloat16 in and out, float32 accumulation,
+ * on the checkpoint's own [n, k] layout (no repacking, so the same weight serves every
+ * batch size and every other reader).
+ *
+ * Decode multiplies a few rows by every weight matrix. At one row the job is to stream `w`
+ * at memory bandwidth; at 8-64 rows it is compute: torch's bf16 GEMM reaches ~200 GFLOP/s
+ * there on the 2-core host, about half of what AVX512-BF16 allows. The loop order serves
+ * both: each thread owns a contiguous range of output features; four rows of w (a few KB,
+ * resident in L1) are walked against a tile of up to six rows of x, so each w load feeds
+ * six dot products and each x load four; vdpbf16ps multiplies 32 bf16 pairs per
+ * instruction. Rows of x are taken in blocks that fit L2, so large batches re-read w once
+ * per block instead of once per tile. The 24 accumulators of a tile are summed four at a
+ * time by a transpose-and-add instead of 24 separate horizontal reductions.
+ * Built by tessera/ops/cpu/build.py with -mavx512f -mavx512bw -mavx512bf16 -fopenmp. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "avx512_math.h"
+#include "bf16.h"
+
+#define ROW_TILE 6        /* rows of x per register tile: 6 x 4 accumulators + 4 w + 1 x */
+#define ROW_BLOCK_BYTES (192 * 1024)  /* rows of x walked per pass over w: a share of L2 */
+
+static inline __m512bh load_bf16(const uint16_t *p, __mmask32 mask) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+/* One register tile: `rows` rows of x (a compile-time constant after inlining) against the
+ * four rows of w in `wr`, writing y[r, n .. n + cols). */
+static inline __attribute__((always_inline)) void tile(
+        const uint16_t *x, const uint16_t *const wr[4], const float bias4[4], uint16_t *y,
+        const int rows, int64_t k, int64_t n_total, int64_t n, int cols) {
+    const int64_t full = k / 32 * 32;
+    const __mmask32 tail = (__mmask32)((1ull << (k - full)) - 1ull);
+    __m512 acc[ROW_TILE][4];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+#define TILE_STEP(i, LOAD)                                                                  \
+    do {                                                                                    \
+        const __m512bh b0 = LOAD(wr[0] + (i)), b1 = LOAD(wr[1] + (i));                      \
+        const __m512bh b2 = LOAD(wr[2] + (i)), b3 = LOAD(wr[3] + (i));                      \
+        for (int r = 0; r < rows; r++) {                                                    \
+            const __m512bh a = LOAD(x + r * k + (i));                                       \
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);                                 \
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);                                 \
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);                                 \
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);                                 \
+        }                                                                                   \
+    } while (0)
+#define LOAD_FULL(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+#define LOAD_TAIL(p) load_bf16((p), tail)
+    for (int64_t i = 0; i < full; i += 32) TILE_STEP(i, LOAD_FULL);
+    if (full < k) TILE_STEP(full, LOAD_TAIL);
+    const __m128 b = _mm_loadu_ps(bias4);
+    for (int r = 0; r < rows; r++) {
+        const __m128 s = _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b);
+        const __m128i packed = (__m128i)_mm_cvtneps_pbh(s);  /* round to nearest even */
+        uint16_t *out = y + r * n_total + n;
+        if (cols == 4) {
+            _mm_storel_epi64((__m128i *)out, packed);
+        } else {
+            uint16_t tmp[8];
+            _mm_storeu_si128((__m128i *)tmp, packed);
+            memcpy(out, tmp, (size_t)cols * sizeof(uint16_t));
+        }
+    }
+}
+
+/* Output features [n0, n1) for rows [m0, m1) of x. */
+static void gemm_range(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                       int64_t m0, int64_t m1, int64_t n_total, int64_t n0, int64_t n1, int64_t k) {
+    for (int64_t n = n0; n < n1; n += 4) {
+        const int cols = n1 - n < 4 ? (int)(n1 - n) : 4;
+        const uint16_t *wr[4];
+        float bias4[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int j = 0; j < 4; j++) {
+            wr[j] = w + (n + (j < cols ? j : 0)) * k;  /* tail: reread row n, results dropped */
+            if (bias && j < cols) bias4[j] = bf16_to_f32(bias[n + j]);
+        }
+        for (int64_t m = m0; m < m1; m += ROW_TILE) {
+            const uint16_t *xm = x + m * k;
+            uint16_t *ym = y + m * n_total;
+            switch (m1 - m < ROW_TILE ? (int)(m1 - m) : ROW_TILE) {
+                case 1: tile(xm, wr, bias4, ym, 1, k, n_total, n, cols); break;
+                case 2: tile(xm, wr, bias4, ym, 2, k, n_total, n, cols); break;
+                case 3: tile(xm, wr, bias4, ym, 3, k, n_total, n, cols); break;
+                case 4: tile(xm, wr, bias4, ym, 4, k, n_total, n, cols); break;
+                case 5: tile(xm, wr, bias4, ym, 5, k, n_total, n, cols); break;
+                default: tile(xm, wr, bias4, ym, ROW_TILE, k, n_total, n, cols); break;
+            }
+        }
+    }
+}
+
+/* x [m, k], w [n, k], bias [n] or NULL, y [m, n]; all contiguous bf16. */
+int tessera_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                      int64_t m, int64_t n, int64_t k, int threads) {
+    if (m < 1 || n < 1 || k < 1) return 1;
+    const int64_t groups = (n + 3) / 4;  /* threads split whole groups of four features */
+    int64_t block = ROW_BLOCK_BYTES / (2 * k);
+    block = block < ROW_TILE ? ROW_TILE : block / ROW_TILE * ROW_TILE;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        const int64_t n0 = g0 * 4, n1 = g1 * 4 < n ? g1 * 4 : n;
+        for (int64_t m0 = 0; m0 < m && n0 < n1; m0 += block)
+            gemm_range(x, w, bias, y, m0, m0 + block < m ? m0 + block : m, n, n0, n1, k);
+    }
+    return 0;
+}

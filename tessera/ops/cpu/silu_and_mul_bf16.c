@@ -1,0 +1,30 @@
+/* out = bf16(bf16(silu(gate)) * up) over bfloat16 rows of a packed [gate | up] projection,
+ * matching torch's F.silu(gate) * up in bf16 (each op computes in float32 and rounds its
+ * result). One pass instead of chunk + silu + mul (two full-size temporaries); the exp is
+ * vectorised (avx512_math.h). Built by build.py. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "avx512_math.h"
+
+static inline __m512 load16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* gate_up: [rows, 2 * h]; out: [rows, h]. */
+void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t h,
+                               int threads) {
+#pragma omp parallel for num_threads(rows * h >= 65536 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * h, *u = g + h;
+        for (int64_t i = 0; i < h; i += 16) {
+            const __mmask16 m = h - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (h - i)) - 1u);
+            const __m512 x = load16(g + i, m);
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            const __m256i silu16 = (__m256i)_mm512_cvtneps_pbh(silu);
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(silu16), 16));
+            _mm256_mask_storeu_epi16(out + r * h + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(s, load16(u + i, m))));
+        }
+    }
+}

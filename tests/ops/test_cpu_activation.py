@@ -1,0 +1,39 @@
+"""The fused bf16 SiLU-and-mul kernel against the pure-torch builder: the same two bf16
+roundings (after silu, after the product), so outputs agree exactly except where the
+vectorised exp's last float32 bit tips a rounding (one bf16 ulp, rarely)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.ops.activation import silu_and_mul_ref
+from tessera.ops.cpu.activation import silu_and_mul_bf16
+from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.registry import OpSpec, select_op
+
+UNAVAILABLE = unavailable_reason("silu_and_mul_bf16.c")  # then the registry keeps torch's
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (3, 2 * 7), (5, 4, 2 * 48), (300, 2 * 1536)])
+def test_matches_the_torch_builder(shape):
+    g = torch.Generator().manual_seed(shape[-1] + shape[0])
+    gate_up = (4 * torch.randn(shape, generator=g)).bfloat16()
+    got, want = silu_and_mul_bf16(gate_up), silu_and_mul_ref(gate_up)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= want.float().abs() * 2.0 ** -7 + 1e-30).all(), diff.max()
+    assert (diff == 0).float().mean() > 0.99
+
+
+def test_extremes_saturate_like_torch():
+    gate = torch.tensor([-200.0, -90.0, -20.0, 0.0, 20.0, 90.0, 200.0, float("inf")]).bfloat16()
+    gate_up = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)
+    torch.testing.assert_close(silu_and_mul_bf16(gate_up), silu_and_mul_ref(gate_up), rtol=0, atol=0)
+
+
+def test_other_dtypes_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():
+    x = torch.randn(2, 10)
+    torch.testing.assert_close(silu_and_mul_bf16(x), silu_and_mul_ref(x))
+    assert select_op(OpSpec("silu_and_mul", "cpu", torch.bfloat16)).builder.name == "cpu_silu_and_mul_bf16"
+    assert select_op(OpSpec("silu_and_mul", "cpu", torch.float32)).builder.name == "torch_silu_and_mul"
