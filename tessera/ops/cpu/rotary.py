@@ -1,0 +1,56 @@
+"""The bf16 rotary builder for `rotary` on CPU (rotary_bf16.c).
+
+torch's rotate-half is ~10 small ops per call (view, chunk, neg, cat, two muls, add,
+flatten) on each of q and k; at decode sizes their dispatch is most of its cost. The kernel
+reads q and k where the packed QKV projection left them and rounds as the torch builder
+does, so results are bit-exact.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from tessera.ops.cpu.build import load_kernel, unavailable_reason
+from tessera.ops.registry import OpSpec, register_op
+from tessera.ops.rotary import rotary_ref
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    lib = load_kernel("rotary_bf16.c")
+    lib.tessera_rotary_bf16.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
+                                        + [ctypes.c_int64] * 4 + [ctypes.c_int])
+    lib.tessera_rotary_bf16.restype = None
+    return lib
+
+
+def _check(spec: OpSpec) -> list[str]:
+    reason = unavailable_reason("rotary_bf16.c")
+    return [reason] if reason else []
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """2-D with contiguous rows (a column slice of a contiguous matrix is fine)."""
+    return x.dim() == 2 and x.stride(1) == 1
+
+
+@register_op("rotary", name="cpu_rotary_bf16", priority=10, devices=("cpu",),
+             dtypes=(torch.bfloat16,), check=_check)
+def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = q.shape[0]
+    if (head_size % 2 or q.shape[-1] % head_size or k.shape[-1] % head_size or any(t.dtype != torch.bfloat16 for t in (q, k, cos, sin))
+            or not (_rows(q) and _rows(k)) or cos.shape[-1] != head_size
+            or not (cos.is_contiguous() and sin.is_contiguous()) or cos.numel() != tokens * head_size
+            or sin.shape != cos.shape or k.shape[0] != tokens):
+        return rotary_ref(q, k, cos, sin, head_size)
+    q_out = torch.empty(q.shape, dtype=torch.bfloat16)
+    k_out = torch.empty(k.shape, dtype=torch.bfloat16)
+    if tokens:
+        _library().tessera_rotary_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                                       cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+                                       tokens, q.shape[1] // head_size, k.shape[1] // head_size, head_size,
+                                       torch.get_num_threads())
+    return q_out, k_out

@@ -1,0 +1,44 @@
+"""The bf16 rotary kernel against the pure-torch builder: bit-exact (same three roundings),
+on q/k that are column slices of a packed QKV output, for head sizes whose half is and is
+not a multiple of 16, decode and prefill token counts; other inputs go to torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.cpu.rotary import rotary_bf16
+from tessera.ops.registry import OpSpec, select_op
+from tessera.ops.rotary import rotary_ref
+
+UNAVAILABLE = unavailable_reason("rotary_bf16.c")  # then the registry keeps the torch builder
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+def rope_rows(tokens: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.rand(tokens, d // 2, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.cat((cos, cos), -1).unsqueeze(1).bfloat16(), torch.cat((sin, sin), -1).unsqueeze(1).bfloat16())
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("q_heads, k_heads, d", [(9, 3, 64), (4, 2, 128), (3, 1, 48), (2, 2, 6)])
+def test_bit_exact_to_the_torch_builder(tokens, q_heads, k_heads, d):
+    g = torch.Generator().manual_seed(tokens * 7 + d)
+    qkv = (3 * torch.randn(tokens, (q_heads + 2 * k_heads) * d, generator=g)).bfloat16()
+    q, k, _ = qkv.split([q_heads * d, k_heads * d, k_heads * d], dim=-1)  # strided views
+    cos, sin = rope_rows(tokens, d, g)
+    got_q, got_k = rotary_bf16(q, k, cos, sin, d)
+    want_q, want_k = rotary_ref(q, k, cos, sin, d)
+    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_other_inputs_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 128, generator=g), torch.randn(3, 64, generator=g)
+    cos, sin = (t.float() for t in rope_rows(3, 64, g))
+    for got, want in zip(rotary_bf16(q, k, cos, sin, 64), rotary_ref(q, k, cos, sin, 64)):
+        torch.testing.assert_close(got, want)
+    assert select_op(OpSpec("rotary", "cpu", torch.bfloat16, head_size=64)).builder.name == "cpu_rotary_bf16"
+    assert select_op(OpSpec("rotary", "cpu", torch.float32, head_size=64)).builder.name == "torch_rotary"
