@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from tessera.config import ModelConfig
 from tessera.ops.registry import OpTarget
+from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf import iter_gguf_weights
 from tessera.weights.loader import load_weights
@@ -118,8 +119,11 @@ class BaseRouter:
         """Load the checkpoint into `model` (progress wraps the tensor stream); returns the
         number of parameters loaded. `load_format="dummy"` fills seeded random values."""
         if self.model_config.load_format == "dummy":
-            return load_dummy_weights(model)
-        return len(load_weights(model, progress(self.iter_weights())))
+            count = load_dummy_weights(model)
+        else:
+            count = len(load_weights(model, progress(self.iter_weights())))
+        prepare_weights(model)
+        return count
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.source.is_gguf:

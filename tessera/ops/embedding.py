@@ -14,7 +14,7 @@ from torch import nn
 
 from tessera.distributed.parallel import all_gather_last, all_reduce, padded_span
 from tessera.ops.registry import OpTarget, register_op
-from tessera.ops.weights import copy_checked, make_param
+from tessera.ops.weights import copy_checked, make_param, prepared_param
 from tessera.weights.lazy import narrow
 
 
@@ -69,6 +69,12 @@ class LMHead(nn.Module):
             self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
         self.vocab_size, self.tp_size = vocab_size, target.tp_size
         self._linear = target.op("linear")
+        self._prepare = target.prepare("linear")
+
+    def prepare_weights(self) -> None:
+        """After loading: the linear builder's layout. A tied head gets its own prepared
+        copy when the layout changes; the embedding keeps its rows."""
+        self.weight = prepared_param(self.weight, self._prepare)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self._linear(hidden, self.weight, None).float()

@@ -16,7 +16,7 @@ from torch import nn
 
 from tessera.distributed.parallel import HeadSplit, Span, all_reduce, even_span, split_heads
 from tessera.ops.registry import OpTarget, register_op
-from tessera.ops.weights import copy_checked, make_param
+from tessera.ops.weights import copy_checked, make_param, prepared_param
 from tessera.weights.lazy import narrow
 
 
@@ -34,6 +34,11 @@ class Linear(nn.Module):
         self.weight = make_param((out_features, in_features), target.dtype, target.device)
         self.bias = make_param((out_features,), target.dtype, target.device) if bias else None
         self._linear = target.op("linear")
+        self._prepare = target.prepare("linear")
+
+    def prepare_weights(self) -> None:
+        """After loading: hand the weight to the builder's preferred layout (once)."""
+        self.weight = prepared_param(self.weight, self._prepare)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.weight, self.bias)

@@ -61,6 +61,9 @@ class OpBuilder:
     phases: tuple[str | None, ...] | None = None  # None: any
     quant: tuple[str | None, ...] = (None,)
     check: Callable[[OpSpec], list[str]] | None = None  # extra, builder-specific reasons
+    # the layout `impl` wants a loaded weight in (e.g. repacked panels), applied once after
+    # loading by the layer that owns the weight; None: used as loaded
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def rejections(self, spec: OpSpec) -> list[str]:
         """Why this builder cannot serve `spec` (empty when it can)."""
@@ -157,3 +160,7 @@ class OpTarget:
 
     def op(self, kind: str, **fields) -> Callable:
         return get_op(self.spec(kind, **fields))
+
+    def prepare(self, kind: str, **fields) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The chosen builder's weight preparation (see OpBuilder.prepare), or None."""
+        return select_op(self.spec(kind, **fields)).builder.prepare

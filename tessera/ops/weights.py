@@ -33,3 +33,22 @@ def make_param(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.d
     param.weight_loader = loader
     param.shard_ids = shard_ids  # packed parameters are complete only when every shard loaded
     return param
+
+
+def prepared_param(param: nn.Parameter, prepare: Callable[[torch.Tensor], torch.Tensor] | None) -> nn.Parameter:
+    """`param`, or a new parameter holding `prepare(param)` when that changes the layout. The
+    new one has no weight_loader: preparation happens once, after every shard is loaded."""
+    if prepare is None:
+        return param
+    with torch.no_grad():
+        data = prepare(param.data)
+    return param if data is param.data else nn.Parameter(data, requires_grad=False)
+
+
+def prepare_weights(model: nn.Module) -> None:
+    """Let every layer put its loaded weights into its op builders' layouts (packed panels
+    for the CPU GEMM, ...). Call once, after loading."""
+    for module in list(model.modules()):
+        hook = getattr(module, "prepare_weights", None)
+        if callable(hook):
+            hook()

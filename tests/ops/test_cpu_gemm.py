@@ -84,3 +84,66 @@ def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
             build.load_kernel("gemm_bf16.c", tmp_path / "cache")
     finally:
         build.load_kernel.cache_clear()
+
+
+# ---- packed weights (the builder's `prepare`) ------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 32, 200])
+@pytest.mark.parametrize("n, k", [(16, 2), (48, 578), (80, 64), (1024, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_kernel_matches_torch(m, n, k, bias):
+    """Odd and even panel counts (80 / 16 = 5), row tiles of 12 and their remainders, several
+    L2 row blocks (200 rows x 578)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_linear.pack_weight(w)
+    assert packed.shape == (n // 16, k // 2, 32) and torch.equal(cpu_linear.unpack_weight(packed), w)
+    got = cpu_linear.gemm_linear(x, packed, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert_bf16_close(got, x, w, b)
+
+
+@needs_kernel
+def test_pack_leaves_unpackable_weights_alone_and_checks_inputs():
+    for w in (torch.randn(24, 64).bfloat16(), torch.randn(32, 63).bfloat16(), torch.randn(32, 64)):
+        assert cpu_linear.pack_weight(w) is w  # 24 rows, odd k, float32: used as loaded
+    w = torch.randn(32, 64).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    assert cpu_linear.pack_weight(packed) is packed
+    x = torch.randn(2, 3, 64).bfloat16()
+    assert_bf16_close(cpu_linear.gemm_linear(x, packed, None).view(6, 32), x.view(6, 64), w, None)
+    assert cpu_linear.gemm_linear(x[:, :0], packed, None).shape == (2, 0, 32)
+    with pytest.raises(ValueError, match="64"):
+        cpu_linear.gemm_linear(torch.randn(2, 32).bfloat16(), packed, None)
+
+
+@needs_kernel
+def test_layers_pack_after_loading_and_a_tied_head_leaves_the_embedding_rows():
+    from tessera.ops.embedding import LMHead, VocabEmbedding
+    from tessera.ops.linear import Linear
+    from tessera.ops.registry import OpTarget
+    from tessera.ops.weights import prepare_weights
+
+    target = OpTarget("cpu", torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    linear, odd = Linear(64, 48, target, bias=True), Linear(64, 40, target)
+    embed = VocabEmbedding(96, 64, target)
+    head = LMHead(96, 64, target, tied_to=embed)
+    for p in (linear.weight, linear.bias, odd.weight, embed.weight):
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    plain_w, plain_rows = linear.weight.data.clone(), embed.weight.data.clone()
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    before = (linear(x), odd(x), head(x))
+    module = torch.nn.ModuleList([linear, odd, embed, head])
+    prepare_weights(module)
+    assert cpu_linear.is_packed(linear.weight) and torch.equal(cpu_linear.unpack_weight(linear.weight), plain_w)
+    assert not cpu_linear.is_packed(odd.weight)           # 40 features: not a multiple of 16
+    assert cpu_linear.is_packed(head.weight) and torch.equal(embed.weight.data, plain_rows)
+    ids = torch.tensor([0, 5, 95])
+    torch.testing.assert_close(embed(ids), plain_rows[ids], rtol=0, atol=0)
+    for got, want in zip((linear(x), odd(x), head(x)), before):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)

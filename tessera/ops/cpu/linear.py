@@ -5,6 +5,12 @@ weights at 11-14 GB/s (docs/benchmarks.md), a third of what the memory delivers;
 rows it reaches about half of the machine's bf16 rate. Up to `MAX_ROWS` rows this builder
 runs gemm_bf16.c on the weight as loaded; prefill-sized inputs (and anything not bf16) go
 to F.linear, whose blocked GEMM is the better kernel there.
+
+Weights whose shapes allow it (out features a multiple of 16, in features even: every
+projection of the supported families) are repacked once after loading (`pack_weight`, the
+builder's `prepare`) into 16-feature panels; the packed kernel then serves every row count,
+prefill included, from that one copy (the plain weight is dropped; a tied LM head packs its
+own copy and leaves the embedding's rows alone).
 """
 from __future__ import annotations
 
@@ -33,6 +39,10 @@ def _library() -> ctypes.CDLL:
     lib = load_kernel("gemm_bf16.c")
     lib.tessera_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     lib.tessera_gemm_bf16.restype = ctypes.c_int
+    lib.tessera_gemm_packed_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tessera_gemm_packed_bf16.restype = ctypes.c_int
+    lib.tessera_pack_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.tessera_pack_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -48,21 +58,76 @@ def _check(spec: OpSpec) -> list[str]:
     return [reason] if reason else []
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _call(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          n: int) -> torch.Tensor:
+    """y [m, n] = x [m, k] times `weight` (plain or packed) through gemm_bf16.c's `kernel`."""
     m, k = x.shape
-    n = weight.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    status = _library().tessera_gemm_bf16(
+    status = getattr(_library(), kernel)(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
         m, n, k, torch.get_num_threads())
     if status:
-        raise ValueError(f"gemm_bf16 refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(f"{kernel} refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     return y
 
 
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _call("tessera_gemm_bf16", x, weight, bias, weight.shape[0])
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Packed weights are 3-D [n / 16, k / 2, 32]; plain ones 2-D [n, k]."""
+    return weight.dim() == 3
+
+
+def packable(weight: torch.Tensor) -> bool:
+    n, k = weight.shape
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and n % 16 == 0
+            and k % 2 == 0 and n >= 16 and k >= 2)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] -> the packed [n / 16, k / 2, 32] layout of gemm_bf16.c, or `weight` itself
+    when its shape or dtype does not allow packing."""
+    if is_packed(weight) or not packable(weight):
+        return weight
+    n, k = weight.shape
+    weight = weight.contiguous()
+    packed = torch.empty((n // 16, k // 2, 32), dtype=torch.bfloat16)
+    if _library().tessera_pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k):
+        raise ValueError(f"pack_bf16 refused a weight of shape {(n, k)}")
+    return packed
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The plain [n, k] weight back from its packed layout (for inspection and tests)."""
+    p, pairs, _ = packed.shape
+    return packed.view(p, pairs, 16, 2).permute(0, 2, 1, 3).reshape(p * 16, pairs * 2)
+
+
+def _gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _call("tessera_gemm_packed_bf16", x, packed, bias, packed.shape[0] * 16)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    n = packed.shape[0] * 16
+    if packed.shape[1] * 2 != k:
+        raise ValueError(f"input has {k} features, the packed weight expects {packed.shape[1] * 2}")
+    rows = x.numel() // k if k else 0
+    if rows == 0:
+        return x.new_zeros((*x.shape[:-1], n))
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    y = _gemm_packed(x.to(torch.bfloat16).reshape(rows, k).contiguous(), packed, bias)
+    return y.view(*x.shape[:-1], n)
+
+
 @register_op("linear", name="cpu_gemm_bf16", priority=10, devices=("cpu",),
-             dtypes=(torch.bfloat16,), check=_check)
+             dtypes=(torch.bfloat16,), check=_check, prepare=pack_weight)
 def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if is_packed(weight):
+        return _packed_linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
