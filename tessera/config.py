@@ -11,6 +11,9 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 # auto: the checkpoint's weights; dummy: seeded random weights for the config (benchmarking
 # real shapes with nothing to download or read)
 LOAD_FORMATS = ("auto", "dummy")
+# int8: linear weights quantized per output feature after loading (weight-only; activations
+# stay in the model dtype). Halves weight memory and single-stream decode's weight traffic.
+QUANTIZATIONS = (None, "int8")
 
 
 class ConfigError(ValueError):
@@ -33,12 +36,15 @@ class ModelConfig:
     chat_template: str | None = None
     model_impl: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.load_format in LOAD_FORMATS,
                  f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _require(self.model_impl in MODEL_IMPLS,
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,

@@ -86,7 +86,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     dtype = resolve_dtype(model_config.dtype, device)
     started = time.perf_counter()
     with _recorded_lookups() as lookups:
-        model = router.build_model(OpTarget(torch.device(device).type, dtype)).eval()
+        model = router.build_model(OpTarget(torch.device(device).type, dtype,
+                                            quant=model_config.quantization)).eval()
     loaded = None
     if load:
         loaded = router.load_weights(model)

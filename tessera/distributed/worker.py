@@ -26,7 +26,7 @@ def build_rank_model(config: EngineConfig, rank: int, world_size: int):
     device = rank_device(config, rank)
     dtype = resolve_dtype(config.model.dtype, config.device)
     router = get_router(config.model)
-    target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank)
+    target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization)
     model = router.build_model(target).eval()
     router.load_weights(model)
     return router, model

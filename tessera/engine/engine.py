@@ -70,7 +70,8 @@ class Engine:
 
     def _build(self, config: EngineConfig, show_progress: bool) -> None:
         tp = config.parallel.tensor_parallel_size
-        target = OpTarget(self.device.type, self.dtype, tp_size=tp, tp_rank=0)
+        target = OpTarget(self.device.type, self.dtype, tp_size=tp, tp_rank=0,
+                          quant=config.model.quantization)
         started = time.perf_counter()
         self.model = self.router.build_model(target).eval()
         self.router.load_weights(self.model, lambda weights: tqdm(

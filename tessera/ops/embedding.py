@@ -68,8 +68,8 @@ class LMHead(nn.Module):
         else:
             self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
         self.vocab_size, self.tp_size = vocab_size, target.tp_size
-        self._linear = target.op("linear")
-        self._prepare = target.prepare("linear")
+        self._linear = target.op("linear", quant=target.quant)
+        self._prepare = target.prepare("linear", quant=target.quant)
 
     def prepare_weights(self) -> None:
         """After loading: the linear builder's layout. A tied head gets its own prepared

@@ -33,8 +33,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = make_param((out_features, in_features), target.dtype, target.device)
         self.bias = make_param((out_features,), target.dtype, target.device) if bias else None
-        self._linear = target.op("linear")
-        self._prepare = target.prepare("linear")
+        self._linear = target.op("linear", quant=target.quant)
+        self._prepare = target.prepare("linear", quant=target.quant)
 
     def prepare_weights(self) -> None:
         """After loading: hand the weight to the builder's preferred layout (once)."""

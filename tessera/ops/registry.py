@@ -150,6 +150,7 @@ class OpTarget:
     dtype: torch.dtype
     tp_size: int = 1
     tp_rank: int = 0   # which slice of each sharded layer this process holds
+    quant: str | None = None  # weight quantization of the linear layers (--quantization)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

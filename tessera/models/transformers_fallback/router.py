@@ -47,6 +47,11 @@ class TransformersRouter(BaseRouter):
             raise FallbackUnsupportedError(
                 "GGUF files load only through native model folders; give the fallback a "
                 "safetensors checkpoint directory")
+        if self.model_config.quantization is not None:
+            raise FallbackUnsupportedError(
+                f"--quantization {self.model_config.quantization} quantizes tessera's own linear "
+                "layers; the transformers fallback runs transformers' modules, so it needs a "
+                "native model folder (`tessera models` lists them)")
         if not transformers_has_causal_lm(cfg.model_type):
             raise FallbackUnsupportedError(
                 f"transformers has no causal LM for model_type {cfg.model_type!r}")

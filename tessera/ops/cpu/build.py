@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 CACHE = Path.home() / ".cache" / "tessera" / "kernels"
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mfma")
+         "-mavx512bf16", "-mavx512vnni", "-mfma")
 # what FLAGS let the compiler use: a kernel built with them must not run without them
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma")
 
 
 class KernelBuildError(RuntimeError):

@@ -19,6 +19,7 @@
 
 #include "avx512_math.h"
 #include "bf16.h"
+#include "panel_tiles.h"
 
 #define ROW_TILE 6        /* rows of x per register tile: 6 x 4 accumulators + 4 w + 1 x */
 #define ROW_BLOCK_BYTES (192 * 1024)  /* rows of x walked per pass over w: a share of L2 */
@@ -198,30 +199,19 @@ static inline __attribute__((always_inline)) void packed_tile(
 int tessera_gemm_packed_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                              uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % 2 || n < 16 || k < 2) return 1;
-    const int64_t panels = n / 16, units = (panels + 1) / 2;  /* threads split pairs of panels */
+    const int64_t panels = n / 16;
     int64_t block = ROW_BLOCK_BYTES / (2 * k);
     block = block < PACK_ROWS ? PACK_ROWS : block / PACK_ROWS * PACK_ROWS;
 #pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < m; m0 += block) {
-            const int64_t m1 = m0 + block < m ? m0 + block : m;
-            for (int64_t u = u0; u < u1; u++) {
-                const int64_t p = 2 * u, col = 16 * p;
-                const uint16_t *panel = packed + p * (k / 2) * 32;
-                for (int64_t mt = m0; mt < m1; mt += PACK_ROWS) {
-                    const int rows = m1 - mt < PACK_ROWS ? (int)(m1 - mt) : PACK_ROWS;
-                    const uint16_t *xm = x + mt * k;
-                    uint16_t *ym = y + mt * n;
-                    if (p + 1 < panels) {
-                        PACKED_TILE_CASES(2)
-                    } else {
-                        PACKED_TILE_CASES(1)
-                    }
-                }
-            }
+    FOR_EACH_PANEL_TILE(m, panels, block, PACK_ROWS, {
+        const uint16_t *panel = packed + p * (k / 2) * 32;
+        const uint16_t *xm = x + mt * k;
+        uint16_t *ym = y + mt * n;
+        if (two_panels) {
+            PACKED_TILE_CASES(2)
+        } else {
+            PACKED_TILE_CASES(1)
         }
-    }
+    });
     return 0;
 }

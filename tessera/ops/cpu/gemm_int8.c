@@ -1,0 +1,133 @@
+/* y[m, n] = (sum_k x[m, k] * q[n, k]) * scale[n] (+ bias[n]): bfloat16 activations against
+ * int8 weights quantized per output feature (symmetric, |q| <= 127).
+ * Half the bytes of bf16 weights, so single-stream decode, which streams every weight once
+ * per token, reads half as much.
+ *
+ * Layout (one int8 tensor [n / 16, 64 + 16 k], built by tessera/ops/cpu/linear_int8.py): per
+ * panel of 16 output features, their 16 float32 scales (64 bytes), then for each pair of k
+ * the 16 features' two values side by side, as in gemm_bf16.c's packed panels.
+ *
+ * Arithmetic: widening int8 weights to bf16 costs five instructions per 32 weights, which
+ * made the kernel compute-bound. Instead each row of x is scaled to 15-bit integers
+ * (per-row scale max|x| / 16383: finer than bf16's 8-bit significand for every value within
+ * 1/64 of the row's largest), weights are sign-extended to int16 (one instruction), and
+ * AVX512-VNNI's vpdpwssd multiplies and adds 32 int16 pairs into int32 lanes. Partial sums
+ * move to float32 every 256 pairs, before 512 products of at most 16383 * 127 could
+ * overflow int32. Tiles: up to 12 rows of x by two panels; rows in L2-sized blocks.
+ * Requires n % 16 == 0 and k % 2 == 0. Built by tessera/ops/cpu/build.py. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "panel_tiles.h"
+
+#define ROWS 6
+#define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
+#define FLUSH_PAIRS 256
+#define X_MAX 16383.0f
+
+static inline __attribute__((always_inline)) void tile(
+        const int16_t *x, const float *x_scale, const int8_t *panel, int64_t panel_bytes,
+        const uint16_t *bias, uint16_t *y, int64_t k, int64_t n_total, int64_t col,
+        const int rows, const int panels) {
+    const int64_t pairs = k / 2;
+    __m512 total[ROWS][2];
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < panels; q++) total[r][q] = _mm512_setzero_ps();
+    const int8_t *q0 = panel + 64, *q1 = panel + panel_bytes + 64;
+    for (int64_t c0 = 0; c0 < pairs; c0 += FLUSH_PAIRS) {
+        const int64_t c1 = c0 + FLUSH_PAIRS < pairs ? c0 + FLUSH_PAIRS : pairs;
+        __m512i acc[ROWS][2];
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < panels; q++) acc[r][q] = _mm512_setzero_si512();
+        for (int64_t j = c0; j < c1; j++) {
+            const __m512i b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q0 + j * 32)));
+            const __m512i b1 = panels == 2
+                ? _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q1 + j * 32))) : b0;
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * k + 2 * j, sizeof pair);
+                const __m512i a = _mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], a, b0);
+                if (panels == 2) acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], a, b1);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < panels; q++)
+                total[r][q] = _mm512_add_ps(total[r][q], _mm512_cvtepi32_ps(acc[r][q]));
+    }
+    for (int q = 0; q < panels; q++) {
+        const __m512 w_scale = _mm512_loadu_ps((const float *)(panel + q * panel_bytes));
+        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_loadu_si256((const __m256i *)(bias + col + 16 * q))), 16))
+                              : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scale[r]));
+            _mm256_storeu_si256((__m256i *)(y + r * n_total + col + 16 * q),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(total[r][q], scale, b)));
+        }
+    }
+}
+
+/* One bf16 row to int16 at a per-row scale; returns the scale. */
+static float quantize_row(const uint16_t *x, int16_t *out, int64_t k) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        amax = fmaxf(amax, fabsf(v));
+    }
+    const float scale = amax > 0.0f && isfinite(amax) ? amax / X_MAX : 1.0f;
+    const float inv = 1.0f / scale;
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        float v;
+        memcpy(&v, &bits, sizeof v);
+        out[i] = (int16_t)lrintf(fminf(fmaxf(v * inv, -X_MAX), X_MAX));
+    }
+    return scale;
+}
+
+#define TILE_CASES(PANELS)                                                                  \
+    switch (rows) {                                                                         \
+        case 1: tile(xm, xs, panel, panel_bytes, bias, ym, k, n, col, 1, PANELS); break;    \
+        case 2: tile(xm, xs, panel, panel_bytes, bias, ym, k, n, col, 2, PANELS); break;    \
+        case 3: tile(xm, xs, panel, panel_bytes, bias, ym, k, n, col, 3, PANELS); break;    \
+        case 4: tile(xm, xs, panel, panel_bytes, bias, ym, k, n, col, 4, PANELS); break;    \
+        case 5: tile(xm, xs, panel, panel_bytes, bias, ym, k, n, col, 5, PANELS); break;    \
+        default: tile(xm, xs, panel, panel_bytes, bias, ym, k, n, col, ROWS, PANELS); break; \
+    }
+
+/* x [m, k] bf16, packed [n / 16, 64 + 16 k] int8, bias [n] bf16 or NULL, y [m, n] bf16.
+ * Returns 1 on bad shapes, 2 when the int16 copy of x cannot be allocated. */
+int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *bias, uint16_t *y,
+                      int64_t m, int64_t n, int64_t k, int threads) {
+    if (m < 1 || n % 16 || k % 2 || n < 16 || k < 2) return 1;
+    int16_t *xq = malloc(sizeof(int16_t) * m * k);
+    float *x_scale = malloc(sizeof(float) * m);
+    if (!xq || !x_scale) { free(xq); free(x_scale); return 2; }
+#pragma omp parallel for num_threads(m >= 8 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < m; r++) x_scale[r] = quantize_row(x + r * k, xq + r * k, k);
+    const int64_t panels = n / 16, panel_bytes = 64 + 16 * k;
+    int64_t block = ROW_BLOCK_BYTES / (2 * k);
+    block = block < ROWS ? ROWS : block / ROWS * ROWS;
+#pragma omp parallel num_threads(threads)
+    FOR_EACH_PANEL_TILE(m, panels, block, ROWS, {
+        const int8_t *panel = packed + p * panel_bytes;
+        const int16_t *xm = xq + mt * k;
+        const float *xs = x_scale + mt;
+        uint16_t *ym = y + mt * n;
+        if (two_panels) {
+            TILE_CASES(2)
+        } else {
+            TILE_CASES(1)
+        }
+    });
+    free(xq);
+    free(x_scale);
+    return 0;
+}

@@ -1,0 +1,75 @@
+"""The int8 weight-only GEMM builder for `linear` on CPUs with AVX512-BF16 (gemm_int8.c).
+
+Weights are quantized per output feature (tessera/ops/linear_int8.py) and packed into the
+kernel's 16-feature panels, each led by its 16 float32 scales. Shapes the kernel cannot
+take (out features not a multiple of 16, odd in features) keep the reference builder's
+row layout and run through it.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from tessera.ops.cpu.build import load_kernel, unavailable_reason
+from tessera.ops.cpu.linear import packable
+from tessera.ops.linear_int8 import linear_int8_rows, quantize_int8, quantize_rows
+from tessera.ops.registry import OpSpec, register_op
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    lib = load_kernel("gemm_int8.c")
+    lib.tessera_gemm_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.tessera_gemm_int8.restype = ctypes.c_int
+    return lib
+
+
+def _check(spec: OpSpec) -> list[str]:
+    reason = unavailable_reason("gemm_int8.c")
+    return [reason] if reason else []
+
+
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [n, k] -> int8 [n / 16, 64 + 16 k] panels (scales, then pair-interleaved values),
+    or the reference row layout [n, k + 4] when the shape does not fit the kernel."""
+    if weight.dtype == torch.int8:
+        return weight  # prepared already
+    if not packable(weight):
+        return quantize_rows(weight)
+    n, k = weight.shape
+    q, scale = quantize_int8(weight)
+    values = q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, 16 * k)
+    return torch.cat([scale.view(n // 16, 16).view(torch.int8), values], dim=1).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [n, k], scale [n]) back from pack_int8's panels."""
+    p = packed.shape[0]
+    scale = packed[:, :64].contiguous().view(torch.float32).reshape(p * 16)
+    q = packed[:, 64:].reshape(p, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(p * 16, k)
+    return q, scale
+
+
+@register_op("linear", name="cpu_gemm_int8", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
+             quant=("int8",), check=_check, prepare=pack_int8)
+def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    if weight.shape[1] == k + 4:  # row layout: a shape the kernel does not take
+        return linear_int8_rows(x, weight, bias)
+    if weight.shape[1] != 64 + 16 * k:
+        raise ValueError(f"input has {k} features; the packed int8 weight {tuple(weight.shape)} "
+                         f"expects {(weight.shape[1] - 64) // 16}")
+    n = weight.shape[0] * 16
+    rows = x.numel() // k if k else 0
+    if rows == 0:
+        return x.new_zeros((*x.shape[:-1], n))
+    x2 = x.to(torch.bfloat16).reshape(rows, k).contiguous()
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    if _library().tessera_gemm_int8(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    y.data_ptr(), rows, n, k, torch.get_num_threads()):
+        raise ValueError(f"gemm_int8 refused shapes x {tuple(x2.shape)}, weight {tuple(weight.shape)}")
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,28 @@
+/* The loop nest shared by the packed GEMM kernels (gemm_bf16.c, gemm_int8.c), run inside an
+ * OpenMP parallel region: this thread takes a contiguous share of the pairs of 16-feature
+ * panels; rows of x are walked in blocks of `block` (sized to stay in L2 across the
+ * thread's panels) and, within a block, in tiles of at most `tile_rows`. BODY sees
+ * p (first panel of the pair), col (its first output feature), mt (first row of the tile),
+ * rows (rows in the tile) and two_panels (whether panel p + 1 exists). */
+#ifndef TESSERA_PANEL_TILES_H
+#define TESSERA_PANEL_TILES_H
+#include <omp.h>
+
+#define FOR_EACH_PANEL_TILE(m, panels, block, tile_rows, BODY)                             \
+    do {                                                                                   \
+        const int64_t units_ = ((panels) + 1) / 2;                                         \
+        const int64_t t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();              \
+        const int64_t u0_ = units_ * t_ / nt_, u1_ = units_ * (t_ + 1) / nt_;              \
+        for (int64_t m0_ = 0; m0_ < (m); m0_ += (block)) {                                 \
+            const int64_t m1_ = m0_ + (block) < (m) ? m0_ + (block) : (m);                 \
+            for (int64_t u_ = u0_; u_ < u1_; u_++) {                                       \
+                const int64_t p = 2 * u_, col = 16 * p;                                    \
+                const int two_panels = p + 1 < (panels);                                   \
+                for (int64_t mt = m0_; mt < m1_; mt += (tile_rows)) {                      \
+                    const int rows = m1_ - mt < (tile_rows) ? (int)(m1_ - mt) : (tile_rows); \
+                    BODY                                                                   \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+#endif

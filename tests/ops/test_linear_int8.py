@@ -1,0 +1,148 @@
+"""Int8 weight-only linear layers (`--quantization int8`).
+
+- quantization: per-row symmetric, error at most half a step, zero rows safe;
+- the reference builder and the AVX512 kernel against the exact product with the
+  dequantized weight (the kernel also quantizes each activation row to 15 bits; the bound
+  below accounts for it), packed and row layouts, registry choices;
+- a tiny Llama served with int8 equals transformers running the dequantized weights
+  (float32: the reference builder; bf16: the kernel, within bf16 noise);
+- the default model: int8 weights in memory and the same greedy answer as bf16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.config import ConfigError, ModelConfig
+from tessera.ops.cpu import linear_int8 as cpu_int8
+from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.linear_int8 import linear_int8_ref, quantize_int8, quantize_rows, split_rows
+from tessera.ops.registry import OpSpec, select_op
+
+UNAVAILABLE = unavailable_reason("gemm_int8.c")
+needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+def dequantized(w: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_int8(w)
+    return q.double() * s.double().unsqueeze(1)
+
+
+def test_quantization_is_per_row_symmetric_and_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 70, generator=g) * torch.logspace(-3, 2, 40).unsqueeze(1)
+    w[3] = 0.0
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.abs().max() <= 127
+    assert (q.abs().amax(dim=1)[torch.arange(40) != 3] == 127).all()  # each row uses its range
+    err = (dequantized(w) - w.double()).abs()
+    assert (err <= s.double().unsqueeze(1) / 2 + 1e-12).all()
+    assert (q[3] == 0).all() and torch.isfinite(s).all()
+    rows = quantize_rows(w)
+    assert rows.shape == (40, 74) and quantize_rows(rows) is rows
+    q2, s2 = split_rows(rows)
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_builder_equals_the_dequantized_product(dtype):
+    g = torch.Generator().manual_seed(1)
+    w, x, b = torch.randn(24, 40, generator=g), torch.randn(3, 5, 40, generator=g), torch.randn(24, generator=g)
+    got = linear_int8_ref(x.to(dtype), quantize_rows(w), b.to(dtype))
+    exact = F.linear(x.to(dtype).double(), dequantized(w), b.to(dtype).double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * exact.abs().max().item()
+    assert got.shape == (3, 5, 24) and (got.double() - exact).abs().max() <= tol
+    with pytest.raises(ValueError, match="40"):
+        linear_int8_ref(torch.randn(2, 41), quantize_rows(w), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 40, 300])
+@pytest.mark.parametrize("n, k", [(16, 2), (48, 576), (80, 1030), (32, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_the_dequantized_product(m, n, k, bias):
+    """Row tiles of 6 and their remainders, odd panel counts (80), several int32 flushes
+    (k = 2048 is 1024 pairs), L2 row blocks (300 rows)."""
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_int8.pack_int8(w)
+    assert packed.dtype == torch.int8 and packed.shape == (n // 16, 64 + 16 * k)
+    q, s = cpu_int8.unpack_int8(packed, k)
+    q_ref, s_ref = quantize_int8(w)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    got = cpu_int8.gemm_int8_linear(x, packed, b).double()
+    wd = dequantized(w)
+    exact = F.linear(x.double(), wd, None if b is None else b.double())
+    x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2   # activation rounding
+    tol = exact.abs() * 2.0 ** -7 + x_step * wd.abs().sum(dim=1) + 1e-6
+    assert ((got - exact).abs() <= tol).all(), (got - exact).abs().max()
+
+
+@needs_kernel
+def test_kernel_builder_keeps_unpackable_shapes_in_the_row_layout_and_checks_inputs():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 64, generator=g).bfloat16()           # 40 features: no 16-panels
+    prepared = cpu_int8.pack_int8(w)
+    assert prepared.shape == (40, 68) and cpu_int8.pack_int8(prepared) is prepared
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    torch.testing.assert_close(cpu_int8.gemm_int8_linear(x, prepared, None), linear_int8_ref(x, prepared, None))
+    packed = cpu_int8.pack_int8(torch.randn(32, 64, generator=g).bfloat16())
+    assert cpu_int8.gemm_int8_linear(x[:0], packed, None).shape == (0, 32)
+    with pytest.raises(ValueError, match="expects 64"):
+        cpu_int8.gemm_int8_linear(torch.randn(2, 32).bfloat16(), packed, None)
+
+
+def test_registry_routes_int8_specs_to_int8_builders_only():
+    bf16_int8 = select_op(OpSpec("linear", "cpu", torch.bfloat16, quant="int8"))
+    assert bf16_int8.builder.name == ("torch_linear_int8" if UNAVAILABLE else "cpu_gemm_int8")
+    fp32_int8 = select_op(OpSpec("linear", "cpu", torch.float32, quant="int8"))
+    assert fp32_int8.builder.name == "torch_linear_int8"
+    assert ("torch_linear", ("quantization int8 not supported",)) in fp32_int8.rejected
+    assert select_op(OpSpec("linear", "cuda", torch.bfloat16, quant="int8")).builder.name == "torch_linear_int8"
+    assert select_op(OpSpec("linear", "cpu", torch.float32)).builder.name == "torch_linear"
+    with pytest.raises(ConfigError, match="quantization"):
+        ModelConfig(quantization="int4")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_llama_int8_equals_transformers_on_dequantized_weights(make_tiny_llama, dtype):
+    from tessera.llm import LLM
+    from tessera.sampling.params import SamplingParams
+
+    folder, hf = make_tiny_llama(seed=5, hidden_size=64, intermediate_size=160)
+    with torch.no_grad():  # what int8 holds: every linear weight, LM head included
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(dequantized(module.weight.data.to(getattr(torch, dtype)).float()))
+    prompt = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=5)
+    with LLM(folder, dtype=dtype, quantization="int8", num_kv_blocks=32, show_progress=False) as llm:
+        layer = llm.engine.model.model.layers[0].mlp.down_proj
+        assert layer.weight.dtype == torch.int8
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == int(reference.argmax())
+    top = out.logprobs[0]
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for token_id, logprob in top.items():
+        value = logprob.logprob if hasattr(logprob, "logprob") else logprob
+        assert abs(value - reference[token_id].item()) <= tol, (token_id, value, reference[token_id].item())
+
+
+def test_default_model_int8_holds_int8_weights_and_answers_like_bf16(default_gguf):
+    from tessera.llm import LLM
+    from tessera.sampling.params import SamplingParams
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    answers = {}
+    for quantization in (None, "int8"):
+        with LLM(dtype="bfloat16", quantization=quantization, num_kv_blocks=64, show_progress=False) as llm:
+            weights = [p for n, p in llm.engine.model.named_parameters() if "proj" in n]
+            assert all((p.dtype == torch.int8) == (quantization == "int8") for p in weights)
+            answers[quantization] = llm.chat([question], params)[0].outputs[0].text
+    assert "Paris" in answers[None] and answers["int8"] == answers[None]
