@@ -146,3 +146,15 @@ def test_default_model_int8_holds_int8_weights_and_answers_like_bf16(default_ggu
             assert all((p.dtype == torch.int8) == (quantization == "int8") for p in weights)
             answers[quantization] = llm.chat([question], params)[0].outputs[0].text
     assert "Paris" in answers[None] and answers["int8"] == answers[None]
+
+
+def test_the_transformers_fallback_refuses_quantization(make_tiny_llama):
+    from tessera.models.registry import get_router
+    from tessera.models.transformers_fallback.router import FallbackUnsupportedError
+
+    folder, _ = make_tiny_llama(seed=6)
+    from tessera.ops.registry import OpTarget
+
+    router = get_router(ModelConfig(model=str(folder), model_impl="transformers", quantization="int8"))
+    with pytest.raises(FallbackUnsupportedError, match="native model folder"):
+        router.build_model(OpTarget("cpu", torch.float32, quant="int8"))
