@@ -52,4 +52,5 @@ def test_cuda_lookups_choose_triton_or_say_why():
     assert prefill.builder.name == want
     # CPU lookups never consider the CUDA builders
     cpu = select_op(OpSpec("kv_write", "cpu", torch.float32))
-    assert cpu.builder.name == "torch_kv_write"
+    assert cpu.builder.name in ("cpu_kv_write", "torch_kv_write")
+    assert any(name == "triton_kv_write" and "device cpu" in " ".join(r) for name, r in cpu.rejected)

@@ -27,6 +27,7 @@ class AttentionMetadata:
     # (block_size, sliding_window) -> (tables, mask); a dict because layers may differ in
     # window (gemma2 alternates), and each variant is built once per step
     _decode_views: dict = field(default_factory=dict, repr=False)
+    _decode_int32: tuple | None = field(default=None, repr=False)
 
     def decode_view(self, block_size: int,
                     sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +47,15 @@ class AttentionMetadata:
                 mask &= positions >= lens - sliding_window
             self._decode_views[key] = (tables, mask.view(b, 1, 1, -1))
         return self._decode_views[key]
+
+    def decode_int32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, seq lens) of the decode rows as contiguous int32, what the C and
+        Triton decode kernels read; converted once per step, not once per layer."""
+        if self._decode_int32 is None:
+            b = self.num_decodes
+            self._decode_int32 = (self.block_tables[:b].to(torch.int32).contiguous(),
+                                  self.seq_lens[:b].to(torch.int32).contiguous())
+        return self._decode_int32
 
     @property
     def num_seqs(self) -> int:

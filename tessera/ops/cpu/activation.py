@@ -7,30 +7,20 @@ layer, the kernel a tenth of it. Same rounding as the torch builder (bf16 after 
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
 from tessera.ops.activation import silu_and_mul_ref
-from tessera.ops.cpu.build import load_kernel, unavailable_reason
-from tessera.ops.registry import OpSpec, register_op
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.registry import register_op
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    lib = load_kernel("silu_and_mul_bf16.c")
-    lib.tessera_silu_and_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    lib.tessera_silu_and_mul_bf16.restype = None
-    return lib
-
-
-def _check(spec: OpSpec) -> list[str]:
-    reason = unavailable_reason("silu_and_mul_bf16.c")
-    return [reason] if reason else []
+_KERNEL = Kernel("silu_and_mul_bf16.c", "tessera_silu_and_mul_bf16",
+                 (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2 + (ctypes.c_int,), None)
 
 
 @register_op("silu_and_mul", name="cpu_silu_and_mul_bf16", priority=10, devices=("cpu",),
-             dtypes=(torch.bfloat16,), check=_check)
+             dtypes=(torch.bfloat16,), check=_KERNEL.check)
 def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype != torch.bfloat16 or gate_up.shape[-1] % 2:
         return silu_and_mul_ref(gate_up)
@@ -39,6 +29,6 @@ def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], h), dtype=torch.bfloat16)
     rows = out.numel() // h if h else 0
     if rows:
-        _library().tessera_silu_and_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, h,
+        _KERNEL(gate_up.data_ptr(), out.data_ptr(), rows, h,
                                             torch.get_num_threads())
     return out

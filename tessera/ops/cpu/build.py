@@ -15,8 +15,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +81,29 @@ def load_kernel(source_name: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
         os.replace(tmp, target)
         logger.info("built %s", target)
     return ctypes.CDLL(str(target))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One C function of one kernel file, typed for ctypes and built on its first call.
+    `check` is the registry check of every builder that runs it."""
+
+    source: str
+    symbol: str
+    argtypes: tuple
+    restype: Any = None
+
+    def __call__(self, *args):
+        return _bind(self)(*args)
+
+    def check(self, spec: object) -> list[str]:
+        reason = unavailable_reason(self.source)
+        return [reason] if reason else []
+
+
+@lru_cache(maxsize=None)
+def _bind(kernel: Kernel):
+    fn = getattr(load_kernel(kernel.source), kernel.symbol)
+    fn.argtypes = list(kernel.argtypes)
+    fn.restype = kernel.restype
+    return fn

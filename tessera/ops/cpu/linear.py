@@ -15,12 +15,11 @@ own copy and leaves the embedding's rows alone).
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from tessera.ops.cpu.build import load_kernel, missing_cpu_flags, unavailable_reason
+from tessera.ops.cpu.build import Kernel, missing_cpu_flags, unavailable_reason
 from tessera.ops.registry import OpSpec, register_op
 
 # Up to this many rows the kernel beats torch's GEMM on the 2-core host (bf16, 2 threads,
@@ -34,16 +33,10 @@ def cpu_has_avx512_bf16() -> bool:
     return not missing_cpu_flags()
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    lib = load_kernel("gemm_bf16.c")
-    lib.tessera_gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.tessera_gemm_bf16.restype = ctypes.c_int
-    lib.tessera_gemm_packed_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.tessera_gemm_packed_bf16.restype = ctypes.c_int
-    lib.tessera_pack_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.tessera_pack_bf16.restype = ctypes.c_int
-    return lib
+_GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,)
+_GEMM = Kernel("gemm_bf16.c", "tessera_gemm_bf16", _GEMM_ARGS, ctypes.c_int)
+_GEMM_PACKED = Kernel("gemm_bf16.c", "tessera_gemm_packed_bf16", _GEMM_ARGS, ctypes.c_int)
+_PACK = Kernel("gemm_bf16.c", "tessera_pack_bf16", (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2, ctypes.c_int)
 
 
 def kernel_unavailable() -> str | None:
@@ -58,21 +51,21 @@ def _check(spec: OpSpec) -> list[str]:
     return [reason] if reason else []
 
 
-def _call(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def _call(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
           n: int) -> torch.Tensor:
     """y [m, n] = x [m, k] times `weight` (plain or packed) through gemm_bf16.c's `kernel`."""
     m, k = x.shape
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    status = getattr(_library(), kernel)(
+    status = kernel(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
         m, n, k, torch.get_num_threads())
     if status:
-        raise ValueError(f"{kernel} refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(f"{kernel.symbol} refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     return y
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _call("tessera_gemm_bf16", x, weight, bias, weight.shape[0])
+    return _call(_GEMM, x, weight, bias, weight.shape[0])
 
 
 def is_packed(weight: torch.Tensor) -> bool:
@@ -94,7 +87,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     weight = weight.contiguous()
     packed = torch.empty((n // 16, k // 2, 32), dtype=torch.bfloat16)
-    if _library().tessera_pack_bf16(weight.data_ptr(), packed.data_ptr(), n, k):
+    if _PACK(weight.data_ptr(), packed.data_ptr(), n, k):
         raise ValueError(f"pack_bf16 refused a weight of shape {(n, k)}")
     return packed
 
@@ -106,7 +99,7 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _call("tessera_gemm_packed_bf16", x, packed, bias, packed.shape[0] * 16)
+    return _call(_GEMM_PACKED, x, packed, bias, packed.shape[0] * 16)
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

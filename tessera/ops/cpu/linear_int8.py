@@ -8,27 +8,17 @@ row layout and run through it.
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
-from tessera.ops.cpu.build import load_kernel, unavailable_reason
+from tessera.ops.cpu.build import Kernel
 from tessera.ops.cpu.linear import packable
 from tessera.ops.linear_int8 import linear_int8_rows, quantize_int8, quantize_rows
-from tessera.ops.registry import OpSpec, register_op
+from tessera.ops.registry import register_op
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    lib = load_kernel("gemm_int8.c")
-    lib.tessera_gemm_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.tessera_gemm_int8.restype = ctypes.c_int
-    return lib
-
-
-def _check(spec: OpSpec) -> list[str]:
-    reason = unavailable_reason("gemm_int8.c")
-    return [reason] if reason else []
+_KERNEL = Kernel("gemm_int8.c", "tessera_gemm_int8",
+                 (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int)
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
@@ -53,7 +43,7 @@ def unpack_int8(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @register_op("linear", name="cpu_gemm_int8", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
-             quant=("int8",), check=_check, prepare=pack_int8)
+             quant=("int8",), check=_KERNEL.check, prepare=pack_int8)
 def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
     if weight.shape[1] == k + 4:  # row layout: a shape the kernel does not take
@@ -69,7 +59,7 @@ def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     y = torch.empty((rows, n), dtype=torch.bfloat16)
-    if _library().tessera_gemm_int8(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+    if _KERNEL(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                     y.data_ptr(), rows, n, k, torch.get_num_threads()):
         raise ValueError(f"gemm_int8 refused shapes x {tuple(x2.shape)}, weight {tuple(weight.shape)}")
     return y.view(*x.shape[:-1], n)

@@ -7,27 +7,16 @@ the pure-torch builder up to float32 summation order (a bf16 ulp at most).
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
-from tessera.ops.cpu.build import load_kernel, unavailable_reason
+from tessera.ops.cpu.build import Kernel
 from tessera.ops.norm import rms_norm_ref
-from tessera.ops.registry import OpSpec, register_op
+from tessera.ops.registry import register_op
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    lib = load_kernel("rms_norm_bf16.c")
-    fn = lib.tessera_rms_norm_bf16
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-    fn.restype = None
-    return lib
-
-
-def _check(spec: OpSpec) -> list[str]:
-    reason = unavailable_reason("rms_norm_bf16.c")
-    return [reason] if reason else []
+_KERNEL = Kernel("rms_norm_bf16.c", "tessera_rms_norm_bf16",
+                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int), None)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -35,7 +24,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 @register_op("rms_norm", name="cpu_rms_norm_bf16", priority=10, devices=("cpu",),
-             dtypes=(torch.bfloat16,), check=_check)
+             dtypes=(torch.bfloat16,), check=_KERNEL.check)
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous()
@@ -50,7 +39,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
     if rows:
-        _library().tessera_rms_norm_bf16(x.data_ptr(), _ptr(residual), _ptr(new_residual),
+        _KERNEL(x.data_ptr(), _ptr(residual), _ptr(new_residual),
                                          weight.data_ptr(), out.data_ptr(), rows, h, eps,
                                          torch.get_num_threads())
     return out, new_residual

@@ -7,32 +7,20 @@ and V in place from the block tables. Sliding windows and soft-capping are suppo
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
 from tessera.ops.attention.metadata import AttentionMetadata
-from tessera.ops.cpu.build import load_kernel, unavailable_reason
-from tessera.ops.registry import OpSpec, register_op
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.registry import register_op
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    lib = load_kernel("paged_decode_bf16.c")
-    fn = lib.tessera_paged_decode_bf16
-    fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
-                   + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int])
-    fn.restype = ctypes.c_int
-    return lib
-
-
-def _check(spec: OpSpec) -> list[str]:
-    reason = unavailable_reason("paged_decode_bf16.c")
-    return [reason] if reason else []
+_KERNEL = Kernel("paged_decode_bf16.c", "tessera_paged_decode_bf16",
+                 (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int), ctypes.c_int)
 
 
 @register_op("paged_attention", name="cpu_paged_decode_bf16", priority=10, devices=("cpu",),
-             dtypes=(torch.bfloat16,), phases=("decode",), check=_check)
+             dtypes=(torch.bfloat16,), phases=("decode",), check=_KERNEL.check)
 def paged_decode_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                       softcap: float | None = None) -> torch.Tensor:
@@ -41,10 +29,9 @@ def paged_decode_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_heads, d = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     q = query[:b].contiguous()
-    tables = meta.block_tables[:b].to(torch.int32).contiguous()
-    lens = meta.seq_lens[:b].to(torch.int32).contiguous()
+    tables, lens = meta.decode_int32()
     out = torch.empty_like(q)
-    failed = _library().tessera_paged_decode_bf16(
+    failed = _KERNEL(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, num_heads, num_kv_heads, d, block_size, tables.shape[1], scale,
         sliding_window or 0, softcap or 0.0, torch.get_num_threads())

@@ -8,27 +8,16 @@ does, so results are bit-exact.
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
 
 import torch
 
-from tessera.ops.cpu.build import load_kernel, unavailable_reason
-from tessera.ops.registry import OpSpec, register_op
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.registry import register_op
 from tessera.ops.rotary import rotary_ref
 
 
-@lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    lib = load_kernel("rotary_bf16.c")
-    lib.tessera_rotary_bf16.argtypes = ([ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4
-                                        + [ctypes.c_int64] * 4 + [ctypes.c_int])
-    lib.tessera_rotary_bf16.restype = None
-    return lib
-
-
-def _check(spec: OpSpec) -> list[str]:
-    reason = unavailable_reason("rotary_bf16.c")
-    return [reason] if reason else []
+_KERNEL = Kernel("rotary_bf16.c", "tessera_rotary_bf16",
+                 (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 4 + (ctypes.c_int,), None)
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -37,7 +26,7 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 @register_op("rotary", name="cpu_rotary_bf16", priority=10, devices=("cpu",),
-             dtypes=(torch.bfloat16,), check=_check)
+             dtypes=(torch.bfloat16,), check=_KERNEL.check)
 def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = q.shape[0]
@@ -49,7 +38,7 @@ def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     q_out = torch.empty(q.shape, dtype=torch.bfloat16)
     k_out = torch.empty(k.shape, dtype=torch.bfloat16)
     if tokens:
-        _library().tessera_rotary_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+        _KERNEL(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
                                        cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
                                        tokens, q.shape[1] // head_size, k.shape[1] // head_size, head_size,
                                        torch.get_num_threads())

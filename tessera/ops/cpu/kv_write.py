@@ -1,0 +1,35 @@
+"""The CPU `kv_write` builder (kv_write.c): one C call per layer instead of two index_copy_
+calls (plus a boolean gather when rows are padded). Bit-exact: it copies bytes."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tessera.ops.attention.torch_paged import kv_write_ref
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.registry import register_op
+
+
+_KERNEL = Kernel("kv_write.c", "tessera_kv_write",
+                 (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 2, None)
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """[T, Hk, D] whose rows are contiguous (a view of a row-major projection is fine)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+@register_op("kv_write", name="cpu_kv_write", priority=10, devices=("cpu",), check=_KERNEL.check)
+def kv_write_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, has_padding: bool = False) -> None:
+    row = k_cache.shape[2] * k_cache.shape[3]
+    if (not (_rows(key) and _rows(value)) or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype
+            or key.shape[1] * key.shape[2] != row or value.shape != key.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+        return kv_write_ref(key, value, k_cache, v_cache, slot_mapping, has_padding)
+    elem = key.element_size()
+    _KERNEL(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
+                                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+                                key.shape[0], row * elem)
