@@ -137,13 +137,16 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
                                                                                    args.repeats))
     columns = (["engine", "output_tokens_per_s", "elapsed_s", "requests_per_s", "total_tokens_per_s"]
                if args.workload == "throughput" else ["engine", "tpot_ms", "batch_size", "ttft_ms"])
+    quant = engine.config.model.quantization
     meta = {"workload": args.workload, "model": engine.router.source.name, "dtype": str(engine.dtype),
+            "quantization": quant,
             "threads": torch.get_num_threads(), "input_len": None if args.dataset else args.input_len,
             "output_len": args.output_len, "dataset": args.dataset,
             "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
     source = (f"{len(prompts)} prompts of {args.dataset} ({sum(map(len, prompts))} tokens in / "
               f"{sum(output_lens)} out)" if args.dataset else f"{args.input_len} in / {args.output_len} out")
-    print(f"\n{args.workload}: {meta['model']} {meta['dtype']}, {meta['threads']} threads, "
+    weights = f", {quant} weights (baseline: unquantized)" if quant else ""
+    print(f"\n{args.workload}: {meta['model']} {meta['dtype']}{weights}, {meta['threads']} threads, "
           f"{source}, median of {args.repeats}")
     print(markdown_table(rows, columns, "transformers" if model is not None else None,
                          higher_is_better=args.workload == "throughput"))

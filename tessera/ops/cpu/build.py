@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,11 @@ class Kernel:
     restype: Any = None
 
     def __call__(self, *args):
-        return _bind(self)(*args)
+        return self._fn(*args)
+
+    @cached_property
+    def _fn(self):  # bound once per Kernel object (no per-call hashing of the dataclass)
+        return _bind(self)
 
     def check(self, spec: object) -> list[str]:
         reason = unavailable_reason(self.source)
