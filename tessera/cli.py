@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:  # per-request and per-plot INFO lines from libraries drown the results
+        for noisy in ("httpx", "matplotlib"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -83,6 +83,6 @@ LATENCY_COLUMNS = ["concurrency", "metric", "mean_ms", "p50_ms", "p90_ms", "p99_
 
 def plot_sweep(results: list[LevelResult], path: Path) -> None:
     """Output tok/s and p99 ITL against concurrency: where throughput stops paying for latency."""
-    plot_panels(path, "concurrency", [r.concurrency for r in results],
+    plot_panels(path, "concurrency", [str(r.concurrency) for r in results],
                 [("Throughput", "output tokens/s", {"": [r.output_tokens_per_s for r in results]}),
                  ("p99 inter-token latency", "ms", {"": [r.latency_ms["itl_p99_ms"] or 0.0 for r in results]})])
