@@ -58,12 +58,13 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 40, 300])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 40, 300])
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 576), (80, 1030), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
-    """Row tiles of 6 and their remainders, odd panel counts (80), several int32 flushes
-    (k = 2048 is 1024 pairs), L2 row blocks (300 rows)."""
+    """Below 8 rows the VNNI path: row tiles of 6 and their remainders, several int32
+    flushes (k = 2048 is 1024 pairs); from 8 rows the widened-bf16 path: 12-row tiles, L2
+    row blocks (300 rows); odd panel counts (80) in both."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()

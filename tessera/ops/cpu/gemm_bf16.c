@@ -19,6 +19,7 @@
 
 #include "avx512_math.h"
 #include "bf16.h"
+#include "packed_tile.h"
 #include "panel_tiles.h"
 
 #define ROW_TILE 6        /* rows of x per register tile: 6 x 4 accumulators + 4 w + 1 x */
@@ -124,8 +125,6 @@ int tessera_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
  * two panels (24 accumulators); rows of x in blocks that fit L2, as above.
  * Requires n % 16 == 0 and k % 2 == 0 (tessera_pack_bf16 refuses otherwise). */
 
-#define PACK_ROWS 12
-
 int tessera_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     if (n % 16 || k % 2 || n < 16 || k < 2) return 1;
 #pragma omp parallel for schedule(static)
@@ -138,62 +137,6 @@ int tessera_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
             }
     return 0;
 }
-
-/* `rows` rows of x against `panels` (1 or 2) consecutive packed panels starting at p. */
-static inline __attribute__((always_inline)) void packed_tile(
-        const uint16_t *x, const uint16_t *panel, const uint16_t *bias, uint16_t *y,
-        int64_t k, int64_t n_total, int64_t col, const int rows, const int panels) {
-    const int64_t pairs = k / 2, stride = pairs * 32;  /* elements per panel */
-    /* few rows: a second set of accumulators for odd pairs, so the dot-product chains
-     * (latency ~6 cycles) do not serialise the stream */
-    const int sets = rows <= 4 ? 2 : 1;
-    __m512 acc[2][PACK_ROWS][2];
-    for (int s = 0; s < sets; s++)
-        for (int r = 0; r < rows; r++)
-            for (int q = 0; q < panels; q++) acc[s][r][q] = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < pairs; j0 += sets) {
-        for (int s = 0; s < sets; s++) {
-            const int64_t j = j0 + s;
-            if (s && j >= pairs) break;
-            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + j * 32);
-            const __m512bh b1 = panels == 2 ? (__m512bh)_mm512_loadu_si512(panel + stride + j * 32) : b0;
-            for (int r = 0; r < rows; r++) {
-                int32_t pair;
-                memcpy(&pair, x + r * k + 2 * j, sizeof pair);
-                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-                acc[s][r][0] = _mm512_dpbf16_ps(acc[s][r][0], a, b0);
-                if (panels == 2) acc[s][r][1] = _mm512_dpbf16_ps(acc[s][r][1], a, b1);
-            }
-        }
-    }
-    if (sets == 2)
-        for (int r = 0; r < rows; r++)
-            for (int q = 0; q < panels; q++) acc[0][r][q] = _mm512_add_ps(acc[0][r][q], acc[1][r][q]);
-    for (int q = 0; q < panels; q++) {
-        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_loadu_si256((const __m256i *)(bias + col + 16 * q))), 16))
-                              : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++)
-            _mm256_storeu_si256((__m256i *)(y + r * n_total + col + 16 * q),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[0][r][q], b)));
-    }
-}
-
-#define PACKED_TILE_CASES(PANELS)                                                          \
-    switch (rows) {                                                                        \
-        case 1: packed_tile(xm, panel, bias, ym, k, n, col, 1, PANELS); break;             \
-        case 2: packed_tile(xm, panel, bias, ym, k, n, col, 2, PANELS); break;             \
-        case 3: packed_tile(xm, panel, bias, ym, k, n, col, 3, PANELS); break;             \
-        case 4: packed_tile(xm, panel, bias, ym, k, n, col, 4, PANELS); break;             \
-        case 5: packed_tile(xm, panel, bias, ym, k, n, col, 5, PANELS); break;             \
-        case 6: packed_tile(xm, panel, bias, ym, k, n, col, 6, PANELS); break;             \
-        case 7: packed_tile(xm, panel, bias, ym, k, n, col, 7, PANELS); break;             \
-        case 8: packed_tile(xm, panel, bias, ym, k, n, col, 8, PANELS); break;             \
-        case 9: packed_tile(xm, panel, bias, ym, k, n, col, 9, PANELS); break;             \
-        case 10: packed_tile(xm, panel, bias, ym, k, n, col, 10, PANELS); break;           \
-        case 11: packed_tile(xm, panel, bias, ym, k, n, col, 11, PANELS); break;           \
-        default: packed_tile(xm, panel, bias, ym, k, n, col, PACK_ROWS, PANELS); break;    \
-    }
 
 /* x [m, k], packed [n / 16, k / 2, 32], bias [n] or NULL, y [m, n]; all contiguous bf16. */
 int tessera_gemm_packed_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
@@ -208,9 +151,9 @@ int tessera_gemm_packed_bf16(const uint16_t *x, const uint16_t *packed, const ui
         const uint16_t *xm = x + mt * k;
         uint16_t *ym = y + mt * n;
         if (two_panels) {
-            PACKED_TILE_CASES(2)
+            PACKED_TILE_CASES(2, NULL)
         } else {
-            PACKED_TILE_CASES(1)
+            PACKED_TILE_CASES(1, NULL)
         }
     });
     return 0;

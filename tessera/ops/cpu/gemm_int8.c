@@ -13,8 +13,13 @@
  * 1/64 of the row's largest), weights are sign-extended to int16 (one instruction), and
  * AVX512-VNNI's vpdpwssd multiplies and adds 32 int16 pairs into int32 lanes. Partial sums
  * move to float32 every 256 pairs, before 512 products of at most 16383 * 127 could
- * overflow int32. Tiles: up to 12 rows of x by two panels; rows in L2-sized blocks.
- * Requires n % 16 == 0 and k % 2 == 0. Built by tessera/ops/cpu/build.py. */
+ * overflow int32. Tiles: 6 rows of x by two panels (int32 and float32 partial sums share the
+ * registers); rows in L2-sized blocks.
+ *
+ * From WIDEN_MIN_ROWS rows on the multiply is compute-bound and the 6-row tiles lose to bf16;
+ * there each thread widens a pair of panels to bf16 once per block of rows (exact: |q| <= 127
+ * fits bf16's significand) and runs gemm_bf16.c's 12-row tile on it, scales per lane at the
+ * end; x stays bf16. Requires n % 16 == 0 and k % 2 == 0. Built by tessera/ops/cpu/build.py. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -22,12 +27,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "packed_tile.h"
 #include "panel_tiles.h"
 
 #define ROWS 6
 #define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
 #define FLUSH_PAIRS 256
 #define X_MAX 16383.0f
+#define WIDEN_MIN_ROWS 8
+#define WIDE_BLOCK_BYTES (192 * 1024)  /* of bf16 x rows, as gemm_bf16.c */
 
 static inline __attribute__((always_inline)) void tile(
         const int16_t *x, const float *x_scale, const int8_t *panel, int64_t panel_bytes,
@@ -102,11 +110,61 @@ static float quantize_row(const uint16_t *x, int16_t *out, int64_t k) {
         default: tile(xm, xs, panel, panel_bytes, bias, ym, k, n, col, ROWS, PANELS); break; \
     }
 
+/* One panel's int8 values -> the same layout in bf16. */
+static void widen_panel(const int8_t *q, uint16_t *out, int64_t pairs) {
+    for (int64_t j = 0; j < pairs; j++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + j * 32));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+        _mm512_storeu_si512(out + j * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* Many rows: widen each pair of panels once per row block and run the bf16 tile. */
+static int gemm_int8_widened(const uint16_t *x, const int8_t *packed, const uint16_t *bias, uint16_t *y,
+                             int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t panels = n / 16, panel_bytes = 64 + 16 * k, pairs = k / 2;
+    int64_t block = WIDE_BLOCK_BYTES / (2 * k);
+    block = block < PACK_ROWS ? PACK_ROWS : block / PACK_ROWS * PACK_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        uint16_t *wide = malloc(sizeof(uint16_t) * 2 * pairs * 32);
+        float scale[32];
+        if (!wide) {
+            failed = 1;
+        } else {
+            FOR_EACH_PANEL_TILE(m, panels, block, PACK_ROWS, {
+                const int8_t *qpanel = packed + p * panel_bytes;
+                if (first_tile) {
+                    widen_panel(qpanel + 64, wide, pairs);
+                    memcpy(scale, qpanel, 64);
+                    if (two_panels) {
+                        widen_panel(qpanel + panel_bytes + 64, wide + pairs * 32, pairs);
+                        memcpy(scale + 16, qpanel + panel_bytes, 64);
+                    }
+                }
+                const uint16_t *panel = wide;  /* one declaration each: a top-level comma */
+                const uint16_t *xm = x + mt * k;  /* would split the macro's argument */
+                uint16_t *ym = y + mt * n;
+                if (two_panels) {
+                    PACKED_TILE_CASES(2, scale)
+                } else {
+                    PACKED_TILE_CASES(1, scale)
+                }
+            });
+        }
+        free(wide);
+    }
+    return failed ? 2 : 0;
+}
+
 /* x [m, k] bf16, packed [n / 16, 64 + 16 k] int8, bias [n] bf16 or NULL, y [m, n] bf16.
  * Returns 1 on bad shapes, 2 when the int16 copy of x cannot be allocated. */
 int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % 2 || n < 16 || k < 2) return 1;
+    if (m >= WIDEN_MIN_ROWS) return gemm_int8_widened(x, packed, bias, y, m, n, k, threads);
     int16_t *xq = malloc(sizeof(int16_t) * m * k);
     float *x_scale = malloc(sizeof(float) * m);
     if (!xq || !x_scale) { free(xq); free(x_scale); return 2; }

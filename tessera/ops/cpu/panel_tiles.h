@@ -3,7 +3,8 @@
  * panels; rows of x are walked in blocks of `block` (sized to stay in L2 across the
  * thread's panels) and, within a block, in tiles of at most `tile_rows`. BODY sees
  * p (first panel of the pair), col (its first output feature), mt (first row of the tile),
- * rows (rows in the tile) and two_panels (whether panel p + 1 exists). */
+ * rows (rows in the tile), two_panels (whether panel p + 1 exists) and first_tile (the
+ * first tile of this block for this pair: where per-pair work, like widening, goes). */
 #ifndef TESSERA_PANEL_TILES_H
 #define TESSERA_PANEL_TILES_H
 #include <omp.h>
@@ -20,6 +21,8 @@
                 const int two_panels = p + 1 < (panels);                                   \
                 for (int64_t mt = m0_; mt < m1_; mt += (tile_rows)) {                      \
                     const int rows = m1_ - mt < (tile_rows) ? (int)(m1_ - mt) : (tile_rows); \
+                    const int first_tile = mt == m0_;                                      \
+                    (void)first_tile;                                                      \
                     BODY                                                                   \
                 }                                                                          \
             }                                                                              \
