@@ -120,6 +120,16 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
              dtypes=(torch.bfloat16,), check=_check, prepare=pack_weight)
 def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if is_packed(weight):
+        k = x.shape[-1]
+        # the decode case, kept to a handful of Python operations: ~120 calls per step
+        if (x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] and weight.shape[1] * 2 == k
+                and bias is None and x.is_contiguous()):
+            n = weight.shape[0] * 16
+            y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+            if _GEMM_PACKED(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), x.shape[0], n, k,
+                            torch.get_num_threads()):
+                raise ValueError(f"gemm_packed_bf16 refused x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+            return y
         return _packed_linear(x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0

@@ -55,11 +55,12 @@ def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     rows = x.numel() // k if k else 0
     if rows == 0:
         return x.new_zeros((*x.shape[:-1], n))
-    x2 = x.to(torch.bfloat16).reshape(rows, k).contiguous()
+    flat = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()  # decode: no copies
+    x2 = x if flat else x.to(torch.bfloat16).reshape(rows, k).contiguous()
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
     y = torch.empty((rows, n), dtype=torch.bfloat16)
     if _KERNEL(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    y.data_ptr(), rows, n, k, torch.get_num_threads()):
+               y.data_ptr(), rows, n, k, torch.get_num_threads()):
         raise ValueError(f"gemm_int8 refused shapes x {tuple(x2.shape)}, weight {tuple(weight.shape)}")
-    return y.view(*x.shape[:-1], n)
+    return y if flat else y.view(*x.shape[:-1], n)

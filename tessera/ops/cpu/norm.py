@@ -39,7 +39,6 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
     if rows:
-        _KERNEL(x.data_ptr(), _ptr(residual), _ptr(new_residual),
-                                         weight.data_ptr(), out.data_ptr(), rows, h, eps,
-                                         torch.get_num_threads())
+        _KERNEL(x.data_ptr(), _ptr(residual), _ptr(new_residual), weight.data_ptr(), out.data_ptr(),
+                rows, h, eps, torch.get_num_threads())
     return out, new_residual
