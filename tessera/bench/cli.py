@@ -3,11 +3,13 @@ or a feature on and off, one process; `tessera bench serve`: a running server ov
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 from pathlib import Path
 
 import torch
 
+from tessera.bench.presets import PRESETS
 from tessera.bench.report import markdown_table, plot_latency_sweep, write_json
 from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 
@@ -29,6 +31,9 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench.add_argument("--long-prompt-len", type=int, default=2048, help="chunked: arriving prompt")
     bench.add_argument("--chunk-tokens", type=int, default=256, help="chunked: step token budget")
     bench.add_argument("--baseline", choices=("transformers",), default=None)
+    bench.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                       help="benchmark a published model's shapes with random weights (its config.json "
+                            "is written locally; implies --load-format dummy; nothing is downloaded)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     bench.add_argument("--output-json", default=None)
     bench.add_argument("--dataset", default=None,
@@ -85,6 +90,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.dataset and args.workload != "throughput":
         raise SystemExit("--dataset applies to the throughput and serve workloads")
     entries = _dataset(args) if args.dataset else None  # a bad file fails before the model loads
+    if args.preset:
+        if args.model:
+            raise SystemExit("--preset names the model; drop --model")
+        from tessera.bench.presets import write_preset
+        from tessera.config import ModelConfig
+        cache = os.environ.get("TESSERA_CACHE_DIR")
+        args.model = str(write_preset(args.preset, Path(cache) if cache else ModelConfig().cache_dir))
+        args.load_format = "dummy"
     if args.threads:
         torch.set_num_threads(args.threads)
     with _make_llm(args) as llm:
@@ -123,7 +136,8 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
     model = None
     if args.baseline == "transformers":
         from tessera.bench.transformers_baseline import load_transformers_model
-        model = load_transformers_model(engine.router.source, engine.dtype)
+        model = load_transformers_model(engine.router.source, engine.dtype,
+                                        dummy=engine.config.model.load_format == "dummy")
     for size in sizes:
         w = Workload(size, args.input_len, args.output_len)
         if args.workload == "throughput":

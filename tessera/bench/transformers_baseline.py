@@ -11,10 +11,14 @@ from tessera.bench.workload import Workload, median
 from tessera.weights.source import ModelSource
 
 
-def load_transformers_model(source: ModelSource, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+def load_transformers_model(source: ModelSource, dtype: torch.dtype, dummy: bool = False):
+    """The baseline model; `dummy` (the engine runs --load-format dummy): transformers' own
+    random initialisation of the same config, the same shapes and the same cost per token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if source.is_gguf:  # transformers dequantizes GGUF itself (needs `accelerate`)
+    if dummy:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source.path)), dtype=dtype)
+    elif source.is_gguf:  # transformers dequantizes GGUF itself (needs `accelerate`)
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
                                                      dtype=dtype)
     else:
