@@ -94,8 +94,8 @@ def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 578), (80, 64), (1024, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_kernel_matches_torch(m, n, k, bias):
-    """Odd and even panel counts (80 / 16 = 5), row tiles of 12 and their remainders, several
-    L2 row blocks (200 rows x 578)."""
+    """Odd and even panel counts (80 / 16 = 5), row tiles of 12 and their remainders (row
+    blocks: test_packed_kernel_across_row_blocks)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -147,3 +147,13 @@ def test_layers_pack_after_loading_and_a_tied_head_leaves_the_embedding_rows():
     torch.testing.assert_close(embed(ids), plain_rows[ids], rtol=0, atol=0)
     for got, want in zip((linear(x), odd(x), head(x)), before):
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@needs_kernel
+def test_packed_kernel_across_row_blocks():
+    """More rows than one 4 MB block of x (1024 rows at k = 2048): blocks and their remainder."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1100, 2048, generator=g).bfloat16()
+    w = torch.randn(48, 2048, generator=g).bfloat16()
+    b = torch.randn(48, generator=g).bfloat16()
+    assert_bf16_close(cpu_linear.gemm_linear(x, cpu_linear.pack_weight(w), b), x, w, b)

@@ -63,8 +63,8 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
     """Below 8 rows the VNNI path: row tiles of 6 and their remainders, several int32
-    flushes (k = 2048 is 1024 pairs); from 8 rows the widened-bf16 path: 12-row tiles, L2
-    row blocks (300 rows); odd panel counts (80) in both."""
+    flushes (k = 2048 is 1024 pairs); from 8 rows the widened-bf16 path: 12-row tiles and
+    their remainders (300 rows); odd panel counts (80) in both."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()
@@ -159,3 +159,14 @@ def test_the_transformers_fallback_refuses_quantization(make_tiny_llama):
     router = get_router(ModelConfig(model=str(folder), model_impl="transformers", quantization="int8"))
     with pytest.raises(FallbackUnsupportedError, match="native model folder"):
         router.build_model(OpTarget("cpu", torch.float32, quant="int8"))
+
+
+@needs_kernel
+def test_kernel_across_row_blocks():
+    """The widened path over more rows than one 4 MB block of x (1024 rows at k = 2048)."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(1100, 2048, generator=g).bfloat16()
+    w = torch.randn(48, 2048, generator=g).bfloat16()
+    got = cpu_int8.gemm_int8_linear(x, cpu_int8.pack_int8(w), None).double()
+    exact = F.linear(x.double(), dequantized(w))
+    assert ((got - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-6).all()

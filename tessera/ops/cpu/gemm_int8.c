@@ -14,7 +14,7 @@
  * AVX512-VNNI's vpdpwssd multiplies and adds 32 int16 pairs into int32 lanes. Partial sums
  * move to float32 every 256 pairs, before 512 products of at most 16383 * 127 could
  * overflow int32. Tiles: 6 rows of x by two panels (int32 and float32 partial sums share the
- * registers); rows in L2-sized blocks.
+ * registers).
  *
  * From WIDEN_MIN_ROWS rows on the multiply is compute-bound and the 6-row tiles lose to bf16;
  * there each thread widens a pair of panels to bf16 once per block of rows (exact: |q| <= 127
@@ -35,7 +35,7 @@
 #define FLUSH_PAIRS 256
 #define X_MAX 16383.0f
 #define WIDEN_MIN_ROWS 8
-#define WIDE_BLOCK_BYTES (192 * 1024)  /* of bf16 x rows, as gemm_bf16.c */
+#define WIDE_BLOCK_BYTES (4096 * 1024)  /* of bf16 x rows, as gemm_bf16.c (see there) */
 
 static inline __attribute__((always_inline)) void tile(
         const int16_t *x, const float *x_scale, const int8_t *panel, int64_t panel_bytes,

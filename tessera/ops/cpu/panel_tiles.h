@@ -1,6 +1,6 @@
 /* The loop nest shared by the packed GEMM kernels (gemm_bf16.c, gemm_int8.c), run inside an
  * OpenMP parallel region: this thread takes a contiguous share of the pairs of 16-feature
- * panels; rows of x are walked in blocks of `block` (sized to stay in L2 across the
+ * panels; rows of x are walked in blocks of `block` (streamed from L3 across the
  * thread's panels) and, within a block, in tiles of at most `tile_rows`. BODY sees
  * p (first panel of the pair), col (its first output feature), mt (first row of the tile),
  * rows (rows in the tile), two_panels (whether panel p + 1 exists) and first_tile (the
