@@ -88,6 +88,9 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     with _recorded_lookups() as lookups:
         model = router.build_model(OpTarget(torch.device(device).type, dtype,
                                             quant=model_config.quantization)).eval()
+    # counted as built (checkpoint shapes): after loading, builders may repack or quantize
+    # weights and give a tied LM head its own copy
+    num_parameters = sum(p.numel() for p in model.parameters())
     loaded = None
     if load:
         loaded = router.load_weights(model)
@@ -114,7 +117,7 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
             "dtype": str(dtype).removeprefix("torch."),
             "dtype_reason": dtype_reason(model_config.dtype, device),
         },
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": num_parameters,
         "weights_loaded": loaded,
         "build_seconds": round(build_s, 3),
         "ops": [_op_json(c) for c in lookups],
