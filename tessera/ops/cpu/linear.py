@@ -1,16 +1,15 @@
-"""The bf16 GEMM builder for `linear` on CPUs with AVX512-BF16.
+"""The bf16 GEMM builder for `linear` on CPUs with AVX512-BF16 (gemm_bf16.c).
 
-Decode multiplies a few rows by every weight matrix. At one row torch's bf16 GEMM streams
-weights at 11-14 GB/s (docs/benchmarks.md), a third of what the memory delivers; at 8-32
-rows it reaches about half of the machine's bf16 rate. Up to `MAX_ROWS` rows this builder
-runs gemm_bf16.c on the weight as loaded; prefill-sized inputs (and anything not bf16) go
-to F.linear, whose blocked GEMM is the better kernel there.
+Decode multiplies a few rows by every weight matrix: at one row torch's bf16 GEMM streams
+weights at 11-14 GB/s (docs/benchmarks.md), a third of what the memory delivers, and at
+8-32 rows it reaches about half of the machine's bf16 rate.
 
 Weights whose shapes allow it (out features a multiple of 16, in features even: every
 projection of the supported families) are repacked once after loading (`pack_weight`, the
 builder's `prepare`) into 16-feature panels; the packed kernel then serves every row count,
 prefill included, from that one copy (the plain weight is dropped; a tied LM head packs its
-own copy and leaves the embedding's rows alone).
+own copy and leaves the embedding's rows alone). Weights that cannot be packed keep their
+layout: the row-layout kernel takes up to `MAX_ROWS` rows, F.linear the rest.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from tessera.ops.cpu.build import Kernel, missing_cpu_flags, unavailable_reason
 from tessera.ops.registry import OpSpec, register_op
 
-# Up to this many rows the kernel beats torch's GEMM on the 2-core host (bf16, 2 threads,
+# Up to this many rows the row-layout kernel beats torch's GEMM on the 2-core host (bf16, 2 threads,
 # medians of 30; 960x576 / 3072x576 / 576x1536 / 49152x576 weights): 1 row 3.3x / 2.8x /
 # 3.2x / 1.5x, 8 rows 1.9x / 1.6x / 1.8x / 1.1x, 32 rows 1.3x / 1.2x / 1.2x / 0.9x,
 # 128 rows 1.1x / 1.0x / 1.0x / 0.9x.
