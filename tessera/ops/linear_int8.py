@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tessera.ops.registry import register_op
 
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [n, k] -> (q int8 [n, k], scale float32 [n]) with weight ~= q * scale[:, None]."""
     w = weight.float()
