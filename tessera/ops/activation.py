@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 
 
@@ -14,7 +14,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(OpModule):
     def __init__(self, target: OpTarget):
         super().__init__()
         self._act = target.op("silu_and_mul")
@@ -30,7 +30,7 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-class GeluTanhAndMul(nn.Module):
+class GeluTanhAndMul(OpModule):
     def __init__(self, target: OpTarget):
         super().__init__()
         self._act = target.op("gelu_tanh_and_mul")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.distributed.parallel import all_gather_last, all_reduce, padded_span
+from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param, prepared_param
 from tessera.weights.lazy import narrow
@@ -39,7 +40,7 @@ def _vocab_rows_param(vocab_size: int, hidden_size: int, target: OpTarget) -> nn
     return param
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(OpModule):
     def __init__(self, vocab_size: int, hidden_size: int, target: OpTarget):
         super().__init__()
         self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
@@ -56,7 +57,7 @@ class VocabEmbedding(nn.Module):
         return all_reduce(out, self.tp_size)
 
 
-class LMHead(nn.Module):
+class LMHead(OpModule):
     """Logits for selected rows only (`lm_head_indices`), computed in float32 for sampling;
     with several ranks every rank ends up with the full row (all-gathered)."""
 

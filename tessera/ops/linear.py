@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.distributed.parallel import HeadSplit, Span, all_reduce, even_span, split_heads
+from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param, prepared_param
 from tessera.weights.lazy import narrow
@@ -25,7 +26,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Module):
+class Linear(OpModule):
     """Replicated: every rank holds the whole weight (routers, small projections)."""
 
     def __init__(self, in_features: int, out_features: int, target: OpTarget, bias: bool = False):

@@ -17,6 +17,7 @@ from torch import nn
 
 from tessera.distributed.parallel import all_reduce, even_span
 from tessera.ops.linear import Linear
+from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param
 from tessera.weights.lazy import narrow
@@ -65,7 +66,7 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 ExpertShard = tuple[int, int]  # (expert index, 0 = gate or down / 1 = up)
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(OpModule):
     """Router (`gate`, a linear layer with no bias) + stacked SwiGLU experts."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -84,7 +85,7 @@ class SparseMoE(nn.Module):
         return all_reduce(out, self.tp_size)  # each rank computed its slice of every expert
 
 
-class StackedExperts(nn.Module):
+class StackedExperts(OpModule):
     """Under tensor parallelism each rank holds a span of every expert's intermediate
     dimension (its gate and up rows, the matching down columns); outputs are summed."""
 

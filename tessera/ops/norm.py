@@ -3,8 +3,8 @@ returned as the next residual, so the add costs no extra pass in fused builders.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import make_param
 
@@ -21,7 +21,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * xf.to(dtype), residual
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(OpModule):
     def __init__(self, hidden_size: int, eps: float, target: OpTarget):
         super().__init__()
         self.eps = eps

@@ -9,8 +9,8 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
+from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -158,7 +158,7 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return apply(q), apply(k)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(OpModule):
     """cos/sin for every position up to max_position, computed once; forward gathers the
     rows for one step's positions (once per step, shared by every layer).
 
@@ -220,7 +220,7 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
 
 
-class ApplyRotary(nn.Module):
+class ApplyRotary(OpModule):
     def __init__(self, head_size: int, target: OpTarget):
         super().__init__()
         self.head_size = head_size

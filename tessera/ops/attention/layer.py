@@ -4,13 +4,13 @@ from the registry over the rows of each kind."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tessera.ops.attention.metadata import current_metadata
+from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget
 
 
-class Attention(nn.Module):
+class Attention(OpModule):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  target: OpTarget, sliding_window: int | None = None,
                  softcap: float | None = None):
