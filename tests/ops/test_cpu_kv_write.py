@@ -1,6 +1,6 @@
 """The C kv_write against torch's: byte-identical caches for strided views of a packed
-projection, float32 and bf16, with padded (-1) slots skipped; the slot range is checked by
-the bounds the scheduler guarantees (slots < num_blocks * block_size)."""
+projection, float32 and bf16, with padded (-1) slots skipped; a slot past the cache is an
+IndexError that writes nothing."""
 from __future__ import annotations
 
 import pytest
@@ -36,3 +36,11 @@ def test_matches_torch_kv_write(dtype, padded):
 def test_registry_prefers_it_on_cpu():
     assert select_op(OpSpec("kv_write", "cpu", torch.bfloat16, head_size=64)).builder.name == "cpu_kv_write"
     assert select_op(OpSpec("kv_write", "cuda", torch.bfloat16, head_size=64)).builder.name != "cpu_kv_write"
+
+
+def test_a_slot_past_the_cache_writes_nothing():
+    k = torch.ones(2, 1, 4)
+    caches = [torch.zeros(2, 2, 1, 4) for _ in range(2)]
+    with pytest.raises(IndexError, match="4 slots"):
+        kv_write_cpu(k, k, caches[0], caches[1], torch.tensor([1, 4]))
+    assert caches[0].count_nonzero() == 0 and caches[1].count_nonzero() == 0

@@ -49,8 +49,8 @@ class AttentionMetadata:
         return self._decode_views[key]
 
     def decode_int32(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block tables, seq lens) of the decode rows as contiguous int32, what the C and
-        Triton decode kernels read; converted once per step, not once per layer."""
+        """(block tables, seq lens) of the decode rows as contiguous int32, what the C decode
+        kernel reads; converted once per step, not once per layer."""
         if self._decode_int32 is None:
             b = self.num_decodes
             self._decode_int32 = (self.block_tables[:b].to(torch.int32).contiguous(),

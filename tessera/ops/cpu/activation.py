@@ -29,6 +29,5 @@ def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], h), dtype=torch.bfloat16)
     rows = out.numel() // h if h else 0
     if rows:
-        _KERNEL(gate_up.data_ptr(), out.data_ptr(), rows, h,
-                                            torch.get_num_threads())
+        _KERNEL(gate_up.data_ptr(), out.data_ptr(), rows, h, torch.get_num_threads())
     return out

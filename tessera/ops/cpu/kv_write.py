@@ -12,7 +12,8 @@ from tessera.ops.registry import register_op
 
 
 _KERNEL = Kernel("kv_write.c", "tessera_kv_write",
-                 (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 2, None)
+                 (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3,
+                 ctypes.c_int)
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -30,6 +31,8 @@ def kv_write_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
         return kv_write_ref(key, value, k_cache, v_cache, slot_mapping, has_padding)
     elem = key.element_size()
-    _KERNEL(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
-                                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-                                key.shape[0], row * elem)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if _KERNEL(key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
+               k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+               row * elem, num_slots):
+        raise IndexError(f"a slot in {slot_mapping.tolist()} is outside the cache's {num_slots} slots")

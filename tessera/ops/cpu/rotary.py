@@ -38,8 +38,7 @@ def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     q_out = torch.empty(q.shape, dtype=torch.bfloat16)
     k_out = torch.empty(k.shape, dtype=torch.bfloat16)
     if tokens:
-        _KERNEL(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
-                                       cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
-                                       tokens, q.shape[1] // head_size, k.shape[1] // head_size, head_size,
-                                       torch.get_num_threads())
+        _KERNEL(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
+                q_out.data_ptr(), k_out.data_ptr(), tokens, q.shape[1] // head_size,
+                k.shape[1] // head_size, head_size, torch.get_num_threads())
     return q_out, k_out
