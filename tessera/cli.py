@@ -72,6 +72,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=None, choices=("int8",),
                    help="int8: linear weights quantized per output feature after loading "
                         "(half the weight memory; faster single-stream decode on CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps through the model's Python every time instead of "
+                        "replaying captured kernel graphs (CPU)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--master-addr", default="127.0.0.1",
@@ -113,7 +116,8 @@ def _engine_config(args: argparse.Namespace):
                memory_fraction=args.memory_fraction, device=args.device, seed=args.seed,
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
                model_impl=args.model_impl, load_format=args.load_format,
-               quantization=args.quantization, parallel=_parallel_config(args))
+               quantization=args.quantization, enforce_eager=args.enforce_eager,
+               parallel=_parallel_config(args))
 
 
 def _serve_rank_if_not_driver(config) -> bool:

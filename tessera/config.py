@@ -37,6 +37,8 @@ class ModelConfig:
     model_impl: str = "auto"
     load_format: str = "auto"
     quantization: str | None = None
+    # run every step through the layers' Python (no captured decode graphs)
+    enforce_eager: bool = False
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:

@@ -29,13 +29,14 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   device: str = "cpu", seed: int = 0, chat_template: str | None = None,
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
-                  tensor_parallel_size: int = 1,
+                  enforce_eager: bool = False, tensor_parallel_size: int = 1,
                   parallel: ParallelConfig | None = None) -> EngineConfig:
     """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments)."""
     model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
                                dtype=dtype, max_model_len=max_model_len,
                                chat_template=chat_template, model_impl=model_impl,
-                               load_format=load_format, quantization=quantization)
+                               load_format=load_format, quantization=quantization,
+                               enforce_eager=enforce_eager)
     if cache_dir is not None:
         model_config.cache_dir = Path(cache_dir)
     return EngineConfig(

@@ -82,7 +82,8 @@ class Engine:
         channel = StepChannel(self.device) if self.tp_group is not None else None
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device, self.dtype,
                                   sampler, channel=channel,
-                                  ranks_sharing_memory=tp if self.device.type == "cpu" else 1)
+                                  ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
+                                  decode_graphs=self._decode_graphs(config))
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
@@ -91,6 +92,12 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer, self.router.eos_token_ids)
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
+
+    def _decode_graphs(self, config: EngineConfig) -> bool:
+        """Captured decode graphs: CPU kernels only, one rank (a replay cannot join a
+        collective), not with --enforce-eager."""
+        return (not config.model.enforce_eager and self.device.type == "cpu"
+                and self.tp_group is None)
 
     def _size_kv_cache(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler

@@ -144,6 +144,14 @@ def token_seq_lens(positions: torch.Tensor) -> torch.Tensor:
     return lens
 
 
+def _cos_sin_rows(freqs: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D / 2] angles -> [..., 2 D] rows (cos, cos, sin, sin): each step's cos and sin
+    are then views of one gathered row, already repeated over both halves of the head.
+    Scaled and cast to the model dtype as transformers does before applying them."""
+    cos, sin = freqs.cos(), freqs.sin()
+    return (torch.cat((cos, cos, sin, sin), dim=-1) * scale).to(dtype)
+
+
 @register_op("rotary", name="torch_rotary", priority=0)
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +187,7 @@ class RotaryEmbedding(OpModule):
         super().__init__()
         self.params, self.dtype = params, target.dtype
         self.length_dependent = params["rope_type"] in LENGTH_DEPENDENT
+        self._gather = target.op("embedding")  # rows of the table by position
         self.register_buffer("cos_sin", self._table(head_size, max_position, None, target),
                              persistent=False)
         if self.length_dependent:
@@ -193,8 +202,7 @@ class RotaryEmbedding(OpModule):
                target: OpTarget) -> torch.Tensor:
         inv_freq, scale = rope_frequencies(head_size, self.params, seq_len)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # Scaled and cast to the model dtype as transformers does before applying them.
-        return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scale).to(target.dtype).to(target.device)
+        return _cos_sin_rows(freqs, scale, target.dtype).to(target.device)
 
     def _length_dependent_rows(self, positions: torch.Tensor) -> torch.Tensor:
         # dynamic may run past the table (sequences longer than it was trained for)
@@ -210,14 +218,14 @@ class RotaryEmbedding(OpModule):
             pick = lens == length
             inv_freq, scale = rope_frequencies(self.head_size, self.params, int(length))
             freqs = positions[pick].float().unsqueeze(1) * inv_freq.to(positions.device)
-            rows[pick] = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scale).to(rows.dtype)
+            rows[pick] = _cos_sin_rows(freqs, scale, rows.dtype)
         return rows
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = (self._length_dependent_rows(positions) if self.length_dependent
-                else self.cos_sin.index_select(0, positions))
-        cos, sin = rows.chunk(2, dim=-1)
-        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((sin, sin), dim=-1).unsqueeze(1)
+                else self._gather(positions, self.cos_sin))
+        half = rows.shape[-1] // 2
+        return rows[:, None, :half], rows[:, None, half:]  # views: [T, 1, D] each
 
 
 class ApplyRotary(OpModule):

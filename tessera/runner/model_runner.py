@@ -11,6 +11,7 @@ from torch import nn
 from tessera.distributed.channel import Command, StepChannel
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.ops.attention import Attention, attention_context
+from tessera.runner.decode_graphs import DecodeGraphs
 from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
 from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prompt_logprobs
 
@@ -36,7 +37,8 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, block_size: int, device: torch.device,
                  dtype: torch.dtype, sampler: Sampler | None,
-                 channel: StepChannel | None = None, ranks_sharing_memory: int = 1):
+                 channel: StepChannel | None = None, ranks_sharing_memory: int = 1,
+                 decode_graphs: bool = False):
         self.model = model
         self.channel = channel
         # ranks whose KV caches come out of the same memory as this one's (CPU ranks on one
@@ -50,6 +52,8 @@ class ModelRunner:
         if not self.attn_layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to give a KV cache")
         self.num_blocks = 0
+        # decode steps replayed from captured kernel calls (CPU, one rank)
+        self.graphs = DecodeGraphs(model) if decode_graphs else None
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -73,6 +77,8 @@ class ModelRunner:
                               torch.empty(shape, dtype=self.dtype, device=self.device))
         self.num_blocks = num_blocks
         self._zeroed_blocks = 0
+        if self.graphs is not None:  # the graphs hold the old cache's pointers
+            self.graphs.reset(num_blocks)
 
     def _zero_blocks_up_to(self, end: int) -> None:
         if end <= self._zeroed_blocks:
@@ -88,6 +94,8 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.kv_cache = None
         self.num_blocks = 0
+        if self.graphs is not None:
+            self.graphs.reset(0)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -106,6 +114,10 @@ class ModelRunner:
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         self._zero_blocks_up_to(inputs.max_block_id + 1)
+        if self.graphs is not None:
+            hidden = self.graphs.run(inputs)
+            if hidden is not None:
+                return hidden
         with attention_context(inputs.attn):
             return self.model(inputs.input_ids, inputs.positions)
 

@@ -1,5 +1,5 @@
 """The bf16 rotary kernel against the pure-torch builder: bit-exact (same three roundings),
-on q/k that are column slices of a packed QKV output, for head sizes whose half is and is
+on q/k that are column slices of a packed QKV output, cos/sin contiguous or row-strided, for head sizes whose half is and is
 not a multiple of 16, decode and prefill token counts; other inputs go to torch."""
 from __future__ import annotations
 
@@ -15,19 +15,26 @@ UNAVAILABLE = unavailable_reason("rotary_bf16.c")  # then the registry keeps the
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 
-def rope_rows(tokens: int, d: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_rows(tokens: int, d: int, g: torch.Generator,
+              gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [tokens, 1, d]: contiguous, or (`gathered`) the two halves of one
+    (cos, cos, sin, sin) row per token, as RotaryEmbedding hands them out."""
     angles = torch.rand(tokens, d // 2, generator=g) * 100
     cos, sin = angles.cos(), angles.sin()
+    if gathered:
+        rows = torch.cat((cos, cos, sin, sin), -1).bfloat16()
+        return rows[:, None, :d], rows[:, None, d:]
     return (torch.cat((cos, cos), -1).unsqueeze(1).bfloat16(), torch.cat((sin, sin), -1).unsqueeze(1).bfloat16())
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
 @pytest.mark.parametrize("q_heads, k_heads, d", [(9, 3, 64), (4, 2, 128), (3, 1, 48), (2, 2, 6)])
-def test_bit_exact_to_the_torch_builder(tokens, q_heads, k_heads, d):
+@pytest.mark.parametrize("gathered", [False, True])
+def test_bit_exact_to_the_torch_builder(tokens, q_heads, k_heads, d, gathered):
     g = torch.Generator().manual_seed(tokens * 7 + d)
     qkv = (3 * torch.randn(tokens, (q_heads + 2 * k_heads) * d, generator=g)).bfloat16()
     q, k, _ = qkv.split([q_heads * d, k_heads * d, k_heads * d], dim=-1)  # strided views
-    cos, sin = rope_rows(tokens, d, g)
+    cos, sin = rope_rows(tokens, d, g, gathered)
     got_q, got_k = rotary_bf16(q, k, cos, sin, d)
     want_q, want_k = rotary_ref(q, k, cos, sin, d)
     assert got_q.shape == want_q.shape and got_k.shape == want_k.shape

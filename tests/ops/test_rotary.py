@@ -15,7 +15,7 @@ from tessera.ops.rotary import RotaryEmbedding, rope_frequencies, rope_parameter
 HEAD = 16
 MAX_POS = 256
 ORIGINAL = 64
-TARGET = OpTarget(torch.device("cpu"), torch.float32)
+TARGET = OpTarget("cpu", torch.float32)
 
 KINDS = {
     "linear": dict(rope_type="linear", factor=2.0),

@@ -63,24 +63,35 @@ def compiler() -> str | None:
 def load_kernel(source_name: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
     """Build (once) and load tessera/ops/cpu/<source_name>; KernelBuildError says why not."""
     source = HERE / source_name
+    return load_source(source.stem, source.read_text(), cache_dir)
+
+
+def load_source(stem: str, text: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
+    """Build (once per distinct text) and load C source `text`, which may include this
+    folder's headers; the library is cached as <stem>-<hash>.so."""
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler (cc or gcc) on PATH")
     headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir / f"{source.stem}-{digest}.so"
+    digest = hashlib.sha256(text.encode() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir / f"{stem}-{digest}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
         os.close(fd)
-        result = subprocess.run([cc, *FLAGS, f"-I{HERE}", str(source), "-o", tmp],
-                                capture_output=True, text=True)
+        result = subprocess.run([cc, *FLAGS, f"-I{HERE}", "-x", "c", "-", "-o", tmp],
+                                input=text, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
-            raise KernelBuildError(f"{cc} failed on {source.name}: {result.stderr.strip()[-500:]}")
+            raise KernelBuildError(f"{cc} failed on {stem}: {result.stderr.strip()[-500:]}")
         os.replace(tmp, target)
         logger.info("built %s", target)
     return ctypes.CDLL(str(target))
+
+
+# Kernel calls go to the innermost active recorder as well (tessera/ops/cpu/graph.py
+# captures a decode step's calls to replay them without Python).
+_recorders: list = []
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,8 @@ class Kernel:
     restype: Any = None
 
     def __call__(self, *args):
+        if _recorders:
+            _recorders[-1].record(self, args)
         return self._fn(*args)
 
     @cached_property

@@ -17,7 +17,8 @@ from tessera.ops.rotary import rotary_ref
 
 
 _KERNEL = Kernel("rotary_bf16.c", "tessera_rotary_bf16",
-                 (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 4 + (ctypes.c_int,), None)
+                 (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,)
+                 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 4 + (ctypes.c_int,), None)
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -32,13 +33,13 @@ def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     tokens = q.shape[0]
     if (head_size % 2 or q.shape[-1] % head_size or k.shape[-1] % head_size or any(t.dtype != torch.bfloat16 for t in (q, k, cos, sin))
             or not (_rows(q) and _rows(k)) or cos.shape[-1] != head_size
-            or not (cos.is_contiguous() and sin.is_contiguous()) or cos.numel() != tokens * head_size
-            or sin.shape != cos.shape or k.shape[0] != tokens):
+            or cos.numel() != tokens * head_size or sin.shape != cos.shape or k.shape[0] != tokens
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)):
         return rotary_ref(q, k, cos, sin, head_size)
     q_out = torch.empty(q.shape, dtype=torch.bfloat16)
     k_out = torch.empty(k.shape, dtype=torch.bfloat16)
     if tokens:
         _KERNEL(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
-                q_out.data_ptr(), k_out.data_ptr(), tokens, q.shape[1] // head_size,
+                cos.stride(0), q_out.data_ptr(), k_out.data_ptr(), tokens, q.shape[1] // head_size,
                 k.shape[1] // head_size, head_size, torch.get_num_threads())
     return q_out, k_out

@@ -35,14 +35,15 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
     }
 }
 
-/* q [tokens, q_heads * d] with row stride q_stride, k likewise; cos / sin [tokens, d];
- * q_out [tokens, q_heads * d], k_out [tokens, k_heads * d]; d even. */
+/* q [tokens, q_heads * d] with row stride q_stride, k likewise; cos / sin [tokens, d] with
+ * row stride cs_stride (views of one gathered cos|sin row); q_out [tokens, q_heads * d], k_out [tokens, k_heads * d]; d even. */
 void tessera_rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                         const uint16_t *cos, const uint16_t *sin, uint16_t *q_out, uint16_t *k_out,
+                         const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
+                         uint16_t *q_out, uint16_t *k_out,
                          int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int threads) {
 #pragma omp parallel for num_threads(tokens >= 32 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        rotate_row(q + t * q_stride, q_out + t * q_heads * d, cos + t * d, sin + t * d, q_heads, d);
-        rotate_row(k + t * k_stride, k_out + t * k_heads * d, cos + t * d, sin + t * d, k_heads, d);
+        rotate_row(q + t * q_stride, q_out + t * q_heads * d, cos + t * cs_stride, sin + t * cs_stride, q_heads, d);
+        rotate_row(k + t * k_stride, k_out + t * k_heads * d, cos + t * cs_stride, sin + t * cs_stride, k_heads, d);
     }
 }
