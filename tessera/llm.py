@@ -69,6 +69,10 @@ class LLM:
         """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
         self.engine.close()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget cached prompt prefixes (e.g. between benchmark repeats of the same prompts)."""
+        return self.engine.reset_prefix_cache()
+
     def __enter__(self) -> LLM:
         return self
 

@@ -130,6 +130,20 @@ class BlockManager:
         seq.block_hashes = list(match.hashes)
         return len(match.blocks) * self.block_size
 
+    def reset_prefix_cache(self) -> int:
+        """Forget what every free block holds, so no later prompt reuses it (benchmarks that
+        repeat prompts); blocks sequences hold keep theirs. Returns how many were forgotten."""
+        forgotten = 0
+        for block in self.free_blocks:
+            h = self.block_hash[block]
+            if h is None:
+                continue
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self.block_hash[block] = self.block_tokens[block] = None
+            forgotten += 1
+        return forgotten
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that `seq` has completely computed since the last call."""
         if not self.enable_prefix_caching:

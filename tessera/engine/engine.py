@@ -188,6 +188,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes no request holds (vLLM's reset_prefix_cache); returns
+        the number of blocks forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         """A snapshot of load and cache counters (what the server's /metrics publishes)."""
         bm, sched = self.block_manager, self.scheduler

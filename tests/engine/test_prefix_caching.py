@@ -156,3 +156,25 @@ def test_block_sharing_reference_counts_and_lru_eviction():
     assert bm.match_prefix(c).blocks == []
     bm.free(d)
     assert bm.all_free()
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only(make_llm):
+    llm = make_llm()
+    prompts = shared_prefix_prompts()
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm.reset_prefix_cache() > 0
+    hits = llm.engine.stats().prefix_cache_hits
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], GREEDY, use_tqdm=False)]
+    assert again == first[:1]
+    assert llm.engine.stats().prefix_cache_hits == hits  # nothing left to hit
+    # blocks a running sequence holds stay cached: a twin admitted while it runs shares them
+    engine = llm.engine
+    llm.reset_prefix_cache()
+    engine.add_request("a", prompts[0], GREEDY)
+    engine.step()
+    assert llm.reset_prefix_cache() == 0
+    engine.add_request("b", prompts[0], GREEDY)
+    engine.step()
+    assert engine.stats().prefix_cache_hits > hits
+    while engine.has_unfinished():
+        engine.step()
