@@ -11,6 +11,7 @@ import ctypes
 import torch
 
 from tessera.ops.attention.metadata import AttentionMetadata
+from tessera.ops.attention.torch_paged import paged_decode_ref
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.registry import register_op
 
@@ -28,6 +29,8 @@ def paged_decode_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     b = meta.num_decodes
     num_heads, d = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if block_size & (block_size - 1):  # the kernel indexes blocks by shifts
+        return paged_decode_ref(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     q = query[:b].contiguous()
     tables, lens = meta.decode_int32()
     out = torch.empty_like(q)
