@@ -27,8 +27,8 @@ typedef struct {
     int64_t block_shift, row_stride, head_offset;  /* log2(block size); elements per cache slot; this KV head's */
 } KvRows;
 
-/* Block sizes are powers of two: a shift and a mask, where a division by a runtime block
- * size costs tens of cycles per key row (a third of the kernel at 32 sequences). */
+/* Block sizes are powers of two (the engine's config requires it): a shift and a mask per
+ * key row rather than a division by a runtime value. */
 static inline const uint16_t *row_of(const KvRows *kv, const uint16_t *cache, int64_t t) {
     const int64_t slot = ((int64_t)kv->table[t >> kv->block_shift] << kv->block_shift)
                          + (t & ((1 << kv->block_shift) - 1));
