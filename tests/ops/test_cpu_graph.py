@@ -71,3 +71,17 @@ def test_a_kernel_failure_during_replay_is_an_error_naming_it():
     with pytest.raises(ReplayError, match="tessera_embedding"):
         graph.replay()
     assert torch.equal(out, before)
+
+
+@torch.inference_mode()
+def test_only_the_capturing_threads_calls_are_recorded():
+    import threading
+
+    table = torch.randn(10, 16)
+    ids = torch.tensor([1, 2])
+    other = threading.Thread(target=lambda: [(embedding_cpu(ids, table), table * 2) for _ in range(50)])
+    with capture() as graph:
+        other.start()
+        other.join()
+        embedding_cpu(ids, table)
+    assert len(graph.calls) == 1 and graph.replayable

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -89,8 +90,8 @@ def load_source(stem: str, text: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
-# Kernel calls go to the innermost active recorder as well (tessera/ops/cpu/graph.py
-# captures a decode step's calls to replay them without Python).
+# Kernel calls go to the innermost active recorder of the calling thread as well
+# (tessera/ops/cpu/graph.py captures a decode step's calls to replay them without Python).
 _recorders: list = []
 
 
@@ -106,7 +107,10 @@ class Kernel:
 
     def __call__(self, *args):
         if _recorders:
-            _recorders[-1].record(self, args)
+            for recorder in reversed(_recorders):
+                if recorder.thread == threading.get_ident():
+                    recorder.record(self, args)
+                    break
         return self._fn(*args)
 
     @cached_property

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -105,6 +106,7 @@ class KernelGraph:
     calls: list[tuple[Kernel, list[int]]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list, repr=False)
     refused: list[str] = field(default_factory=list)  # ops a replay could not repeat
+    thread: int = field(default_factory=threading.get_ident)  # the capturing thread
     _bound: tuple | None = field(default=None, repr=False)
 
     def record(self, kernel: Kernel, args: tuple) -> None:
@@ -179,7 +181,8 @@ class _Guard(TorchDispatchMode):
 
 @contextmanager
 def capture() -> Iterator[KernelGraph]:
-    """Record the kernel calls made inside the block (which run as usual)."""
+    """Record the kernel calls this thread makes inside the block (which run as usual);
+    other threads' calls and torch ops (the dispatch mode is per thread) are not seen."""
     graph = KernelGraph()
     build._recorders.append(graph)
     try:
