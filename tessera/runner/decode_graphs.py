@@ -5,7 +5,8 @@ buffers, padded up to the next bucket size. The first step at a bucket size runs
 forward pass under `capture()` (tessera/ops/cpu/graph.py), which records its kernel calls;
 later steps at that size copy their inputs into the buffers and replay the calls from C,
 with no Python in between. When the pass runs anything but kernels (a dtype or model
-without CPU kernels), the step's result is still used, and graphs stay off.
+without CPU kernels, or an op that copies at this row count), the step's result is still
+used and that bucket runs eagerly from then on.
 
 Padded rows read token 0 at position 0, write no KV (slot -1) and attend over one cached
 token of block 0 (their output is discarded); a bucket costs a few rows of extra work,
@@ -22,12 +23,15 @@ import torch
 from torch import nn
 
 from tessera.ops.attention import AttentionMetadata, attention_context
+from tessera.ops.cpu.build import KernelBuildError
 from tessera.ops.cpu.graph import KernelGraph, capture
 from tessera.runner.inputs import ModelInputs
 
 logger = logging.getLogger(__name__)
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+# every size up to 8 (no padding where batches are small, and int8's kernel switches path
+# at 8 rows, so a padded step would differ from its eager twin), then steps of 8
+BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32)
 
 
 @dataclass
@@ -42,18 +46,25 @@ class DecodeGraphs:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.enabled = True
         self._graphs: dict[int, _Captured] = {}
+        self._eager: set[int] = set()  # buckets whose pass cannot be replayed
+        self._refusals_logged: set[str] = set()
         self._table_width = 0
 
     @property
     def captured_sizes(self) -> list[int]:
         return sorted(self._graphs)
 
+    @property
+    def eager_sizes(self) -> list[int]:
+        """Buckets whose pass could not be captured (they run eagerly)."""
+        return sorted(self._eager)
+
     def reset(self, num_blocks: int) -> None:
         """Drop every graph; block tables may now be `num_blocks` wide (no sequence can hold
         more blocks than the cache has)."""
         self._graphs.clear()
+        self._eager.clear()
         self._table_width = num_blocks
         size = BUCKETS[-1]
         # one set of input buffers serves every bucket (a bucket reads its first rows)
@@ -69,10 +80,12 @@ class DecodeGraphs:
         is not one a graph runs (prefill rows, too many rows, tables wider than the cache)."""
         meta = inputs.attn
         rows = inputs.input_ids.shape[0]
-        if (not self.enabled or meta.num_decodes != rows or rows > BUCKETS[-1]
+        if (meta.num_decodes != rows or rows > BUCKETS[-1]
                 or meta.block_tables.shape[1] > self._table_width):
             return None
         bucket = BUCKETS[bisect.bisect_left(BUCKETS, rows)]
+        if bucket in self._eager:
+            return None
         self._fill(inputs, rows, bucket)
         captured = self._graphs.get(bucket)
         if captured is None:
@@ -109,11 +122,20 @@ class DecodeGraphs:
         started = time.perf_counter()
         with attention_context(self._metadata(bucket, step)), capture() as graph:
             hidden = self.model(self._ids[:bucket], self._positions[:bucket])
+        reason = None
         if not graph.replayable:
-            self.enabled = False
-            logger.info("decode graphs off: the forward pass runs %s, which a replay would skip "
-                        "(no CPU kernel for this model or dtype); running eagerly",
-                        ", ".join(sorted(set(graph.refused))[:4]))
+            ops = ", ".join(sorted(set(graph.refused))[:4])
+            reason = f"the forward pass runs {ops}, which a replay would skip"
+        else:
+            try:
+                graph.prepare()  # compile the replayer now, not inside a later step
+            except (KernelBuildError, OSError) as exc:
+                reason = f"the replayer did not build: {exc}"
+        if reason is not None:
+            self._eager.add(bucket)
+            log = logger.info if reason not in self._refusals_logged else logger.debug
+            self._refusals_logged.add(reason)
+            log("decode steps of %d rows run eagerly: %s", bucket, reason)
             return hidden
         graph.keep.append(hidden)
         self._graphs[bucket] = _Captured(graph, hidden)

@@ -1,7 +1,8 @@
 """Captured decode graphs (CPU) against the eager path: the same tokens and logprobs for
-batches that shrink through the buckets (padded rows), mixed prefill/decode steps (which
-run eagerly) between replays, seeded sampling; graphs turn themselves off for a model
-without CPU kernels, and are dropped when the KV cache is replaced."""
+batches that shrink through the buckets, padded buckets, mixed prefill/decode steps (which
+run eagerly) between replays, seeded sampling, int8; buckets whose pass is not kernels
+alone run eagerly (all of them for a model without CPU kernels, only some for qwen3), and
+graphs are dropped when the KV cache is replaced."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE
               pytest.mark.usefixtures("one_thread")]
 
 PROMPTS = [[5, 6, 7], list(range(10, 41)), [40] * 9, list(range(100, 117)), [3, 9] * 12]
-# lengths that retire sequences one by one: 5 rows (bucket 8), then 4, 3 (4), 2, 1
+# lengths that retire sequences one by one: 5 rows, then 4, 3, 2, 1
 NEW_TOKENS = [6, 11, 17, 24, 30]
 
 
@@ -29,20 +30,34 @@ def run(llm: LLM, temperature: float = 0.0, count: int = len(PROMPTS)) -> list[t
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_replayed_decode_equals_eager(make_tiny_llama, quantization, temperature):
     folder, _ = make_tiny_llama(seed=3)
-    # int8 takes another kernel path from 8 rows (see gemm_int8.c), so a step padded
-    # across 8 rows is not bit-equal to its eager twin: keep int8 batches under 8
-    count = 4 if quantization else 5
-    buckets = [1, 2, 4] if quantization else [1, 2, 4, 8]
     results = {}
     for eager in (True, False):
         with LLM(folder, dtype="bfloat16", quantization=quantization, num_kv_blocks=64,
                  block_size=8, enforce_eager=eager, show_progress=False) as llm:
-            results[eager] = run(llm, temperature, count)
+            results[eager] = run(llm, temperature)
             graphs = llm.engine.runner.graphs
             if eager:
                 assert graphs is None
             else:
-                assert graphs.enabled and graphs.captured_sizes == buckets
+                assert graphs.captured_sizes == [1, 2, 3, 4, 5] and graphs.eager_sizes == []
+    assert results[False] == results[True]
+
+
+def test_padded_rows_change_nothing(make_tiny_llama):
+    """9 to 16 sequences share the 16-row graph: the padded rows write no KV and leave the
+    real rows as an eager step of the same rows computes them."""
+    folder, _ = make_tiny_llama(seed=7)
+    prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 4) for i in range(11)]
+    params = [SamplingParams(max_new_tokens=4 + i, temperature=0.0, logprobs=2, ignore_eos=True)
+              for i in range(11)]
+    results = {}
+    for eager in (True, False):
+        with LLM(folder, dtype="bfloat16", num_kv_blocks=96, block_size=8, enforce_eager=eager,
+                 show_progress=False) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+            if not eager:
+                assert 16 in llm.engine.runner.graphs.captured_sizes
     assert results[False] == results[True]
 
 
@@ -68,7 +83,24 @@ def test_graphs_turn_off_for_a_model_without_cpu_kernels(make_tiny_llama):
             results[eager] = run(llm)
             if not eager:
                 graphs = llm.engine.runner.graphs
-                assert not graphs.enabled and graphs.captured_sizes == []
+                assert graphs.captured_sizes == [] and graphs.eager_sizes == [1, 2, 3, 4, 5]
+    assert results[False] == results[True]
+
+
+def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path):
+    """Qwen3's per-head q/k norms reshape a strided slice: a view at one row, a copy from
+    two, so only the 1-row pass is kernels alone."""
+    from tests.models.test_qwen_parity import make_tiny_qwen
+
+    make_tiny_qwen(tmp_path, tiny_tokenizer_dir, "qwen3", seed=8, head_dim=16)
+    results = {}
+    for eager in (True, False):
+        with LLM(tmp_path, dtype="bfloat16", num_kv_blocks=64, block_size=8, enforce_eager=eager,
+                 show_progress=False) as llm:
+            results[eager] = run(llm, count=3)
+            if not eager:
+                graphs = llm.engine.runner.graphs
+                assert graphs.captured_sizes == [1] and graphs.eager_sizes == [2, 3]
     assert results[False] == results[True]
 
 

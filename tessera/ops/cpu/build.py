@@ -80,8 +80,10 @@ def load_source(stem: str, text: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
         os.close(fd)
+        # from this folder: for a source read from stdin, quoted includes are searched in
+        # the working directory first, and a stray bf16.h there must not shadow ours
         result = subprocess.run([cc, *FLAGS, f"-I{HERE}", "-x", "c", "-", "-o", tmp],
-                                input=text, capture_output=True, text=True)
+                                input=text, capture_output=True, text=True, cwd=HERE)
         if result.returncode != 0:
             os.unlink(tmp)
             raise KernelBuildError(f"{cc} failed on {stem}: {result.stderr.strip()[-500:]}")

@@ -1,6 +1,6 @@
 """Kernel graphs: the C kernel calls of one forward pass, recorded and replayed from C.
 
-The CPU analogue of a CUDA graph. A decode step of the default model makes ~370 kernel
+The CPU analogue of a CUDA graph. A decode step of the default model makes ~300 kernel
 calls, and the Python around them (layers, builders, ctypes) costs 3-4 ms of a 12 ms step;
 replaying the recorded calls (same functions, same pointers, same sizes) costs
 microseconds. `capture()` runs a forward pass normally while recording every `Kernel`
@@ -11,13 +11,15 @@ A replay is right only if the pass was kernels alone and every recorded pointer 
 valid. So, during capture, a torch dispatch guard watches every tensor op: views and empty
 allocations are fine (their memory is held by the graph, so nothing else reuses it); any
 op that computes or writes (a replay would skip it) makes the graph unusable, and
-`KernelGraph.refused` says which. Memory the pass only reads (weights, KV cache, input
-buffers) is the owner's to keep: it captures again after replacing any of it.
+`KernelGraph.refused` says which. What the guard cannot see is Python deciding from data
+it reads without a torch op (`.tolist()`, host-side lists, thread counts): kernel builders
+must pass such values as kernel arguments or take the same path for every step a graph
+serves. Memory the pass only reads (weights, KV cache, input buffers) is the owner's to
+keep: it captures again after replacing any of it.
 """
 from __future__ import annotations
 
 import ctypes
-import struct
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,10 +54,10 @@ def _encode(kernel: Kernel, args: tuple) -> list[int]:
         raise TypeError(f"{kernel.symbol} takes {len(kernel.argtypes)} arguments, got {len(args)}")
     out = []
     for kind, value in zip(kernel.argtypes, args):
-        if kind is ctypes.c_float:
-            out.append(struct.unpack("<i", struct.pack("<f", value))[0])
+        if kind is ctypes.c_float:  # through ctypes, as a direct call converts (inf past FLT_MAX)
+            out.append(ctypes.c_int32.from_buffer(ctypes.c_float(value)).value)
         elif kind is ctypes.c_double:
-            out.append(struct.unpack("<q", struct.pack("<d", value))[0])
+            out.append(ctypes.c_int64.from_buffer(ctypes.c_double(value)).value)
         else:
             out.append(int(value or 0))
     return out
@@ -99,7 +101,7 @@ def _replayer_source(signatures: list[tuple]) -> str:
     ])
 
 
-@dataclass
+@dataclass(eq=False)  # identity: recorders are found and removed by identity
 class KernelGraph:
     """The kernel calls of one captured pass, and the tensors it created."""
 
@@ -143,12 +145,17 @@ class KernelGraph:
                 ctypes.addressof(values), ctypes.addressof(failed))
         return fn, args, failed, (kinds, fns, offs, values)
 
-    def replay(self) -> None:
-        """Run the recorded calls again; ReplayError names a kernel that returned failure."""
+    def prepare(self) -> None:
+        """Build and bind the replayer (a C compile the first time a set of kernel
+        signatures is seen); KernelBuildError if that fails. replay() calls it if needed."""
         if self.refused:
             raise ReplayError(f"this pass ran ops a replay cannot repeat: {', '.join(self.refused)}")
         if self._bound is None:
             self._bound = self._bind()
+
+    def replay(self) -> None:
+        """Run the recorded calls again; ReplayError names a kernel that returned failure."""
+        self.prepare()
         fn, args, failed, _ = self._bound
         status = fn(*args)
         if status:

@@ -38,6 +38,8 @@ def paged_decode_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, num_heads, num_kv_heads, d, block_size, tables.shape[1], scale,
         sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+    if failed == 2:
+        raise ValueError(f"paged_decode_bf16 needs a power-of-two block size, got {block_size}")
     if failed:
         raise MemoryError("paged_decode_bf16 could not allocate its score buffer")
     return out

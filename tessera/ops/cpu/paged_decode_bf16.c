@@ -31,7 +31,7 @@ typedef struct {
  * key row rather than a division by a runtime value. */
 static inline const uint16_t *row_of(const KvRows *kv, const uint16_t *cache, int64_t t) {
     const int64_t slot = ((int64_t)kv->table[t >> kv->block_shift] << kv->block_shift)
-                         + (t & ((1 << kv->block_shift) - 1));
+                         + (t & (((int64_t)1 << kv->block_shift) - 1));
     return cache + slot * kv->row_stride + kv->head_offset;
 }
 

@@ -33,7 +33,8 @@ def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     tokens = q.shape[0]
     if (head_size % 2 or q.shape[-1] % head_size or k.shape[-1] % head_size or any(t.dtype != torch.bfloat16 for t in (q, k, cos, sin))
             or not (_rows(q) and _rows(k)) or cos.shape[-1] != head_size
-            or cos.numel() != tokens * head_size or sin.shape != cos.shape or k.shape[0] != tokens
+            or cos.numel() != tokens * head_size or cos.shape[0] != tokens or sin.shape != cos.shape
+            or k.shape[0] != tokens
             or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)):
         return rotary_ref(q, k, cos, sin, head_size)
     q_out = torch.empty(q.shape, dtype=torch.bfloat16)
