@@ -25,8 +25,10 @@ pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)
                          [(9, 3, 64), (9, 1, 64), (8, 2, 128), (2, 1, 256), (4, 4, 24), (8, 1, 16), (6, 2, 48)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 2.0), (7, 1.5)])
-def test_matches_torch_decode(num_heads, num_kv_heads, head_size, block_size, window, softcap):
-    case = make_case([(37, 1), (1, 1), (20, 1)], block_size=block_size, num_heads=num_heads,
+@pytest.mark.parametrize("lengths", [(37, 1, 20), (37, 1, 20, 5, 64, 3, 17, 33, 2, 50)], ids=["3-seqs", "10-seqs"])
+def test_matches_torch_decode(num_heads, num_kv_heads, head_size, block_size, window, softcap, lengths):
+    # 10 sequences are enough for a work item per sequence (all its KV heads), 3 are not
+    case = make_case([(n, 1) for n in lengths], block_size=block_size, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_size=head_size, seed=head_size + block_size)
     kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
     k16, v16, q16 = case.k_cache.bfloat16(), case.v_cache.bfloat16(), case.query.bfloat16()

@@ -5,8 +5,9 @@
  * window > 0: the query at p = len - 1 sees keys in (p - window, p]. softcap > 0:
  * scores become softcap * tanh(scores / softcap) (gemma2).
  *
- * One work item is one (sequence, KV head): every query head of the GQA group is served
- * from one read of each key and value row. Scores: four keys at a time, vdpbf16ps on the
+ * One work item is one (sequence, KV head), or a whole sequence when the batch has enough
+ * of them: every query head of a GQA group is served from one read of each key and value
+ * row. Scores: four keys at a time, vdpbf16ps on the
  * bf16 query and key (products are exact in float32) and one transpose-and-add for the
  * four sums. Softmax: vectorised exp. Values: for head sizes 64, 128 and 256 the output
  * rows of a tile of heads stay in registers across all keys; other sizes accumulate in
@@ -52,45 +53,49 @@ static inline __m512 bf16x16_to_f32(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-/* scores[g * n + (t - start)] = q_g . k_t for every head g of the group and key t. */
-static void scores_pass(const uint16_t *q, int64_t group, int64_t d, const KvRows *kv,
-                        int64_t start, int64_t len, float *scores) {
-    const int64_t n = len - start, full = d / 32 * 32;
+/* scores[h * n + (t - start)] = q_h . k_t for the item's query heads h (kv_heads groups of
+ * `group`, consecutive in q) and keys t; head h reads KV head h / group of the item. */
+static void scores_pass(const uint16_t *q, int64_t kv_heads, int64_t group, int64_t d,
+                        const KvRows *kv, int64_t start, int64_t len, float *scores) {
+    const int64_t n = len - start, full = d / 32 * 32, span = kv_heads * d;
     const __mmask32 tail = (__mmask32)((1ull << (d - full)) - 1ull);
     int64_t t = start;
     for (; t + 4 <= len; t += 4) {
-        const uint16_t *k0 = row_of(kv, kv->k_cache, t), *k1 = row_of(kv, kv->k_cache, t + 1);
-        const uint16_t *k2 = row_of(kv, kv->k_cache, t + 2), *k3 = row_of(kv, kv->k_cache, t + 3);
-        /* The rows of one head are short runs (d * 2 bytes) a cache slot apart, which the
-         * hardware prefetchers follow poorly: fetch the keys PREFETCH_AHEAD rows on, and
-         * this group's values for the pass after this one. */
+        const uint16_t *r0 = row_of(kv, kv->k_cache, t), *r1 = row_of(kv, kv->k_cache, t + 1);
+        const uint16_t *r2 = row_of(kv, kv->k_cache, t + 2), *r3 = row_of(kv, kv->k_cache, t + 3);
+        /* A KV head's rows are short runs a cache slot apart, which the hardware prefetchers
+         * follow poorly: fetch the keys PREFETCH_AHEAD rows on, and the values for the pass
+         * after this one. */
         for (int64_t u = t + PREFETCH_AHEAD; u < t + PREFETCH_AHEAD + 4 && u < len; u++)
-            prefetch_row(row_of(kv, kv->k_cache, u), d, _MM_HINT_T0);
-        for (int64_t u = t; u < t + 4; u++) prefetch_row(row_of(kv, kv->v_cache, u), d, _MM_HINT_T1);
-        for (int64_t g = 0; g < group; g++) {
-            const uint16_t *qg = q + g * d;
+            prefetch_row(row_of(kv, kv->k_cache, u), span, _MM_HINT_T0);
+        for (int64_t u = t; u < t + 4; u++) prefetch_row(row_of(kv, kv->v_cache, u), span, _MM_HINT_T1);
+        for (int64_t h = 0; h < kv_heads * group; h++) {
+            const uint16_t *qh = q + h * d;
+            const int64_t off = h / group * d;
+            const uint16_t *k0 = r0 + off, *k1 = r1 + off, *k2 = r2 + off, *k3 = r3 + off;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t i = 0; i < d; i += 32) {
                 const int masked = i >= full;
-                const __m512bh qv = load_bf16x32(qg + i, tail, masked);
+                const __m512bh qv = load_bf16x32(qh + i, tail, masked);
                 a0 = _mm512_dpbf16_ps(a0, qv, load_bf16x32(k0 + i, tail, masked));
                 a1 = _mm512_dpbf16_ps(a1, qv, load_bf16x32(k1 + i, tail, masked));
                 a2 = _mm512_dpbf16_ps(a2, qv, load_bf16x32(k2 + i, tail, masked));
                 a3 = _mm512_dpbf16_ps(a3, qv, load_bf16x32(k3 + i, tail, masked));
             }
-            _mm_storeu_ps(scores + g * n + (t - start), sum4(a0, a1, a2, a3));
+            _mm_storeu_ps(scores + h * n + (t - start), sum4(a0, a1, a2, a3));
         }
     }
     for (; t < len; t++) {
-        const uint16_t *k0 = row_of(kv, kv->k_cache, t);
-        for (int64_t g = 0; g < group; g++) {
+        const uint16_t *r0 = row_of(kv, kv->k_cache, t);
+        for (int64_t h = 0; h < kv_heads * group; h++) {
+            const uint16_t *k0 = r0 + h / group * d;
             __m512 a0 = _mm512_setzero_ps();
             for (int64_t i = 0; i < d; i += 32) {
                 const int masked = i >= full;
-                a0 = _mm512_dpbf16_ps(a0, load_bf16x32(q + g * d + i, tail, masked),
+                a0 = _mm512_dpbf16_ps(a0, load_bf16x32(q + h * d + i, tail, masked),
                                       load_bf16x32(k0 + i, tail, masked));
             }
-            scores[g * n + (t - start)] = _mm512_reduce_add_ps(a0);
+            scores[h * n + (t - start)] = _mm512_reduce_add_ps(a0);
         }
     }
 }
@@ -185,39 +190,47 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
     if (block_size <= 0 || (block_size & (block_size - 1))) return 2;
     const int64_t block_shift = __builtin_ctzll((unsigned long long)block_size);
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t work = batch * num_kv_heads;
+    /* One work item is a sequence's KV heads together when there are sequences enough to
+     * share out (its cache rows are then read front to back), else one KV head. */
+    const int64_t kv_per_item = batch >= 4 * (int64_t)threads ? num_kv_heads : 1;
+    const int64_t items_per_seq = num_kv_heads / kv_per_item;
+    const int64_t work = batch * items_per_seq;
+    const int64_t item_heads = kv_per_item * group;
     int failed = 0;
 #pragma omp parallel num_threads(work >= 2 ? threads : 1) reduction(| : failed)
     {
         int64_t capacity = 0;
         float *scores = NULL;
-        float *inv = malloc(sizeof(float) * group);
+        float *inv = malloc(sizeof(float) * item_heads);
         float *acc = malloc(sizeof(float) * group * d);
         if (!inv || !acc) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < work; item++) {
             if (failed) continue;
-            const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
+            const int64_t b = item / items_per_seq, kvh0 = item % items_per_seq * kv_per_item;
             const int64_t len = seq_lens[b];
             const int64_t start = window > 0 && len > window ? len - window : 0;
             const int64_t n = len - start;
-            if (n * group > capacity) {
+            if (n * item_heads > capacity) {
                 free(scores);
-                capacity = n * group;
+                capacity = n * item_heads;
                 scores = malloc(sizeof(float) * capacity);
                 if (!scores) { failed = 1; capacity = 0; continue; }
             }
-            const KvRows kv = {k_cache, v_cache, block_tables + b * table_width, block_shift,
-                               num_kv_heads * d, kvh * d};
-            const int64_t first_head = b * num_heads + kvh * group;
-            scores_pass(q + first_head * d, group, d, &kv, start, len, scores);
-            for (int64_t g = 0; g < group; g++) inv[g] = softmax_row(scores + g * n, n, scale, softcap);
-            uint16_t *o = out + first_head * d;
-            switch (d) {
-                case 64: values_pass_fixed(scores, inv, group, &kv, start, len, o, 64, 4); break;
-                case 128: values_pass_fixed(scores, inv, group, &kv, start, len, o, 128, 2); break;
-                case 256: values_pass_fixed(scores, inv, group, &kv, start, len, o, 256, 1); break;
-                default: values_pass_any(scores, inv, group, d, &kv, start, len, acc, o);
+            const int64_t first_head = b * num_heads + kvh0 * group;
+            KvRows kv = {k_cache, v_cache, block_tables + b * table_width, block_shift,
+                         num_kv_heads * d, kvh0 * d};
+            scores_pass(q + first_head * d, kv_per_item, group, d, &kv, start, len, scores);
+            for (int64_t h = 0; h < item_heads; h++) inv[h] = softmax_row(scores + h * n, n, scale, softcap);
+            for (int64_t j = 0; j < kv_per_item; j++, kv.head_offset += d) {
+                const float *p = scores + j * group * n, *iv = inv + j * group;
+                uint16_t *o = out + (first_head + j * group) * d;
+                switch (d) {
+                    case 64: values_pass_fixed(p, iv, group, &kv, start, len, o, 64, 4); break;
+                    case 128: values_pass_fixed(p, iv, group, &kv, start, len, o, 128, 2); break;
+                    case 256: values_pass_fixed(p, iv, group, &kv, start, len, o, 256, 1); break;
+                    default: values_pass_any(p, iv, group, d, &kv, start, len, acc, o);
+                }
             }
         }
         free(scores);
