@@ -73,8 +73,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8: linear weights quantized per output feature after loading "
                         "(half the weight memory; faster single-stream decode on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps through the model's Python every time instead of "
-                        "replaying captured kernel graphs (CPU)")
+                   help="run every decode step op by op instead of replaying captured graphs "
+                        "(kernel graphs on CPU, CUDA graphs on GPU)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--master-addr", default="127.0.0.1",

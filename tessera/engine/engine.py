@@ -27,6 +27,7 @@ from tessera.engine.stats import EngineStats
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
+from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.model_runner import ModelRunner, StepResult
 from tessera.runner.warmup import plan_kv_cache
 from tessera.sampling.params import SamplingParams
@@ -85,6 +86,7 @@ class Engine:
                                   ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
                                   decode_graphs=self._decode_graphs(config))
         self.num_blocks = self._size_kv_cache()
+        self.runner.graph_limits = GraphLimits(config.scheduler.max_num_seqs, self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
@@ -94,10 +96,9 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
-        """Captured decode graphs: CPU kernels only, one rank (a replay cannot join a
-        collective), not with --enforce-eager."""
-        return (not config.model.enforce_eager and self.device.type == "cpu"
-                and self.tp_group is None)
+        """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay
+        cannot join a collective), not with --enforce-eager."""
+        return not config.model.enforce_eager and self.tp_group is None
 
     def _size_kv_cache(self) -> int:
         cache, sched = self.config.cache, self.config.scheduler

@@ -11,7 +11,9 @@ from torch import nn
 from tessera.distributed.channel import Command, StepChannel
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.ops.attention import Attention, attention_context
-from tessera.runner.decode_graphs import DecodeGraphs
+from tessera.runner.cuda_graphs import CudaDecodeGraphs
+from tessera.runner.decode_graphs import CpuDecodeGraphs
+from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
 from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prompt_logprobs
 
@@ -52,8 +54,13 @@ class ModelRunner:
         if not self.attn_layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to give a KV cache")
         self.num_blocks = 0
-        # decode steps replayed from captured kernel calls (CPU, one rank)
-        self.graphs = DecodeGraphs(model) if decode_graphs else None
+        # decode steps replayed from captured graphs (one rank): kernel graphs on CPU, CUDA
+        # graphs on GPU; they cover steps within `graph_limits`, set before the cache is
+        self.graphs: CpuDecodeGraphs | CudaDecodeGraphs | None = None
+        if decode_graphs:
+            self.graphs = (CudaDecodeGraphs(model, block_size, device) if device.type == "cuda"
+                           else CpuDecodeGraphs(model, block_size))
+        self.graph_limits: GraphLimits | None = None
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -78,7 +85,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self._zeroed_blocks = 0
         if self.graphs is not None:  # the graphs hold the old cache's pointers
-            self.graphs.reset(num_blocks)
+            self._zero_blocks_up_to(1)  # padded rows read block 0
+            self.graphs.reset(self.graph_limits)
 
     def _zero_blocks_up_to(self, end: int) -> None:
         if end <= self._zeroed_blocks:
@@ -95,7 +103,7 @@ class ModelRunner:
             layer.kv_cache = None
         self.num_blocks = 0
         if self.graphs is not None:
-            self.graphs.reset(0)
+            self.graphs.reset(None)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""Decode steps replayed from CUDA graphs (`--enforce-eager` turns it off).
+
+Captured once per KV cache, at start-up: one graph per bucket (1, 2, 4, 8, then steps of 16
+up to max_num_seqs), largest first into one memory pool (a smaller graph reuses the larger
+one's intermediate memory), each after an eager warm-up pass on a side stream (Triton
+compiles, cuBLAS picks its algorithms). Captured with the host-side lengths set to
+max_model_len, so the decode kernel's grid covers any sequence a later step can hold
+(partitions past a sequence's end do nothing). Each graph is then checked once against the
+eager pass on the same inputs; a capture that fails or disagrees turns graphs off with a
+warning, and every step runs eagerly.
+
+A decode-only step copies its inputs into the static buffers (tessera/runner/graph_inputs.py)
+and replays its bucket's graph: a few kernel launches instead of one per op.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from tessera.ops.attention import attention_context
+from tessera.runner.graph_inputs import GraphLimits, StaticDecodeInputs
+from tessera.runner.inputs import ModelInputs
+
+logger = logging.getLogger(__name__)
+
+
+def cuda_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 16, up to the first that holds max_num_seqs."""
+    buckets = [1]
+    while buckets[-1] < max_num_seqs:
+        last = buckets[-1]
+        buckets.append(last * 2 if last < 8 else (last // 16 + 1) * 16)
+    return tuple(buckets)
+
+
+class CudaDecodeGraphs:
+    """Owned by the model runner: `reset` on every new KV cache (captures), `run` per step."""
+
+    def __init__(self, model: nn.Module, block_size: int, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.inputs: StaticDecodeInputs | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def reset(self, limits: GraphLimits | None) -> None:
+        """Drop every graph; with `limits`, capture the buckets for steps within them
+        (the runner has bound a KV cache with block 0 zeroed)."""
+        self._graphs.clear()
+        self.inputs = None
+        if limits is None:
+            return
+        self.inputs = StaticDecodeInputs(cuda_buckets(limits.max_num_seqs), limits, self.block_size,
+                                         self.device)
+        started = time.perf_counter()
+        try:
+            self._capture_all(limits)
+        except Exception as exc:  # noqa: BLE001 - any failure: serve eagerly, say why
+            logger.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)
+            self._graphs.clear()
+            self.inputs = None
+            return
+        logger.info("captured %d CUDA decode graphs (%s rows) in %.1f s", len(self._graphs),
+                    ", ".join(map(str, self.inputs.buckets)), time.perf_counter() - started)
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """The hidden states [rows, hidden] of a decode-only step, or None when no graph
+        runs this step."""
+        if self.inputs is None:
+            return None
+        bucket = self.inputs.bucket_for(inputs)
+        if bucket is None:
+            return None
+        self.inputs.fill(inputs, bucket)
+        graph, hidden = self._graphs[bucket]
+        graph.replay()
+        return hidden[:inputs.input_ids.shape[0]]
+
+    def _forward(self, bucket: int, limits: GraphLimits) -> torch.Tensor:
+        meta = self.inputs.metadata(bucket, [limits.max_model_len] * bucket)
+        with attention_context(meta):
+            return self.model(self.inputs.ids[:bucket], self.inputs.positions[:bucket])
+
+    @torch.inference_mode()
+    def _capture_all(self, limits: GraphLimits) -> None:
+        static = self.inputs
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", 2)
+        # random tokens, so the check below compares something other than one repeated row
+        static.ids.copy_(torch.randint(0, vocab, static.ids.shape, device=self.device))
+        # every row a padded row otherwise: position 0, no KV write, one key of block 0
+        static.positions.zero_()
+        static.slots.fill_(-1)
+        static.tables.zero_()
+        static.lens.fill_(1)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for bucket in reversed(static.buckets):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                eager = self._forward(bucket, limits).clone()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(bucket, limits)
+            graph.replay()
+            torch.cuda.synchronize(self.device)
+            if not torch.allclose(hidden.float(), eager.float(), rtol=2e-2, atol=2e-2):
+                worst = (hidden.float() - eager.float()).abs().max().item()
+                raise RuntimeError(f"the {bucket}-row graph disagrees with the eager pass (max |diff| {worst:.3g})")
+            self._graphs[bucket] = (graph, hidden)

@@ -1,0 +1,40 @@
+"""CUDA decode graphs: the bucket sizes (everywhere), and on a GPU (skipped without one):
+replayed decode steps give the tokens and logprobs of the eager path, every bucket is
+captured at start-up, and a batch that shrinks through padded buckets changes nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.runner.cuda_graphs import cuda_buckets
+
+
+def test_buckets_double_to_8_then_step_by_16_until_max_num_seqs_fits():
+    assert cuda_buckets(1) == (1,)
+    assert cuda_buckets(6) == (1, 2, 4, 8)
+    assert cuda_buckets(8) == (1, 2, 4, 8)
+    assert cuda_buckets(20) == (1, 2, 4, 8, 16, 32)
+    assert cuda_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_replayed_decode_equals_eager_on_the_gpu(make_tiny_llama):
+    folder, _ = make_tiny_llama(seed=3)
+    prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 4) for i in range(11)]
+    params = [SamplingParams(max_new_tokens=4 + 2 * i, temperature=0.0, logprobs=2, ignore_eos=True)
+              for i in range(11)]
+    results = {}
+    for eager in (True, False):
+        with LLM(folder, dtype="bfloat16", device="cuda", num_kv_blocks=128, block_size=16,
+                 max_num_seqs=16, enforce_eager=eager, show_progress=False) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+            if not eager:
+                assert llm.engine.runner.graphs.captured_sizes == [1, 2, 4, 8, 16]
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(results[False], results[True]):
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs):
+            assert got.keys() == want.keys()
+            for token_id in got:
+                assert abs(got[token_id].logprob - want[token_id].logprob) < 1e-2
