@@ -190,8 +190,8 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def reset_prefix_cache(self) -> int:
-        """Forget the cached prefixes no request holds (vLLM's reset_prefix_cache); returns
-        the number of blocks forgotten."""
+        """Forget the cached prefixes no request holds (vLLM's call of this name refuses
+        while blocks are in use; this resets what it can); returns the blocks forgotten."""
         return self.block_manager.reset_prefix_cache()
 
     def stats(self) -> EngineStats:

@@ -55,7 +55,8 @@ class ModelRunner:
             raise ValueError(f"{type(model).__name__} has no Attention layers to give a KV cache")
         self.num_blocks = 0
         # decode steps replayed from captured graphs (one rank): kernel graphs on CPU, CUDA
-        # graphs on GPU; they cover steps within `graph_limits`, set before the cache is
+        # graphs on GPU; they cover steps within `graph_limits` (the engine sets them before
+        # allocating the cache; without them graphs stay off)
         self.graphs: CpuDecodeGraphs | CudaDecodeGraphs | None = None
         if decode_graphs:
             self.graphs = (CudaDecodeGraphs(model, block_size, device) if device.type == "cuda"
