@@ -148,9 +148,9 @@ static int gemm_int8_widened(const uint16_t *x, const int8_t *packed, const uint
                 const uint16_t *xm = x + mt * k;  /* would split the macro's argument */
                 uint16_t *ym = y + mt * n;
                 if (two_panels) {
-                    PACKED_TILE_CASES(2, scale)
+                    PACKED_TILE_CASES(2, scale, NULL)
                 } else {
-                    PACKED_TILE_CASES(1, scale)
+                    PACKED_TILE_CASES(1, scale, NULL)
                 }
             });
         }

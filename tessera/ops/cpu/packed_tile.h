@@ -14,7 +14,8 @@
 /* `rows` rows of x against `panels` (1 or 2) consecutive packed panels starting at p. */
 static inline __attribute__((always_inline)) void packed_tile(
         const uint16_t *x, const uint16_t *panel, const uint16_t *bias, const float *scale,
-        uint16_t *y, int64_t k, int64_t n_total, int64_t col, const int rows, const int panels) {
+        uint16_t *y, int64_t k, int64_t n_total, int64_t col, const int rows, const int panels,
+        const uint16_t *next, int prefetch_phase, int prefetch_every) {
     const int64_t pairs = k / 2, stride = pairs * 32;  /* elements per panel */
     /* few rows: a second set of accumulators for odd pairs, so the dot-product chains
      * (latency ~6 cycles) do not serialise the stream */
@@ -23,10 +24,16 @@ static inline __attribute__((always_inline)) void packed_tile(
     for (int s = 0; s < sets; s++)
         for (int r = 0; r < rows; r++)
             for (int q = 0; q < panels; q++) acc[s][r][q] = _mm512_setzero_ps();
+    int64_t prefetch_at = prefetch_phase;
     for (int64_t j0 = 0; j0 < pairs; j0 += sets) {
         for (int s = 0; s < sets; s++) {
             const int64_t j = j0 + s;
             if (s && j >= pairs) break;
+            if (next && j == prefetch_at) {
+                _mm_prefetch((const char *)(next + j * 32), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + stride + j * 32), _MM_HINT_T1);
+                prefetch_at += prefetch_every;
+            }
             const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + j * 32);
             const __m512bh b1 = panels == 2 ? (__m512bh)_mm512_loadu_si512(panel + stride + j * 32) : b0;
             for (int r = 0; r < rows; r++) {
@@ -52,19 +59,19 @@ static inline __attribute__((always_inline)) void packed_tile(
     }
 }
 
-#define PACKED_TILE_CASES(PANELS, SCALE)                                                          \
-    switch (rows) {                                                                        \
-        case 1: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 1, PANELS); break;             \
-        case 2: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 2, PANELS); break;             \
-        case 3: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 3, PANELS); break;             \
-        case 4: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 4, PANELS); break;             \
-        case 5: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 5, PANELS); break;             \
-        case 6: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 6, PANELS); break;             \
-        case 7: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 7, PANELS); break;             \
-        case 8: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 8, PANELS); break;             \
-        case 9: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 9, PANELS); break;             \
-        case 10: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 10, PANELS); break;           \
-        case 11: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 11, PANELS); break;           \
-        default: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, PACK_ROWS, PANELS); break;    \
+#define PACKED_TILE_CASES(PANELS, SCALE, NEXT)                                                                          \
+    switch (rows) {                                                                                                     \
+        case 1: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 1, PANELS, NEXT, tile_index, tiles); break;          \
+        case 2: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 2, PANELS, NEXT, tile_index, tiles); break;          \
+        case 3: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 3, PANELS, NEXT, tile_index, tiles); break;          \
+        case 4: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 4, PANELS, NEXT, tile_index, tiles); break;          \
+        case 5: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 5, PANELS, NEXT, tile_index, tiles); break;          \
+        case 6: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 6, PANELS, NEXT, tile_index, tiles); break;          \
+        case 7: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 7, PANELS, NEXT, tile_index, tiles); break;          \
+        case 8: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 8, PANELS, NEXT, tile_index, tiles); break;          \
+        case 9: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 9, PANELS, NEXT, tile_index, tiles); break;          \
+        case 10: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 10, PANELS, NEXT, tile_index, tiles); break;        \
+        case 11: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 11, PANELS, NEXT, tile_index, tiles); break;        \
+        default: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, PACK_ROWS, PANELS, NEXT, tile_index, tiles); break; \
     }
 #endif

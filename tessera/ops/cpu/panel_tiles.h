@@ -16,13 +16,20 @@
         const int64_t u0_ = units_ * t_ / nt_, u1_ = units_ * (t_ + 1) / nt_;              \
         for (int64_t m0_ = 0; m0_ < (m); m0_ += (block)) {                                 \
             const int64_t m1_ = m0_ + (block) < (m) ? m0_ + (block) : (m);                 \
+            /* balanced tiles: 16 rows are 8 + 8, not 12 + 4 */                            \
+            const int tiles = (int)((m1_ - m0_ + (tile_rows) - 1) / (tile_rows));          \
+            const int64_t step_ = (m1_ - m0_ + tiles - 1) / tiles;                         \
             for (int64_t u_ = u0_; u_ < u1_; u_++) {                                       \
                 const int64_t p = 2 * u_, col = 16 * p;                                    \
+                const int64_t next_p = u_ + 1 < u1_ ? p + 2 : -1;                          \
                 const int two_panels = p + 1 < (panels);                                   \
-                for (int64_t mt = m0_; mt < m1_; mt += (tile_rows)) {                      \
-                    const int rows = m1_ - mt < (tile_rows) ? (int)(m1_ - mt) : (tile_rows); \
+                int tile_index = 0;                                                        \
+                for (int64_t mt = m0_; mt < m1_; mt += step_, tile_index++) {              \
+                    const int rows = m1_ - mt < step_ ? (int)(m1_ - mt) : (int)step_;      \
                     const int first_tile = mt == m0_;                                      \
                     (void)first_tile;                                                      \
+                    (void)next_p;                                                          \
+                    (void)tile_index;                                                      \
                     BODY                                                                   \
                 }                                                                          \
             }                                                                              \
