@@ -58,7 +58,7 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 40, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 40, 300])
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 576), (80, 1030), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):

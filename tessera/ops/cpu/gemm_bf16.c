@@ -157,7 +157,8 @@ int tessera_gemm_packed_bf16(const uint16_t *x, const uint16_t *packed, const ui
          * share: without it a pair's first tile waited on memory and the rest on the
          * arithmetic (the sum of both; now the larger): 32 rows 29.0 -> 23.1 ms, 8 rows
          * 16.1 -> 11.0 ms over the default model's matrices */
-        const uint16_t *next = next_p >= 0 ? packed + next_p * (k / 2) * 32 : NULL;
+        const NextPair next = next_pair(next_p >= 0 ? packed + next_p * (k / 2) * 32 : NULL,
+                                        k * 32, 64, tile_index, tiles);
         if (two_panels) {
             PACKED_TILE_CASES(2, NULL, next)
         } else {

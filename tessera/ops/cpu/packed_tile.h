@@ -11,11 +11,36 @@
 
 #define PACK_ROWS 12
 
+/* The pair of panels a thread multiplies next, fetched into L2 while this tile runs: this
+ * tile takes pairs j = phase, phase + every, ... (a tile's share when a pair is walked by
+ * `every` tiles), both panels' bytes of pair j. base NULL: nothing to fetch. */
+typedef struct {
+    const char *base;
+    int64_t panel_bytes;  /* from the first panel to the second */
+    int64_t pair_bytes;   /* per pair of k in a panel: 64 (bf16), 32 (int8) */
+    int phase, every;
+} NextPair;
+
+static inline NextPair next_pair(const void *base, int64_t panel_bytes, int64_t pair_bytes,
+                                 int phase, int every) {
+    NextPair next = {(const char *)base, panel_bytes, pair_bytes, phase, every};
+    return next;
+}
+
+/* Called for every pair j of a tile, `at` starting at next.phase. */
+static inline void prefetch_next_pair(const NextPair *next, int64_t j, int64_t *at) {
+    if (next->base && j == *at) {
+        _mm_prefetch(next->base + j * next->pair_bytes, _MM_HINT_T1);
+        _mm_prefetch(next->base + next->panel_bytes + j * next->pair_bytes, _MM_HINT_T1);
+        *at += next->every;
+    }
+}
+
 /* `rows` rows of x against `panels` (1 or 2) consecutive packed panels starting at p. */
 static inline __attribute__((always_inline)) void packed_tile(
         const uint16_t *x, const uint16_t *panel, const uint16_t *bias, const float *scale,
         uint16_t *y, int64_t k, int64_t n_total, int64_t col, const int rows, const int panels,
-        const uint16_t *next, int prefetch_phase, int prefetch_every) {
+        const NextPair next) {
     const int64_t pairs = k / 2, stride = pairs * 32;  /* elements per panel */
     /* few rows: a second set of accumulators for odd pairs, so the dot-product chains
      * (latency ~6 cycles) do not serialise the stream */
@@ -24,16 +49,12 @@ static inline __attribute__((always_inline)) void packed_tile(
     for (int s = 0; s < sets; s++)
         for (int r = 0; r < rows; r++)
             for (int q = 0; q < panels; q++) acc[s][r][q] = _mm512_setzero_ps();
-    int64_t prefetch_at = prefetch_phase;
+    int64_t prefetch_at = next.phase;
     for (int64_t j0 = 0; j0 < pairs; j0 += sets) {
         for (int s = 0; s < sets; s++) {
             const int64_t j = j0 + s;
             if (s && j >= pairs) break;
-            if (next && j == prefetch_at) {
-                _mm_prefetch((const char *)(next + j * 32), _MM_HINT_T1);
-                _mm_prefetch((const char *)(next + stride + j * 32), _MM_HINT_T1);
-                prefetch_at += prefetch_every;
-            }
+            prefetch_next_pair(&next, j, &prefetch_at);
             const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + j * 32);
             const __m512bh b1 = panels == 2 ? (__m512bh)_mm512_loadu_si512(panel + stride + j * 32) : b0;
             for (int r = 0; r < rows; r++) {
@@ -61,17 +82,17 @@ static inline __attribute__((always_inline)) void packed_tile(
 
 #define PACKED_TILE_CASES(PANELS, SCALE, NEXT)                                                                          \
     switch (rows) {                                                                                                     \
-        case 1: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 1, PANELS, NEXT, tile_index, tiles); break;          \
-        case 2: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 2, PANELS, NEXT, tile_index, tiles); break;          \
-        case 3: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 3, PANELS, NEXT, tile_index, tiles); break;          \
-        case 4: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 4, PANELS, NEXT, tile_index, tiles); break;          \
-        case 5: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 5, PANELS, NEXT, tile_index, tiles); break;          \
-        case 6: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 6, PANELS, NEXT, tile_index, tiles); break;          \
-        case 7: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 7, PANELS, NEXT, tile_index, tiles); break;          \
-        case 8: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 8, PANELS, NEXT, tile_index, tiles); break;          \
-        case 9: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 9, PANELS, NEXT, tile_index, tiles); break;          \
-        case 10: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 10, PANELS, NEXT, tile_index, tiles); break;        \
-        case 11: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 11, PANELS, NEXT, tile_index, tiles); break;        \
-        default: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, PACK_ROWS, PANELS, NEXT, tile_index, tiles); break; \
+        case 1: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 1, PANELS, NEXT); break;          \
+        case 2: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 2, PANELS, NEXT); break;          \
+        case 3: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 3, PANELS, NEXT); break;          \
+        case 4: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 4, PANELS, NEXT); break;          \
+        case 5: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 5, PANELS, NEXT); break;          \
+        case 6: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 6, PANELS, NEXT); break;          \
+        case 7: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 7, PANELS, NEXT); break;          \
+        case 8: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 8, PANELS, NEXT); break;          \
+        case 9: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 9, PANELS, NEXT); break;          \
+        case 10: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 10, PANELS, NEXT); break;        \
+        case 11: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 11, PANELS, NEXT); break;        \
+        default: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, PACK_ROWS, PANELS, NEXT); break; \
     }
 #endif
