@@ -20,8 +20,9 @@ from tessera.models.llama.modeling import head_dim_of
 from tessera.models.registry import get_router, router_classes
 from tessera.ops import registry
 from tessera.ops.attention import Attention
+from tessera.ops.cpu.build import isa_description, unavailable_reason
 from tessera.ops.registry import OpChoice, OpTarget
-from tessera.platform import cpu_has_native_bf16, resolve_dtype
+from tessera.platform import cpu_bf16_reason, resolve_dtype
 
 
 def model_table() -> list[dict[str, Any]]:
@@ -33,15 +34,25 @@ def model_table() -> list[dict[str, Any]]:
     return rows
 
 
-def dtype_reason(name: str, device: str) -> str:
+def dtype_reason(name: str, device: str, tessera_ops: bool = True) -> str:
     """Why resolve_dtype picks what it picks (mirrors tessera.platform.resolve_dtype)."""
     if name != "auto":
         return f"--dtype {name}"
     if device.startswith("cuda"):
         return "auto: bfloat16 on CUDA"
-    if cpu_has_native_bf16():
-        return "auto: this CPU has native bf16 (avx512_bf16 or amx_bf16)"
-    return "auto: this CPU has no native bf16, so float32 (emulated bf16 is slower)"
+    reason = cpu_bf16_reason(tessera_ops)
+    if reason:
+        return f"auto: {reason}"
+    return "auto: float32 (this CPU has no native bf16 and tessera's bf16 kernels do not run " \
+           "for this model here; emulated bf16 is slower)"
+
+
+def cpu_kernels_note(device: str) -> str | None:
+    """What tessera's C kernels compute with on this CPU, or why they cannot run."""
+    if torch.device(device).type != "cpu":
+        return None
+    reason = unavailable_reason("gemm_bf16.c")
+    return f"unavailable: {reason}" if reason else isa_description()
 
 
 @contextmanager
@@ -83,7 +94,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     """Everything `tessera inspect` prints, as plain data (the --json output)."""
     router: BaseRouter = get_router(model_config)
     cfg = router.config
-    dtype = resolve_dtype(model_config.dtype, device)
+    tessera_ops = router.implementation == "native"
+    dtype = resolve_dtype(model_config.dtype, device, tessera_ops)
     started = time.perf_counter()
     with _recorded_lookups() as lookups:
         model = router.build_model(OpTarget(torch.device(device).type, dtype,
@@ -115,8 +127,9 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
             "max_model_len": router.max_model_len,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
             "dtype": str(dtype).removeprefix("torch."),
-            "dtype_reason": dtype_reason(model_config.dtype, device),
+            "dtype_reason": dtype_reason(model_config.dtype, device, tessera_ops),
         },
+        "cpu_kernels": cpu_kernels_note(device),
         "parameters": num_parameters,
         "weights_loaded": loaded,
         "build_seconds": round(build_s, 3),
@@ -142,6 +155,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"{c['head_dim']}, vocab {c['vocab_size']}, max_model_len {c['max_model_len']}"
         f"{', tied embeddings' if c['tie_word_embeddings'] else ''}",
         f"dtype:        {c['dtype']} ({c['dtype_reason']})",
+        *([f"cpu kernels:  {info['cpu_kernels']}"] if info.get("cpu_kernels") else []),
         f"parameters:   {info['parameters']:,}"
         + (f" ({info['weights_loaded']} tensors loaded)" if info["weights_loaded"] is not None
            else " (weights not loaded)") + f", built in {info['build_seconds']:.2f}s",

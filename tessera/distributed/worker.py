@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 def build_rank_model(config: EngineConfig, rank: int, world_size: int):
     """(router, model with its weights) for one rank: the same on the driver and the others."""
     device = rank_device(config, rank)
-    dtype = resolve_dtype(config.model.dtype, config.device)
     router = get_router(config.model)
+    dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native")
     target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization)
     model = router.build_model(target).eval()
     router.load_weights(model)
@@ -38,10 +38,11 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
     races with the driver closing its rendezvous store (a C++ abort at exit, seen here
     about one run in three), and a rank has nothing left to flush but stdio."""
     init_rank(config, info)
-    _, model = build_rank_model(config, info.rank, info.world_size)
+    router, model = build_rank_model(config, info.rank, info.world_size)
     device = rank_device(config, info.rank)
     runner = ModelRunner(model, config.cache.block_size, device,
-                         resolve_dtype(config.model.dtype, config.device), sampler=None)
+                         resolve_dtype(config.model.dtype, config.device, router.implementation == "native"),
+                         sampler=None)
     channel = StepChannel(device)
     while True:
         msg = channel.recv()

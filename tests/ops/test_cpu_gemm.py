@@ -1,7 +1,7 @@
-"""The AVX512-BF16 GEMM builder against torch's bf16 linear: every shape class (k not a
+"""The AVX512 bf16 GEMM builder against torch's bf16 linear: every shape class (k not a
 multiple of 32, n not a multiple of 4, 1..MAX_ROWS rows, register-tile and L2-block edges, bias), the fall-back to F.linear above
 its row limit, and the registry's choice and refusal reasons. Skipped where the CPU has
-no AVX512-BF16 or no C compiler (the registry then keeps torch_linear, tested here too)."""
+no AVX512 or no C compiler (the registry then keeps torch_linear, tested here too)."""
 from __future__ import annotations
 
 import pytest
@@ -64,12 +64,14 @@ def test_registry_prefers_the_kernel_for_bf16_on_cpu_only():
 
 
 def test_without_the_instruction_set_the_registry_says_why(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "cpu_has_avx512_bf16", lambda: False)
+    from tessera.ops.cpu import build
+
+    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
     select_op.cache_clear()
     try:
         choice = select_op(OpSpec("linear", "cpu", torch.bfloat16))
         assert choice.builder.name == "torch_linear"
-        assert ("cpu_gemm_bf16", ("this CPU has no AVX512-BF16",)) in choice.rejected
+        assert ("cpu_gemm_bf16", ("this CPU lacks avx512f, avx512bw, avx512vl",)) in choice.rejected
     finally:
         select_op.cache_clear()
 

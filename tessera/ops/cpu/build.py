@@ -25,22 +25,56 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 CACHE = Path.home() / ".cache" / "tessera" / "kernels"
-FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mavx512vnni", "-mfma")
-# what FLAGS let the compiler use: a kernel built with them must not run without them
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma")
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
+# what BASE_FLAGS let the compiler use: a kernel built with them must not run without them
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
+# Extensions the kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
+# /proc/cpuinfo flag -> compiler flag. Many AVX512 CPUs lack AVX512-BF16 (Skylake-X to Ice
+# Lake, and hypervisors that hide it); their kernels widen bf16 to float32 in registers.
+OPTIONAL_EXTENSIONS = {"avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni"}
+# TESSERA_CPU_KERNEL_ISA=avx512 builds the emulated kernels even where the extensions exist
+# (tests run both kinds on a machine that has them); the default `native` uses what is here.
+ISA_ENV = "TESSERA_CPU_KERNEL_ISA"
 
 
 class KernelBuildError(RuntimeError):
     pass
 
 
-def missing_cpu_flags() -> list[str]:
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str] | None:
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
+        return None
+
+
+def missing_cpu_flags() -> list[str]:
+    flags = _cpu_flags()
+    if flags is None:
         return list(REQUIRED_CPU_FLAGS)
     return [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+
+
+def extensions_used() -> tuple[str, ...]:
+    """The optional extensions (cpuinfo names) the kernels are built for on this CPU."""
+    if os.environ.get(ISA_ENV, "native") == "avx512":
+        return ()
+    flags = _cpu_flags() or frozenset()
+    return tuple(ext for ext in OPTIONAL_EXTENSIONS if ext in flags)
+
+
+def build_flags() -> tuple[str, ...]:
+    return BASE_FLAGS + tuple(OPTIONAL_EXTENSIONS[ext] for ext in extensions_used())
+
+
+def isa_description() -> str:
+    """One line for logs and `tessera inspect`: what the kernels compute with here."""
+    used = extensions_used()
+    bf16 = "native bf16 dot products (avx512_bf16)" if "avx512_bf16" in used else \
+        "bf16 widened to float32 in registers, no avx512_bf16"
+    int8 = "vpdpwssd" if "avx512_vnni" in used else "vpmaddwd, no avx512_vnni"
+    return f"{bf16}; int8 weights via {int8}"
 
 
 def unavailable_reason(source_name: str) -> str | None:
@@ -73,8 +107,9 @@ def load_source(stem: str, text: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler (cc or gcc) on PATH")
+    flags = build_flags()
     headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
-    digest = hashlib.sha256(text.encode() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(text.encode() + headers + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir / f"{stem}-{digest}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +117,7 @@ def load_source(stem: str, text: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
         os.close(fd)
         # from this folder: for a source read from stdin, quoted includes are searched in
         # the working directory first, and a stray bf16.h there must not shadow ours
-        result = subprocess.run([cc, *FLAGS, f"-I{HERE}", "-x", "c", "-", "-o", tmp],
+        result = subprocess.run([cc, *flags, f"-I{HERE}", "-x", "c", "-", "-o", tmp],
                                 input=text, capture_output=True, text=True, cwd=HERE)
         if result.returncode != 0:
             os.unlink(tmp)

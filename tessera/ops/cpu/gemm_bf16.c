@@ -11,7 +11,7 @@
  * instruction. Rows of x are taken in blocks of up to 4 MB, so large batches re-read w once
  * per block instead of once per tile. The 24 accumulators of a tile are summed four at a
  * time by a transpose-and-add instead of 24 separate horizontal reductions.
- * Built by tessera/ops/cpu/build.py with -mavx512f -mavx512bw -mavx512bf16 -fopenmp. */
+ * Built by tessera/ops/cpu/build.py (-mavx512bf16 where the CPU has it; simd_bf16.h). */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
@@ -21,6 +21,7 @@
 #include "bf16.h"
 #include "packed_tile.h"
 #include "panel_tiles.h"
+#include "simd_bf16.h"
 
 #define ROW_TILE 6        /* rows of x per register tile: 6 x 4 accumulators + 4 w + 1 x */
 /* rows of x walked per pass over the weights. The weights' working set (a panel pair, or
@@ -28,8 +29,8 @@
  * (192 KB) re-read a 512 KB panel pair every 12 rows at k = 8192: 1.35x slower prefill */
 #define ROW_BLOCK_BYTES (4096 * 1024)
 
-static inline __m512bh load_bf16(const uint16_t *p, __mmask32 mask) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+static inline __m512i load_bf16(const uint16_t *p, __mmask32 mask) {
+    return _mm512_maskz_loadu_epi16(mask, p);
 }
 
 /* One register tile: `rows` rows of x (a compile-time constant after inlining) against the
@@ -44,24 +45,24 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
 #define TILE_STEP(i, LOAD)                                                                  \
     do {                                                                                    \
-        const __m512bh b0 = LOAD(wr[0] + (i)), b1 = LOAD(wr[1] + (i));                      \
-        const __m512bh b2 = LOAD(wr[2] + (i)), b3 = LOAD(wr[3] + (i));                      \
+        const __m512i b0 = LOAD(wr[0] + (i)), b1 = LOAD(wr[1] + (i));                       \
+        const __m512i b2 = LOAD(wr[2] + (i)), b3 = LOAD(wr[3] + (i));                       \
         for (int r = 0; r < rows; r++) {                                                    \
-            const __m512bh a = LOAD(x + r * k + (i));                                       \
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);                                 \
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);                                 \
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);                                 \
-            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);                                 \
+            const __m512i a = LOAD(x + r * k + (i));                                        \
+            acc[r][0] = dot_bf16_pairs(acc[r][0], a, b0);                                   \
+            acc[r][1] = dot_bf16_pairs(acc[r][1], a, b1);                                   \
+            acc[r][2] = dot_bf16_pairs(acc[r][2], a, b2);                                   \
+            acc[r][3] = dot_bf16_pairs(acc[r][3], a, b3);                                   \
         }                                                                                   \
     } while (0)
-#define LOAD_FULL(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+#define LOAD_FULL(p) _mm512_loadu_si512((const void *)(p))
 #define LOAD_TAIL(p) load_bf16((p), tail)
     for (int64_t i = 0; i < full; i += 32) TILE_STEP(i, LOAD_FULL);
     if (full < k) TILE_STEP(full, LOAD_TAIL);
     const __m128 b = _mm_loadu_ps(bias4);
     for (int r = 0; r < rows; r++) {
         const __m128 s = _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), b);
-        const __m128i packed = (__m128i)_mm_cvtneps_pbh(s);  /* round to nearest even */
+        const __m128i packed = f32x4_to_bf16(s);  /* round to nearest even */
         uint16_t *out = y + r * n_total + n;
         if (cols == 4) {
             _mm_storel_epi64((__m128i *)out, packed);
@@ -141,17 +142,20 @@ int tessera_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k)
     return 0;
 }
 
-/* x [m, k], packed [n / 16, k / 2, 32], bias [n] or NULL, y [m, n]; all contiguous bf16. */
+/* x [m, k], packed [n / 16, k / 2, 32], bias [n] or NULL, y [m, n]; all contiguous bf16.
+ * Returns 1 on bad shapes, 2 when the float32 copy of x (no AVX512-BF16) cannot be allocated. */
 int tessera_gemm_packed_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                              uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % 2 || n < 16 || k < 2) return 1;
+    const TileX *xt = tile_x_from_bf16(x, m * k, threads);
+    if (!xt) return 2;
     const int64_t panels = n / 16;
     int64_t block = ROW_BLOCK_BYTES / (2 * k);
     block = block < PACK_ROWS ? PACK_ROWS : block / PACK_ROWS * PACK_ROWS;
 #pragma omp parallel num_threads(threads)
     FOR_EACH_PANEL_TILE(m, panels, block, PACK_ROWS, {
         const uint16_t *panel = packed + p * (k / 2) * 32;
-        const uint16_t *xm = x + mt * k;
+        const TileX *xm = xt + mt * k;
         uint16_t *ym = y + mt * n;
         /* fetch this thread's next pair into L2 while this one is multiplied, each tile a
          * share: without it a pair's first tile waited on memory and the rest on the
@@ -165,5 +169,6 @@ int tessera_gemm_packed_bf16(const uint16_t *x, const uint16_t *packed, const ui
             PACKED_TILE_CASES(1, NULL, next)
         }
     });
+    tile_x_free(xt);
     return 0;
 }

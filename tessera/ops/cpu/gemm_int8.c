@@ -29,6 +29,7 @@
 
 #include "packed_tile.h"
 #include "panel_tiles.h"
+#include "simd_bf16.h"
 
 #define ROWS 6
 #define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
@@ -61,8 +62,8 @@ static inline __attribute__((always_inline)) void tile(
                 int32_t pair;
                 memcpy(&pair, x + r * k + 2 * j, sizeof pair);
                 const __m512i a = _mm512_set1_epi32(pair);
-                acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], a, b0);
-                if (panels == 2) acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], a, b1);
+                acc[r][0] = dot_i16_pairs(acc[r][0], a, b0);
+                if (panels == 2) acc[r][1] = dot_i16_pairs(acc[r][1], a, b1);
             }
         }
         for (int r = 0; r < rows; r++)
@@ -71,13 +72,12 @@ static inline __attribute__((always_inline)) void tile(
     }
     for (int q = 0; q < panels; q++) {
         const __m512 w_scale = _mm512_loadu_ps((const float *)(panel + q * panel_bytes));
-        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_loadu_si256((const __m256i *)(bias + col + 16 * q))), 16))
+        const __m512 b = bias ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(bias + col + 16 * q)))
                               : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const __m512 scale = _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scale[r]));
             _mm256_storeu_si256((__m256i *)(y + r * n_total + col + 16 * q),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(total[r][q], scale, b)));
+                                f32x16_to_bf16(_mm512_fmadd_ps(total[r][q], scale, b)));
         }
     }
 }
@@ -118,7 +118,7 @@ static void widen_panel(const int8_t *q, uint16_t *out, int64_t pairs) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + j * 32));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
-        _mm512_storeu_si512(out + j * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(out + j * 32, f32x32_to_bf16(hi, lo));
     }
 }
 
@@ -128,6 +128,8 @@ static int gemm_int8_widened(const uint16_t *x, const int8_t *packed, const uint
     const int64_t panels = n / 16, panel_bytes = 64 + 16 * k, pairs = k / 2;
     int64_t block = WIDE_BLOCK_BYTES / (2 * k);
     block = block < PACK_ROWS ? PACK_ROWS : block / PACK_ROWS * PACK_ROWS;
+    const TileX *xt = tile_x_from_bf16(x, m * k, threads);
+    if (!xt) return 2;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -150,7 +152,7 @@ static int gemm_int8_widened(const uint16_t *x, const int8_t *packed, const uint
                 const NextPair next = next_pair(next_p >= 0 ? packed + next_p * panel_bytes + 64 : NULL,
                                                 panel_bytes, 32, tile_index, tiles);
                 const uint16_t *panel = wide;  /* one declaration each: a top-level comma */
-                const uint16_t *xm = x + mt * k;  /* would split the macro's argument */
+                const TileX *xm = xt + mt * k;  /* would split the macro's argument */
                 uint16_t *ym = y + mt * n;
                 if (two_panels) {
                     PACKED_TILE_CASES(2, scale, next)
@@ -161,6 +163,7 @@ static int gemm_int8_widened(const uint16_t *x, const int8_t *packed, const uint
         }
         free(wide);
     }
+    tile_x_free(xt);
     return failed ? 2 : 0;
 }
 

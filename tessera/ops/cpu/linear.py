@@ -1,4 +1,5 @@
-"""The bf16 GEMM builder for `linear` on CPUs with AVX512-BF16 (gemm_bf16.c).
+"""The bf16 GEMM builder for `linear` on AVX512 CPUs (gemm_bf16.c; native bf16 dot products
+with AVX512-BF16, float32 FMAs on widened values without it).
 
 Decode multiplies a few rows by every weight matrix: at one row torch's bf16 GEMM streams
 weights at 11-14 GB/s (docs/benchmarks.md), a third of what the memory delivers, and at
@@ -18,7 +19,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from tessera.ops.cpu.build import Kernel, missing_cpu_flags, unavailable_reason
+from tessera.ops.cpu.build import Kernel, unavailable_reason
 from tessera.ops.registry import OpSpec, register_op
 
 # Up to this many rows the row-layout kernel beats torch's GEMM on the 2-core host (bf16, 2 threads,
@@ -28,10 +29,6 @@ from tessera.ops.registry import OpSpec, register_op
 MAX_ROWS = 32
 
 
-def cpu_has_avx512_bf16() -> bool:
-    return not missing_cpu_flags()
-
-
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,)
 _GEMM = Kernel("gemm_bf16.c", "tessera_gemm_bf16", _GEMM_ARGS, ctypes.c_int)
 _GEMM_PACKED = Kernel("gemm_bf16.c", "tessera_gemm_packed_bf16", _GEMM_ARGS, ctypes.c_int)
@@ -39,9 +36,7 @@ _PACK = Kernel("gemm_bf16.c", "tessera_pack_bf16", (ctypes.c_void_p,) * 2 + (cty
 
 
 def kernel_unavailable() -> str | None:
-    """Why the kernel cannot run here, or None."""
-    if not cpu_has_avx512_bf16():
-        return "this CPU has no AVX512-BF16"
+    """Why the kernel cannot run here (no AVX512, no compiler), or None."""
     return unavailable_reason("gemm_bf16.c")
 
 

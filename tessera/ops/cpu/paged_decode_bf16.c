@@ -21,6 +21,7 @@
 
 #include "avx512_math.h"
 #include "bf16.h"
+#include "simd_bf16.h"
 
 typedef struct {
     const uint16_t *k_cache, *v_cache;
@@ -45,12 +46,8 @@ static inline void prefetch_row(const uint16_t *row, int64_t d, int hint) {
     }
 }
 
-static inline __m512bh load_bf16x32(const uint16_t *p, __mmask32 mask, int masked) {
-    return masked ? (__m512bh)_mm512_maskz_loadu_epi16(mask, p) : (__m512bh)_mm512_loadu_si512(p);
-}
-
-static inline __m512 bf16x16_to_f32(__m256i raw) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+static inline __m512i load_bf16x32(const uint16_t *p, __mmask32 mask, int masked) {
+    return masked ? _mm512_maskz_loadu_epi16(mask, p) : _mm512_loadu_si512(p);
 }
 
 /* scores[h * n + (t - start)] = q_h . k_t for the item's query heads h (kv_heads groups of
@@ -76,11 +73,11 @@ static void scores_pass(const uint16_t *q, int64_t kv_heads, int64_t group, int6
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t i = 0; i < d; i += 32) {
                 const int masked = i >= full;
-                const __m512bh qv = load_bf16x32(qh + i, tail, masked);
-                a0 = _mm512_dpbf16_ps(a0, qv, load_bf16x32(k0 + i, tail, masked));
-                a1 = _mm512_dpbf16_ps(a1, qv, load_bf16x32(k1 + i, tail, masked));
-                a2 = _mm512_dpbf16_ps(a2, qv, load_bf16x32(k2 + i, tail, masked));
-                a3 = _mm512_dpbf16_ps(a3, qv, load_bf16x32(k3 + i, tail, masked));
+                const __m512i qv = load_bf16x32(qh + i, tail, masked);
+                a0 = dot_bf16_pairs(a0, qv, load_bf16x32(k0 + i, tail, masked));
+                a1 = dot_bf16_pairs(a1, qv, load_bf16x32(k1 + i, tail, masked));
+                a2 = dot_bf16_pairs(a2, qv, load_bf16x32(k2 + i, tail, masked));
+                a3 = dot_bf16_pairs(a3, qv, load_bf16x32(k3 + i, tail, masked));
             }
             _mm_storeu_ps(scores + h * n + (t - start), sum4(a0, a1, a2, a3));
         }
@@ -92,7 +89,7 @@ static void scores_pass(const uint16_t *q, int64_t kv_heads, int64_t group, int6
             __m512 a0 = _mm512_setzero_ps();
             for (int64_t i = 0; i < d; i += 32) {
                 const int masked = i >= full;
-                a0 = _mm512_dpbf16_ps(a0, load_bf16x32(q + h * d + i, tail, masked),
+                a0 = dot_bf16_pairs(a0, load_bf16x32(q + h * d + i, tail, masked),
                                       load_bf16x32(k0 + i, tail, masked));
             }
             scores[h * n + (t - start)] = _mm512_reduce_add_ps(a0);
@@ -128,7 +125,7 @@ static float softmax_row(float *row, int64_t n, float scale, float softcap) {
 }
 
 static inline void store_out(uint16_t *out, __m512 v) {
-    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_storeu_si256((__m256i *)out, f32x16_to_bf16(v));
 }
 
 /* out_g = inv[g] * sum_t p[g, t] v_t with the output rows of `tile` heads held in

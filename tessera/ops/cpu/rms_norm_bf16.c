@@ -3,12 +3,14 @@
  *   out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps)))   (products and sums in float32)
  * One vectorised pass per row instead of the ~8 small torch ops (add, to, pow, mean, rsqrt,
  * mul, to, mul) whose dispatch dominates at decode batch sizes. Rounding to bf16 is
- * vcvtneps2bf16 (nearest even, as torch). Built by build.py. */
+ * nearest even, as torch (simd_bf16.h). Built by build.py. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "simd_bf16.h"
 
 static inline __mmask16 lanes(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
@@ -18,7 +20,7 @@ static inline __m512 load16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+static inline __m256i to_bf16(__m512 v) { return f32x16_to_bf16(v); }
 
 /* v rounded to bf16 and back: what torch holds after an op with a bf16 result */
 static inline __m512 round_bf16(__m512 v) {

@@ -6,12 +6,14 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "simd_bf16.h"
+
 static inline __m512 load16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
 }
 
 /* heads of one token: x [heads, d] at x (contiguous within the row), out likewise. */
@@ -29,8 +31,8 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
                                                                      load16(sin + i, m))));
             const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, load16(cos + half + i, m))),
                                             round_bf16(_mm512_mul_ps(x1, load16(sin + half + i, m))));
-            _mm256_mask_storeu_epi16(oh + i, m, (__m256i)_mm512_cvtneps_pbh(lo));
-            _mm256_mask_storeu_epi16(oh + half + i, m, (__m256i)_mm512_cvtneps_pbh(hi));
+            _mm256_mask_storeu_epi16(oh + i, m, f32x16_to_bf16(lo));
+            _mm256_mask_storeu_epi16(oh + half + i, m, f32x16_to_bf16(hi));
         }
     }
 }
