@@ -49,7 +49,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tessera's paged attention; auto: native when a folder serves the type")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto: bfloat16 on GPUs, on CPUs with native bf16 and on AVX512 CPUs where "
-                        "tessera's kernels run; else float32")
+                        "tessera's kernels build; else float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=64,

@@ -52,7 +52,9 @@ def cpu_kernels_note(device: str) -> str | None:
     if torch.device(device).type != "cpu":
         return None
     reason = unavailable_reason("gemm_bf16.c")
-    return f"unavailable: {reason}" if reason else isa_description()
+    if reason and unavailable_reason("gemm_bf16_avx2.c") is not None:
+        return f"unavailable: {reason}"
+    return isa_description()
 
 
 @contextmanager

@@ -25,15 +25,20 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 CACHE = Path.home() / ".cache" / "tessera" / "kernels"
-BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
-# what BASE_FLAGS let the compiler use: a kernel built with them must not run without them
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
+# Two kernel families. AVX512 (every kernel but *_avx2.c): what its flags let the compiler
+# use, a CPU must have. AVX2 (*_avx2.c files: the GEMM only) for CPUs without AVX512.
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
-# Extensions the kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
+AVX2_FLAGS = ("-mavx2", "-mfma")
+AVX2_CPU_FLAGS = ("avx2", "fma")
+# Extensions the AVX512 kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
 # /proc/cpuinfo flag -> compiler flag. Many AVX512 CPUs lack AVX512-BF16 (Skylake-X to Ice
 # Lake, and hypervisors that hide it); their kernels widen bf16 to float32 in registers.
 OPTIONAL_EXTENSIONS = {"avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni"}
-# TESSERA_CPU_KERNEL_ISA=avx512 builds the emulated kernels even where the extensions exist
-# (tests run both kinds on a machine that has them); the default `native` uses what is here.
+# TESSERA_CPU_KERNEL_ISA narrows what is used, so tests can run every build on one machine:
+# `avx512` builds the AVX512 kernels without the extensions, `avx2` takes the AVX512 family
+# away (as on a CPU without it); the default `native` uses what the CPU has.
 ISA_ENV = "TESSERA_CPU_KERNEL_ISA"
 
 
@@ -49,27 +54,45 @@ def _cpu_flags() -> frozenset[str] | None:
         return None
 
 
-def missing_cpu_flags() -> list[str]:
+def _isa_setting() -> str:
+    return os.environ.get(ISA_ENV, "native")
+
+
+def is_avx2_source(source_name: str) -> bool:
+    return source_name.endswith("_avx2.c")
+
+
+def missing_cpu_flags(source_name: str = "") -> list[str]:
+    """What the kernel in `source_name` needs that this CPU lacks (AVX512 family by default)."""
+    required = AVX2_CPU_FLAGS if is_avx2_source(source_name) else REQUIRED_CPU_FLAGS
     flags = _cpu_flags()
     if flags is None:
-        return list(REQUIRED_CPU_FLAGS)
-    return [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+        return list(required)
+    if not is_avx2_source(source_name) and _isa_setting() == "avx2":
+        return [f"AVX512 ({ISA_ENV}=avx2)"]
+    return [f for f in required if f not in flags]
 
 
 def extensions_used() -> tuple[str, ...]:
-    """The optional extensions (cpuinfo names) the kernels are built for on this CPU."""
-    if os.environ.get(ISA_ENV, "native") == "avx512":
+    """The optional extensions (cpuinfo names) the AVX512 kernels are built for on this CPU."""
+    if _isa_setting() != "native":
         return ()
     flags = _cpu_flags() or frozenset()
     return tuple(ext for ext in OPTIONAL_EXTENSIONS if ext in flags)
 
 
-def build_flags() -> tuple[str, ...]:
-    return BASE_FLAGS + tuple(OPTIONAL_EXTENSIONS[ext] for ext in extensions_used())
+def build_flags(source_name: str = "") -> tuple[str, ...]:
+    if is_avx2_source(source_name):
+        return BASE_FLAGS + AVX2_FLAGS
+    return BASE_FLAGS + AVX512_FLAGS + tuple(OPTIONAL_EXTENSIONS[ext] for ext in extensions_used())
 
 
 def isa_description() -> str:
     """One line for logs and `tessera inspect`: what the kernels compute with here."""
+    if missing_cpu_flags():
+        if missing_cpu_flags("gemm_bf16_avx2.c"):
+            return "none (no AVX512 or AVX2)"
+        return "AVX2 GEMM only (no AVX512): bf16 widened to float32 in registers; other ops in torch"
     used = extensions_used()
     bf16 = "native bf16 dot products (avx512_bf16)" if "avx512_bf16" in used else \
         "bf16 widened to float32 in registers, no avx512_bf16"
@@ -80,7 +103,7 @@ def isa_description() -> str:
 def unavailable_reason(source_name: str) -> str | None:
     """Why the kernel in `source_name` cannot run here (no ISA, no compiler, a failed
     build), or None: what a registry builder's `check` reports."""
-    missing = missing_cpu_flags()
+    missing = missing_cpu_flags(source_name)
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     try:
@@ -98,16 +121,18 @@ def compiler() -> str | None:
 def load_kernel(source_name: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
     """Build (once) and load tessera/ops/cpu/<source_name>; KernelBuildError says why not."""
     source = HERE / source_name
-    return load_source(source.stem, source.read_text(), cache_dir)
+    return load_source(source.stem, source.read_text(), cache_dir, build_flags(source_name))
 
 
-def load_source(stem: str, text: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
-    """Build (once per distinct text) and load C source `text`, which may include this
-    folder's headers; the library is cached as <stem>-<hash>.so."""
+def load_source(stem: str, text: str, cache_dir: Path = CACHE,
+                flags: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Build (once per distinct text and flags) and load C source `text`, which may include
+    this folder's headers; the library is cached as <stem>-<hash>.so. `flags`: the AVX512
+    family's by default."""
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler (cc or gcc) on PATH")
-    flags = build_flags()
+    flags = build_flags() if flags is None else flags
     headers = b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     digest = hashlib.sha256(text.encode() + headers + " ".join(flags).encode()).hexdigest()[:16]
     target = cache_dir / f"{stem}-{digest}.so"

@@ -127,7 +127,8 @@ class KernelGraph:
     def _bind(self) -> tuple:
         signatures = sorted({_signature(k) for k, _ in self.calls}, key=repr)
         index = {sig: i for i, sig in enumerate(signatures)}
-        lib = build.load_source("graph_replay", _replayer_source(signatures))
+        # a loop of indirect calls: no vector ISA needed, so it builds for any CPU
+        lib = build.load_source("graph_replay", _replayer_source(signatures), flags=build.BASE_FLAGS)
         fn = lib.tessera_graph_replay
         fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 5
         fn.restype = ctypes.c_int64

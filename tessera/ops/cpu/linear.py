@@ -32,7 +32,8 @@ MAX_ROWS = 32
 _GEMM_ARGS = (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,)
 _GEMM = Kernel("gemm_bf16.c", "tessera_gemm_bf16", _GEMM_ARGS, ctypes.c_int)
 _GEMM_PACKED = Kernel("gemm_bf16.c", "tessera_gemm_packed_bf16", _GEMM_ARGS, ctypes.c_int)
-_PACK = Kernel("gemm_bf16.c", "tessera_pack_bf16", (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2, ctypes.c_int)
+# CPUs without AVX512: the same packed layout, float32 FMAs on 8 lanes (gemm_bf16_avx2.c)
+_GEMM_PACKED_AVX2 = Kernel("gemm_bf16_avx2.c", "tessera_gemm_packed_bf16_avx2", _GEMM_ARGS, ctypes.c_int)
 
 
 def kernel_unavailable() -> str | None:
@@ -74,16 +75,13 @@ def packable(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[n, k] -> the packed [n / 16, k / 2, 32] layout of gemm_bf16.c, or `weight` itself
-    when its shape or dtype does not allow packing."""
+    """[n, k] -> the packed [n / 16, k / 2, 32] layout of gemm_bf16.c (and gemm_bf16_avx2.c):
+    packed[p, j, 2 c + e] = w[16 p + c, 2 j + e]; or `weight` itself when its shape or dtype
+    does not allow packing."""
     if is_packed(weight) or not packable(weight):
         return weight
     n, k = weight.shape
-    weight = weight.contiguous()
-    packed = torch.empty((n // 16, k // 2, 32), dtype=torch.bfloat16)
-    if _PACK(weight.data_ptr(), packed.data_ptr(), n, k):
-        raise ValueError(f"pack_bf16 refused a weight of shape {(n, k)}")
-    return packed
+    return weight.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32).contiguous()
 
 
 def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
@@ -92,11 +90,8 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(p, pairs, 16, 2).permute(0, 2, 1, 3).reshape(p * 16, pairs * 2)
 
 
-def _gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _call(_GEMM_PACKED, x, packed, bias, packed.shape[0] * 16)
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
     n = packed.shape[0] * 16
     if packed.shape[1] * 2 != k:
@@ -104,27 +99,23 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     rows = x.numel() // k if k else 0
     if rows == 0:
         return x.new_zeros((*x.shape[:-1], n))
-    if bias is not None:
-        bias = bias.to(torch.bfloat16).contiguous()
-    y = _gemm_packed(x.to(torch.bfloat16).reshape(rows, k).contiguous(), packed, bias)
-    return y.view(*x.shape[:-1], n)
+    # the decode case, kept to a handful of Python operations: ~120 calls per step
+    if not (x.dim() == 2 and x.dtype == torch.bfloat16 and bias is None and x.is_contiguous()):
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        return _call(kernel, x.to(torch.bfloat16).reshape(rows, k).contiguous(), packed, bias, n).view(
+            *x.shape[:-1], n)
+    y = torch.empty((rows, n), dtype=torch.bfloat16)
+    if kernel(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), rows, n, k, torch.get_num_threads()):
+        raise ValueError(f"{kernel.symbol} refused x {tuple(x.shape)}, weight {tuple(packed.shape)}")
+    return y
 
 
 @register_op("linear", name="cpu_gemm_bf16", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16,), check=_check, prepare=pack_weight)
 def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if is_packed(weight):
-        k = x.shape[-1]
-        # the decode case, kept to a handful of Python operations: ~120 calls per step
-        if (x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] and weight.shape[1] * 2 == k
-                and bias is None and x.is_contiguous()):
-            n = weight.shape[0] * 16
-            y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
-            if _GEMM_PACKED(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), x.shape[0], n, k,
-                            torch.get_num_threads()):
-                raise ValueError(f"gemm_packed_bf16 refused x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-            return y
-        return _packed_linear(x, weight, bias)
+        return _packed_linear(_GEMM_PACKED, x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
@@ -133,3 +124,12 @@ def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x, weight, bias)
     y = _gemm(x.reshape(rows, k).contiguous(), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+# Below the AVX512 builder: chosen only where that one cannot run (a CPU without AVX512).
+@register_op("linear", name="cpu_gemm_bf16_avx2", priority=9, devices=("cpu",),
+             dtypes=(torch.bfloat16,), check=_GEMM_PACKED_AVX2.check, prepare=pack_weight)
+def gemm_linear_avx2(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if is_packed(weight):
+        return _packed_linear(_GEMM_PACKED_AVX2, x, weight, bias)
+    return F.linear(x, weight, bias)  # shapes the panels do not fit

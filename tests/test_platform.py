@@ -1,0 +1,53 @@
+"""dtype `auto` on CPUs: bf16 wherever it is the faster choice (native bf16, or tessera's
+AVX512 kernels), float32 where torch would emulate bf16 (the transformers fallback, AVX2-only
+CPUs, no compiler)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import platform
+from tessera.ops.cpu import build
+
+
+@pytest.fixture
+def fresh_reason():
+    platform.cpu_bf16_reason.cache_clear()
+    yield
+    platform.cpu_bf16_reason.cache_clear()
+
+
+def test_explicit_dtypes_and_cuda_are_taken_as_given():
+    assert platform.resolve_dtype("float32", "cpu") == torch.float32
+    assert platform.resolve_dtype("bfloat16", "cpu", tessera_ops=False) == torch.bfloat16
+    assert platform.resolve_dtype("auto", "cuda") == torch.bfloat16
+
+
+def test_native_bf16_is_bf16_on_every_path(monkeypatch, fresh_reason):
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: True)
+    assert platform.resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert platform.resolve_dtype("auto", "cpu", tessera_ops=False) == torch.bfloat16
+
+
+@pytest.mark.skipif(build.unavailable_reason("gemm_bf16.c") is not None,
+                    reason=str(build.unavailable_reason("gemm_bf16.c")))
+def test_without_native_bf16_the_avx512_kernels_make_bf16_the_default(monkeypatch, fresh_reason):
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
+    assert platform.resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert "AVX512 kernels" in platform.cpu_bf16_reason()
+    # transformers' modules would run torch's emulated bf16
+    assert platform.resolve_dtype("auto", "cpu", tessera_ops=False) == torch.float32
+
+
+def test_avx2_only_or_no_kernels_keeps_float32(monkeypatch, fresh_reason):
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setenv(build.ISA_ENV, "avx2")
+    assert platform.resolve_dtype("auto", "cpu") == torch.float32
+    platform.cpu_bf16_reason.cache_clear()
+    monkeypatch.delenv(build.ISA_ENV)
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    build.load_kernel.cache_clear()
+    try:
+        assert platform.resolve_dtype("auto", "cpu") == torch.float32
+    finally:
+        build.load_kernel.cache_clear()
