@@ -92,20 +92,31 @@ def test_a_failed_build_is_a_reason_not_a_crash(monkeypatch, tmp_path):
 # ---- packed weights (the builder's `prepare`) ------------------------------------------
 
 
-@needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 5, 12, 13, 32, 200])
+def _unless_builds(source: str):
+    reason = build.unavailable_reason(source)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
+
+_PACKED_BUILDERS = [
+    pytest.param(cpu_linear.gemm_linear, marks=_unless_builds("gemm_bf16.c"), id="avx512"),
+    pytest.param(cpu_linear.gemm_linear_avx2, marks=_unless_builds("gemm_bf16_avx2.c"), id="avx2"),
+]
+
+
+@pytest.mark.parametrize("linear", _PACKED_BUILDERS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 12, 13, 32, 200])
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 578), (80, 64), (1024, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_kernel_matches_torch(m, n, k, bias):
-    """Odd and even panel counts (80 / 16 = 5), row tiles of 12 and their remainders (row
-    blocks: test_packed_kernel_across_row_blocks)."""
+def test_packed_kernel_matches_torch(linear, m, n, k, bias):
+    """Odd and even panel counts (80 / 16 = 5), row tiles (12 rows AVX512, 4 AVX2) and their
+    remainders (row blocks: test_packed_kernel_across_row_blocks)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     packed = cpu_linear.pack_weight(w)
     assert packed.shape == (n // 16, k // 2, 32) and torch.equal(cpu_linear.unpack_weight(packed), w)
-    got = cpu_linear.gemm_linear(x, packed, b)
+    got = linear(x, packed, b)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert_bf16_close(got, x, w, b)
 
@@ -163,22 +174,7 @@ def test_packed_kernel_across_row_blocks():
 
 
 # ---- the AVX2 kernel (CPUs without AVX512): same packed layout ---------------------------
-needs_avx2_kernel = pytest.mark.skipif(build.unavailable_reason("gemm_bf16_avx2.c") is not None,
-                                       reason=str(build.unavailable_reason("gemm_bf16_avx2.c")))
-
-
-@needs_avx2_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 200])
-@pytest.mark.parametrize("n, k", [(16, 2), (48, 578), (80, 64), (1024, 96)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_avx2_packed_kernel_matches_torch(m, n, k, bias):
-    g = torch.Generator().manual_seed(m * 1000 + n + k + 7)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    w = torch.randn(n, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    got = cpu_linear.gemm_linear_avx2(x, cpu_linear.pack_weight(w), b)
-    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    assert_bf16_close(got, x, w, b)
+needs_avx2_kernel = _unless_builds("gemm_bf16_avx2.c")
 
 
 @needs_avx2_kernel
