@@ -35,7 +35,19 @@
 #define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
 #define FLUSH_PAIRS 256
 #define X_MAX 16383.0f
-#define WIDEN_MIN_ROWS 4   /* measured: 4-7 rows 8.4-9.7 ms widened vs 9.1-14.6 in 6-row int16 tiles */
+/* From how many rows the widened bf16 tiles beat the 6-row int16 tiles (default model's
+ * matrices, 2 threads). With AVX512-BF16: 4 (4-7 rows 8.4-9.7 ms widened vs 9.1-14.6).
+ * Without it the bf16 tile runs as float32 FMAs and widening costs more, so the int16
+ * tiles win longer; measured on a Xeon without AVX512-BF16: with VNNI 8 rows 14.5-18 vs
+ * 34-37 ms, 16 rows 31 vs 49, 64 rows level, 128 rows 0.9x; without VNNI (vpmaddwd)
+ * 8 rows 15.3 vs 23.5, 32 rows 0.92x. */
+#if TESSERA_NATIVE_BF16
+#define WIDEN_MIN_ROWS 4
+#elif defined(__AVX512VNNI__)
+#define WIDEN_MIN_ROWS 64
+#else
+#define WIDEN_MIN_ROWS 16
+#endif
 #define WIDE_BLOCK_BYTES (4096 * 1024)  /* of bf16 x rows, as gemm_bf16.c (see there) */
 
 static inline __attribute__((always_inline)) void tile(
