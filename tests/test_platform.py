@@ -1,6 +1,6 @@
 """dtype `auto` on CPUs: bf16 wherever it is the faster choice (native bf16, or tessera's
-AVX512 kernels), float32 where torch would emulate bf16 (the transformers fallback, AVX2-only
-CPUs, no compiler)."""
+AVX512 or AVX2 kernels), float32 where torch would emulate bf16 (the transformers fallback,
+no compiler)."""
 from __future__ import annotations
 
 import pytest
@@ -39,12 +39,17 @@ def test_without_native_bf16_the_avx512_kernels_make_bf16_the_default(monkeypatc
     assert platform.resolve_dtype("auto", "cpu", tessera_ops=False) == torch.float32
 
 
-def test_avx2_only_or_no_kernels_keeps_float32(monkeypatch, fresh_reason):
+@pytest.mark.skipif(build.unavailable_reason("gemm_bf16_avx2.c") is not None,
+                    reason=str(build.unavailable_reason("gemm_bf16_avx2.c")))
+def test_avx2_only_cpus_take_bf16_through_the_avx2_kernels(monkeypatch, fresh_reason):
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setenv(build.ISA_ENV, "avx2")
-    assert platform.resolve_dtype("auto", "cpu") == torch.float32
-    platform.cpu_bf16_reason.cache_clear()
-    monkeypatch.delenv(build.ISA_ENV)
+    assert platform.resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert "AVX2 kernels" in platform.cpu_bf16_reason()
+
+
+def test_without_a_compiler_auto_keeps_float32(monkeypatch, fresh_reason):
+    monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(build, "compiler", lambda: None)
     build.load_kernel.cache_clear()
     try:

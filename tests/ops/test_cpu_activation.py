@@ -8,10 +8,10 @@ import torch
 
 from tessera.ops.activation import silu_and_mul_ref
 from tessera.ops.cpu.activation import silu_and_mul_bf16
-from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.cpu import activation as cpu_activation
 from tessera.ops.registry import OpSpec, select_op
 
-UNAVAILABLE = unavailable_reason("silu_and_mul_bf16.c")  # then the registry keeps torch's
+UNAVAILABLE = "; ".join(cpu_activation._KERNEL.check(None)) or None  # either build; else the registry keeps torch_*
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 

@@ -203,7 +203,11 @@ def test_without_avx512_the_registry_takes_the_avx2_kernel(monkeypatch):
         choice = select_op(OpSpec("linear", "cpu", torch.bfloat16))
         assert choice.builder.name == "cpu_gemm_bf16_avx2"
         assert ("cpu_gemm_bf16", (f"this CPU lacks AVX512 ({build.ISA_ENV}=avx2)",)) in choice.rejected
-        # the other bf16 kernels are AVX512-only: their torch twins run
-        assert select_op(OpSpec("rms_norm", "cpu", torch.bfloat16)).builder.name == "torch_rms_norm"
+        # the small kernels run their AVX2 builds under the same builders; int8 weights, torch
+        from tessera.ops.cpu import norm as cpu_norm
+
+        assert select_op(OpSpec("rms_norm", "cpu", torch.bfloat16)).builder.name == "cpu_rms_norm_bf16"
+        assert cpu_norm._KERNEL.runnable_source() == "rms_norm_avx2.c"
+        assert select_op(OpSpec("linear", "cpu", torch.bfloat16, quant="int8")).builder.name == "torch_linear_int8"
     finally:
         select_op.cache_clear()

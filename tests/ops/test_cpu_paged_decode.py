@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref
-from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.cpu import paged_decode as cpu_paged_decode
 from tessera.ops.cpu.paged_decode import paged_decode_bf16
 from tessera.ops.registry import OpSpec, select_op
 
 from tests.ops.test_attention import make_case
 
-UNAVAILABLE = unavailable_reason("paged_decode_bf16.c")
+UNAVAILABLE = "; ".join(cpu_paged_decode._KERNEL.check(None)) or None  # either build
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.cpu import rotary as cpu_rotary
 from tessera.ops.cpu.rotary import rotary_bf16
 from tessera.ops.registry import OpSpec, select_op
 from tessera.ops.rotary import rotary_ref
 
-UNAVAILABLE = unavailable_reason("rotary_bf16.c")  # then the registry keeps the torch builder
+UNAVAILABLE = "; ".join(cpu_rotary._KERNEL.check(None)) or None  # either build; else the registry keeps torch_*
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 

@@ -1,7 +1,7 @@
-"""simd_bf16.h, the bf16 arithmetic every CPU kernel uses: its conversions and dot products
-against torch, in the build this CPU gets (native AVX512-BF16 / VNNI instructions, or the
-AVX512F emulation), and the whole kernel suite once more in the emulated build on a CPU
-that has the extensions (so both builds are tested wherever the suite runs)."""
+"""simd_bf16.h, the bf16 arithmetic every AVX512 kernel uses: its conversions and dot
+products against torch, in the build this CPU gets (native AVX512-BF16 / VNNI instructions,
+or the AVX512F emulation); and the whole kernel suite once more in the builds this CPU
+would not pick (emulated AVX512, AVX2), so every build is tested wherever the suite runs."""
 from __future__ import annotations
 
 import ctypes
@@ -106,23 +106,34 @@ def test_int16_pair_dot_products(probe):
     assert torch.equal(out.long(), (a.long() * b.long()).view(16, 2).sum(1) + 7)
 
 
-# the suites that run every C kernel against its torch twin
-_KERNEL_TESTS = ["test_cpu_gemm.py", "test_linear_int8.py", "test_cpu_paged_decode.py", "test_cpu_norm.py",
-                 "test_cpu_rotary.py", "test_cpu_activation.py", "test_cpu_kv_write.py",
-                 "test_cpu_embedding.py", "test_cpu_graph.py", "test_cpu_simd_bf16.py"]
+# the suites that run every C kernel against its torch twin, and decode graphs end to end
+_KERNEL_TESTS = ["ops/test_cpu_gemm.py", "ops/test_linear_int8.py", "ops/test_cpu_paged_decode.py",
+                 "ops/test_cpu_norm.py", "ops/test_cpu_rotary.py", "ops/test_cpu_activation.py",
+                 "ops/test_cpu_kv_write.py", "ops/test_cpu_embedding.py", "ops/test_cpu_graph.py",
+                 "ops/test_cpu_simd_bf16.py", "runner/test_decode_graphs.py"]
 
 
-@pytest.mark.skipif(not build.extensions_used(),
-                    reason="this CPU has neither avx512_bf16 nor avx512_vnni: the whole suite runs the emulated build")
-def test_every_kernel_in_the_emulated_build(tmp_path):
+def _other_build_reason(isa: str) -> str | None:
+    if isa == "avx512" and not build.extensions_used():
+        return "this CPU has neither avx512_bf16 nor avx512_vnni: the whole suite runs the emulated build"
+    if isa == "avx2" and (build.missing_cpu_flags() or build.missing_cpu_flags("gemm_bf16_avx2.c")):
+        return "the AVX2 builds run in the main suite here (no AVX512), or cannot run at all"
+    return None
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_every_kernel_in_the_other_builds(isa, tmp_path):
     """On a CPU with the extensions the rest of the suite tests the native build; here the
     kernel suites run once more with TESSERA_CPU_KERNEL_ISA=avx512 (the AVX512F emulation
-    that Skylake-to-Ice-Lake CPUs get)."""
-    here = Path(__file__).parent
-    env = {**os.environ, build.ISA_ENV: "avx512"}
+    that Skylake-to-Ice-Lake CPUs get) and =avx2 (the builds for CPUs without AVX512)."""
+    reason = _other_build_reason(isa)
+    if reason:
+        pytest.skip(reason)
+    here = Path(__file__).parent.parent
+    env = {**os.environ, build.ISA_ENV: isa}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         *[str(here / name) for name in _KERNEL_TESTS], "-k", "not emulated_build"],
+         *[str(here / name) for name in _KERNEL_TESTS], "-k", "not other_builds"],
         env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout

@@ -16,7 +16,8 @@ from tessera.ops.registry import register_op
 
 
 _KERNEL = Kernel("silu_and_mul_bf16.c", "tessera_silu_and_mul_bf16",
-                 (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2 + (ctypes.c_int,), None)
+                 (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2 + (ctypes.c_int,), None,
+                 fallback_source="silu_and_mul_avx2.c")
 
 
 @register_op("silu_and_mul", name="cpu_silu_and_mul_bf16", priority=10, devices=("cpu",),

@@ -26,12 +26,14 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 CACHE = Path.home() / ".cache" / "tessera" / "kernels"
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
-# Two kernel families. AVX512 (every kernel but *_avx2.c): what its flags let the compiler
-# use, a CPU must have. AVX2 (*_avx2.c files: the GEMM only) for CPUs without AVX512.
+# Kernel families. AVX512 (the default): what its flags let the compiler use, a CPU must
+# have. AVX2 (*_avx2.c files) for CPUs without AVX512. Portable (PORTABLE_SOURCES: plain
+# byte copies) for any CPU.
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 AVX2_FLAGS = ("-mavx2", "-mfma")
 AVX2_CPU_FLAGS = ("avx2", "fma")
+PORTABLE_SOURCES = ("kv_write.c", "embedding.c")
 # Extensions the AVX512 kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
 # /proc/cpuinfo flag -> compiler flag. Many AVX512 CPUs lack AVX512-BF16 (Skylake-X to Ice
 # Lake, and hypervisors that hide it); their kernels widen bf16 to float32 in registers.
@@ -58,19 +60,26 @@ def _isa_setting() -> str:
     return os.environ.get(ISA_ENV, "native")
 
 
-def is_avx2_source(source_name: str) -> bool:
-    return source_name.endswith("_avx2.c")
+def kernel_family(source_name: str) -> str:
+    """"avx512", "avx2" or "portable": which flags build the kernel in `source_name`."""
+    if source_name.endswith("_avx2.c"):
+        return "avx2"
+    return "portable" if source_name in PORTABLE_SOURCES else "avx512"
 
 
 def missing_cpu_flags(source_name: str = "") -> list[str]:
     """What the kernel in `source_name` needs that this CPU lacks (AVX512 family by default)."""
-    required = AVX2_CPU_FLAGS if is_avx2_source(source_name) else REQUIRED_CPU_FLAGS
+    family = kernel_family(source_name)
+    if family == "portable":
+        return []
+    required = AVX2_CPU_FLAGS if family == "avx2" else REQUIRED_CPU_FLAGS
     flags = _cpu_flags()
     if flags is None:
         return list(required)
-    if not is_avx2_source(source_name) and _isa_setting() == "avx2":
+    missing = [f for f in required if f not in flags]
+    if not missing and family == "avx512" and _isa_setting() == "avx2":
         return [f"AVX512 ({ISA_ENV}=avx2)"]
-    return [f for f in required if f not in flags]
+    return missing
 
 
 def extensions_used() -> tuple[str, ...]:
@@ -82,7 +91,10 @@ def extensions_used() -> tuple[str, ...]:
 
 
 def build_flags(source_name: str = "") -> tuple[str, ...]:
-    if is_avx2_source(source_name):
+    family = kernel_family(source_name)
+    if family == "portable":
+        return BASE_FLAGS
+    if family == "avx2":
         return BASE_FLAGS + AVX2_FLAGS
     return BASE_FLAGS + AVX512_FLAGS + tuple(OPTIONAL_EXTENSIONS[ext] for ext in extensions_used())
 
@@ -92,7 +104,7 @@ def isa_description() -> str:
     if missing_cpu_flags():
         if missing_cpu_flags("gemm_bf16_avx2.c"):
             return "none (no AVX512 or AVX2)"
-        return "AVX2 GEMM only (no AVX512): bf16 widened to float32 in registers; other ops in torch"
+        return "AVX2 builds (no AVX512): bf16 widened to float32; int8 weights in torch"
     used = extensions_used()
     bf16 = "native bf16 dot products (avx512_bf16)" if "avx512_bf16" in used else \
         "bf16 widened to float32 in registers, no avx512_bf16"
@@ -166,6 +178,8 @@ class Kernel:
     symbol: str
     argtypes: tuple
     restype: Any = None
+    # the same symbol built for CPUs that `source` cannot run on (an *_avx2.c file)
+    fallback_source: str | None = None
 
     def __call__(self, *args):
         if _recorders:
@@ -179,14 +193,25 @@ class Kernel:
     def _fn(self):  # bound once per Kernel object (no per-call hashing of the dataclass)
         return _bind(self)
 
+    def runnable_source(self) -> str:
+        """`source`, or `fallback_source` where only that one can run here."""
+        if self.fallback_source and unavailable_reason(self.source) and not unavailable_reason(self.fallback_source):
+            return self.fallback_source
+        return self.source
+
     def check(self, spec: object) -> list[str]:
         reason = unavailable_reason(self.source)
+        if reason and self.fallback_source:
+            fallback = unavailable_reason(self.fallback_source)
+            if fallback is None:
+                return []
+            reason = f"{reason}; {self.fallback_source}: {fallback}"
         return [reason] if reason else []
 
 
 @lru_cache(maxsize=None)
 def _bind(kernel: Kernel):
-    fn = getattr(load_kernel(kernel.source), kernel.symbol)
+    fn = getattr(load_kernel(kernel.runnable_source()), kernel.symbol)
     fn.argtypes = list(kernel.argtypes)
     fn.restype = kernel.restype
     return fn

@@ -16,7 +16,8 @@ from tessera.ops.registry import register_op
 
 
 _KERNEL = Kernel("rms_norm_bf16.c", "tessera_rms_norm_bf16",
-                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int), None)
+                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int), None,
+                 fallback_source="rms_norm_avx2.c")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

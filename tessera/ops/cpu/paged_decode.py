@@ -17,7 +17,8 @@ from tessera.ops.registry import register_op
 
 
 _KERNEL = Kernel("paged_decode_bf16.c", "tessera_paged_decode_bf16",
-                 (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int), ctypes.c_int)
+                 (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int), ctypes.c_int,
+                 fallback_source="paged_decode_avx2.c")
 
 
 @register_op("paged_attention", name="cpu_paged_decode_bf16", priority=10, devices=("cpu",),

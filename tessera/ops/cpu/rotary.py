@@ -18,7 +18,8 @@ from tessera.ops.rotary import rotary_ref
 
 _KERNEL = Kernel("rotary_bf16.c", "tessera_rotary_bf16",
                  (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,)
-                 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 4 + (ctypes.c_int,), None)
+                 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 4 + (ctypes.c_int,), None,
+                 fallback_source="rotary_avx2.c")
 
 
 def _rows(x: torch.Tensor) -> bool:

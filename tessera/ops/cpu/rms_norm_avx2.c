@@ -1,0 +1,40 @@
+/* rms_norm_bf16.c for CPUs without AVX512 (same symbol, same rounding): plain C that the
+ * compiler vectorises for AVX2 (build.py builds *_avx2.c files with -mavx2 -mfma).
+ *   s = bf16(x + residual)            (when residual is given; s is the next residual)
+ *   out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps)))   (products and sums in float32) */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* x, out: [rows, h]; residual_in / residual_out: [rows, h] or NULL (no add); w: [h]. */
+void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint16_t *residual_out,
+                           const uint16_t *w, uint16_t *out, int64_t rows, int64_t h, float eps,
+                           int threads) {
+#pragma omp parallel for num_threads(rows >= 16 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * h;
+        float lanes[8] = {0};  /* independent partial sums: vectorised without reassociation */
+        if (residual_in) {
+            for (int64_t i = 0; i < h; i++) {
+                const float s = round_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(residual_in[r * h + i]));
+                residual_out[r * h + i] = f32_to_bf16(s);
+                lanes[i & 7] += s * s;
+            }
+            xr = residual_out + r * h;
+        } else {
+            for (int64_t i = 0; i < h; i++) {
+                const float s = bf16_to_f32(xr[i]);
+                lanes[i & 7] += s * s;
+            }
+        }
+        float sum = 0.0f;
+        for (int l = 0; l < 8; l++) sum += lanes[l];
+        const float inv = 1.0f / sqrtf(sum / (float)h + eps);
+        for (int64_t i = 0; i < h; i++)
+            out[r * h + i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * inv));
+    }
+}
