@@ -48,8 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="native: a tessera model folder; transformers: transformers' modeling code with "
                         "tessera's paged attention; auto: native when a folder serves the type")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="auto: bfloat16 on GPUs, on CPUs with native bf16 and on AVX512 CPUs where "
-                        "tessera's kernels build; else float32")
+                   help="auto: bfloat16 on GPUs, on CPUs with native bf16 and on AVX512 / AVX2 CPUs "
+                        "where tessera's kernels build; else float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=64,

@@ -34,13 +34,13 @@ def model_table() -> list[dict[str, Any]]:
     return rows
 
 
-def dtype_reason(name: str, device: str, tessera_ops: bool = True) -> str:
+def dtype_reason(name: str, device: str, tessera_ops: bool = True, quantization: str | None = None) -> str:
     """Why resolve_dtype picks what it picks (mirrors tessera.platform.resolve_dtype)."""
     if name != "auto":
         return f"--dtype {name}"
     if device.startswith("cuda"):
         return "auto: bfloat16 on CUDA"
-    reason = cpu_bf16_reason(tessera_ops)
+    reason = cpu_bf16_reason(tessera_ops, quantization)
     if reason:
         return f"auto: {reason}"
     return "auto: float32 (this CPU has no native bf16 and tessera's bf16 kernels do not run " \
@@ -97,7 +97,7 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     router: BaseRouter = get_router(model_config)
     cfg = router.config
     tessera_ops = router.implementation == "native"
-    dtype = resolve_dtype(model_config.dtype, device, tessera_ops)
+    dtype = resolve_dtype(model_config.dtype, device, tessera_ops, model_config.quantization)
     started = time.perf_counter()
     with _recorded_lookups() as lookups:
         model = router.build_model(OpTarget(torch.device(device).type, dtype,
@@ -129,7 +129,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
             "max_model_len": router.max_model_len,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
             "dtype": str(dtype).removeprefix("torch."),
-            "dtype_reason": dtype_reason(model_config.dtype, device, tessera_ops),
+            "dtype_reason": dtype_reason(model_config.dtype, device, tessera_ops,
+                                         model_config.quantization),
         },
         "cpu_kernels": cpu_kernels_note(device),
         "parameters": num_parameters,

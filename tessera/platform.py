@@ -22,7 +22,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_bf16_reason(tessera_ops: bool = True) -> str | None:
+def cpu_bf16_reason(tessera_ops: bool = True, quantization: str | None = None) -> str | None:
     """Why bfloat16 is the faster dtype on this CPU, or None (float32 is).
 
     With native bf16 every path gains. Without it, torch's bf16 matmuls are emulated and
@@ -41,19 +41,22 @@ def cpu_bf16_reason(tessera_ops: bool = True) -> str | None:
     # AVX2-only CPUs: every decode kernel has an AVX2 build (the Xeon with AVX512 turned off
     # in tessera and torch: 21.7 vs 43.3 ms per token, 117 vs 115 tok/s at 32 prompts;
     # TTFT 395 vs 307 ms, prefill attention being torch's emulated bf16)
-    if unavailable_reason("gemm_bf16_avx2.c") is None:
+    # (int8 weights have no AVX2 kernel: torch would widen them to emulated bf16)
+    if quantization is None and unavailable_reason("gemm_bf16_avx2.c") is None:
         return "no AVX512, but tessera's AVX2 kernels run bf16 here, widened to float32"
     return None
 
 
-def resolve_dtype(name: str, device: str, tessera_ops: bool = True) -> torch.dtype:
+def resolve_dtype(name: str, device: str, tessera_ops: bool = True,
+                  quantization: str | None = None) -> torch.dtype:
     """The dtype `name` means on `device`; `tessera_ops` says whether the model runs on
-    tessera's op registry (native folders) or transformers' modules (the fallback)."""
+    tessera's op registry (native folders) or transformers' modules (the fallback),
+    `quantization` the linear layers' weight format (--quantization)."""
     if name != "auto":
         return _DTYPES[name]
     if device.startswith("cuda"):
         return torch.bfloat16
-    return torch.bfloat16 if cpu_bf16_reason(tessera_ops) else torch.float32
+    return torch.bfloat16 if cpu_bf16_reason(tessera_ops, quantization) else torch.float32
 
 
 def available_memory_bytes(device: str) -> int:

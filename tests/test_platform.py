@@ -46,6 +46,14 @@ def test_avx2_only_cpus_take_bf16_through_the_avx2_kernels(monkeypatch, fresh_re
     monkeypatch.setenv(build.ISA_ENV, "avx2")
     assert platform.resolve_dtype("auto", "cpu") == torch.bfloat16
     assert "AVX2 kernels" in platform.cpu_bf16_reason()
+    # int8 weights have no AVX2 kernel: torch would widen them to emulated bf16
+    assert platform.resolve_dtype("auto", "cpu", quantization="int8") == torch.float32
+
+
+def test_an_unknown_isa_setting_is_an_error(monkeypatch):
+    monkeypatch.setenv(build.ISA_ENV, "AVX2")
+    with pytest.raises(ValueError, match="avx512, avx2"):
+        build.build_flags()
 
 
 def test_without_a_compiler_auto_keeps_float32(monkeypatch, fresh_reason):

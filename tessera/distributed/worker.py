@@ -25,7 +25,8 @@ def build_rank_model(config: EngineConfig, rank: int, world_size: int):
     """(router, model with its weights) for one rank: the same on the driver and the others."""
     device = rank_device(config, rank)
     router = get_router(config.model)
-    dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native")
+    dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
+                          config.model.quantization)
     target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization)
     model = router.build_model(target).eval()
     router.load_weights(model)
@@ -40,9 +41,9 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
     init_rank(config, info)
     router, model = build_rank_model(config, info.rank, info.world_size)
     device = rank_device(config, info.rank)
-    runner = ModelRunner(model, config.cache.block_size, device,
-                         resolve_dtype(config.model.dtype, config.device, router.implementation == "native"),
-                         sampler=None)
+    dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
+                          config.model.quantization)
+    runner = ModelRunner(model, config.cache.block_size, device, dtype, sampler=None)
     channel = StepChannel(device)
     while True:
         msg = channel.recv()

@@ -47,7 +47,7 @@ class Engine:
         self.tokenizer = self.router.tokenizer
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, config.device,
-                                   self.router.implementation == "native")
+                                   self.router.implementation == "native", config.model.quantization)
         self.max_model_len = self.router.max_model_len
         sched = config.scheduler
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:

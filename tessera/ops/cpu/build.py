@@ -56,8 +56,16 @@ def _cpu_flags() -> frozenset[str] | None:
         return None
 
 
+ISA_SETTINGS = ("native", "avx512", "avx2")
+
+
 def _isa_setting() -> str:
-    return os.environ.get(ISA_ENV, "native")
+    # read on each call, but built and bound kernels are cached per process: set it before
+    # the first kernel loads (tests run the other builds in subprocesses)
+    value = os.environ.get(ISA_ENV, "native")
+    if value not in ISA_SETTINGS:
+        raise ValueError(f"{ISA_ENV}={value!r}: expected one of {', '.join(ISA_SETTINGS)}")
+    return value
 
 
 def kernel_family(source_name: str) -> str:

@@ -24,11 +24,8 @@
 /* `rows` rows of float32 x against one packed panel at `panel`, writing y[r, col .. col + 16). */
 static inline __attribute__((always_inline)) void tile_avx2(
         const float *x, const uint16_t *panel, const uint16_t *bias, uint16_t *y,
-        int64_t k, int64_t n_total, int64_t col, const int rows) {
+        int64_t k, int64_t n_total, int64_t col, const int rows, const int sets) {
     const int64_t pairs = k / 2;
-    /* few rows: a second set of accumulators for odd pairs, so the FMA chains (two per pair
-     * and accumulator, ~4 cycles each) do not serialise the stream */
-    const int sets = rows <= 2 ? 2 : 1;
     const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
     __m256 acc[2][AVX2_ROWS][2];
     for (int s = 0; s < sets; s++)
@@ -60,13 +57,22 @@ static inline __attribute__((always_inline)) void tile_avx2(
     }
 }
 
+/* A product of at most two rows keeps a second set of accumulators for odd pairs, so the
+ * FMA chains (two per pair and accumulator, ~4 cycles each) do not serialise the stream.
+ * Decided by m, not by the tile: a row must sum in the same order whatever tile it lands in
+ * (10 rows tile as 4 + 4 + 2; a captured 16-row replay of them as 4 x 4). */
 static inline void panel_avx2(const float *xm, const uint16_t *panel, const uint16_t *bias, uint16_t *ym,
-                              int64_t k, int64_t n, int64_t col, int rows) {
+                              int64_t k, int64_t n, int64_t col, int rows, int64_t m) {
+    if (m <= 2) {
+        if (rows == 1) tile_avx2(xm, panel, bias, ym, k, n, col, 1, 2);
+        else tile_avx2(xm, panel, bias, ym, k, n, col, 2, 2);
+        return;
+    }
     switch (rows) {
-        case 1: tile_avx2(xm, panel, bias, ym, k, n, col, 1); break;
-        case 2: tile_avx2(xm, panel, bias, ym, k, n, col, 2); break;
-        case 3: tile_avx2(xm, panel, bias, ym, k, n, col, 3); break;
-        default: tile_avx2(xm, panel, bias, ym, k, n, col, AVX2_ROWS); break;
+        case 1: tile_avx2(xm, panel, bias, ym, k, n, col, 1, 1); break;
+        case 2: tile_avx2(xm, panel, bias, ym, k, n, col, 2, 1); break;
+        case 3: tile_avx2(xm, panel, bias, ym, k, n, col, 3, 1); break;
+        default: tile_avx2(xm, panel, bias, ym, k, n, col, AVX2_ROWS, 1); break;
     }
 }
 
@@ -87,8 +93,8 @@ int tessera_gemm_packed_bf16_avx2(const uint16_t *x, const uint16_t *packed, con
         const float *xm = xf + mt * k;
         uint16_t *ym = y + mt * n;
         const uint16_t *panel = packed + p * (k / 2) * 32;
-        panel_avx2(xm, panel, bias, ym, k, n, col, rows);
-        if (two_panels) panel_avx2(xm, panel + (k / 2) * 32, bias, ym, k, n, col + 16, rows);
+        panel_avx2(xm, panel, bias, ym, k, n, col, rows, m);
+        if (two_panels) panel_avx2(xm, panel + (k / 2) * 32, bias, ym, k, n, col + 16, rows, m);
     });
     free(xf);
     return 0;

@@ -54,9 +54,15 @@ def _call(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     status = kernel(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
         m, n, k, torch.get_num_threads())
+    _raise_for(status, kernel, x, weight)
+    return y
+
+
+def _raise_for(status: int, kernel: Kernel, x: torch.Tensor, weight: torch.Tensor) -> None:
+    if status == 2:  # the float32 copy of x (CPUs without AVX512-BF16) could not be allocated
+        raise MemoryError(f"{kernel.symbol}: no memory for a float32 copy of x {tuple(x.shape)}")
     if status:
         raise ValueError(f"{kernel.symbol} refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    return y
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -106,8 +112,8 @@ def _packed_linear(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor,
         return _call(kernel, x.to(torch.bfloat16).reshape(rows, k).contiguous(), packed, bias, n).view(
             *x.shape[:-1], n)
     y = torch.empty((rows, n), dtype=torch.bfloat16)
-    if kernel(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), rows, n, k, torch.get_num_threads()):
-        raise ValueError(f"{kernel.symbol} refused x {tuple(x.shape)}, weight {tuple(packed.shape)}")
+    _raise_for(kernel(x.data_ptr(), packed.data_ptr(), None, y.data_ptr(), rows, n, k, torch.get_num_threads()),
+               kernel, x, packed)
     return y
 
 
