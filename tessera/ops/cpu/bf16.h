@@ -19,4 +19,7 @@ static inline uint16_t f32_to_bf16(float f) {
     bits += 0x7fffu + ((bits >> 16) & 1u);
     return (uint16_t)(bits >> 16);
 }
+
+/* f rounded to bf16 and back: what torch holds after an op with a bf16 result */
+static inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 #endif

@@ -127,20 +127,7 @@ int tessera_gemm_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
  * the prefetchers follow poorly: 20 vs 28 GB/s over the default model's weights at one
  * row), and the outputs land in lanes (no horizontal sums). Tiles: up to 12 rows of x by
  * two panels (24 accumulators); rows of x in blocks, as above.
- * Requires n % 16 == 0 and k % 2 == 0 (tessera_pack_bf16 refuses otherwise). */
-
-int tessera_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
-    if (n % 16 || k % 2 || n < 16 || k < 2) return 1;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < n / 16; p++)
-        for (int64_t j = 0; j < k / 2; j++)
-            for (int c = 0; c < 16; c++) {
-                uint16_t *dst = packed + ((p * (k / 2) + j) * 16 + c) * 2;
-                dst[0] = w[(p * 16 + c) * k + 2 * j];
-                dst[1] = w[(p * 16 + c) * k + 2 * j + 1];
-            }
-    return 0;
-}
+ * Requires n % 16 == 0 and k % 2 == 0; packed by tessera/ops/cpu/linear.py:pack_weight. */
 
 /* x [m, k], packed [n / 16, k / 2, 32], bias [n] or NULL, y [m, n]; all contiguous bf16.
  * Returns 1 on bad shapes, 2 when the float32 copy of x (no AVX512-BF16) cannot be allocated. */

@@ -102,7 +102,7 @@ static float softmax_row(float *row, int64_t n, float scale, float softcap) {
     const __m512 vscale = _mm512_set1_ps(scale);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 m = lanes16(n - i);
         __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + i), vscale);
         if (softcap > 0.0f) {
             float tmp[16];
@@ -116,7 +116,7 @@ static float softmax_row(float *row, int64_t n, float scale, float softcap) {
     const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 m = lanes16(n - i);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + i), best));
         _mm512_mask_storeu_ps(row + i, m, e);
         vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
@@ -164,7 +164,7 @@ static void values_pass_any(const float *p, const float *inv, int64_t group, int
     for (int64_t t = start; t < len; t++) {
         const uint16_t *v = row_of(kv, kv->v_cache, t);
         for (int64_t i = 0; i < d; i += 16) {
-            const __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
+            const __mmask16 m = lanes16(d - i);
             const __m512 vv = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, v + i));
             for (int64_t g = 0; g < group; g++) {
                 float *a = acc + g * d + i;

@@ -8,8 +8,6 @@
 
 #include "bf16.h"
 
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
 /* x, out: [rows, h]; residual_in / residual_out: [rows, h] or NULL (no add); w: [h]. */
 void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint16_t *residual_out,
                            const uint16_t *w, uint16_t *out, int64_t rows, int64_t h, float eps,
@@ -20,7 +18,7 @@ void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint1
         float lanes[8] = {0};  /* independent partial sums: vectorised without reassociation */
         if (residual_in) {
             for (int64_t i = 0; i < h; i++) {
-                const float s = round_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(residual_in[r * h + i]));
+                const float s = round_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(residual_in[r * h + i]));
                 residual_out[r * h + i] = f32_to_bf16(s);
                 lanes[i & 7] += s * s;
             }
@@ -35,6 +33,6 @@ void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint1
         for (int l = 0; l < 8; l++) sum += lanes[l];
         const float inv = 1.0f / sqrtf(sum / (float)h + eps);
         for (int64_t i = 0; i < h; i++)
-            out[r * h + i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * inv));
+            out[r * h + i] = f32_to_bf16(bf16_to_f32(w[i]) * round_to_bf16(bf16_to_f32(xr[i]) * inv));
     }
 }

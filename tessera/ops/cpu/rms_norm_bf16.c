@@ -12,21 +12,6 @@
 
 #include "simd_bf16.h"
 
-static inline __mmask16 lanes(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
-
-static inline __m512 load16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline __m256i to_bf16(__m512 v) { return f32x16_to_bf16(v); }
-
-/* v rounded to bf16 and back: what torch holds after an op with a bf16 result */
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-}
-
 /* x, out: [rows, h]; residual_in / residual_out: [rows, h] or NULL (no add); w: [h]. */
 void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint16_t *residual_out,
                            const uint16_t *w, uint16_t *out, int64_t rows, int64_t h, float eps,
@@ -37,23 +22,23 @@ void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint1
         __m512 sum = _mm512_setzero_ps();
         if (residual_in) {  /* s = bf16(x + residual), stored as the next residual */
             for (int64_t i = 0; i < h; i += 16) {
-                const __mmask16 m = lanes(h - i);
-                const __m512 s = round_bf16(_mm512_add_ps(load16(xr + i, m), load16(residual_in + r * h + i, m)));
-                _mm256_mask_storeu_epi16(residual_out + r * h + i, m, to_bf16(s));
+                const __mmask16 m = lanes16(h - i);
+                const __m512 s = round_bf16x16(_mm512_add_ps(load_bf16x16(xr + i, m), load_bf16x16(residual_in + r * h + i, m)));
+                _mm256_mask_storeu_epi16(residual_out + r * h + i, m, f32x16_to_bf16(s));
                 sum = _mm512_fmadd_ps(s, s, sum);
             }
             xr = residual_out + r * h;
         } else {
             for (int64_t i = 0; i < h; i += 16) {
-                const __m512 s = load16(xr + i, lanes(h - i));
+                const __m512 s = load_bf16x16(xr + i, lanes16(h - i));
                 sum = _mm512_fmadd_ps(s, s, sum);
             }
         }
         const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)h + eps));
         for (int64_t i = 0; i < h; i += 16) {
-            const __mmask16 m = lanes(h - i);
-            const __m512 normed = round_bf16(_mm512_mul_ps(load16(xr + i, m), inv));
-            _mm256_mask_storeu_epi16(out + r * h + i, m, to_bf16(_mm512_mul_ps(load16(w + i, m), normed)));
+            const __mmask16 m = lanes16(h - i);
+            const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(xr + i, m), inv));
+            _mm256_mask_storeu_epi16(out + r * h + i, m, f32x16_to_bf16(_mm512_mul_ps(load_bf16x16(w + i, m), normed)));
         }
     }
 }

@@ -5,8 +5,6 @@
 
 #include "bf16.h"
 
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
 static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
                        int64_t heads, int64_t d) {
     const int64_t half = d / 2;
@@ -15,9 +13,9 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
         uint16_t *oh = out + h * d;
         for (int64_t i = 0; i < half; i++) {
             const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[half + i]);
-            oh[i] = f32_to_bf16(round_bf16(x1 * bf16_to_f32(cos[i])) + round_bf16(-x2 * bf16_to_f32(sin[i])));
-            oh[half + i] = f32_to_bf16(round_bf16(x2 * bf16_to_f32(cos[half + i]))
-                                       + round_bf16(x1 * bf16_to_f32(sin[half + i])));
+            oh[i] = f32_to_bf16(round_to_bf16(x1 * bf16_to_f32(cos[i])) + round_to_bf16(-x2 * bf16_to_f32(sin[i])));
+            oh[half + i] = f32_to_bf16(round_to_bf16(x2 * bf16_to_f32(cos[half + i]))
+                                       + round_to_bf16(x1 * bf16_to_f32(sin[half + i])));
         }
     }
 }

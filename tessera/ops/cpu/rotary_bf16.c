@@ -8,14 +8,6 @@
 
 #include "simd_bf16.h"
 
-static inline __m512 load16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
-}
-
 /* heads of one token: x [heads, d] at x (contiguous within the row), out likewise. */
 static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
                        int64_t heads, int64_t d) {
@@ -24,13 +16,13 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
         const uint16_t *xh = x + h * d;
         uint16_t *oh = out + h * d;
         for (int64_t i = 0; i < half; i += 16) {
-            const __mmask16 m = half - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (half - i)) - 1u);
-            const __m512 x1 = load16(xh + i, m), x2 = load16(xh + half + i, m);
-            const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, load16(cos + i, m))),
-                                            round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
-                                                                     load16(sin + i, m))));
-            const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, load16(cos + half + i, m))),
-                                            round_bf16(_mm512_mul_ps(x1, load16(sin + half + i, m))));
+            const __mmask16 m = lanes16(half - i);
+            const __m512 x1 = load_bf16x16(xh + i, m), x2 = load_bf16x16(xh + half + i, m);
+            const __m512 lo = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(cos + i, m))),
+                                            round_bf16x16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                                                     load_bf16x16(sin + i, m))));
+            const __m512 hi = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(x2, load_bf16x16(cos + half + i, m))),
+                                            round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(sin + half + i, m))));
             _mm256_mask_storeu_epi16(oh + i, m, f32x16_to_bf16(lo));
             _mm256_mask_storeu_epi16(oh + half + i, m, f32x16_to_bf16(hi));
         }

@@ -9,10 +9,6 @@
 #include "avx512_math.h"
 #include "simd_bf16.h"
 
-static inline __m512 load16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
 /* gate_up: [rows, 2 * h]; out: [rows, h]. */
 void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t h,
                                int threads) {
@@ -20,12 +16,12 @@ void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t r
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * 2 * h, *u = g + h;
         for (int64_t i = 0; i < h; i += 16) {
-            const __mmask16 m = h - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (h - i)) - 1u);
-            const __m512 x = load16(g + i, m);
+            const __mmask16 m = lanes16(h - i);
+            const __m512 x = load_bf16x16(g + i, m);
             const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
             const __m256i silu16 = f32x16_to_bf16(silu);
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(silu16), 16));
-            _mm256_mask_storeu_epi16(out + r * h + i, m, f32x16_to_bf16(_mm512_mul_ps(s, load16(u + i, m))));
+            const __m512 s = bf16x16_to_f32(silu16);
+            _mm256_mask_storeu_epi16(out + r * h + i, m, f32x16_to_bf16(_mm512_mul_ps(s, load_bf16x16(u + i, m))));
         }
     }
 }

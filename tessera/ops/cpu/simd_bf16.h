@@ -21,6 +21,16 @@ static inline __m512 bf16x16_to_f32(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+/* Lanes [0, left) of a 16-lane vector (all 16 when left >= 16). */
+static inline __mmask16 lanes16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+/* Up to 16 bf16 under mask m -> float32 (masked lanes 0). */
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
+    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
+}
+
 /* The even (low) and odd (high) bf16 of each 32-bit lane, as float32. */
 static inline __m512 bf16_even_f32(__m512i pairs) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
@@ -48,6 +58,11 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
 #else
     return _mm512_cvtepi32_epi16(f32_to_bf16_lanes(v));
 #endif
+}
+
+/* v rounded to bf16 and back: what torch holds after an op with a bf16 result */
+static inline __m512 round_bf16x16(__m512 v) {
+    return bf16x16_to_f32(f32x16_to_bf16(v));
 }
 
 /* 32 float32 -> 32 bf16: lo fills elements 0-15, hi 16-31 */
