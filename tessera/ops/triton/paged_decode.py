@@ -1,10 +1,16 @@
 """Paged decode attention in Triton: one query token per sequence against its cached
 blocks, GQA without repeating K/V, sliding windows and soft-capping.
 
-Long contexts are split: each program takes one (sequence, query head, partition of
-`partition_size` tokens) and keeps a running max / sum / weighted V over its blocks
-(online softmax); a second kernel merges the partitions. With one partition the merge is
-a copy, so short contexts pay almost nothing for it.
+Decode is bound by reading the cache, so each program reads each cached K/V row once for
+a whole GQA group: a program takes one (sequence, KV head, partition of the context) and
+puts the group's query heads on the rows of a [group, tokens] score tile (tl.dot; rows past
+the group are masked). It walks its partition in tiles of TILE_N tokens whatever the cache
+block size, looking the block of every token up in the table, and keeps a running max /
+sum / weighted V per query head (online softmax). A second kernel merges the partitions;
+with one partition that is a copy, so short contexts pay almost nothing for it.
+
+Partitions shrink (down to one tile) while the grid would leave the GPU's SMs idle: batch-1
+decode over a long context still spreads over many programs.
 """
 from __future__ import annotations
 
@@ -16,7 +22,10 @@ from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
 
-PARTITION_SIZE = 512  # tokens per program; a multiple of every block size the cache uses
+PARTITION_SIZE = 512  # the most tokens one program takes
+TILE_N = 64           # tokens per inner step (fewer for wide rows: key_tile)
+MIN_PROGRAMS = 264    # about two programs per SM on an H100 (132 SMs)
+MERGE_CHUNK = 32     # partitions the merge reads at a time
 NO_WINDOW = 1 << 30   # "no sliding window" as a window longer than any context
 
 
@@ -29,67 +38,79 @@ def _kernels():
     def partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
                        m_ptr, l_ptr, acc_ptr, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width, num_partitions,
-                       BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PARTITION: tl.constexpr,
-                       USE_SOFTCAP: tl.constexpr):
+                       BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                       PARTITION: tl.constexpr, TILE: tl.constexpr,
+                       USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
         seq = tl.program_id(0)
-        head = tl.program_id(1)
+        kv_head = tl.program_id(1)
         part = tl.program_id(2)
-        kv_head = head // (num_heads // num_kv_heads)
+        group = num_heads // num_kv_heads
         length = tl.load(lens_ptr + seq)
         first = tl.maximum(length - window, 0)  # window: the host passes a huge one for "none"
         start = tl.maximum(part * PARTITION, first)
         end = tl.minimum((part + 1) * PARTITION, length)
+        g = tl.arange(0, BLOCK_G)
+        g_mask = g < group
+        heads = kv_head * group + g
         d = tl.arange(0, BLOCK_D)
-        dmask = d < head_size
-        q = tl.load(q_ptr + (seq * num_heads + head) * head_size + d, mask=dmask, other=0.0).to(tl.float32)
-        m = -float("inf")
-        l = 0.0
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        d_mask = d < head_size
+        q = tl.load(q_ptr + (seq * num_heads + heads)[:, None] * head_size + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         row = num_kv_heads * head_size
-        block_start = (start // BLOCK_SIZE) * BLOCK_SIZE
-        for pos0 in range(block_start, end, BLOCK_SIZE):
-            block = tl.load(tables_ptr + seq * table_width + pos0 // BLOCK_SIZE)
-            offs = tl.arange(0, BLOCK_SIZE)
+        offs = tl.arange(0, TILE)
+        for pos0 in range((start // TILE) * TILE, end, TILE):
             pos = pos0 + offs
             valid = (pos >= start) & (pos < end)
-            base = (block * BLOCK_SIZE + offs) * row + kv_head * head_size
-            kmask = valid[:, None] & dmask[None, :]
-            k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kmask, other=0.0).to(tl.float32)
-            s = tl.sum(k * q[None, :], axis=1) * scale
+            block = tl.load(tables_ptr + seq * table_width + pos // BLOCK_SIZE, mask=valid, other=0)
+            base = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * row + kv_head * head_size
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if USE_SOFTCAP:
                 s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
-            s = tl.where(valid, s, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new)
-            p = tl.where(valid, p, 0.0)
-            v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kmask, other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            l = l * alpha + tl.sum(p, axis=0)
-            m = m_new
-        out = (seq * num_heads + head) * num_partitions + part
-        tl.store(m_ptr + out, m)
-        tl.store(l_ptr + out, l)
-        tl.store(acc_ptr + out * head_size + d, acc, mask=dmask)
+            s = tl.where(valid[None, :], s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = (seq * num_heads + heads) * num_partitions + part
+        tl.store(m_ptr + out, m_i, mask=g_mask)
+        tl.store(l_ptr + out, l_i, mask=g_mask)
+        tl.store(acc_ptr + out[:, None] * head_size + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
 
     @triton.jit
     def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_heads, head_size, num_partitions,
                      BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+        # in chunks of BLOCK_P partitions, so a long context never needs a huge tile
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        p = tl.arange(0, BLOCK_P)
-        pmask = p < num_partitions
         base = (seq * num_heads + head) * num_partitions
-        m = tl.load(m_ptr + base + p, mask=pmask, other=-float("inf"))
-        l = tl.load(l_ptr + base + p, mask=pmask, other=0.0)
-        m_all = tl.max(m, axis=0)
-        w = tl.where(pmask & (l > 0), tl.exp(m - m_all), 0.0)
-        total = tl.sum(w * l, axis=0)
+        p = tl.arange(0, BLOCK_P)
+        m_all = -float("inf")
+        for p0 in range(0, num_partitions, BLOCK_P):
+            m = tl.load(m_ptr + base + p0 + p, mask=p0 + p < num_partitions, other=-float("inf"))
+            m_all = tl.maximum(m_all, tl.max(m, axis=0))
         d = tl.arange(0, BLOCK_D)
         dmask = d < head_size
-        acc = tl.load(acc_ptr + (base + p)[:, None] * head_size + d[None, :],
-                      mask=pmask[:, None] & dmask[None, :], other=0.0)
-        o = tl.sum(w[:, None] * acc, axis=0) / total
+        total = tl.zeros([BLOCK_P], dtype=tl.float32)
+        o = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for p0 in range(0, num_partitions, BLOCK_P):
+            pmask = p0 + p < num_partitions
+            m = tl.load(m_ptr + base + p0 + p, mask=pmask, other=-float("inf"))
+            l = tl.load(l_ptr + base + p0 + p, mask=pmask, other=0.0)
+            w = tl.where(pmask & (l > 0), tl.exp(m - m_all), 0.0)
+            total += w * l
+            acc = tl.load(acc_ptr + (base + p0 + p)[:, None] * head_size + d[None, :],
+                          mask=pmask[:, None] & dmask[None, :], other=0.0)
+            o += tl.sum(w[:, None] * acc, axis=0)
+        o = o / tl.sum(total, axis=0)
         tl.store(out_ptr + (seq * num_heads + head) * head_size + d,
                  o.to(out_ptr.dtype.element_ty), mask=dmask)
 
@@ -100,18 +121,49 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 models get IEEE products in tl.dot (TF32 would break fp32 parity); the
+    setting is ignored for bf16/fp16 inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def key_tile(head_size: int, dtype: torch.dtype) -> int:
+    """Key tokens per step: TILE_N while a head row is at most 256 bytes (128 wide in
+    bf16), then halved per doubling, since wider tiles spill registers
+    (tests/ops/triton_compile.py reports registers and spills per shape)."""
+    row_bytes = head_size * dtype.itemsize
+    tile = TILE_N
+    while row_bytes > 256 and tile > 16:
+        row_bytes //= 2
+        tile //= 2
+    return tile
+
+
+def choose_partition(batch: int, num_kv_heads: int, max_len: int, largest: int = PARTITION_SIZE) -> int:
+    """Tokens per program: `largest`, halved (not below one tile) while the grid would have
+    fewer than MIN_PROGRAMS programs. A pure function of the host-side shape, so a captured
+    graph and an eager step of the same shape agree."""
+    size = largest
+    while size > TILE_N and batch * num_kv_heads * -(-max_len // size) < MIN_PROGRAMS:
+        size //= 2
+    return size
+
+
 @register_op("paged_attention", name="triton_paged_decode", priority=20, devices=("cuda",),
              phases=("decode",), check=triton_missing)
 def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                        softcap: float | None = None, partition_size: int = PARTITION_SIZE) -> torch.Tensor:
-    """query [B, Hq, D] -> [B, Hq, D] for the first `num_decodes` sequences."""
+                        softcap: float | None = None, partition_size: int | None = None) -> torch.Tensor:
+    """query [B, Hq, D] -> [B, Hq, D] for the first `num_decodes` sequences.
+    `partition_size` (a power of two >= 16) overrides the automatic choice (tests)."""
     b = meta.num_decodes
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if partition_size % block_size:
-        raise ValueError(f"partition_size {partition_size} must be a multiple of block_size {block_size}")
     max_len = max(meta.seq_lens_list[:b])
+    if partition_size is None:
+        partition_size = choose_partition(b, num_kv_heads, max_len)
+    elif partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     num_partitions = -(-max_len // partition_size)
     q = query[:b].contiguous()
     tables = meta.block_tables[:b].contiguous()
@@ -121,13 +173,15 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     acc = torch.empty((b, num_heads, num_partitions, head_size), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     partial_kernel, merge_kernel = _kernels()
-    block_d = _next_power_of_2(head_size)
-    partial_kernel[(b, num_heads, num_partitions)](
+    block_d = _next_power_of_2(max(head_size, 16))  # tl.dot needs 16 at least on each side
+    group = num_heads // num_kv_heads
+    partial_kernel[(b, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, tables, lens, m, l, acc, scale, softcap or 1.0,
         sliding_window or NO_WINDOW,
         num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions,
-        BLOCK_SIZE=block_size, BLOCK_D=block_d, PARTITION=partition_size,
-        USE_SOFTCAP=softcap is not None)
+        BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_next_power_of_2(max(group, 16)),
+        PARTITION=partition_size, TILE=min(key_tile(head_size, k_cache.dtype), partition_size),
+        USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype))
     merge_kernel[(b, num_heads)](m, l, acc, out, num_heads, head_size, num_partitions,
-                                 BLOCK_D=block_d, BLOCK_P=_next_power_of_2(num_partitions))
+                                 BLOCK_D=block_d, BLOCK_P=min(MERGE_CHUNK, _next_power_of_2(num_partitions)))
     return out

@@ -1,9 +1,10 @@
 """Varlen prefill attention over the paged cache in Triton: each program takes BLOCK_M
-queries of one prefill sequence and one head and walks that sequence's cache blocks
+queries of one prefill sequence and one head and walks that sequence's cached keys
 (prefix-cached context and this chunk alike: the chunk's K/V are written before attention
-runs) with an online softmax. Causal by absolute position, with sliding windows and
-soft-capping; GQA reads the shared KV head. tl.dot needs tiles of 16: cache blocks must be
-a multiple of 16 tokens."""
+runs) in tiles of TILE_N tokens with an online softmax, looking each token's block up in the
+table, so any power-of-two block size works. Causal by absolute position (key tiles past a
+query tile's last position are never read), with sliding windows and soft-capping; GQA reads
+the shared KV head."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -13,9 +14,19 @@ import torch
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
-from tessera.ops.triton.paged_decode import NO_WINDOW, _next_power_of_2
+from tessera.ops.triton.paged_decode import NO_WINDOW, _next_power_of_2, dot_precision
 
-BLOCK_M = 16
+
+
+def prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(query rows, key tokens) per step: 64 x 64 while a head row is at most 256 bytes
+    (128 wide in bf16), smaller tiles for wider rows, which would spill registers. float32
+    counts double: its IEEE tl.dot runs on FMAs, not tensor cores, and holds more live
+    values (tests/ops/triton_compile.py reports registers and spills per shape)."""
+    row_bytes = head_size * dtype.itemsize * (2 if dtype == torch.float32 else 1)
+    if row_bytes <= 256:
+        return 64, 64
+    return (32, 32) if row_bytes <= 512 else (16, 32)
 
 
 @lru_cache(maxsize=None)
@@ -28,7 +39,7 @@ def _kernel():
                        first_seq, first_row, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                       TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
         seq = first_seq + tl.program_id(0)
         head = tl.program_id(1)
         tile = tl.program_id(2)
@@ -51,12 +62,13 @@ def _kernel():
             last = tl.minimum(ctx - q_len + (tile + 1) * BLOCK_M, ctx)  # keys past this are masked
             lowest = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0)
             row = num_kv_heads * head_size
-            for pos0 in range((lowest // BLOCK_SIZE) * BLOCK_SIZE, last, BLOCK_SIZE):
-                block = tl.load(tables_ptr + seq * table_width + pos0 // BLOCK_SIZE)
-                offs = tl.arange(0, BLOCK_SIZE)
+            offs = tl.arange(0, TILE)
+            for pos0 in range((lowest // TILE) * TILE, last, TILE):
                 k_pos = pos0 + offs
-                base = (block * BLOCK_SIZE + offs) * row + kv_head * head_size
-                kv_mask = (k_pos < ctx)[:, None] & d_mask[None, :]
+                in_ctx = k_pos < ctx
+                block = tl.load(tables_ptr + seq * table_width + k_pos // BLOCK_SIZE, mask=in_ctx, other=0)
+                base = (block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE) * row + kv_head * head_size
+                kv_mask = in_ctx[:, None] & d_mask[None, :]
                 k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 if USE_SOFTCAP:
@@ -89,21 +101,18 @@ def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     cache -> [T, Hq, D]. `key` / `value` are not read (the cache holds them)."""
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if block_size % 16:
-        raise ValueError(f"triton_paged_prefill needs cache blocks of a multiple of 16 tokens, got {block_size}")
     first = meta.num_decodes
     num_prefills = meta.num_seqs - first
     out = torch.empty_like(query)
     if num_prefills == 0:
         return out
     max_q = max(meta.query_lens_list[first:])
-    grid = (num_prefills, num_heads, -(-max_q // BLOCK_M))
+    block_m, tile = prefill_tiles(head_size, query.dtype)
+    grid = (num_prefills, num_heads, -(-max_q // block_m))
     _kernel()[grid](
         query.contiguous(), k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, first, meta.num_decode_tokens, scale, softcap or 1.0,
         sliding_window or NO_WINDOW, num_heads, num_kv_heads, head_size, meta.block_tables.shape[1],
-        BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=BLOCK_M,
-        USE_SOFTCAP=softcap is not None,
-        # float32 models get IEEE products (TF32 would break fp32 parity); bf16/fp16 ignore it
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=block_m,
+        TILE=tile, USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(query.dtype))
     return out

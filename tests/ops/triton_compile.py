@@ -1,0 +1,151 @@
+"""Compile the Triton kernels for NVIDIA GPUs on a machine without one.
+
+The interpreter (tests/ops/triton_cases.py) checks what the kernels compute, not that they
+compile: Triton's type rules, tl.dot's shape limits, shared memory and registers only show
+up in a real compile. Triton compiles to PTX and a cubin (its bundled ptxas) for any target
+without a driver, so each kernel wrapper runs here at real model shapes with its kernels
+swapped for a recorder that compiles what a launch would (the same signature,
+specializations and constexprs) instead of launching it. ptxas -v then gives registers and
+spills.
+
+`python -m tests.ops.triton_compile` prints the table; test_triton_compile.py asserts on it.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tessera.ops.attention.metadata import AttentionMetadata
+
+# bytes of shared memory one block may use (the opt-in maximum per SM generation)
+SHARED_LIMIT = {80: 166912, 90: 232448}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    heads: int
+    kv_heads: int
+    head_size: int
+    softcap: float | None = None
+    window: int | None = None
+
+
+SHAPES = (
+    Shape("llama-3-8b", 32, 8, 128),
+    Shape("smollm2-135m", 9, 3, 64),
+    Shape("qwen2-7b", 28, 4, 128),
+    Shape("phi-3-mini", 32, 32, 96),
+    Shape("gemma-2-9b", 16, 8, 256, softcap=50.0, window=4096),
+    Shape("mqa-64", 64, 1, 128),
+)
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    case: str
+    shared: int
+    registers: int
+    spilled: int  # bytes of spill stores + loads
+
+
+def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return registers, spilled
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `rec[grid](*args, **kw)` compiles for `arch`."""
+
+    def __init__(self, fn, arch: int, case: str, out: list[Compiled]):
+        self.fn, self.arch, self.case, self.out = fn, arch, case, out
+
+    def __getitem__(self, grid):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile, make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        def launch(*args, **kwargs):
+            target = GPUTarget("cuda", self.arch, 32)
+            backend = make_backend(target)
+            fn = self.fn
+            bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+            kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+            registers, spilled = _ptxas_report(kernel.asm["ptx"], self.arch)
+            self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled))
+
+        return launch
+
+
+def _meta(num_decodes: int, lens: list[int], q_lens: list[int], block_size: int) -> AttentionMetadata:
+    width = -(-max(lens) // block_size)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        block_tables=torch.zeros((len(lens), width), dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        num_decodes=num_decodes, num_decode_tokens=num_decodes,
+        seq_lens_list=list(lens), query_lens_list=list(q_lens))
+
+
+def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+                shapes: tuple[Shape, ...] = SHAPES, block_size: int = 16) -> list[Compiled]:
+    """Every kernel wrapper at every shape and dtype, as the engine calls them: decode at
+    batch 1 over 8k tokens and batch 64 over 2k, a prefill chunk over a cached prefix."""
+    import tessera.ops.triton.kv_write as kv_write
+    import tessera.ops.triton.paged_decode as paged_decode
+    import tessera.ops.triton.paged_prefill as paged_prefill
+
+    out: list[Compiled] = []
+    originals = (kv_write._kernel, paged_decode._kernels, paged_prefill._kernel)
+    try:
+        for dtype in dtypes:
+            for shape in shapes:
+                case = f"{shape.name} {str(dtype).removeprefix('torch.')} sm_{arch}"
+                wrap = lambda fn: _Recorder(fn, arch, case, out)  # noqa: E731
+                kv_write._kernel = lambda: wrap(originals[0]())
+                paged_decode._kernels = lambda: tuple(wrap(k) for k in originals[1]())
+                paged_prefill._kernel = lambda: wrap(originals[2]())
+                h, hk, d = shape.heads, shape.kv_heads, shape.head_size
+                k_cache = torch.zeros((4, block_size, hk, d), dtype=dtype)
+                v_cache = torch.zeros_like(k_cache)
+                rows = torch.zeros((3, hk, d), dtype=dtype)
+                kv_write.triton_kv_write(rows, rows, k_cache, v_cache, torch.zeros(3, dtype=torch.int64))
+                for batch, length in ((1, 8192), (64, 2048)):
+                    meta = _meta(batch, [length] * batch, [1] * batch, block_size)
+                    paged_decode.triton_paged_decode(torch.zeros((batch, h, d), dtype=dtype), k_cache,
+                                                     v_cache, meta, d ** -0.5, shape.window, shape.softcap)
+                meta = _meta(1, [300, 1000], [1, 512], block_size)
+                paged_prefill.triton_paged_prefill(torch.zeros((512, h, d), dtype=dtype), None, None, k_cache,
+                                                   v_cache, meta, d ** -0.5, shape.window, shape.softcap)
+    finally:
+        kv_write._kernel, paged_decode._kernels, paged_prefill._kernel = originals
+    return out
+
+
+if __name__ == "__main__":
+    arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+    results = compile_all(arch, (torch.bfloat16, torch.float16, torch.float32))
+    print(f"{'kernel':<16} {'case':<34} {'shared':>8} {'regs':>5} {'spill':>6}")
+    for r in results:
+        print(f"{r.kernel:<16} {r.case:<34} {r.shared:>8} {r.registers:>5} {r.spilled:>6}")
