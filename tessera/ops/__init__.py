@@ -4,8 +4,10 @@ from tessera.ops.cpu import (  # noqa: F401
     activation as cpu_activation, embedding as cpu_embedding, linear as cpu_linear, norm as cpu_norm, paged_decode as cpu_paged_decode,
     kv_write as cpu_kv_write, linear_int8 as cpu_linear_int8, rotary as cpu_rotary,
 )
-from tessera.ops.triton import kv_write as triton_kv_write, paged_decode as triton_paged_decode  # noqa: F401
-from tessera.ops.triton import paged_prefill as triton_paged_prefill  # noqa: F401
+from tessera.ops.triton import (  # noqa: F401
+    activation as triton_activation, kv_write as triton_kv_write, paged_decode as triton_paged_decode,
+    paged_prefill as triton_paged_prefill, rms_norm as triton_rms_norm, rotary as triton_rotary,
+)
 from tessera.ops.registry import OpSpec, OpTarget, get_op, select_op
 
 __all__ = ["OpSpec", "OpTarget", "get_op", "select_op"]

@@ -32,7 +32,8 @@ TESTED = tuple(s for s in SHAPES if s.name != "qwen2-7b")
 
 def _check(results, arch: int, no_spills: bool) -> None:
     kernels = {r.kernel for r in results}
-    assert kernels == {"kv_write_kernel", "partial_kernel", "merge_kernel", "prefill_kernel"}
+    assert kernels == {"kv_write_kernel", "partial_kernel", "merge_kernel", "prefill_kernel",
+                       "rms_norm_kernel", "gated_kernel", "rotary_kernel"}
     for r in results:
         assert r.shared <= SHARED_LIMIT[arch], r
         if no_spills:

@@ -50,6 +50,10 @@ def test_cuda_lookups_choose_triton_or_say_why():
     prefill = select_op(OpSpec("paged_attention", "cuda", torch.bfloat16, phase="prefill"))
     want = "torch_paged_prefill" if importlib.util.find_spec("triton") is None else "triton_paged_prefill"
     assert prefill.builder.name == want
+    for kind, name in (("rms_norm", "triton_rms_norm"), ("silu_and_mul", "triton_silu_and_mul"),
+                       ("gelu_tanh_and_mul", "triton_gelu_tanh_and_mul"), ("rotary", "triton_rotary")):
+        choice = select_op(OpSpec(kind, "cuda", torch.bfloat16))
+        assert choice.builder.name == (name if importlib.util.find_spec("triton") else f"torch_{kind}"), kind
     # CPU lookups never consider the CUDA builders
     cpu = select_op(OpSpec("kv_write", "cpu", torch.float32))
     assert cpu.builder.name in ("cpu_kv_write", "torch_kv_write")

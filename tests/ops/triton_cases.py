@@ -7,10 +7,16 @@ import sys
 
 import torch
 
+from tessera.ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
+from tessera.ops.norm import rms_norm_ref
+from tessera.ops.rotary import rotary_ref
+from tessera.ops.triton.activation import triton_gelu_tanh_and_mul, triton_silu_and_mul
 from tessera.ops.triton.kv_write import triton_kv_write
 from tessera.ops.triton.paged_decode import triton_paged_decode
 from tessera.ops.triton.paged_prefill import triton_paged_prefill
+from tessera.ops.triton.rms_norm import triton_rms_norm
+from tessera.ops.triton.rotary import triton_rotary
 
 from tests.ops.test_attention import make_case
 
@@ -78,9 +84,56 @@ def check_paged_prefill(device: str) -> None:
                 assert err < 1e-4, (heads, kv_heads, head_size, block_size, window, softcap, err)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """float32: equal up to float32 rounding. bf16: within a bf16 step of the torch op on a
+    GPU (each rounding matches torch's, to nearest even; float32 math may differ in the last
+    bit), within a few under the interpreter, which rounds float32 -> bf16 toward zero, so
+    chained roundings (sum, normalised row, product) drift a step each."""
+    interpreted = got.device.type == "cpu"
+    got = got.cpu()
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -5 if interpreted else 2 ** -7,
+                                   atol=1e-2 if interpreted else 1e-3, msg=what)
+
+
+def check_pointwise(device: str) -> None:
+    """RMSNorm (+ residual), the gated activations and rotary against the torch ops, in
+    float32 and bf16, on strided inputs like the layers pass (q/k/gate-up views)."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (64, 200, 5000):  # one chunk, a ragged one, several (MAX_BLOCK 4096)
+            x = (torch.randn(7, hidden, generator=g) * 3).to(dtype)
+            res = torch.randn(7, hidden, generator=g).to(dtype)
+            w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+            want, want_res = rms_norm_ref(x, w, 1e-6, res)
+            got, got_res = triton_rms_norm(x.to(device), w.to(device), 1e-6, res.to(device))
+            _close(got, want, f"rms_norm {dtype} {hidden}")
+            _close(got_res, want_res, f"rms_norm residual {dtype} {hidden}")
+            plain, none = triton_rms_norm(x[:, :hidden].to(device), w.to(device), 1e-5)
+            assert none is None
+            _close(plain, rms_norm_ref(x, w, 1e-5)[0], f"rms_norm without residual {dtype}")
+        wide = (torch.randn(5, 2 * 1500 + 8, generator=g) * 4).to(dtype)
+        gate_up = wide[:, 8:]  # a strided view: rows 3008 apart, 3000 wide
+        for ours, ref in ((triton_silu_and_mul, silu_and_mul_ref), (triton_gelu_tanh_and_mul, gelu_tanh_and_mul_ref)):
+            _close(ours(gate_up.to(device)), ref(gate_up), f"{ours.__name__} {dtype}")
+        for heads, kv_heads, head_size in ((4, 2, 64), (3, 1, 24)):
+            qkv = torch.randn(6, (heads + 2 * kv_heads) * head_size, generator=g).to(dtype)
+            q, k = qkv[:, :heads * head_size], qkv[:, heads * head_size:(heads + kv_heads) * head_size]
+            angles = torch.rand(6, head_size // 2, generator=g) * 6
+            rows = torch.cat((angles.cos(), angles.cos(), angles.sin(), angles.sin()), dim=-1).to(dtype)
+            cos, sin = rows[:, None, :head_size], rows[:, None, head_size:]
+            want_q, want_k = rotary_ref(q, k, cos, sin, head_size)
+            got_q, got_k = triton_rotary(q.to(device), k.to(device), cos.to(device), sin.to(device), head_size)
+            _close(got_q, want_q, f"rotary q {dtype} {head_size}")
+            _close(got_k, want_k, f"rotary k {dtype} {head_size}")
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     check_kv_write(dev)
     check_paged_decode(dev)
     check_paged_prefill(dev)
+    check_pointwise(dev)
     print("triton kernels OK")

@@ -33,17 +33,19 @@ class Shape:
     heads: int
     kv_heads: int
     head_size: int
+    hidden: int
+    intermediate: int
     softcap: float | None = None
     window: int | None = None
 
 
 SHAPES = (
-    Shape("llama-3-8b", 32, 8, 128),
-    Shape("smollm2-135m", 9, 3, 64),
-    Shape("qwen2-7b", 28, 4, 128),
-    Shape("phi-3-mini", 32, 32, 96),
-    Shape("gemma-2-9b", 16, 8, 256, softcap=50.0, window=4096),
-    Shape("mqa-64", 64, 1, 128),
+    Shape("llama-3-8b", 32, 8, 128, 4096, 14336),
+    Shape("smollm2-135m", 9, 3, 64, 576, 1536),
+    Shape("qwen2-7b", 28, 4, 128, 3584, 18944),
+    Shape("phi-3-mini", 32, 32, 96, 3072, 8192),
+    Shape("gemma-2-9b", 16, 8, 256, 3584, 14336, softcap=50.0, window=4096),
+    Shape("mqa-64", 64, 1, 128, 8192, 28672),
 )
 
 
@@ -112,21 +114,33 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 shapes: tuple[Shape, ...] = SHAPES, block_size: int = 16) -> list[Compiled]:
     """Every kernel wrapper at every shape and dtype, as the engine calls them: decode at
     batch 1 over 8k tokens and batch 64 over 2k, a prefill chunk over a cached prefix."""
+    import tessera.ops.triton.activation as activation
     import tessera.ops.triton.kv_write as kv_write
     import tessera.ops.triton.paged_decode as paged_decode
     import tessera.ops.triton.paged_prefill as paged_prefill
+    import tessera.ops.triton.rms_norm as rms_norm
+    import tessera.ops.triton.rotary as rotary
 
     out: list[Compiled] = []
-    originals = (kv_write._kernel, paged_decode._kernels, paged_prefill._kernel)
+    single = (kv_write, paged_prefill, rms_norm, activation, rotary)  # modules with one _kernel
+    originals = [m._kernel for m in single]
+    original_decode = paged_decode._kernels
     try:
         for dtype in dtypes:
             for shape in shapes:
                 case = f"{shape.name} {str(dtype).removeprefix('torch.')} sm_{arch}"
-                wrap = lambda fn: _Recorder(fn, arch, case, out)  # noqa: E731
-                kv_write._kernel = lambda: wrap(originals[0]())
-                paged_decode._kernels = lambda: tuple(wrap(k) for k in originals[1]())
-                paged_prefill._kernel = lambda: wrap(originals[2]())
+                for module, original in zip(single, originals):
+                    module._kernel = lambda original=original, case=case: _Recorder(original(), arch, case, out)
+                paged_decode._kernels = lambda case=case: tuple(_Recorder(k, arch, case, out)
+                                                                for k in original_decode())
                 h, hk, d = shape.heads, shape.kv_heads, shape.head_size
+                x = torch.zeros((2, shape.hidden), dtype=dtype)
+                rms_norm.triton_rms_norm(x, x[0], 1e-6, x)
+                gate_up = torch.zeros((2, 2 * shape.intermediate), dtype=dtype)
+                (activation.triton_gelu_tanh_and_mul if shape.softcap else activation.triton_silu_and_mul)(gate_up)
+                qkv = torch.zeros((2, (h + 2 * hk) * d), dtype=dtype)
+                cos_sin = torch.zeros((2, 1, 2 * d), dtype=dtype)
+                rotary.triton_rotary(qkv[:, :h * d], qkv[:, h * d:(h + hk) * d], cos_sin[..., :d], cos_sin[..., d:], d)
                 k_cache = torch.zeros((4, block_size, hk, d), dtype=dtype)
                 v_cache = torch.zeros_like(k_cache)
                 rows = torch.zeros((3, hk, d), dtype=dtype)
@@ -139,7 +153,9 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 paged_prefill.triton_paged_prefill(torch.zeros((512, h, d), dtype=dtype), None, None, k_cache,
                                                    v_cache, meta, d ** -0.5, shape.window, shape.softcap)
     finally:
-        kv_write._kernel, paged_decode._kernels, paged_prefill._kernel = originals
+        for module, original in zip(single, originals):
+            module._kernel = original
+        paged_decode._kernels = original_decode
     return out
 
 
