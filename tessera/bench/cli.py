@@ -3,6 +3,7 @@ or a feature on and off, one process; `tessera bench serve`: a running server ov
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 from pathlib import Path
@@ -134,6 +135,10 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
     prompts, output_lens = _requests(args, engine, max(sizes), entries)
     rows: list[object] = []
     model = None
+    roofline = None
+    if args.workload == "latency":
+        from tessera.bench.roofline import engine_roofline
+        roofline = engine_roofline(engine)
     if args.baseline == "transformers":
         from tessera.bench.transformers_baseline import load_transformers_model
         model = load_transformers_model(engine.router.source, engine.dtype,
@@ -149,8 +154,13 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
             rows.append(transformers_throughput(model, prompts, output_lens, args.repeats)
                         if args.workload == "throughput" else transformers_latency(model, w, prompts[:size],
                                                                                    args.repeats))
+    if roofline is not None:
+        for row in rows:  # decode steps attend to input_len + 1 .. input_len + output_len - 1 tokens
+            row.roofline_ms = roofline.step_ms(row.batch_size, args.input_len + args.output_len / 2)
+            row.roofline_pct = 100 * row.roofline_ms / row.tpot_ms
     columns = (["engine", "output_tokens_per_s", "elapsed_s", "requests_per_s", "total_tokens_per_s"]
-               if args.workload == "throughput" else ["engine", "tpot_ms", "batch_size", "ttft_ms"])
+               if args.workload == "throughput"
+               else ["engine", "tpot_ms", "batch_size", "ttft_ms", "roofline_ms", "roofline_pct"])
     quant = engine.config.model.quantization
     meta = {"workload": args.workload, "model": engine.router.source.name, "dtype": str(engine.dtype),
             "quantization": quant,
@@ -164,6 +174,11 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
           f"{source}, median of {args.repeats}")
     print(markdown_table(rows, columns, "transformers" if model is not None else None,
                          higher_is_better=args.workload == "throughput"))
+    if roofline is not None:
+        meta["roofline"] = dataclasses.asdict(roofline)
+        print(f"roofline: {roofline.weight_bytes / 1e9:.3f} GB of weights + "
+              f"{roofline.kv_bytes_per_token / 1e3:.1f} kB of KV per cached token per step, over "
+              f"{roofline.bandwidth_gbs:.1f} GB/s (copy bandwidth of {engine.runner.device})")
     if args.output_json:
         write_json(Path(args.output_json), meta, rows)
     if args.plot and args.workload == "latency":

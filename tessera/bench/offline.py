@@ -35,6 +35,8 @@ class LatencyResult:
     batch_size: int
     ttft_ms: float   # prompt processing until the first token of every row
     tpot_ms: float   # each further token of the batch
+    roofline_ms: float | None = None   # the memory-bandwidth floor of a decode step (roofline.py)
+    roofline_pct: float | None = None  # roofline_ms / tpot_ms, in percent
 
 
 def _params(output_len: int) -> SamplingParams:

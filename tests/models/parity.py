@@ -106,7 +106,7 @@ class LogitRecorder:
             for item, row in zip(inputs.sampled_rows, logits):
                 # Called before the engine advances num_computed_tokens.
                 prefix = item.seq.num_computed_tokens + item.num_new_tokens
-                self.rows.append((item.seq.request_id, prefix, row.clone()))
+                self.rows.append((item.seq.request_id, prefix, row.clone().cpu()))  # GPU rows too
             meta = inputs.attn
             self.steps.append(dict(num_decodes=meta.num_decodes, num_seqs=meta.num_seqs,
                                    query_lens=list(meta.query_lens_list)))

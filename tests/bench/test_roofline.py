@@ -1,0 +1,51 @@
+"""The decode roofline counts the bytes a step really reads and is reported by
+`tessera bench latency` beside each TPOT."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tessera.bench.roofline import Roofline, copy_bandwidth_gbs, decode_weight_bytes
+from tessera.cli import main
+from tessera.llm import LLM
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_skip_a_lookup_only_embedding(make_tiny_llama, tied):
+    folder, hf = make_tiny_llama(tie_word_embeddings=tied)
+    with LLM(str(folder), dtype="float32", num_kv_blocks=16, show_progress=False) as llm:
+        model = llm.engine.runner.model
+        counted = decode_weight_bytes(model)
+    # transformers' parameters() lists a tied table once; an untied table is only looked up
+    every = sum(p.numel() for p in hf.parameters()) * 4
+    table = hf.model.embed_tokens.weight.numel() * 4
+    assert counted == (every if tied else every - table)
+
+
+def test_step_floor_adds_the_kv_of_every_row():
+    roof = Roofline(bandwidth_gbs=100.0, weight_bytes=10**9, kv_bytes_per_token=1000)
+    assert roof.step_ms(1, 0) == pytest.approx(10.0)
+    assert roof.step_ms(4, 500) == pytest.approx((10**9 + 4 * 500 * 1000) / 100e9 * 1e3)
+
+
+def test_copy_bandwidth_is_a_plausible_figure():
+    gbs = copy_bandwidth_gbs(torch.device("cpu"), size_bytes=64 << 20, repeats=3)
+    assert 0.1 < gbs < 10_000
+
+
+def test_latency_bench_reports_the_roofline(make_tiny_llama, tmp_path, capsys):
+    folder, _ = make_tiny_llama()
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--input-len", "8", "--output-len", "5", "--repeats", "1", "--batch-sizes", "1,2",
+                 "--output-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    roof = data["meta"]["roofline"]
+    assert roof["bandwidth_gbs"] > 0 and roof["weight_bytes"] > 0
+    assert roof["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads of 16, fp32
+    for row in data["results"]:
+        assert row["roofline_pct"] == pytest.approx(100 * row["roofline_ms"] / row["tpot_ms"])
+    assert data["results"][1]["roofline_ms"] > data["results"][0]["roofline_ms"]  # more KV read
+    assert "roofline_pct" in capsys.readouterr().out
