@@ -52,10 +52,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "where tessera's kernels build; else float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=64,
-                   help="most sequences decoded together (max_num_seqs)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
-                   help="token budget of one step (prefill chunks + decodes)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="most sequences decoded together (max_num_seqs; default 64 on CPU, 256 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, prefill chunks + decodes (default 1024 on CPU, "
+                        "8192 on CUDA)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="fix the KV cache size instead of sizing it from free memory")

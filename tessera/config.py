@@ -95,6 +95,24 @@ class SchedulerConfig:
                  f"({self.max_num_batched_tokens} < {self.max_num_seqs})")
 
 
+# (max_num_seqs, max_num_batched_tokens) when not given. A CPU step of 64 rows is already
+# compute-bound (docs/benchmarks.md); a GPU's decode step stays bound by its weight reads
+# far beyond that, so throughput grows with the batch up to vLLM's defaults.
+SCHEDULER_DEFAULTS = {"cpu": (64, 1024), "cuda": (256, 8192)}
+
+
+def scheduler_defaults(device: str, max_num_seqs: int | None = None,
+                       max_num_batched_tokens: int | None = None) -> tuple[int, int]:
+    """The given limits, the device's defaults for those left None; a default token budget
+    grows to hold a larger given max_num_seqs (every row of a decode step is a token)."""
+    seqs, tokens = SCHEDULER_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+    if max_num_seqs is not None:
+        seqs = max_num_seqs
+        if max_num_batched_tokens is None:
+            tokens = max(tokens, seqs)
+    return seqs, tokens if max_num_batched_tokens is None else max_num_batched_tokens
+
+
 @dataclass
 class ParallelConfig:
     """Tensor parallelism. With `tensor_parallel_size` > 1 the engine spawns the other ranks

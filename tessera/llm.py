@@ -7,7 +7,7 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from tessera.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tessera.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, scheduler_defaults
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
@@ -22,7 +22,7 @@ class ChatTemplateError(ValueError):
 
 def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   tokenizer: str | None = None, max_model_len: int | None = None,
-                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024,
+                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                   enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                   block_size: int = 16,
                   num_kv_blocks: int | None = None, memory_fraction: float | None = None,
@@ -31,7 +31,10 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
                   enforce_eager: bool = False, tensor_parallel_size: int = 1,
                   parallel: ParallelConfig | None = None) -> EngineConfig:
-    """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments)."""
+    """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments).
+    `max_num_seqs` / `max_num_batched_tokens` left None take the device's defaults
+    (config.scheduler_defaults)."""
+    max_num_seqs, max_num_batched_tokens = scheduler_defaults(device, max_num_seqs, max_num_batched_tokens)
     model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
                                dtype=dtype, max_model_len=max_model_len,
                                chat_template=chat_template, model_impl=model_impl,

@@ -129,3 +129,16 @@ def test_invalid_sampling_option_exits_2_naming_it(tmp_path, capsys):
 def test_models_lists_llama(capsys):
     assert main(["models"]) == 0
     assert "llama" in capsys.readouterr().out.split()
+
+
+def test_scheduler_limits_default_per_device_and_keep_what_is_given():
+    from tessera.config import scheduler_defaults
+    from tessera.llm import engine_config
+
+    assert scheduler_defaults("cpu") == (64, 1024)
+    assert scheduler_defaults("cuda:1") == (256, 8192)
+    assert scheduler_defaults("cpu", 2048) == (2048, 2048)  # the default budget holds every row
+    assert scheduler_defaults("cuda", 16, 512) == (16, 512)
+    assert scheduler_defaults("cpu", None, 4096) == (64, 4096)
+    cfg = engine_config(None, device="cuda").scheduler
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 8192)
