@@ -46,8 +46,10 @@ def test_avx2_only_cpus_take_bf16_through_the_avx2_kernels(monkeypatch, fresh_re
     monkeypatch.setenv(build.ISA_ENV, "avx2")
     assert platform.resolve_dtype("auto", "cpu") == torch.bfloat16
     assert "AVX2 kernels" in platform.cpu_bf16_reason()
-    # int8 weights have no AVX2 kernel: torch would widen them to emulated bf16
-    assert platform.resolve_dtype("auto", "cpu", quantization="int8") == torch.float32
+    # int8 weights run their own AVX2 kernel, on bf16 activations
+    assert platform.resolve_dtype("auto", "cpu", quantization="int8") == torch.bfloat16
+    # transformers' modules would run torch's emulated bf16
+    assert platform.resolve_dtype("auto", "cpu", tessera_ops=False) == torch.float32
 
 
 def test_an_unknown_isa_setting_is_an_error(monkeypatch):

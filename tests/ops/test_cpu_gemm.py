@@ -206,11 +206,13 @@ def test_without_avx512_the_registry_takes_the_avx2_kernel(monkeypatch):
         # ("avx512f, avx512bw, ...") on a CPU without it
         (reason,) = dict(choice.rejected)["cpu_gemm_bf16"]
         assert reason.startswith("this CPU lacks") and "avx512" in reason.lower()
-        # the small kernels run their AVX2 builds under the same builders; int8 weights, torch
+        # the small kernels and the int8 GEMM run their AVX2 builds under the same builders
+        from tessera.ops.cpu import linear_int8 as cpu_int8
         from tessera.ops.cpu import norm as cpu_norm
 
         assert select_op(OpSpec("rms_norm", "cpu", torch.bfloat16)).builder.name == "cpu_rms_norm_bf16"
         assert cpu_norm._KERNEL.runnable_source() == "rms_norm_avx2.c"
-        assert select_op(OpSpec("linear", "cpu", torch.bfloat16, quant="int8")).builder.name == "torch_linear_int8"
+        assert select_op(OpSpec("linear", "cpu", torch.bfloat16, quant="int8")).builder.name == "cpu_gemm_int8"
+        assert cpu_int8._KERNEL.runnable_source() == "gemm_int8_avx2.c"
     finally:
         select_op.cache_clear()

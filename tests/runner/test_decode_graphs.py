@@ -9,10 +9,11 @@ import pytest
 
 from tessera import LLM, SamplingParams
 from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.cpu.linear_int8 import _KERNEL as _INT8_KERNEL
 
 # the AVX512 kernels, or their AVX2 builds (TESSERA_CPU_KERNEL_ISA=avx2 runs this file that way)
 UNAVAILABLE = unavailable_reason("gemm_bf16.c") and unavailable_reason("gemm_bf16_avx2.c")
-INT8_UNAVAILABLE = unavailable_reason("gemm_int8.c")  # AVX512 only
+INT8_UNAVAILABLE = "; ".join(_INT8_KERNEL.check(None)) or None  # the AVX512 or the AVX2 build
 pytestmark = [pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
               pytest.mark.usefixtures("one_thread")]
 

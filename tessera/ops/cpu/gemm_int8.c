@@ -27,14 +27,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "int16_rows.h"
 #include "packed_tile.h"
 #include "panel_tiles.h"
 #include "simd_bf16.h"
 
 #define ROWS 6
 #define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
-#define FLUSH_PAIRS 256
-#define X_MAX 16383.0f
 /* From how many rows the widened bf16 tiles beat the 6-row int16 tiles (default model's
  * matrices, 2 threads). With AVX512-BF16: 4 (4-7 rows 8.4-9.7 ms widened vs 9.1-14.6).
  * Without it the bf16 tile runs as float32 FMAs and widening costs more, so the int16
@@ -94,26 +93,6 @@ static inline __attribute__((always_inline)) void tile(
                                 f32x16_to_bf16(_mm512_fmadd_ps(total[r][q], scale, b)));
         }
     }
-}
-
-/* One bf16 row to int16 at a per-row scale; returns the scale. */
-static float quantize_row(const uint16_t *x, int16_t *out, int64_t k) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < k; i++) {
-        uint32_t bits = (uint32_t)x[i] << 16;
-        float v;
-        memcpy(&v, &bits, sizeof v);
-        amax = fmaxf(amax, fabsf(v));
-    }
-    const float scale = amax > 0.0f && isfinite(amax) ? amax / X_MAX : 1.0f;
-    const float inv = 1.0f / scale;
-    for (int64_t i = 0; i < k; i++) {
-        uint32_t bits = (uint32_t)x[i] << 16;
-        float v;
-        memcpy(&v, &bits, sizeof v);
-        out[i] = (int16_t)lrintf(fminf(fmaxf(v * inv, -X_MAX), X_MAX));
-    }
-    return scale;
 }
 
 #define TILE_CASES(PANELS)                                                                  \
@@ -187,11 +166,9 @@ int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *b
                       int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % 2 || n < 16 || k < 2) return 1;
     if (m >= WIDEN_MIN_ROWS) return gemm_int8_widened(x, packed, bias, y, m, n, k, threads);
-    int16_t *xq = malloc(sizeof(int16_t) * m * k);
-    float *x_scale = malloc(sizeof(float) * m);
-    if (!xq || !x_scale) { free(xq); free(x_scale); return 2; }
-#pragma omp parallel for num_threads(m >= 8 ? threads : 1) schedule(static)
-    for (int64_t r = 0; r < m; r++) x_scale[r] = quantize_row(x + r * k, xq + r * k, k);
+    int16_t *xq;
+    float *x_scale;
+    if (quantize_rows(x, m, k, threads, &xq, &x_scale)) return 2;
     const int64_t panels = n / 16, panel_bytes = 64 + 16 * k;
     int64_t block = ROW_BLOCK_BYTES / (2 * k);
     block = block < ROWS ? ROWS : block / ROWS * ROWS;
@@ -209,7 +186,6 @@ int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *b
             TILE_CASES(1)
         }
     });
-    free(xq);
-    free(x_scale);
+    free(x_scale);  /* xq shares its allocation */
     return 0;
 }

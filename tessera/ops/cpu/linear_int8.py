@@ -1,4 +1,5 @@
-"""The int8 weight-only GEMM builder for `linear` on CPUs with AVX512-BF16 (gemm_int8.c).
+"""The int8 weight-only GEMM builder for `linear` on AVX512 CPUs (gemm_int8.c) and, through
+the same symbol built from gemm_int8_avx2.c, on CPUs with AVX2 but no AVX512.
 
 Weights are quantized per output feature (tessera/ops/linear_int8.py) and packed into the
 kernel's 16-feature panels, each led by its 16 float32 scales. Shapes the kernel cannot
@@ -18,7 +19,8 @@ from tessera.ops.registry import register_op
 
 
 _KERNEL = Kernel("gemm_int8.c", "tessera_gemm_int8",
-                 (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int)
+                 (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int,
+                 fallback_source="gemm_int8_avx2.c")
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:

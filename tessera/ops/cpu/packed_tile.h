@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "panel_tiles.h"
 #include "simd_bf16.h"
 
 #if TESSERA_NATIVE_BF16
@@ -54,31 +55,6 @@ static inline void tile_x_free(const TileX *x) {
 }
 
 #define PACK_ROWS 12
-
-/* The pair of panels a thread multiplies next, fetched into L2 while this tile runs: this
- * tile takes pairs j = phase, phase + every, ... (a tile's share when a pair is walked by
- * `every` tiles), both panels' bytes of pair j. base NULL: nothing to fetch. */
-typedef struct {
-    const char *base;
-    int64_t panel_bytes;  /* from the first panel to the second */
-    int64_t pair_bytes;   /* per pair of k in a panel: 64 (bf16), 32 (int8) */
-    int phase, every;
-} NextPair;
-
-static inline NextPair next_pair(const void *base, int64_t panel_bytes, int64_t pair_bytes,
-                                 int phase, int every) {
-    NextPair next = {(const char *)base, panel_bytes, pair_bytes, phase, every};
-    return next;
-}
-
-/* Called for every pair j of a tile, `at` starting at next.phase. */
-static inline void prefetch_next_pair(const NextPair *next, int64_t j, int64_t *at) {
-    if (next->base && j == *at) {
-        _mm_prefetch(next->base + j * next->pair_bytes, _MM_HINT_T1);
-        _mm_prefetch(next->base + next->panel_bytes + j * next->pair_bytes, _MM_HINT_T1);
-        *at += next->every;
-    }
-}
 
 /* `rows` rows of x against `panels` (1 or 2) consecutive packed panels starting at p. */
 static inline __attribute__((always_inline)) void packed_tile(

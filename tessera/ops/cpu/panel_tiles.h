@@ -7,7 +7,34 @@
  * first tile of this block for this pair: where per-pair work, like widening, goes). */
 #ifndef TESSERA_PANEL_TILES_H
 #define TESSERA_PANEL_TILES_H
+#include <immintrin.h>
 #include <omp.h>
+#include <stdint.h>
+
+/* The pair of panels a thread multiplies next, fetched into L2 while this tile runs: this
+ * tile takes pairs j = phase, phase + every, ... (a tile's share when a pair is walked by
+ * `every` tiles), both panels' bytes of pair j. base NULL: nothing to fetch. */
+typedef struct {
+    const char *base;
+    int64_t panel_bytes;  /* from the first panel to the second */
+    int64_t pair_bytes;   /* per pair of k in a panel: 64 (bf16), 32 (int8) */
+    int phase, every;
+} NextPair;
+
+static inline NextPair next_pair(const void *base, int64_t panel_bytes, int64_t pair_bytes,
+                                 int phase, int every) {
+    NextPair next = {(const char *)base, panel_bytes, pair_bytes, phase, every};
+    return next;
+}
+
+/* Called for every pair j of a tile, `at` starting at next.phase. */
+static inline void prefetch_next_pair(const NextPair *next, int64_t j, int64_t *at) {
+    if (next->base && j == *at) {
+        _mm_prefetch(next->base + j * next->pair_bytes, _MM_HINT_T1);
+        _mm_prefetch(next->base + next->panel_bytes + j * next->pair_bytes, _MM_HINT_T1);
+        *at += next->every;
+    }
+}
 
 #define FOR_EACH_PANEL_TILE(m, panels, block, tile_rows, BODY)                             \
     do {                                                                                   \
