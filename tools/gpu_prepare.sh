@@ -11,13 +11,14 @@ mkdir -p "$(dirname "$exclude")" && touch "$exclude"
 grep -qx "/.gpu/" "$exclude" || echo "/.gpu/" >> "$exclude"
 rm -rf .gpu && mkdir -p .gpu/whl
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-# resolved together, so pinned pairs (pydantic / pydantic-core) match
+# resolved together, so pinned pairs (pydantic / pydantic-core) match; pytest and
+# pytest-timeout are not carried: the image has them, with the plugins built against them
 python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-    -d .gpu/whl fastapi uvicorn prometheus-client httpx pytest pytest-timeout
+    -d .gpu/whl fastapi uvicorn prometheus-client httpx
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
     -d .gpu/whl gguf
 # the GPU image has these already (torch, numpy, ...): carrying them would shadow its builds
-rm -f .gpu/whl/{numpy,torch,typing_extensions,packaging,idna,certifi,pyyaml,PyYAML}-*.whl
+rm -f .gpu/whl/{numpy,torch,typing_extensions,packaging,idna,certifi,pyyaml,PyYAML,pytest,pluggy,iniconfig}-*.whl
 python - <<'PY'
 from pathlib import Path
 from tessera.bench.presets import write_preset

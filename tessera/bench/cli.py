@@ -142,7 +142,8 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
     if args.baseline == "transformers":
         from tessera.bench.transformers_baseline import load_transformers_model
         model = load_transformers_model(engine.router.source, engine.dtype,
-                                        dummy=engine.config.model.load_format == "dummy")
+                                        dummy=engine.config.model.load_format == "dummy",
+                                        device=engine.runner.device)
     for size in sizes:
         w = Workload(size, args.input_len, args.output_len)
         if args.workload == "throughput":

@@ -11,29 +11,34 @@ from tessera.bench.workload import Workload, median
 from tessera.weights.source import ModelSource
 
 
-def load_transformers_model(source: ModelSource, dtype: torch.dtype, dummy: bool = False):
-    """The baseline model; `dummy` (the engine runs --load-format dummy): transformers' own
-    random initialisation of the same config, the same shapes and the same cost per token."""
+def load_transformers_model(source: ModelSource, dtype: torch.dtype, dummy: bool = False,
+                            device: torch.device | str = "cpu"):
+    """The baseline model on `device` (the engine's); `dummy` (the engine runs
+    --load-format dummy): transformers' own random initialisation of the same config, the
+    same shapes and the same cost per token, initialised on the device itself."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dummy:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source.path)), dtype=dtype)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(source.path)), dtype=dtype)
     elif source.is_gguf:  # transformers dequantizes GGUF itself (needs `accelerate`)
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
                                                      dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _generate(model, prompts: list[list[int]], new_tokens: int) -> None:
     """One static batch; prompts of unequal length are left-padded (masked out)."""
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if out.is_cuda:  # the timer stops when the last token exists, not when it was queued
+        torch.cuda.synchronize(out.device)
     assert out.shape[1] == ids.shape[1] + new_tokens
 
 

@@ -7,7 +7,9 @@ compiles, cuBLAS picks its algorithms). Captured with the host-side lengths set 
 max_model_len, so the decode kernel's grid covers any sequence a later step can hold
 (partitions past a sequence's end do nothing). Each graph is then checked once against the
 eager pass on the same inputs; a capture that fails or disagrees turns graphs off with a
-warning, and every step runs eagerly.
+warning, and every step runs eagerly. So does a model whose decode pass syncs with the host
+(mixture-of-experts routing, rotary scaling chosen by length): the first warm-up pass runs
+under tessera/runner/host_syncs.py, and what it records is named instead of captured.
 
 A decode-only step copies its inputs into the static buffers (tessera/runner/graph_inputs.py)
 and replays its bucket's graph: a few kernel launches instead of one per op.
@@ -22,6 +24,7 @@ from torch import nn
 
 from tessera.ops.attention import attention_context
 from tessera.runner.graph_inputs import GraphLimits, StaticDecodeInputs
+from tessera.runner.host_syncs import HostSyncRecorder
 from tessera.runner.inputs import ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -63,7 +66,7 @@ class CudaDecodeGraphs:
         try:
             self._capture_all(limits)
         except Exception as exc:  # noqa: BLE001 - any failure: serve eagerly, say why
-            logger.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)
+            logger.warning("no CUDA decode graphs, decode runs eagerly: %s", exc)
             self._graphs.clear()
             self.inputs = None
             return
@@ -103,8 +106,11 @@ class CudaDecodeGraphs:
         side = torch.cuda.Stream(self.device)
         for bucket in reversed(static.buckets):
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), HostSyncRecorder() as syncs:
                 eager = self._forward(bucket, limits).clone()
+            if syncs.ops:  # before capturing, where CUDA would refuse them mid-graph
+                raise RuntimeError(f"the decode pass syncs with the host ({', '.join(syncs.ops)}), "
+                                   f"which a CUDA graph cannot replay")
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -3,7 +3,7 @@ config (say Llama-3-8B's config.json alone) can be benchmarked at its true shape
 nothing downloaded or read. Values are small (uniform in +-0.02) so activations stay
 finite through deep stacks. Each parameter draws from its own generator seeded by its
 name, so replicated parameters (norms, routers) are identical on every tensor-parallel
-rank; sharded ones are random either way."""
+rank of one device type; sharded ones are random either way."""
 from __future__ import annotations
 
 import zlib
@@ -19,8 +19,11 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> int:
     """Fill every parameter (each shared one once); returns how many were filled."""
     count = 0
     for name, param in model.named_parameters():
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        values = torch.empty(param.shape, dtype=torch.float32).uniform_(
+        # drawn where the parameter lives: one CPU generator would fill an 8B model on a GPU
+        # serially in host memory, then copy it over
+        generator = torch.Generator(device=param.device).manual_seed(
+            seed * 1_000_003 + zlib.crc32(name.encode()))
+        values = torch.empty(param.shape, dtype=torch.float32, device=param.device).uniform_(
             -DUMMY_RANGE, DUMMY_RANGE, generator=generator)
         param.copy_(values.to(param.dtype))
         count += 1
