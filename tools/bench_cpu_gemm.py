@@ -1,0 +1,74 @@
+"""The packed CPU GEMMs that run on this CPU (bf16, int8) over the default model's 211
+weight matrices (30 layers x q, k, v, o, gate, up, down + the LM head), called straight
+through ctypes with the weights in huge pages as the engine holds them: milliseconds per
+pass at each row count, medians, the kernels interleaved so they share the host's state.
+
+    python tools/bench_cpu_gemm.py --rows 1,2,8,32 --repeats 15 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from tessera.ops.cpu import linear as cpu_linear
+from tessera.ops.cpu import linear_int8 as cpu_int8
+from tessera.ops.cpu.build import unavailable_reason
+from tessera.runner.huge_pages import empty_huge_like
+
+# SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocab 49152
+LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+LAYERS, VOCAB = 30, 49152
+
+
+def _huge(t: torch.Tensor) -> torch.Tensor:
+    out = empty_huge_like(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,8,32")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g).bfloat16() for n, k in LAYER_SHAPES] * LAYERS
+    weights.append(torch.randn(VOCAB, 576, generator=g).bfloat16())
+    kernels = {}
+    if unavailable_reason("gemm_bf16.c") is None:
+        kernels["bf16"] = (cpu_linear._GEMM_PACKED, cpu_linear.pack_weight)
+    elif unavailable_reason("gemm_bf16_avx2.c") is None:
+        kernels["bf16 (avx2)"] = (cpu_linear._GEMM_PACKED_AVX2, cpu_linear.pack_weight)
+    if not cpu_int8._KERNEL.check(None):
+        kernels[f"int8 ({cpu_int8._KERNEL.runnable_source()})"] = (cpu_int8._KERNEL, cpu_int8.pack_int8)
+    if not kernels:
+        raise SystemExit("no packed GEMM kernel runs on this CPU")
+    packed = {name: [_huge(pack(w)) for w in weights] for name, (_, pack) in kernels.items()}
+    print(f"{len(weights)} matrices, {args.threads} threads, median of {args.repeats}")
+    for m in (int(r) for r in args.rows.split(",")):
+        keep, calls = [], {}
+        for name, (kernel, _) in kernels.items():
+            calls[name] = []
+            for w, p in zip(weights, packed[name]):
+                n, k = w.shape
+                x, y = torch.randn(m, k, generator=g).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
+                keep += [x, y]
+                calls[name].append((x.data_ptr(), p.data_ptr(), None, y.data_ptr(), m, n, k, args.threads))
+        times = {name: [] for name in kernels}
+        for _ in range(args.repeats + 1):  # the first pass warms up and is dropped
+            for name, (kernel, _) in kernels.items():
+                fn = kernel._fn
+                start = time.perf_counter()
+                for call in calls[name]:
+                    fn(*call)
+                times[name].append(time.perf_counter() - start)
+        line = "  ".join(f"{name} {statistics.median(t[1:]) * 1e3:8.2f} ms" for name, t in times.items())
+        print(f"rows {m:4d}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
