@@ -8,9 +8,9 @@
  * features), and vpmaddwd multiplies a broadcast pair of x against 8 features' pairs into
  * int32 lanes; partial sums move to float32 every FLUSH_PAIRS pairs. The int32 sums are
  * exact, so a row's result does not depend on the tile it lands in, and matches the AVX512
- * build's int16 tiles. vpmaddwd runs at the FMA rate, so unlike the AVX512 build there is
- * no widened path for many rows: the int16 tile stays ahead of float32 FMAs on widened
- * weights at every row count (docs/benchmarks.md, session 5).
+ * build's int16 tiles. vpmaddwd runs at about the FMA rate here, so unlike the AVX512 build
+ * there is no widened path for many rows: these tiles stayed ahead of the bf16 AVX2 GEMM's
+ * float32 FMAs at every row count measured, 1 to 128 (docs/benchmarks.md, session 6).
  * Tiles: up to 3 rows by both panels of a pair (4 int32 accumulators per row), or up to
  * 6 rows by one panel; sixteen ymm registers hold the accumulators, the sign-extended
  * weights and the broadcast. Requires n % 16 == 0 and k % 2 == 0. Built by build.py with
