@@ -25,8 +25,9 @@ class Command(enum.IntEnum):
     RELEASE_KV = 4
 
 
-# command, arg, tokens, seqs, table width, decodes, logit rows, max block id, has padding
-HEADER_LEN = 9
+# command, arg, tokens, seqs, table width, decodes, logit rows, max block id, has padding,
+# prompt-logprob rows (the last logit rows, which the LM head takes in passes of their own)
+HEADER_LEN = 10
 
 
 @dataclass
@@ -47,9 +48,10 @@ class StepChannel:
         payload = None
         if inputs is not None:
             a = inputs.attn
-            header[2:9] = torch.tensor([inputs.input_ids.numel(), a.num_seqs, a.block_tables.shape[1],
-                                        a.num_decodes, inputs.lm_head_indices.numel(),
-                                        inputs.max_block_id, int(a.has_padding)])
+            header[2:] = torch.tensor([inputs.input_ids.numel(), a.num_seqs, a.block_tables.shape[1],
+                                       a.num_decodes, inputs.lm_head_indices.numel(),
+                                       inputs.max_block_id, int(a.has_padding),
+                                       inputs.num_prompt_logit_rows])
             payload = torch.cat([inputs.input_ids.long(), inputs.positions.long(), a.slot_mapping.long(),
                                  a.block_tables.long().flatten(), a.seq_lens.long(),
                                  a.query_start_loc.long(), inputs.lm_head_indices.long()])
@@ -61,7 +63,7 @@ class StepChannel:
         """Other ranks: block until the driver's next command."""
         header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
         dist.broadcast(header, src=0)
-        command, arg, tokens, seqs, width, decodes, rows, max_block, padded = header.tolist()
+        command, arg, tokens, seqs, width, decodes, rows, max_block, padded, prompt_rows = header.tolist()
         command = Command(command)
         if command not in (Command.FORWARD, Command.FORWARD_NO_LOGITS):
             return Received(command, arg)
@@ -76,4 +78,5 @@ class StepChannel:
             num_decodes=decodes, num_decode_tokens=decodes, seq_lens_list=seq_lens_list,
             query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:])],
             has_padding=bool(padded))
-        return Received(command, arg, ModelInputs(ids, positions, attn, lm_rows, [], max_block))
+        return Received(command, arg, ModelInputs(ids, positions, attn, lm_rows, [], max_block,
+                                                  num_prompt_logit_rows=prompt_rows))

@@ -54,7 +54,8 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
         elif msg.command == Command.RELEASE_KV:
             runner.release_kv_cache()
         elif msg.command == Command.FORWARD:
-            runner.forward(msg.inputs)  # its LM head joins the logits all-gather
+            for _ in runner.forward(msg.inputs):  # its LM head joins each pass's all-gather
+                pass
         else:
             runner.forward_no_logits(msg.inputs)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tessera.engine.scheduler import ScheduledSeq
@@ -26,6 +27,7 @@ class ModelInputs:
     max_block_id: int              # highest KV block this step touches
     # after the sampled rows: (sequence, first prompt position, number of positions)
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    num_prompt_logit_rows: int = 0  # the last rows of lm_head_indices (all ranks know this)
 
 
 @dataclass
@@ -52,17 +54,19 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     sampled_rows: list[ScheduledSeq] = []
     prompt_indices: list[int] = []
     prompt_rows: list[PromptRows] = []
+    # the block tables as one flat, zero-padded list: a single tensor conversion for the
+    # step (one per row cost ~20 us each, 5 ms for a 256-row decode step)
     max_blocks = max(len(s.seq.block_table) for s in rows)
-    max_block_id = max(max(s.seq.block_table) for s in rows)
-    tables = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
+    flat_tables: list[int] = []
     for r, item in enumerate(rows):
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         end = start + n
         tokens.extend(seq.token_ids[start:end])
         positions.extend(range(start, end))
         table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        tables[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        _extend_slots(slots, table, start, end, block_size)
+        flat_tables.extend(table)
+        flat_tables.extend([0] * (max_blocks - len(table)))
         seq_lens.append(end)
         query_lens.append(n)
         query_start.append(query_start[-1] + n)
@@ -76,9 +80,11 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                 base = query_start[-2] - start
                 prompt_indices.extend(range(base + first, base + last))
                 prompt_rows.append(PromptRows(item, first, last - first))
+    tables = _tensor(flat_tables, torch.int32).view(len(rows), max_blocks)
+    max_block_id = max(flat_tables)  # padding is 0, and block ids are >= 0
 
     def to(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return _tensor(values, dtype).to(device, non_blocking=True)
 
     attn = AttentionMetadata(
         slot_mapping=to(slots), block_tables=tables.to(device, non_blocking=True),
@@ -86,4 +92,25 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         num_decodes=num_decodes, num_decode_tokens=num_decodes,
         seq_lens_list=seq_lens, query_lens_list=query_lens)
     return ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
-                       sampled_rows, max_block_id, prompt_rows)
+                       sampled_rows, max_block_id, prompt_rows, len(prompt_indices))
+
+
+_NUMPY_INTS = {torch.int32: np.int32, torch.long: np.int64}
+
+
+def _tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of Python ints, through numpy: 3-4x faster than torch.tensor on a list
+    (1.1 ms for the 16k table entries of 256 sequences of 1000 tokens)."""
+    return torch.from_numpy(np.fromiter(values, dtype=_NUMPY_INTS[dtype], count=len(values)))
+
+
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the cache slots of positions [start, end): one range per block touched, not
+    one Python step per token (a 1000-token prompt touches 63 blocks of 16)."""
+    pos = start
+    while pos < end:
+        index = pos // block_size
+        stop = min(end, (index + 1) * block_size)
+        shift = (table[index] - index) * block_size  # slot = table[index] * bs + pos % bs
+        slots.extend(range(pos + shift, stop + shift))
+        pos = stop

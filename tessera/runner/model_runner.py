@@ -4,6 +4,7 @@ and binds them to the model's attention layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -17,6 +18,12 @@ from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.huge_pages import empty_huge_like, move_weights_to_huge_pages
 from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
 from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prompt_logprobs
+
+
+# Prompt-logprob positions whose logits exist at once: a 8192-token prompt chunk of a
+# 128k-vocabulary model would otherwise hold 4 GiB of float32 logits, memory warm-up never
+# measured (it sizes the KV cache for max_num_seqs sampled rows).
+PROMPT_LOGIT_ROWS = 128
 
 
 @dataclass
@@ -114,12 +121,18 @@ class ModelRunner:
             self.graphs.reset(None)
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits [S, vocab] (float32) for the rows in `inputs.lm_head_indices`."""
+    def forward(self, inputs: ModelInputs) -> Iterator[torch.Tensor]:
+        """Logits (float32) for the rows in `inputs.lm_head_indices`, in passes: the
+        sampled rows in one, then the prompt-logprob rows PROMPT_LOGIT_ROWS at a time. Every
+        rank runs the same passes (each joins the LM head's all-gather)."""
         if self.channel is not None:
             self.channel.send(Command.FORWARD, inputs=inputs)
-        hidden = self._run_model(inputs)
-        return self.model.compute_logits(hidden.index_select(0, inputs.lm_head_indices))
+        hidden = self._run_model(inputs).index_select(0, inputs.lm_head_indices)
+        num_sampled = hidden.shape[0] - inputs.num_prompt_logit_rows
+        if num_sampled:
+            yield self.model.compute_logits(hidden[:num_sampled])
+        for start in range(num_sampled, hidden.shape[0], PROMPT_LOGIT_ROWS):
+            yield self.model.compute_logits(hidden[start:start + PROMPT_LOGIT_ROWS])
 
     @torch.inference_mode()
     def forward_no_logits(self, inputs: ModelInputs) -> None:
@@ -145,7 +158,7 @@ class ModelRunner:
         if not inputs.sampled_rows and not inputs.prompt_rows:  # only partial prefill chunks
             self.forward_no_logits(inputs)
             return StepResult()
-        logits = self.forward(inputs)
+        passes = self.forward(inputs)
         rows = inputs.sampled_rows
         result = StepResult()
         if rows:
@@ -154,15 +167,18 @@ class ModelRunner:
                                   generators=[s.generator for s in seqs],
                                   token_ids=[s.token_ids for s in seqs],
                                   num_prompt_tokens=[s.num_prompt_tokens for s in seqs])
-            out = self.sampler.sample(logits[:len(rows)], batch)
+            out = self.sampler.sample(next(passes), batch)
             result.samples = [SampledToken(item, token, lp) for item, token, lp
                               in zip(rows, out.token_ids.tolist(), out.logprobs)]
         if inputs.prompt_rows:
-            targets = [t for r in inputs.prompt_rows for t in r.next_token_ids]
+            targets = torch.tensor([t for r in inputs.prompt_rows for t in r.next_token_ids])
             num_top = [r.item.seq.params.prompt_logprobs for r in inputs.prompt_rows
                        for _ in range(r.count)]
-            info = prompt_logprobs(logits[len(rows):],
-                                   torch.tensor(targets, device=logits.device), num_top)
+            info: list[TokenLogprobs] = []
+            for logits in passes:
+                done = len(info)
+                info += prompt_logprobs(logits, targets[done:done + logits.shape[0]].to(logits.device),
+                                        num_top[done:done + logits.shape[0]])
             offset = 0
             for r in inputs.prompt_rows:
                 result.prompt_logprobs.append((r, info[offset:offset + r.count]))

@@ -13,7 +13,7 @@ import torch
 from tessera.ops.attention import AttentionMetadata
 from tessera.platform import available_memory_bytes
 from tessera.runner.inputs import ModelInputs
-from tessera.runner.model_runner import ModelRunner
+from tessera.runner.model_runner import PROMPT_LOGIT_ROWS, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,14 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        runner.forward(inputs)
+        for _ in runner.forward(inputs):
+            pass
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
     else:
         rss_before = psutil.Process().memory_info().rss
-        runner.forward(inputs)
+        for _ in runner.forward(inputs):
+            pass
         max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         peak = max(max_rss - rss_before, 0)
     runner.release_kv_cache()
@@ -72,7 +74,8 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int)
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,
                   max_num_seqs: int, max_model_len: int) -> KVCachePlan:
     num_tokens = min(max_num_batched_tokens, max_model_len)
-    activation = profile_peak_step(runner, num_tokens, max_num_seqs)
+    # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
+    activation = profile_peak_step(runner, num_tokens, max(max_num_seqs, PROMPT_LOGIT_ROWS))
     available = available_memory_bytes(str(runner.device))
     per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
     budget = int(available * memory_fraction) - activation * runner.ranks_sharing_memory

@@ -37,14 +37,25 @@ def generate(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[li
     return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(n), use_tqdm=False)]
 
 
-def check_tp2_matches_hf(folder: Path, hf: torch.nn.Module) -> LLM:
-    """TP=2 greedy tokens, batched, equal transformers' (each prompt alone)."""
+def check_tp2_matches_hf(folder: Path, hf: torch.nn.Module, prompt_logprobs: bool = False) -> LLM:
+    """TP=2 greedy tokens, batched, equal transformers' (each prompt alone). With
+    `prompt_logprobs`, also a 300-token prompt's logprobs: the LM head takes its rows in
+    three passes, each an all-gather every rank must join."""
     prompts = [prompt_ids(n, seed=3) for n in PROMPT_LENGTHS]
     expected = [hf_generate(hf, p, NEW_TOKENS) for p in prompts]
     with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False,
              tensor_parallel_size=2) as llm:
         assert llm.engine.runner.model is not None and llm.engine.tp_group.world_size == 2
         assert generate(llm, prompts) == expected
+        if prompt_logprobs:
+            long = prompt_ids(300, seed=4)
+            out = llm.generate([long], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0),
+                               use_tqdm=False)[0]
+            with torch.no_grad():
+                want = hf(torch.tensor([long])).logits[0, :-1].float().log_softmax(-1)
+            got = [out.prompt_logprobs[p][long[p]].logprob for p in range(1, 300)]
+            torch.testing.assert_close(torch.tensor(got), want.gather(1, torch.tensor(long[1:])[:, None])[:, 0],
+                                       atol=1e-4, rtol=0)
     return llm
 
 
@@ -117,7 +128,7 @@ LLAMA_CASES = {
 @pytest.mark.parametrize("name", list(LLAMA_CASES))
 def test_llama_tp2_matches_transformers(name, make_tiny_llama):
     folder, hf = make_tiny_llama(seed=len(name), initializer_range=0.1, **LLAMA_CASES[name])
-    check_tp2_matches_hf(folder, hf)
+    check_tp2_matches_hf(folder, hf, prompt_logprobs=name == "uneven-gqa")
 
 
 def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Module:

@@ -181,6 +181,28 @@ def test_streamed_logprobs_arrive_with_their_tokens(make_llm):
 ])
 def test_prompt_logprobs_match_hf(make_llm, hf_model, engine):
     llm = make_llm(**engine)
+    check_prompt_logprobs(llm, hf_model)
+    if "num_kv_blocks" in engine:
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prompt_logprobs_in_lm_head_passes_of_bounded_rows(make_llm, hf_model, monkeypatch):
+    """The LM head takes prompt-logprob rows a few at a time (a long prompt's
+    [positions, vocab] logits never exist whole): passes of at most 4 rows here, still
+    every logprob right, and the sampled rows of the same step in a pass of their own."""
+    import tessera.runner.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_LOGIT_ROWS", 4)
+    llm = make_llm(max_num_batched_tokens=64)
+    rows_per_pass: list[int] = []
+    model = llm.engine.runner.model
+    original = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: rows_per_pass.append(h.shape[0]) or original(h))
+    check_prompt_logprobs(llm, hf_model)
+    assert max(rows_per_pass) == 4 and rows_per_pass.count(4) >= (24 + 16 + 29) // 4
+
+
+def check_prompt_logprobs(llm: LLM, hf_model) -> None:
     prompts = [prompt_ids(n, 8 + n) for n in (25, 3, 17, 30)]
     params = SamplingParams(temperature=0, prompt_logprobs=2, max_new_tokens=6, ignore_eos=True)
     outs = llm.generate(prompts, params)
@@ -195,8 +217,6 @@ def test_prompt_logprobs_match_hf(make_llm, hf_model, engine):
             top = sorted((t for t in entry if entry[t].rank <= 2), key=lambda t: entry[t].rank)
             assert top == row.topk(2).indices.tolist()
             assert len(entry) == 2 + (entry[prompt[p]].rank > 2)
-    if "num_kv_blocks" in engine:
-        assert llm.engine.scheduler.num_preemptions > 0
     # the same greedy tokens as without prompt logprobs
     plain = llm.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
     assert [tokens(o) for o in outs] == [tokens(o) for o in plain]

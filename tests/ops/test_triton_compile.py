@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.ops.triton_compile import SHAPES, SHARED_LIMIT, compile_all
+from tests.ops.triton_compile import SHAPES, SHARED_LIMIT, attention_variants, compile_all
 
 
 def _nvidia_backend_missing() -> str | None:
@@ -50,3 +50,12 @@ def test_float32_and_ampere_kernels_compile():
     small = tuple(s for s in SHAPES if s.name in ("llama-3-8b", "smollm2-135m"))
     _check(compile_all(90, (torch.float32,), small[:1]), 90, no_spills=True)
     _check(compile_all(80, (torch.bfloat16, torch.float32), small), 80, no_spills=False)
+
+
+def test_attention_compiles_once_for_every_step_shape():
+    """Lengths, table widths, partition counts and the decode rows before a prefill change
+    every step: left unspecialised, one compile serves them all (Triton would otherwise
+    compile a variant for each value that is 1 or a multiple of 16: 17 of the decode
+    kernel, a second or so each, in the middle of serving)."""
+    for shape in (SHAPES[0], SHAPES[4]):  # plain, and windowed with soft-capping
+        assert attention_variants(shape) == {"partial_kernel": 1, "merge_kernel": 1, "prefill_kernel": 1}

@@ -13,6 +13,7 @@ from tessera.ops.norm import rms_norm_ref
 from tessera.ops.rotary import rotary_ref
 from tessera.ops.triton.activation import triton_gelu_tanh_and_mul, triton_silu_and_mul
 from tessera.ops.triton.kv_write import triton_kv_write
+from tessera.ops.triton import paged_decode
 from tessera.ops.triton.paged_decode import triton_paged_decode
 from tessera.ops.triton.paged_prefill import triton_paged_prefill
 from tessera.ops.triton.rms_norm import triton_rms_norm
@@ -58,6 +59,47 @@ def check_paged_decode(device: str) -> None:
                     err = (got.cpu() - want).abs().max().item()
                     assert err < 1e-4, (heads, kv_heads, head_size, block_size, window, softcap,
                                         partition_size, lens, err)
+
+
+def check_paged_decode_skips_dead_partitions(device: str) -> None:
+    """As a captured graph runs it: the host claims 600-token sequences (38 partitions of
+    16) while the real ones are shorter, some windowed. Partitions before the window or past
+    the end must be neither written nor read: the workspace starts as NaN, the output still
+    matches, and exactly the live partitions were written."""
+    original = paged_decode.partition_workspace
+    made: list[torch.Tensor] = []
+
+    def poisoned(*args, **kwargs):
+        bufs = original(*args, **kwargs)
+        for buf in bufs:
+            buf.fill_(float("nan"))
+        made.append(bufs[0])
+        return bufs
+
+    paged_decode.partition_workspace = poisoned
+    try:
+        for window in (None, 20):
+            lens = (37, 1, 70, 16)
+            case = make_case([(n, 1) for n in lens], block_size=16, num_heads=9, num_kv_heads=3,
+                             head_size=64, seed=5)
+            kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+            want = paged_decode_ref(case.query, case.k_cache, case.v_cache, case.meta, case.scale, window)
+            meta = case.meta
+            meta.seq_lens_list = [600] * len(lens)
+            for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc"):
+                setattr(meta, name, getattr(meta, name).to(device))
+            got = triton_paged_decode(case.query.to(device), case.k_cache.to(device), case.v_cache.to(device),
+                                      meta, case.scale, window, partition_size=16)
+            err = (got.cpu() - want).abs().max().item()
+            assert err < 1e-4, (window, err)
+            m = made.pop().cpu()  # [seqs, heads, 38 partitions]
+            assert m.shape[-1] == 38
+            for i, n in enumerate(lens):
+                lo = max(n - window, 0) // 16 if window else 0
+                written = ~m[i].isnan().all(dim=0)
+                assert written.tolist() == [lo <= p < -(-n // 16) for p in range(38)], (window, n, written)
+    finally:
+        paged_decode.partition_workspace = original
 
 
 def check_paged_prefill(device: str) -> None:
@@ -134,6 +176,7 @@ if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     check_kv_write(dev)
     check_paged_decode(dev)
+    check_paged_decode_skips_dead_partitions(dev)
     check_paged_prefill(dev)
     check_pointwise(dev)
     print("triton kernels OK")

@@ -159,6 +159,56 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
     return out
 
 
+class _KeyRecorder:
+    """Stands in for a JITFunction: records the key Triton would compile a launch under
+    (signature, specialisations, constexprs), compiling nothing."""
+
+    def __init__(self, fn, keys: dict[str, set[str]]):
+        self.fn, self.keys = fn, keys
+
+    def __getitem__(self, grid):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        def launch(*args, **kwargs):
+            backend = make_backend(GPUTarget("cuda", 90, 32))
+            fn = self.fn
+            bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+            _, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+            self.keys.setdefault(fn.__name__, set()).add(repr((signature, constexprs, attrs)))
+
+        return launch
+
+
+def attention_variants(shape: Shape = SHAPES[0], block_size: int = 16) -> dict[str, int]:
+    """How many compiles the attention kernels need over eager serving steps of one model:
+    decode batches of 1-64 at lengths up to 4k, prefill chunks after 0-17 decodes."""
+    import tessera.ops.triton.paged_decode as paged_decode
+    import tessera.ops.triton.paged_prefill as paged_prefill
+
+    keys: dict[str, set[str]] = {}
+    original_decode, original_prefill = paged_decode._kernels, paged_prefill._kernel
+    paged_decode._kernels = lambda: tuple(_KeyRecorder(k, keys) for k in original_decode())
+    paged_prefill._kernel = lambda: _KeyRecorder(original_prefill(), keys)
+    h, hk, d = shape.heads, shape.kv_heads, shape.head_size
+    k_cache = torch.zeros((4, block_size, hk, d), dtype=torch.bfloat16)
+    try:
+        for batch in (1, 2, 3, 8, 16, 17, 64):
+            for length in range(1, 4096, 61):
+                meta = _meta(batch, [length] * batch, [1] * batch, block_size)
+                paged_decode.triton_paged_decode(torch.zeros((batch, h, d), dtype=torch.bfloat16), k_cache,
+                                                 k_cache, meta, d ** -0.5, shape.window, shape.softcap)
+        for decodes in (0, 1, 2, 16, 17):
+            for q_len, ctx in ((5, 5), (16, 49), (100, 100), (512, 672)):
+                meta = _meta(decodes, [50] * decodes + [ctx], [1] * decodes + [q_len], block_size)
+                paged_prefill.triton_paged_prefill(torch.zeros((q_len, h, d), dtype=torch.bfloat16), None, None,
+                                                   k_cache, k_cache, meta, d ** -0.5, shape.window, shape.softcap)
+    finally:
+        paged_decode._kernels, paged_prefill._kernel = original_decode, original_prefill
+    return {name: len(found) for name, found in keys.items()}
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
     results = compile_all(arch, (torch.bfloat16, torch.float16, torch.float32))

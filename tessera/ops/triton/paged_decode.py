@@ -8,6 +8,9 @@ the group are masked). It walks its partition in tiles of TILE_N tokens whatever
 block size, looking the block of every token up in the table, and keeps a running max /
 sum / weighted V per query head (online softmax). A second kernel merges the partitions;
 with one partition that is a copy, so short contexts pay almost nothing for it.
+Partitions wholly before a sliding window or past a sequence's end read and write nothing
+and the merge reads only the live ones: a captured graph's grid covers max_model_len, so at
+replay most of its partitions are such.
 
 Partitions shrink (down to one tile) while the grid would leave the GPU's SMs idle: batch-1
 decode over a long context still spreads over many programs.
@@ -34,75 +37,85 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # The lengths, partition and table sizes change from step to step: left unspecialised,
+    # one compile serves every step (Triton otherwise compiles a variant per value that is 1
+    # or a multiple of 16, each taking a second mid-serving).
+    @triton.jit(do_not_specialize=["table_width", "num_partitions", "partition"])
     def partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
                        m_ptr, l_ptr, acc_ptr, scale, softcap, window,
-                       num_heads, num_kv_heads, head_size, table_width, num_partitions,
+                       num_heads, num_kv_heads, head_size, table_width, num_partitions, partition,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                       PARTITION: tl.constexpr, TILE: tl.constexpr,
-                       USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                       TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         part = tl.program_id(2)
-        group = num_heads // num_kv_heads
         length = tl.load(lens_ptr + seq)
         first = tl.maximum(length - window, 0)  # window: the host passes a huge one for "none"
-        start = tl.maximum(part * PARTITION, first)
-        end = tl.minimum((part + 1) * PARTITION, length)
-        g = tl.arange(0, BLOCK_G)
-        g_mask = g < group
-        heads = kv_head * group + g
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < head_size
-        q = tl.load(q_ptr + (seq * num_heads + heads)[:, None] * head_size + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-        m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        row = num_kv_heads * head_size
-        offs = tl.arange(0, TILE)
-        for pos0 in range((start // TILE) * TILE, end, TILE):
-            pos = pos0 + offs
-            valid = (pos >= start) & (pos < end)
-            block = tl.load(tables_ptr + seq * table_width + pos // BLOCK_SIZE, mask=valid, other=0)
-            base = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * row + kv_head * head_size
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            if USE_SOFTCAP:
-                s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
-            s = tl.where(valid[None, :], s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        out = (seq * num_heads + heads) * num_partitions + part
-        tl.store(m_ptr + out, m_i, mask=g_mask)
-        tl.store(l_ptr + out, l_i, mask=g_mask)
-        tl.store(acc_ptr + out[:, None] * head_size + d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :])
+        start = tl.maximum(part * partition, first)
+        end = tl.minimum((part + 1) * partition, length)
+        # Partitions outside [first, length) read and write nothing (the merge skips them):
+        # a captured graph's grid covers max_model_len, so most of its partitions are these.
+        if start < end:
+            group = num_heads // num_kv_heads
+            g = tl.arange(0, BLOCK_G)
+            g_mask = g < group
+            heads = kv_head * group + g
+            d = tl.arange(0, BLOCK_D)
+            d_mask = d < head_size
+            q = tl.load(q_ptr + (seq * num_heads + heads)[:, None] * head_size + d[None, :],
+                        mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+            m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+            l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+            row = num_kv_heads * head_size
+            offs = tl.arange(0, TILE)
+            for pos0 in range((start // TILE) * TILE, end, TILE):
+                pos = pos0 + offs
+                valid = (pos >= start) & (pos < end)
+                block = tl.load(tables_ptr + seq * table_width + pos // BLOCK_SIZE, mask=valid, other=0)
+                base = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * row + kv_head * head_size
+                kv_mask = valid[:, None] & d_mask[None, :]
+                k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+                if USE_SOFTCAP:
+                    s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
+                s = tl.where(valid[None, :], s, -float("inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                m_i = m_new
+            out = (seq * num_heads + heads) * num_partitions + part
+            tl.store(m_ptr + out, m_i, mask=g_mask)
+            tl.store(l_ptr + out, l_i, mask=g_mask)
+            tl.store(acc_ptr + out[:, None] * head_size + d[None, :], acc,
+                     mask=g_mask[:, None] & d_mask[None, :])
 
-    @triton.jit
-    def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_heads, head_size, num_partitions,
-                     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
-        # in chunks of BLOCK_P partitions, so a long context never needs a huge tile
+    @triton.jit(do_not_specialize=["num_partitions", "partition"])
+    def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lens_ptr, window, num_heads, head_size,
+                     num_partitions, partition, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+        # only the partitions the first kernel wrote (those within [first, length)), in
+        # chunks of BLOCK_P, so a long context never needs a huge tile
         seq = tl.program_id(0)
         head = tl.program_id(1)
+        length = tl.load(lens_ptr + seq)
+        lo = tl.maximum(length - window, 0) // partition
+        hi = (length + partition - 1) // partition
         base = (seq * num_heads + head) * num_partitions
         p = tl.arange(0, BLOCK_P)
         m_all = -float("inf")
-        for p0 in range(0, num_partitions, BLOCK_P):
-            m = tl.load(m_ptr + base + p0 + p, mask=p0 + p < num_partitions, other=-float("inf"))
+        for p0 in range(lo, hi, BLOCK_P):
+            m = tl.load(m_ptr + base + p0 + p, mask=p0 + p < hi, other=-float("inf"))
             m_all = tl.maximum(m_all, tl.max(m, axis=0))
         d = tl.arange(0, BLOCK_D)
         dmask = d < head_size
         total = tl.zeros([BLOCK_P], dtype=tl.float32)
         o = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for p0 in range(0, num_partitions, BLOCK_P):
-            pmask = p0 + p < num_partitions
+        for p0 in range(lo, hi, BLOCK_P):
+            pmask = p0 + p < hi
             m = tl.load(m_ptr + base + p0 + p, mask=pmask, other=-float("inf"))
             l = tl.load(l_ptr + base + p0 + p, mask=pmask, other=0.0)
             w = tl.where(pmask & (l > 0), tl.exp(m - m_all), 0.0)
@@ -149,6 +162,15 @@ def choose_partition(batch: int, num_kv_heads: int, max_len: int, largest: int =
     return size
 
 
+def partition_workspace(batch: int, num_heads: int, num_partitions: int, head_size: int,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per (sequence, head, partition): running max, sum and weighted V, float32, left
+    uninitialised (only live partitions are written, and only they are read)."""
+    m = torch.empty((batch, num_heads, num_partitions), dtype=torch.float32, device=device)
+    acc = torch.empty((batch, num_heads, num_partitions, head_size), dtype=torch.float32, device=device)
+    return m, torch.empty_like(m), acc
+
+
 @register_op("paged_attention", name="triton_paged_decode", priority=20, devices=("cuda",),
              phases=("decode",), check=triton_missing)
 def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -168,20 +190,18 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q = query[:b].contiguous()
     tables = meta.block_tables[:b].contiguous()
     lens = meta.seq_lens[:b].contiguous()
-    stats = torch.empty((b, num_heads, num_partitions), dtype=torch.float32, device=q.device)
-    m, l = stats, torch.empty_like(stats)
-    acc = torch.empty((b, num_heads, num_partitions, head_size), dtype=torch.float32, device=q.device)
+    m, l, acc = partition_workspace(b, num_heads, num_partitions, head_size, q.device)
     out = torch.empty_like(q)
     partial_kernel, merge_kernel = _kernels()
     block_d = _next_power_of_2(max(head_size, 16))  # tl.dot needs 16 at least on each side
     group = num_heads // num_kv_heads
+    window = sliding_window or NO_WINDOW
     partial_kernel[(b, num_kv_heads, num_partitions)](
-        q, k_cache, v_cache, tables, lens, m, l, acc, scale, softcap or 1.0,
-        sliding_window or NO_WINDOW,
-        num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions,
+        q, k_cache, v_cache, tables, lens, m, l, acc, scale, softcap or 1.0, window,
+        num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions, partition_size,
         BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_next_power_of_2(max(group, 16)),
-        PARTITION=partition_size, TILE=min(key_tile(head_size, k_cache.dtype), partition_size),
+        TILE=min(key_tile(head_size, k_cache.dtype), partition_size),
         USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype))
-    merge_kernel[(b, num_heads)](m, l, acc, out, num_heads, head_size, num_partitions,
-                                 BLOCK_D=block_d, BLOCK_P=min(MERGE_CHUNK, _next_power_of_2(num_partitions)))
+    merge_kernel[(b, num_heads)](m, l, acc, out, lens, window, num_heads, head_size, num_partitions,
+                                 partition_size, BLOCK_D=block_d, BLOCK_P=MERGE_CHUNK)
     return out

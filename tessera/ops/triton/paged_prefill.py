@@ -17,7 +17,6 @@ from tessera.ops.triton.availability import triton_missing
 from tessera.ops.triton.paged_decode import NO_WINDOW, _next_power_of_2, dot_precision
 
 
-
 def prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int]:
     """(query rows, key tokens) per step: 64 x 64 while a head row is at most 256 bytes
     (128 wide in bf16), smaller tiles for wider rows, which would spill registers. float32
@@ -34,7 +33,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # which rows are decodes and how wide the tables are change every step: unspecialised
+    # (see paged_decode.py)
+    @triton.jit(do_not_specialize=["first_seq", "first_row", "table_width"])
     def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr,
                        first_seq, first_row, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width,
