@@ -164,7 +164,7 @@ class LLM:
         show = self.show_progress if use_tqdm is None else use_tqdm
         try:
             with tqdm(total=len(prompts), desc="Generating", unit=" prompts", disable=not show) as bar:
-                for out in engine.iter_outputs(ids):
+                for out in engine.iter_outputs(ids, stream=False):
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

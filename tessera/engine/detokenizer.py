@@ -7,18 +7,33 @@ tokens out (a stop token whose text the caller does not want).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from transformers import PreTrainedTokenizerBase
 
 from tessera.engine.sequence import Sequence
 
+Decode = Callable[[list[int], bool], str]  # (token ids, skip special tokens) -> text
 
-def _advance(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool, end: int | None) -> str:
+
+def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    """`tokenizer.decode`, or the same function through its Rust backend where that is
+    exact (a fast tokenizer that cleans up no spaces): transformers' decode spends about
+    four fifths of its time converting and checking its arguments, and this runs twice per
+    generated token (0.39 of 0.47 s detokenizing 16k tokens in a 256-sequence run)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def _advance(decode: Decode, seq: Sequence, final: bool, end: int | None) -> str:
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids if end is None else seq.token_ids[:end]
     if len(ids) <= seq.read_offset:
         return ""
-    prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-    full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    prefix_text = decode(ids[seq.prefix_offset:seq.read_offset], skip)
+    full_text = decode(ids[seq.prefix_offset:], skip)
     if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
         return ""
     delta = full_text[len(prefix_text):]
@@ -27,13 +42,12 @@ def _advance(tokenizer: PreTrainedTokenizerBase, seq: Sequence, final: bool, end
     return delta
 
 
-def detokenize_incrementally(tokenizer: PreTrainedTokenizerBase, seq: Sequence,
-                             end: int | None = None) -> str:
+def detokenize_incrementally(decode: Decode, seq: Sequence, end: int | None = None) -> str:
     """Append to `seq.text` what the newest tokens (up to `end`) add, and return that delta."""
-    return _advance(tokenizer, seq, final=False, end=end)
+    return _advance(decode, seq, final=False, end=end)
 
 
-def flush(tokenizer: PreTrainedTokenizerBase, seq: Sequence, end: int | None = None) -> str:
+def flush(decode: Decode, seq: Sequence, end: int | None = None) -> str:
     """At the end of a sequence, emit whatever was held back (an incomplete character is
     emitted as U+FFFD rather than lost)."""
-    return _advance(tokenizer, seq, final=True, end=end)
+    return _advance(decode, seq, final=True, end=end)

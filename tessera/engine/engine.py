@@ -206,9 +206,12 @@ class Engine:
 
     # --- the loop ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, stream: bool = True) -> list[RequestOutput]:
         """Schedule, run the model once, and report every request that got a new token
-        (see outputs.py for what a RequestOutput holds while streaming and at the end)."""
+        (see outputs.py for what a RequestOutput holds while streaming and at the end).
+        With `stream=False` only requests that finished are reported: offline callers that
+        keep only final outputs skip building one per request per step (its token ids and
+        text copied each time: quadratic in the output length)."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self.scheduler.has_unfinished():
@@ -237,6 +240,8 @@ class Engine:
         for group, deltas in progressed.items():
             if group.is_finished:
                 self.requests.pop(group.request_id, None)
+            elif not stream:
+                continue
             outputs.append(processor.request_output(group, deltas, now))
         return outputs
 
@@ -273,14 +278,16 @@ class Engine:
         self._fatal = self._fatal or EngineFatalError("the engine was closed")
         group.close()
 
-    def iter_outputs(self, request_ids: Collection[str] | None = None) -> Iterator[RequestOutput]:
+    def iter_outputs(self, request_ids: Collection[str] | None = None,
+                     stream: bool = True) -> Iterator[RequestOutput]:
         """Step until the given requests (default: all) have finished, yielding their
-        outputs as they come: the streaming view of step() for offline use. Other
-        requests keep running; their outputs are not yielded."""
+        outputs as they come (with `stream=False`, only the final ones): the streaming view
+        of step() for offline use. Other requests keep running; their outputs are not
+        yielded."""
         wanted = None if request_ids is None else set(request_ids)
         remaining = None if wanted is None else {r for r in wanted if r in self.requests}
         while self.has_unfinished() and (remaining is None or remaining):
-            for out in self.step():
+            for out in self.step(stream):
                 if wanted is None or out.request_id in wanted:
                     if out.finished and remaining is not None:
                         remaining.discard(out.request_id)

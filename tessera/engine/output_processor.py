@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from tessera.engine.detokenizer import detokenize_incrementally, flush
+from tessera.engine.detokenizer import detokenize_incrementally, fast_decoder, flush
 from tessera.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.stop import find_stop, partial_stop_length
@@ -18,6 +18,7 @@ Delta = tuple[str, list[int]]  # text and token ids one step added to a sequence
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
+        self._decode = fast_decoder(tokenizer)
         self.eos_token_ids = eos_token_ids
         self._token_text: dict[int, str] = {}
 
@@ -72,10 +73,10 @@ class OutputProcessor:
         end = seq.num_tokens - 1 if reason is not None and not params.include_stop_str_in_output else None
         before = len(seq.text)
         if reason is not None or at_length:
-            detokenize_incrementally(self.tokenizer, seq, end)
-            flush(self.tokenizer, seq, end)
+            detokenize_incrementally(self._decode, seq, end)
+            flush(self._decode, seq, end)
         else:
-            detokenize_incrementally(self.tokenizer, seq)
+            detokenize_incrementally(self._decode, seq)
         visible = len(seq.text)
         if reason is None and params.stop and may_stop:
             match = find_stop(seq.text, len(seq.text) - before, params.stop)

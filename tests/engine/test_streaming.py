@@ -229,6 +229,27 @@ def test_iter_outputs_leaves_other_requests_running(llm):
     assert len(rest[-1].outputs[0].token_ids) == 8
 
 
+def test_final_only_steps_report_finished_requests_with_the_same_outputs(llm):
+    """step(stream=False), what offline generate uses: no output for a request until it
+    finishes, then the same one a streaming step gives."""
+    engine = llm.engine
+    prompts = {"a": ("The quick", 3), "b": ("Paged attention", 7), "c": ("def fib", 5)}
+    for request_id, (prompt, n) in prompts.items():
+        engine.add_request(request_id, prompt, greedy(n))
+    finals = []
+    while engine.has_unfinished():
+        outs = engine.step(stream=False)
+        assert all(o.finished for o in outs)
+        finals += outs
+    assert sorted(o.request_id for o in finals) == ["a", "b", "c"]
+    for out in finals:
+        prompt, n = prompts[out.request_id]
+        (want,) = llm.generate([prompt], greedy(n))
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert out.outputs[0].text == want.outputs[0].text
+        assert out.outputs[0].finish_reason == want.outputs[0].finish_reason == "length"
+
+
 # --- the default model's tokenizer (SmolLM2's byte-level BPE, 49k tokens) ------------------------
 
 @pytest.fixture(scope="module")
@@ -265,3 +286,31 @@ def test_default_tokenizer_streams_whole_characters_and_stops(smollm_tokenizer, 
     expected = text if stop is None else text[:text.index(stop)]
     assert seq.output_text == expected
     assert seq.finish_reason.value == ("length" if stop is None else "stop_sequence")
+
+
+@pytest.mark.slow
+def test_fast_decoder_equals_the_tokenizers_decode(smollm_tokenizer, tiny_tokenizer_dir):
+    """The detokenizer decodes through the Rust backend where transformers' decode would
+    return the same text: checked on random id windows (special tokens included, skipped
+    or not) for the default tokenizer and the tests' tiny one; a tokenizer that cleans up
+    spaces keeps transformers' decode."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tessera.engine.detokenizer import fast_decoder
+
+    rng = random.Random(0)
+    for tok in (smollm_tokenizer, AutoTokenizer.from_pretrained(tiny_tokenizer_dir)):
+        decode = fast_decoder(tok)
+        specials = tok.all_special_ids
+        for _ in range(300):
+            ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok))
+                   for _ in range(rng.randrange(0, 12))]
+            for skip in (False, True):
+                assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+    cleaning = AutoTokenizer.from_pretrained(tiny_tokenizer_dir, clean_up_tokenization_spaces=True)
+    calls = []
+    cleaning.decode = lambda ids, skip_special_tokens: calls.append(ids) or ""
+    fast_decoder(cleaning)([5, 6], False)
+    assert calls == [[5, 6]]

@@ -1,0 +1,62 @@
+"""The engine's host time per decode step, with the model taken out: the default model's
+forward returns zeros, its LM head an empty row per sequence and the sampler random token
+ids, so a step is only what the host does around the model (scheduling, building inputs,
+appending tokens, detokenizing, outputs; not the sampler's arithmetic). On a GPU this time adds to every step unless it overlaps; at 256
+rows of an 8B model a step is ~20-30 ms of device time.
+
+    python tools/bench_host_overhead.py --rows 256 --output-len 64 --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.sampling.sampler import SamplerOutput
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=256, help="sequences decoding together")
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokens = args.rows * (args.input_len + args.output_len)
+    llm = LLM(None, dtype="bfloat16", show_progress=False, max_num_seqs=args.rows,
+              max_num_batched_tokens=max(args.rows * args.input_len, 1024), num_kv_blocks=tokens // 16 + args.rows)
+    runner = llm.engine.runner
+    hidden = runner.model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    runner._run_model = lambda inputs: torch.zeros(inputs.input_ids.shape[0], hidden, dtype=torch.bfloat16)
+    runner.model.compute_logits = lambda h: h[:, :1].float()
+    runner.sampler.sample = lambda logits, batch: SamplerOutput(
+        torch.randint(100, 40000, (logits.shape[0],), generator=g), [None] * logits.shape[0])
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(args.rows)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    engine, step = llm.engine, llm.engine.step
+    times: list[float] = []
+
+    def timed(*a, **kw):
+        start = time.perf_counter()
+        out = step(*a, **kw)
+        times.append(time.perf_counter() - start)
+        return out
+
+    engine.step = timed
+    for r in range(args.repeats):
+        times.clear()
+        llm.generate(prompts, params, use_tqdm=False)
+        decode = sorted(times)[:-1]  # the prefill step is the slowest
+        print(f"run {r + 1}: {len(times)} steps, decode step median {statistics.median(decode) * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
