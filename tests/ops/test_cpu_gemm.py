@@ -216,3 +216,21 @@ def test_without_avx512_the_registry_takes_the_avx2_kernel(monkeypatch):
         assert cpu_int8._KERNEL.runnable_source() == "gemm_int8_avx2.c"
     finally:
         select_op.cache_clear()
+
+
+@needs_avx2_kernel
+def test_avx2_rows_come_out_the_same_in_any_batch():
+    """A row's output does not depend on the rows beside it: from three rows on, both paths
+    (widening in registers below 24 rows, a float32 copy of the panel from 24) and every
+    tile split sum in the same order, bit for bit (padded decode-graph buckets rely on it)."""
+    g = torch.Generator().manual_seed(12)
+    w = cpu_linear.pack_weight(torch.randn(80, 576, generator=g).bfloat16())
+    b = torch.randn(80, generator=g).bfloat16()
+    x = torch.randn(64, 576, generator=g).bfloat16()
+    want = cpu_linear.gemm_linear_avx2(x[:3], w, b)
+    for m in (4, 5, 7, 16, 23, 24, 25, 31, 64):
+        got = cpu_linear.gemm_linear_avx2(x[:m], w, b)
+        assert torch.equal(got[:3], want), m
+    two = cpu_linear.gemm_linear_avx2(x[:2], w, b)  # one and two rows: their own order
+    assert torch.equal(cpu_linear.gemm_linear_avx2(x[:1], w, b), two[:1])
+    assert_bf16_close(two, x[:2], cpu_linear.unpack_weight(w), b)
