@@ -1,8 +1,10 @@
 """Triton kernels (CUDA builders) against the pure-torch ops through Triton's interpreter on
 CPU: kv_write with padded slots, paged decode with GQA/MHA, odd head sizes, block sizes 4
-and 16, windows, soft-capping and multi-partition merges, and varlen prefill chunks over
-prefix-cached context (causal by absolute position) with windows and soft-capping. Skipped without triton; on a
-GPU machine the same cases also run on the device."""
+and 16, windows, soft-capping, multi-partition merges and partitions a captured graph leaves
+empty, and varlen prefill chunks over prefix-cached context (causal by absolute position)
+with windows and soft-capping. Then the whole engine with every Triton builder in place,
+through the interpreter, against transformers. Skipped without triton; on a GPU machine the
+kernel cases also run on the device."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,6 +33,32 @@ def test_kernels_match_torch_under_the_interpreter():
     result = run_cases("cpu", interpret=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "triton kernels OK" in result.stdout
+
+
+@needs_triton
+def test_engine_through_interpreted_triton_kernels_matches_transformers(tmp_path, tiny_tokenizer_dir):
+    """The engine as a CUDA run drives it (every Triton builder, its metadata, mixed
+    prefill/decode steps, chunked prefill, prefix-cache hits), on CPU through the
+    interpreter: transformers' greedy tokens, token and prompt logprobs in float32, for GQA
+    Llama, Mistral's sliding window and Gemma-2's soft-capping + window + GELU."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, \
+        MistralForCausalLM
+
+    from tests.models.parity import make_tiny
+    from tests.models.test_gemma2_parity import BASE as GEMMA2_BASE
+
+    folders = []
+    for name, config, model, extra in (("llama", LlamaConfig, LlamaForCausalLM, {}),
+                                       ("mistral", MistralConfig, MistralForCausalLM, dict(sliding_window=8)),
+                                       ("gemma2", Gemma2Config, Gemma2ForCausalLM,
+                                        dict(base=GEMMA2_BASE, attn_implementation="eager"))):
+        folders.append(tmp_path / name)
+        make_tiny(folders[-1], tiny_tokenizer_dir, config, model, seed=3, **extra)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "tests.ops.triton_engine_case", *map(str, folders)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "engine through triton OK" in result.stdout
 
 
 @needs_triton

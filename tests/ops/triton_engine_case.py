@@ -1,0 +1,79 @@
+"""The whole engine with every Triton builder in place of the torch ops, on CPU tensors
+through Triton's interpreter (run by test_triton_kernels.py in a subprocess with
+TRITON_INTERPRET=1): what a CUDA run would execute, kernel for kernel, as the engine calls
+it (its metadata, its strides and views, mixed prefill/decode steps, prefix-cache hits,
+chunked prefill), against transformers' greedy tokens and logits in float32.
+
+    TRITON_INTERPRET=1 python -m tests.ops.triton_engine_case FOLDER [FOLDER ...]
+
+Each FOLDER holds a tiny checkpoint (and its tokenizer) saved by the test."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.ops import registry
+from tessera.ops.triton import activation, kv_write, paged_decode, paged_prefill, rms_norm, rotary  # noqa: F401
+
+from tests.models.parity import FP32_ATOL, hf_generate, hf_logits
+
+NEW_TOKENS = 6
+
+
+def expose_triton_builders_on_cpu() -> list[str]:
+    """Register each CUDA Triton builder again for the CPU, above every CPU builder."""
+    names = []
+    for kind in registry.OP_KINDS:
+        for b in registry.builders(kind):
+            if b.devices == ("cuda",) and b.name.startswith("triton_"):
+                registry.register_op(kind, name=f"interpreted_{b.name}", priority=1000, devices=("cpu",),
+                                     dtypes=b.dtypes, phases=b.phases, quant=b.quant, check=b.check,
+                                     prepare=b.prepare)(b.impl)
+                names.append(b.name)
+    return names
+
+
+def check(folder: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(1)
+    vocab = hf.config.vocab_size
+    shared = torch.randint(3, vocab, (21,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 14)]
+    prompts += [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 9, 40)]
+    # 16 tokens a step: long prompts arrive in chunks while others decode; block 4 with
+    # prefix caching: the second shared prompt reuses the first one's blocks
+    with LLM(folder, dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=16,
+             max_num_seqs=4, enforce_eager=True, show_progress=False) as llm:
+        used = {c.builder.name for c in registry.selections() if c.spec.device == "cpu"}
+        assert {"interpreted_triton_paged_decode", "interpreted_triton_paged_prefill",
+                "interpreted_triton_kv_write", "interpreted_triton_rms_norm"} <= used, used
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1,
+                                prompt_logprobs=1)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.block_manager.prefix_hits == 0  # prompt logprobs: nothing skipped
+        hits = llm.generate([prompts[1]], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+        assert llm.engine.block_manager.prefix_hits > 0
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == hf_generate(hf, prompt, NEW_TOKENS), (folder, len(prompt))
+        logits = hf_logits(hf, prompt + tokens).log_softmax(-1)
+        got = torch.tensor([out.outputs[0].logprobs[i][t].logprob for i, t in enumerate(tokens)])
+        want = logits[len(prompt) - 1:-1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+        got_prompt = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+        want_prompt = logits[:len(prompt) - 1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(got_prompt, want_prompt, atol=FP32_ATOL, rtol=0)
+    assert hits.outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+if __name__ == "__main__":
+    exposed = expose_triton_builders_on_cpu()
+    assert len(exposed) >= 7, exposed
+    for folder in sys.argv[1:]:
+        check(folder)
+    print("engine through triton OK")
