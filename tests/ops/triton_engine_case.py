@@ -35,10 +35,41 @@ def expose_triton_builders_on_cpu() -> list[str]:
     return names
 
 
+def replay_like_a_cuda_graph(llm: LLM) -> list[int]:
+    """From now on, each decode-only step also runs as a captured CUDA graph replays it
+    (runner/cuda_graphs.py without the capture): inputs copied into the static buffers,
+    padded up to the bucket (slot -1, one key of block 0), host-side lengths at
+    max_model_len, so the decode grid covers partitions past every sequence's end. Its rows
+    must equal the eager step's. Returns the (rows, bucket) of each step it checked, growing."""
+    from tessera.ops.attention import attention_context
+    from tessera.runner.cuda_graphs import cuda_buckets
+    from tessera.runner.graph_inputs import GraphLimits, StaticDecodeInputs
+
+    runner = llm.engine.runner
+    limits = GraphLimits(llm.engine.config.scheduler.max_num_seqs, llm.engine.max_model_len)
+    static = StaticDecodeInputs(cuda_buckets(limits.max_num_seqs), limits, runner.block_size, runner.device)
+    eager_run, checked = runner._run_model, []
+
+    def run_model(inputs):
+        eager = eager_run(inputs)
+        bucket = static.bucket_for(inputs)
+        if bucket is not None:
+            rows = inputs.input_ids.shape[0]
+            static.fill(inputs, bucket)
+            with attention_context(static.metadata(bucket, [limits.max_model_len] * bucket)):
+                replayed = runner.model(static.ids[:bucket], static.positions[:bucket])
+            torch.testing.assert_close(replayed[:rows], eager, atol=1e-5, rtol=1e-5)
+            checked.append((rows, bucket))
+        return eager
+
+    runner._run_model = run_model
+    return checked
+
+
 def check(folder: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(1)
     vocab = hf.config.vocab_size
     shared = torch.randint(3, vocab, (21,), generator=g).tolist()
@@ -51,6 +82,7 @@ def check(folder: str) -> None:
         used = {c.builder.name for c in registry.selections() if c.spec.device == "cpu"}
         assert {"interpreted_triton_paged_decode", "interpreted_triton_paged_prefill",
                 "interpreted_triton_kv_write", "interpreted_triton_rms_norm"} <= used, used
+        replayed = replay_like_a_cuda_graph(llm)
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1,
                                 prompt_logprobs=1)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -58,6 +90,10 @@ def check(folder: str) -> None:
         hits = llm.generate([prompts[1]], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
                                                           ignore_eos=True), use_tqdm=False)[0]
         assert llm.engine.block_manager.prefix_hits > 0
+        three = llm.generate(prompts[:3], SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)  # decode steps of 3 rows: the 4-row bucket, padded
+        assert [o.outputs[0].token_ids for o in three] == [o.outputs[0].token_ids[:3] for o in outs[:3]]
+        assert any(rows < bucket for rows, bucket in replayed), replayed  # padded rows among them
     for prompt, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
         assert tokens == hf_generate(hf, prompt, NEW_TOKENS), (folder, len(prompt))
