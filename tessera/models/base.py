@@ -131,5 +131,6 @@ class BaseRouter:
             return iter_gguf_weights(
                 self.source.path, permute_qk=self.gguf_permute_qk,
                 num_heads=cfg.num_attention_heads,
-                num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+                num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                index_dir=self.metadata_dir)
         return iter_hf_weights(self.source.path, lazy=True)

@@ -20,13 +20,18 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+# Not a model folder: the router for types no folder serves, imported only when chosen
+# (it imports transformers' modeling code, seconds of every start otherwise).
+FALLBACK_PACKAGE = "transformers_fallback"
+
+
 @lru_cache(maxsize=None)
 def router_classes() -> dict[str, type[BaseRouter]]:
     import tessera.models as package
 
     found: dict[str, type[BaseRouter]] = {}
     for info in pkgutil.iter_modules(package.__path__):
-        if not info.ispkg:
+        if not info.ispkg or info.name == FALLBACK_PACKAGE:
             continue
         module = importlib.import_module(f"{package.__name__}.{info.name}.router")
         for obj in vars(module).values():
@@ -57,13 +62,13 @@ def choose_router(model_type: str | None, model_impl: str = "auto",
     """The router for `model_type` under --model-impl: native folders first under auto,
     transformers' own modeling code for types no folder serves (not for GGUF files, which
     only native folders load)."""
+    native = router_classes().get(model_type)
+    if native is not None and model_impl != "transformers":
+        return native
     from tessera.models.transformers_fallback.router import TransformersRouter, transformers_has_causal_lm
 
-    native = router_classes().get(model_type)
     if model_impl == "transformers":
         return TransformersRouter
-    if native is not None:
-        return native
     if model_impl == "auto" and transformers_has_causal_lm(model_type) and not is_gguf:
         return TransformersRouter
     if is_gguf:

@@ -1,5 +1,8 @@
 """GGUF files: tensors dequantized with the `gguf` package and renamed to Hugging Face names;
-config and tokenizer converted once by transformers and cached as a plain folder.
+config and tokenizer converted once by transformers and cached as a plain folder, with an
+index of the tensors (where each lies in the file), so later loads map the file directly:
+the `gguf` package's reader parses every metadata value first, 3.4 s for the default
+model's 49k-token vocabulary, on every start.
 
 llama.cpp's converter permutes the rows of Q and K for llama-family models (it uses the
 interleaved rotary layout); models that need it set `gguf_permute_qk`, and we undo it here.
@@ -10,6 +13,7 @@ import hashlib
 import json
 import logging
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -30,7 +34,8 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-CONVERSION_VERSION = 3  # bump when the cached folder's contents change
+CONVERSION_VERSION = 4  # bump when the cached folder's contents change
+TENSOR_INDEX = "gguf-tensors.json"
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -52,23 +57,57 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, head_rows // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int,
-                      num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file."""
+@dataclass(frozen=True)
+class GGUFTensor:
+    """Where one tensor lies in the file, as the `gguf` reader found it."""
+
+    name: str
+    tensor_type: int          # a gguf.GGMLQuantizationType value
+    shape: tuple[int, ...]    # GGUF order (fastest dimension first)
+    data_shape: tuple[int, ...]  # the stored array: bytes per row for quantized types
+    data_dtype: str
+    offset: int               # from the start of the file
+    n_bytes: int
+
+
+def read_tensor_index(path: Path) -> list[GGUFTensor]:
     from gguf import GGUFReader
+
+    return [GGUFTensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape),
+                       tuple(int(d) for d in t.data.shape), t.data.dtype.str, int(t.data_offset), int(t.n_bytes))
+            for t in GGUFReader(str(path)).tensors]
+
+
+def _cached_tensor_index(path: Path, index_dir: Path | None) -> list[GGUFTensor]:
+    index = None if index_dir is None else Path(index_dir) / TENSOR_INDEX
+    if index is not None and index.is_file():
+        return [GGUFTensor(**{**t, "shape": tuple(t["shape"]), "data_shape": tuple(t["data_shape"])})
+                for t in json.loads(index.read_text())]
+    return read_tensor_index(path)
+
+
+def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,
+                      index_dir: Path | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file; `index_dir` is the
+    converted metadata folder holding the tensor index (without one, the file is parsed)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    for tensor in reader.tensors:
+    tensors = _cached_tensor_index(path, index_dir)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    for tensor in tensors:
+        data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
+        data = data.reshape(tensor.data_shape)
+        tensor_type = GGMLQuantizationType(tensor.tensor_type)
         if tensor.name == "rope_freqs.weight":
             raise ValueError(f"{path.name} stores precomputed rope frequencies (llama3-style rope "
                              "scaling), which tessera does not read from GGUF yet; use the Hugging "
                              "Face folder of this model instead")
         name = hf_tensor_name(tensor.name)
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
+            array = dequantize(data, tensor_type)
         except NotImplementedError as exc:
-            raise ValueError(f"{tensor.name}: GGUF type {tensor.tensor_type.name} cannot be "
+            raise ValueError(f"{tensor.name}: GGUF type {tensor_type.name} cannot be "
                              f"dequantized by the installed gguf package ({exc})") from exc
         shape = tuple(int(d) for d in reversed(tensor.shape))
         # Quantized tensors come back as fresh arrays; F32 ones are views of the read-only
@@ -132,6 +171,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / TENSOR_INDEX).write_text(json.dumps([asdict(t) for t in read_tensor_index(path)]))
     (tmp / "tessera-conversion.json").write_text(json.dumps({"source": str(path), "version": CONVERSION_VERSION}))
     if folder.exists():  # another process won the race; theirs is as good as ours
         import shutil

@@ -89,7 +89,7 @@ def prompt_ids(length: int, seed: int) -> list[int]:
 
 
 class LogitRecorder:
-    """Wraps the runner's forward (hidden -> model.compute_logits for sampled rows) and
+    """Wraps the runner's forward (its first pass: model.compute_logits for sampled rows) and
     records, per sampled row, the request, the length of the prefix it predicts after, and
     the logits row the sampler saw."""
 
@@ -100,7 +100,8 @@ class LogitRecorder:
         original = runner.forward
 
         def forward(inputs):
-            logits = original(inputs)
+            passes = original(inputs)
+            logits = next(passes)  # the sampled rows' pass (these tests want no prompt logprobs)
             assert logits.dtype == torch.float32
             assert logits.shape == (len(inputs.sampled_rows), VOCAB)
             for item, row in zip(inputs.sampled_rows, logits):
@@ -110,7 +111,8 @@ class LogitRecorder:
             meta = inputs.attn
             self.steps.append(dict(num_decodes=meta.num_decodes, num_seqs=meta.num_seqs,
                                    query_lens=list(meta.query_lens_list)))
-            return logits
+            yield logits
+            yield from passes
 
         monkeypatch.setattr(runner, "forward", forward)
 

@@ -361,11 +361,20 @@ def test_metadata_is_converted_once_and_cached(untied, tokenizer_json, tmp_path,
     stamp = marker.stat().st_mtime_ns
 
     spy.calls.clear()
+    import gguf
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("the file's metadata was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parsing)  # tensors come from the cached index
     second = load(path, cache)
     assert spy.calls == []  # served from the cache
     assert cache_folders(cache) == [folder]
     assert marker.stat().st_mtime_ns == stamp
     assert second.engine.router.metadata_dir == folder
+    weights = [unpacked_state(llm) for llm in (first, second)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     outs = [llm.generate(PROMPTS, greedy(8), use_tqdm=False) for llm in (first, second)]
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
 
