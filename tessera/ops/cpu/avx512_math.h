@@ -3,6 +3,8 @@
 #define TESSERA_AVX512_MATH_H
 #include <immintrin.h>
 
+#include "exp_poly.h"
+
 /* The sums of four float32x16 vectors, as four floats: one transpose-and-add instead of
  * four separate horizontal reductions. */
 static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -20,17 +22,10 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
  * polynomial for exp(r), then scale by 2^n (scalef handles under- and overflow). */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  /* below: exp underflows to 0 anyway */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 r = EXP_REDUCE(_mm512_fnmadd_ps, _mm512_set1_ps, n, x);
+    const __m512 p = EXP_POLY(_mm512_fmadd_ps, _mm512_set1_ps, r);
     return _mm512_scalef_ps(p, n);
 }
 #endif
