@@ -159,6 +159,15 @@ class ModelRunner:
             self.forward_no_logits(inputs)
             return StepResult()
         passes = self.forward(inputs)
+        try:
+            return self._consume(inputs, passes)
+        finally:
+            if self.channel is not None:  # the other ranks join every pass's all-gather, even
+                for _ in passes:          # when sampling failed here: run what is left
+                    pass
+
+    def _consume(self, inputs: ModelInputs, passes: Iterator[torch.Tensor]) -> StepResult:
+        """Sample from the first pass; prompt logprobs from the rest, one pass at a time."""
         rows = inputs.sampled_rows
         result = StepResult()
         if rows:
@@ -179,6 +188,7 @@ class ModelRunner:
                 done = len(info)
                 info += prompt_logprobs(logits, targets[done:done + logits.shape[0]].to(logits.device),
                                         num_top[done:done + logits.shape[0]])
+                del logits  # before the generator computes the next pass
             offset = 0
             for r in inputs.prompt_rows:
                 result.prompt_logprobs.append((r, info[offset:offset + r.count]))

@@ -242,3 +242,22 @@ def test_two_launched_ranks_as_two_nodes_match_one_rank(make_tiny_llama, tmp_pat
     with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as one:
         want = one.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].text
     assert rank0_stdout.strip() == want.strip()
+
+
+def test_a_failed_sampling_step_leaves_the_ranks_in_step(make_tiny_llama, monkeypatch):
+    """Sampling runs on rank 0 between the LM head's passes, each an all-gather the other
+    rank joins: when it raises in a step with prompt-logprob passes still to come, rank 0
+    still runs them, so the next requests are served as if nothing happened."""
+    folder, hf = make_tiny_llama(seed=2, initializer_range=0.1)
+    prompts = [prompt_ids(n, seed=3) for n in PROMPT_LENGTHS]
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, tensor_parallel_size=2) as llm:
+        sampler = llm.engine.runner.sampler
+
+        def failing(logits, batch):
+            raise ValueError("injected sampling failure")
+
+        monkeypatch.setattr(sampler, "sample", failing)
+        with pytest.raises(ValueError, match="injected"):
+            llm.generate([prompt_ids(300, seed=4)], SamplingParams(max_tokens=2, prompt_logprobs=0), use_tqdm=False)
+        monkeypatch.undo()
+        assert generate(llm, prompts, 8) == [hf_generate(hf, p, 8) for p in prompts]

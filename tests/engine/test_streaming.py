@@ -309,8 +309,15 @@ def test_fast_decoder_equals_the_tokenizers_decode(smollm_tokenizer, tiny_tokeni
                    for _ in range(rng.randrange(0, 12))]
             for skip in (False, True):
                 assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
-    cleaning = AutoTokenizer.from_pretrained(tiny_tokenizer_dir, clean_up_tokenization_spaces=True)
     calls = []
+    cleaning = AutoTokenizer.from_pretrained(tiny_tokenizer_dir, clean_up_tokenization_spaces=True)
     cleaning.decode = lambda ids, skip_special_tokens: calls.append(ids) or ""
     fast_decoder(cleaning)([5, 6], False)
-    assert calls == [[5, 6]]
+
+    class Overriding(type(cleaning)):  # a tokenizer class with its own decoding
+        def _decode(self, token_ids, **kwargs):
+            calls.append(token_ids)
+            return ""
+
+    fast_decoder(Overriding.from_pretrained(tiny_tokenizer_dir))([7], False)
+    assert calls == [[5, 6], [7]]

@@ -59,8 +59,9 @@ def _call(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def _raise_for(status: int, kernel: Kernel, x: torch.Tensor, weight: torch.Tensor) -> None:
-    if status == 2:  # the float32 copy of x (CPUs without AVX512-BF16) could not be allocated
-        raise MemoryError(f"{kernel.symbol}: no memory for a float32 copy of x {tuple(x.shape)}")
+    if status == 2:  # a float32 copy of x or of a panel pair (CPUs without AVX512-BF16)
+        raise MemoryError(f"{kernel.symbol}: no memory for float32 copies of x {tuple(x.shape)} "
+                          "or of a weight panel pair")
     if status:
         raise ValueError(f"{kernel.symbol} refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
 

@@ -7,7 +7,7 @@ puts the group's query heads on the rows of a [group, tokens] score tile (tl.dot
 the group are masked). It walks its partition in tiles of TILE_N tokens whatever the cache
 block size, looking the block of every token up in the table, and keeps a running max /
 sum / weighted V per query head (online softmax). A second kernel merges the partitions;
-with one partition that is a copy, so short contexts pay almost nothing for it.
+with one partition it reads that one row back, so short contexts pay almost nothing for it.
 Partitions wholly before a sliding window or past a sequence's end read and write nothing
 and the merge reads only the live ones: a captured graph's grid covers max_model_len, so at
 replay most of its partitions are such.
@@ -103,7 +103,7 @@ def _kernels():
         head = tl.program_id(1)
         length = tl.load(lens_ptr + seq)
         lo = tl.maximum(length - window, 0) // partition
-        hi = (length + partition - 1) // partition
+        hi = tl.minimum((length + partition - 1) // partition, num_partitions)  # the grid's, at most
         base = (seq * num_heads + head) * num_partitions
         p = tl.arange(0, BLOCK_P)
         m_all = -float("inf")
