@@ -18,9 +18,10 @@ Decode = Callable[[list[int], bool], str]  # (token ids, skip special tokens) ->
 
 def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
     """`tokenizer.decode`, or the same function through its Rust backend where that is
-    exact (a fast tokenizer whose class keeps transformers' decode and cleans up no spaces): transformers' decode spends about
-    four fifths of its time converting and checking its arguments, and this runs twice per
-    generated token (0.39 of 0.47 s detokenizing 16k tokens in a 256-sequence run)."""
+    exact (a fast tokenizer whose class keeps transformers' decode and cleans up no
+    spaces): transformers' decode spends about four fifths of its time converting and
+    checking its arguments, and this runs twice per generated token (0.39 of 0.47 s
+    detokenizing 16k tokens in a 256-sequence run)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     plain = (type(tokenizer).decode is PreTrainedTokenizerBase.decode
              and type(tokenizer)._decode is PreTrainedTokenizerFast._decode)  # no subclass override

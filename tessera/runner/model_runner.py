@@ -20,7 +20,7 @@ from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
 from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prompt_logprobs
 
 
-# Prompt-logprob positions whose logits exist at once: a 8192-token prompt chunk of a
+# Prompt-logprob positions whose logits exist at once: an 8192-token prompt chunk of a
 # 128k-vocabulary model would otherwise hold 4 GiB of float32 logits, memory warm-up never
 # measured (it sizes the KV cache for max_num_seqs sampled rows).
 PROMPT_LOGIT_ROWS = 128

@@ -70,12 +70,11 @@ class GGUFTensor:
     n_bytes: int
 
 
-def read_tensor_index(path: Path) -> list[GGUFTensor]:
-    from gguf import GGUFReader
-
+def tensor_index(reader) -> list[GGUFTensor]:
+    """The tensors a `gguf.GGUFReader` found, as an index that can be cached."""
     return [GGUFTensor(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape),
                        tuple(int(d) for d in t.data.shape), t.data.dtype.str, int(t.data_offset), int(t.n_bytes))
-            for t in GGUFReader(str(path)).tensors]
+            for t in reader.tensors]
 
 
 def _cached_tensor_index(path: Path, index_dir: Path | None) -> list[GGUFTensor]:
@@ -83,7 +82,9 @@ def _cached_tensor_index(path: Path, index_dir: Path | None) -> list[GGUFTensor]
     if index is not None and index.is_file():
         return [GGUFTensor(**{**t, "shape": tuple(t["shape"]), "data_shape": tuple(t["data_shape"])})
                 for t in json.loads(index.read_text())]
-    return read_tensor_index(path)
+    from gguf import GGUFReader
+
+    return tensor_index(GGUFReader(str(path)))
 
 
 def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,
@@ -120,23 +121,17 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         yield name, torch.from_numpy(array)
 
 
-def _set_bias_flags(config, path: Path) -> None:
+def _set_bias_flags(config, names: set[str]) -> None:
     """GGUF metadata has no bias flags; the tensors say whether the checkpoint has biases."""
-    from gguf import GGUFReader
-
-    names = {t.name for t in GGUFReader(str(path)).tensors}
     if any(n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")) for n in names):
         config.attention_bias = True
     if any(n.endswith(("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")) for n in names):
         config.mlp_bias = True
 
 
-def _set_head_dim(config, path: Path) -> None:
+def _set_head_dim(config, fields) -> None:
     """transformers' conversion does not read `<arch>.attention.key_length`; models whose
-    head_dim is not hidden_size / heads (Qwen3) need it, so it is set from the file."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
+    head_dim is not hidden_size / heads (Qwen3) need it, so it is set from the file's fields."""
     arch = fields.get("general.architecture")
     if arch is None:
         return
@@ -160,18 +155,21 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     marker = folder / "tessera-conversion.json"
     if marker.is_file():
         return folder
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
     logger.info("converting GGUF metadata and tokenizer of %s once (cached in %s)", path.name, folder)
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    _set_bias_flags(config, path)
-    _set_head_dim(config, path)
+    reader = GGUFReader(str(path))  # parsed once for the flags, head_dim and the tensor index
+    index = tensor_index(reader)
+    _set_bias_flags(config, {t.name for t in index})
+    _set_head_dim(config, reader.fields)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / TENSOR_INDEX).write_text(json.dumps([asdict(t) for t in read_tensor_index(path)]))
+    (tmp / TENSOR_INDEX).write_text(json.dumps([asdict(t) for t in index]))
     (tmp / "tessera-conversion.json").write_text(json.dumps({"source": str(path), "version": CONVERSION_VERSION}))
     if folder.exists():  # another process won the race; theirs is as good as ours
         import shutil
