@@ -41,6 +41,33 @@ def test_matches_torch_decode(num_heads, num_kv_heads, head_size, block_size, wi
     assert err <= 1.5 * (torch_bf16.float() - exact).abs().max().item() + 4e-3
 
 
+# Long contexts: a batch smaller than the threads' share of work splits each context into
+# partitions of keys that are merged afterwards (the AVX2 kernel; the AVX512 one does not
+# split, and must agree all the same); a context past 4096 keys is split whatever the batch.
+# Lengths mix split and unsplit sequences in one call; 20 is a head size that is not a
+# multiple of 8 (scalar tails in both passes).
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (8, 2, 128), (4, 2, 20)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (None, 2.0)])
+@pytest.mark.parametrize("lengths", [(1000,), (700, 1, 300), (4200, 1, 5, 9, 17, 2, 33, 64, 100)],
+                         ids=["one", "three", "nine"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_contexts_split_and_merged(num_heads, num_kv_heads, head_size, window, softcap, lengths, threads):
+    case = make_case([(n, 1) for n in lengths], block_size=16, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_size=head_size, seed=len(lengths) + head_size)
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    k16, v16, q16 = case.k_cache.bfloat16(), case.v_cache.bfloat16(), case.query.bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_decode_bf16(q16, k16, v16, case.meta, case.scale, window, softcap)
+    finally:
+        torch.set_num_threads(before)
+    exact = paged_decode_ref(q16.float(), k16.float(), v16.float(), case.meta, case.scale, window, softcap)
+    torch_bf16 = paged_decode_ref(q16, k16, v16, case.meta, case.scale, window, softcap)
+    err = (got.float() - exact).abs().max().item()
+    assert err <= 1.5 * (torch_bf16.float() - exact).abs().max().item() + 4e-3, err
+
+
 def test_registry_prefers_it_for_bf16_decode_only():
     spec = OpSpec("paged_attention", "cpu", torch.bfloat16, phase="decode", sliding_window=True, softcap=True)
     assert select_op(spec).builder.name == "cpu_paged_decode_bf16"
