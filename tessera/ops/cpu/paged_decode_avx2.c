@@ -29,7 +29,7 @@
 #define SCORE_HEADS 3   /* query heads per score tile: 4 keys x 3 heads = 12 accumulators */
 #define VALUE_KEYS 16   /* keys per value tile */
 #define VALUE_HEADS 4   /* query heads per value tile: 4 heads x 16 dims = 8 accumulators */
-#define MIN_PARTITION 256   /* the fewest keys a partition of a split context takes */
+#define MIN_PARTITION 128   /* the fewest keys a partition of a split context takes */
 #define MAX_PARTITION 4096  /* the most: bounds the score buffer */
 #define ITEMS_PER_THREAD 4
 /* Keys ahead whose rows are prefetched: blocks are scattered, and at every block boundary
@@ -281,6 +281,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
                               int64_t block_size, int64_t table_width, float scale, int64_t window,
                               float softcap, int threads) {
     if (block_size <= 0 || (block_size & (block_size - 1))) return 2;
+    if (batch <= 0) return 0;
     if (threads < 1) threads = 1;
     const int64_t shift = __builtin_ctzll((unsigned long long)block_size);
     const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * d;
@@ -292,7 +293,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
         const int64_t n = seq_lens[b] - first_key(seq_lens[b], window);
         longest = n > longest ? n : longest;
     }
-    const int64_t wanted = ITEMS_PER_THREAD * (int64_t)threads;
+    const int64_t wanted = threads > 1 ? ITEMS_PER_THREAD * (int64_t)threads : 1;  /* one thread: no split */
     int64_t part = longest;
     if (batch < wanted) {
         part = (longest + (wanted + batch - 1) / batch - 1) / ((wanted + batch - 1) / batch);
