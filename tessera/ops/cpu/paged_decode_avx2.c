@@ -81,22 +81,18 @@ static inline __attribute__((always_inline)) void scores_4keys(
         const __m256 q0 = _mm256_loadu_ps(qf + i);
         const __m256 q1 = heads > 1 ? _mm256_loadu_ps(qf + d + i) : q0;
         const __m256 q2 = heads > 2 ? _mm256_loadu_ps(qf + 2 * d + i) : q0;
-        __m256 k = bf16x8_to_f32(k0 + i);
-        a00 = _mm256_fmadd_ps(q0, k, a00);
-        if (heads > 1) a10 = _mm256_fmadd_ps(q1, k, a10);
-        if (heads > 2) a20 = _mm256_fmadd_ps(q2, k, a20);
-        k = bf16x8_to_f32(k1 + i);
-        a01 = _mm256_fmadd_ps(q0, k, a01);
-        if (heads > 1) a11 = _mm256_fmadd_ps(q1, k, a11);
-        if (heads > 2) a21 = _mm256_fmadd_ps(q2, k, a21);
-        k = bf16x8_to_f32(k2 + i);
-        a02 = _mm256_fmadd_ps(q0, k, a02);
-        if (heads > 1) a12 = _mm256_fmadd_ps(q1, k, a12);
-        if (heads > 2) a22 = _mm256_fmadd_ps(q2, k, a22);
-        k = bf16x8_to_f32(k3 + i);
-        a03 = _mm256_fmadd_ps(q0, k, a03);
-        if (heads > 1) a13 = _mm256_fmadd_ps(q1, k, a13);
-        if (heads > 2) a23 = _mm256_fmadd_ps(q2, k, a23);
+        /* one key's chunk, widened once, into the accumulators of every head */
+#define KEY_FMAS(key, acc0, acc1, acc2) do {                            \
+            const __m256 k = bf16x8_to_f32((key) + i);                  \
+            acc0 = _mm256_fmadd_ps(q0, k, acc0);                        \
+            if (heads > 1) acc1 = _mm256_fmadd_ps(q1, k, acc1);         \
+            if (heads > 2) acc2 = _mm256_fmadd_ps(q2, k, acc2);         \
+        } while (0)
+        KEY_FMAS(k0, a00, a10, a20);
+        KEY_FMAS(k1, a01, a11, a21);
+        KEY_FMAS(k2, a02, a12, a22);
+        KEY_FMAS(k3, a03, a13, a23);
+#undef KEY_FMAS
     }
     __m128 s[SCORE_HEADS];
     s[0] = sum4(a00, a01, a02, a03);
