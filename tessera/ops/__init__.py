@@ -2,6 +2,7 @@
 from tessera.ops import activation, attention, embedding, linear, linear_int8, moe, norm, rotary  # noqa: F401
 from tessera.ops.cpu import (  # noqa: F401
     activation as cpu_activation, embedding as cpu_embedding, linear as cpu_linear, norm as cpu_norm, paged_decode as cpu_paged_decode,
+    paged_prefill as cpu_paged_prefill,
     kv_write as cpu_kv_write, linear_int8 as cpu_linear_int8, rotary as cpu_rotary,
 )
 from tessera.ops.triton import (  # noqa: F401

@@ -28,6 +28,7 @@ class AttentionMetadata:
     # window (gemma2 alternates), and each variant is built once per step
     _decode_views: dict = field(default_factory=dict, repr=False)
     _decode_int32: tuple | None = field(default=None, repr=False)
+    _prefill_int32: tuple | None = field(default=None, repr=False)
 
     def decode_view(self, block_size: int,
                     sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +57,19 @@ class AttentionMetadata:
             self._decode_int32 = (self.block_tables[:b].to(torch.int32).contiguous(),
                                   self.seq_lens[:b].to(torch.int32).contiguous())
         return self._decode_int32
+
+    def prefill_int32(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block tables, seq lens, query starts from 0) of the prefill rows as contiguous
+        int32, what the C prefill kernel reads; converted once per step, not once per layer."""
+        if self._prefill_int32 is None:
+            b = self.num_decodes
+            starts = [0]
+            for n in self.query_lens_list[b:]:
+                starts.append(starts[-1] + n)
+            self._prefill_int32 = (self.block_tables[b:].to(torch.int32).contiguous(),
+                                   torch.tensor(self.seq_lens_list[b:], dtype=torch.int32),
+                                   torch.tensor(starts, dtype=torch.int32))
+        return self._prefill_int32
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,45 @@
+"""The bf16 paged prefill attention builder for CPU (paged_prefill_avx2.c).
+
+The pure-torch prefill runs SDPA once per sequence per layer; a chunk after a cached
+prefix (chunked prefill, prefix hits) gathers the prefix into a dense copy and passes an
+explicit mask, so every masked score is computed. The kernel reads K/V in place from the
+block tables, skips the keys after each query's position, and takes all sequences of the
+step in one call.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tessera.ops.attention.metadata import AttentionMetadata
+from tessera.ops.attention.torch_paged import paged_prefill_ref
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.registry import register_op
+
+_KERNEL = Kernel("paged_prefill_avx2.c", "tessera_paged_prefill_bf16",
+                 (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int),
+                 ctypes.c_int)
+
+
+@register_op("paged_attention", name="cpu_paged_prefill_bf16", priority=10, devices=("cpu",),
+             dtypes=(torch.bfloat16,), phases=("prefill",), check=_KERNEL.check)
+def paged_prefill_bf16(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       scale: float, sliding_window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
+    """query [T, Hq, D]: the prefill rows (after the decode rows), whose K/V the layer has
+    already written to the cache -> [T, Hq, D]. `key`/`value` are not read."""
+    _, block_size, num_kv_heads, d = k_cache.shape
+    if block_size & (block_size - 1):  # the kernel indexes blocks by shifts
+        return paged_prefill_ref(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    q = query.contiguous()
+    tables, lens, starts = meta.prefill_int32()
+    out = torch.empty_like(q)
+    failed = _KERNEL(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        starts.data_ptr(), out.data_ptr(), len(lens), q.shape[1], num_kv_heads, d, block_size,
+        tables.shape[1], scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged_prefill_bf16 could not allocate its scratch buffers")
+    return out
