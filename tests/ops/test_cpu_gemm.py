@@ -68,7 +68,7 @@ def test_registry_prefers_the_kernel_for_bf16_on_cpu_only():
 
 
 def test_without_the_instruction_set_the_registry_says_why(monkeypatch):
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"sse2", "sse4_2"}))
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse2", "sse4_2"}))
     select_op.cache_clear()
     try:
         choice = select_op(OpSpec("linear", "cpu", torch.bfloat16))

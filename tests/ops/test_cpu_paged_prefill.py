@@ -76,6 +76,11 @@ def test_threads_do_not_change_the_bits():
     assert torch.equal(one, two)
 
 
+def test_amx_hosts_keep_torch(monkeypatch):
+    monkeypatch.setattr(cpu_paged_prefill, "cpu_flags", lambda: frozenset({"avx2", "fma", "amx_bf16"}))
+    assert "AMX" in " ".join(cpu_paged_prefill._check(None))
+
+
 def test_block_size_not_a_power_of_two_runs_through_torch():
     _run([(3, 1), (50, 50), (90, 20)], num_heads=4, num_kv_heads=2, head_size=16, block_size=6,
          window=None, softcap=None)
@@ -83,6 +88,7 @@ def test_block_size_not_a_power_of_two_runs_through_torch():
 
 def test_registry_prefers_it_for_bf16_prefill_only():
     spec = OpSpec("paged_attention", "cpu", torch.bfloat16, phase="prefill", sliding_window=True, softcap=True)
-    assert select_op(spec).builder.name == "cpu_paged_prefill_bf16"
+    reasons = cpu_paged_prefill._check(spec)  # on AMX hosts torch's SDPA keeps prefill
+    assert select_op(spec).builder.name == ("torch_paged_prefill" if reasons else "cpu_paged_prefill_bf16")
     assert select_op(OpSpec("paged_attention", "cpu", torch.float32, phase="prefill")).builder.name \
         == "torch_paged_prefill"

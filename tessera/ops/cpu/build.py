@@ -49,7 +49,8 @@ class KernelBuildError(RuntimeError):
 
 
 @lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str] | None:
+def cpu_flags() -> frozenset[str] | None:
+    """The flags /proc/cpuinfo lists (None where it cannot be read)."""
     try:
         return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
@@ -81,7 +82,7 @@ def missing_cpu_flags(source_name: str = "") -> list[str]:
     if family == "portable":
         return []
     required = AVX2_CPU_FLAGS if family == "avx2" else REQUIRED_CPU_FLAGS
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if flags is None:
         return list(required)
     missing = [f for f in required if f not in flags]
@@ -94,7 +95,7 @@ def extensions_used() -> tuple[str, ...]:
     """The optional extensions (cpuinfo names) the AVX512 kernels are built for on this CPU."""
     if _isa_setting() != "native":
         return ()
-    flags = _cpu_flags() or frozenset()
+    flags = cpu_flags() or frozenset()
     return tuple(ext for ext in OPTIONAL_EXTENSIONS if ext in flags)
 
 
@@ -109,7 +110,7 @@ def build_flags(source_name: str = "") -> tuple[str, ...]:
 
 def isa_description() -> str:
     """One line for logs and `tessera inspect`: what the kernels compute with here."""
-    if missing_cpu_flags():
+    if missingcpu_flags():
         if missing_cpu_flags("gemm_bf16_avx2.c"):
             return "none (no AVX512 or AVX2)"
         return "AVX2 builds (no AVX512): bf16 widened to float32; int8 weights via vpmaddwd"
