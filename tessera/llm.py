@@ -12,12 +12,26 @@ from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
 
-Prompt = str | list[int]
+# a text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict
 Message = dict[str, str]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class ChatTemplateError(ValueError):
     pass
+
+
+def _unwrap_prompt(prompt: Prompt) -> str | list[int]:
+    """A dict prompt's text or token ids; other prompts as they are."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if len(keys) == 1 and keys <= set(PROMPT_KEYS):
+        value = prompt[keys.pop()]
+        return value if isinstance(value, str) else list(value)
+    raise ValueError(f"a prompt dict holds exactly one of {', '.join(map(repr, PROMPT_KEYS))}; "
+                     f"got keys {sorted(keys)}")
 
 
 def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
@@ -89,8 +103,9 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or a list of token
-        ids; `sampling_params` is one SamplingParams for all prompts or one per prompt."""
+        """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids,
+        or vLLM's dict forms {"prompt": text} and {"prompt_token_ids": ids};
+        `sampling_params` is one SamplingParams for all prompts or one per prompt."""
         prompts, params_list = self._pair(prompts, sampling_params)
         return self._run(prompts, params_list, use_tqdm)
 
@@ -113,10 +128,10 @@ class LLM:
 
     @staticmethod
     def _pair(prompts: Prompt | Seq[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_unwrap_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -331,3 +331,19 @@ def test_a_step_that_raises_leaves_nothing_queued(tiny):
     assert engine.block_manager.all_free()
     out = llm.generate(TEXTS[2], SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
     assert len(out) == 1
+
+
+def test_vllm_prompt_dicts_give_what_plain_prompts_give(make_llm):
+    llm = make_llm()
+    ids = llm.tokenizer(TEXTS[0]).input_ids
+    plain = token_ids(llm.generate([TEXTS[0], ids], GREEDY))
+    assert token_ids(llm.generate([{"prompt": TEXTS[0]}, {"prompt_token_ids": ids}], GREEDY)) == plain
+    assert token_ids(llm.generate({"prompt_token_ids": ids}, GREEDY)) == plain[1:]  # one dict alone
+
+
+@pytest.mark.parametrize("prompt", [{"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {}])
+def test_prompt_dicts_with_other_keys_are_refused(make_llm, prompt):
+    llm = make_llm()
+    with pytest.raises(ValueError, match="exactly one of 'prompt', 'prompt_token_ids'"):
+        llm.generate([TEXTS[0], prompt], GREEDY)
+    assert not llm.engine.has_unfinished()
