@@ -192,27 +192,33 @@ static inline __attribute__((always_inline)) void values_tile(
 
 /* The softmax step of one row over its tile scores s[0 .. kn): keys j with lo <= j <= hi
  * (tile indices) are seen, the rest masked. Leaves probabilities in s (zeros where masked)
- * and the rescale of the row's earlier sums in *corr. */
-static void softmax_row(float *s, int64_t kn, int64_t lo, int64_t hi, float softcap,
-                        float *m, float *l, float *corr) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i lo_v = _mm256_set1_epi32((int)(lo - 1)), hi_v = _mm256_set1_epi32((int)(hi + 1));
+ * and the rescale of the row's earlier sums in *corr. Most tiles are wholly seen and not
+ * soft-capped: their first pass only takes the max. */
+static inline __attribute__((always_inline)) void softmax_row(
+        float *s, int64_t kn, int64_t lo, int64_t hi, float softcap, float *m, float *l, float *corr) {
+    const int masked = lo > 0 || hi < kn - 1;
     const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
     __m256 mx = neg_inf;
-    for (int64_t j = 0; j < kn; j += 8) {
-        __m256 x = _mm256_loadu_ps(s + j);
-        if (softcap > 0.0f) {  /* softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) */
-            const __m256 e = exp8(_mm256_mul_ps(x, _mm256_set1_ps(2.0f / softcap)));
-            const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f),
-                                           _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
-            x = _mm256_mul_ps(t, _mm256_set1_ps(softcap));
+    if (masked || softcap > 0.0f) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i lo_v = _mm256_set1_epi32((int)(lo - 1)), hi_v = _mm256_set1_epi32((int)(hi + 1));
+        for (int64_t j = 0; j < kn; j += 8) {
+            __m256 x = _mm256_loadu_ps(s + j);
+            if (softcap > 0.0f) {  /* softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) */
+                const __m256 e = exp8(_mm256_mul_ps(x, _mm256_set1_ps(2.0f / softcap)));
+                const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+                x = _mm256_mul_ps(t, _mm256_set1_ps(softcap));
+            }
+            const __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32((int)j));
+            const __m256 seen = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(idx, lo_v),
+                                                                     _mm256_cmpgt_epi32(hi_v, idx)));
+            x = _mm256_blendv_ps(neg_inf, x, seen);
+            _mm256_storeu_ps(s + j, x);
+            mx = _mm256_max_ps(mx, x);
         }
-        const __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32((int)j));
-        const __m256 seen = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(idx, lo_v),
-                                                                 _mm256_cmpgt_epi32(hi_v, idx)));
-        x = _mm256_blendv_ps(neg_inf, x, seen);
-        _mm256_storeu_ps(s + j, x);
-        mx = _mm256_max_ps(mx, x);
+    } else {
+        for (int64_t j = 0; j < kn; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
     }
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -224,8 +230,9 @@ static void softmax_row(float *s, int64_t kn, int64_t lo, int64_t hi, float soft
     const __m256 mv = _mm256_set1_ps(new_max);
     for (int64_t j = 0; j < kn; j += 8) {
         const __m256 x = _mm256_loadu_ps(s + j);
+        __m256 p = exp8(_mm256_sub_ps(x, mv));
         /* masked keys: exactly zero (exp8 of -inf clamps to a tiny positive value) */
-        const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
+        if (masked) p = _mm256_and_ps(p, _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
         _mm256_storeu_ps(s + j, p);
         sum = _mm256_add_ps(sum, p);
     }
