@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tessera.config import DTYPES, LOAD_FORMATS, MODEL_IMPLS
+from tessera.config import DTYPES, LOAD_FORMATS, MODEL_IMPLS, scheduler_defaults
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:
@@ -56,7 +56,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences decoded together (max_num_seqs; default 64 on CPU, 256 on CUDA)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step, prefill chunks + decodes (default 1024 on CPU, "
-                        "8192 on CUDA)")
+                        "256 for `serve` on CPU; 8192 on CUDA)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="fix the KV cache size instead of sizing it from free memory")
@@ -242,6 +242,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or resolve_model_source(args.model).name
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY")
+    if not args.no_chunked_prefill:  # smaller prefill chunks: running streams wait less
+        args.batch_size, args.max_num_batched_tokens = scheduler_defaults(
+            args.device, args.batch_size, args.max_num_batched_tokens, serving=True)
     config = _engine_config(args)
     if _serve_rank_if_not_driver(config):  # rank > 0 of a multi-node group opens no port
         return 0

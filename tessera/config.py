@@ -99,13 +99,23 @@ class SchedulerConfig:
 # compute-bound (docs/benchmarks.md); a GPU's decode step stays bound by its weight reads
 # far beyond that, so throughput grows with the batch up to vLLM's defaults.
 SCHEDULER_DEFAULTS = {"cpu": (64, 1024), "cuda": (256, 8192)}
+# A server's token budget where it differs (with chunked prefill): every running stream
+# waits for a step's prefill chunks, and a 1024-token step takes ~1.4 s on a 2-core CPU.
+# 256-token chunks cut p99 inter-token latency at 32 clients from 1604 to 490 ms at the
+# same output tok/s (docs/benchmarks.md, session 9).
+SERVING_TOKEN_BUDGETS = {"cpu": 256}
 
 
 def scheduler_defaults(device: str, max_num_seqs: int | None = None,
-                       max_num_batched_tokens: int | None = None) -> tuple[int, int]:
-    """The given limits, the device's defaults for those left None; a default token budget
-    grows to hold a larger given max_num_seqs (every row of a decode step is a token)."""
-    seqs, tokens = SCHEDULER_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+                       max_num_batched_tokens: int | None = None,
+                       serving: bool = False) -> tuple[int, int]:
+    """The given limits, the device's defaults for those left None (a server's budget with
+    `serving`); a default token budget grows to hold a larger given max_num_seqs (every row
+    of a decode step is a token)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    seqs, tokens = SCHEDULER_DEFAULTS[kind]
+    if serving:
+        tokens = SERVING_TOKEN_BUDGETS.get(kind, tokens)
     if max_num_seqs is not None:
         seqs = max_num_seqs
         if max_num_batched_tokens is None:

@@ -142,3 +142,24 @@ def test_scheduler_limits_default_per_device_and_keep_what_is_given():
     assert scheduler_defaults("cpu", None, 4096) == (64, 4096)
     cfg = engine_config(None, device="cuda").scheduler
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (256, 8192)
+
+
+def test_serve_takes_the_serving_token_budget_unless_told(monkeypatch):
+    from tessera import cli
+    from tessera.config import scheduler_defaults
+    from tessera.server import serve
+    from tessera.weights import source
+
+    assert scheduler_defaults("cpu", serving=True) == (64, 256)
+    assert scheduler_defaults("cpu", 512, serving=True) == (512, 512)
+    assert scheduler_defaults("cpu", None, 2048, serving=True) == (64, 2048)
+    assert scheduler_defaults("cuda", serving=True) == (256, 8192)
+    seen = []
+    monkeypatch.setattr(serve, "run_server", lambda make_engine, **kwargs: 0)
+    monkeypatch.setattr(cli, "_engine_config", lambda args: seen.append(
+        (args.batch_size, args.max_num_batched_tokens, args.no_chunked_prefill)))
+    monkeypatch.setattr(cli, "_serve_rank_if_not_driver", lambda config: False)
+    monkeypatch.setattr(source, "resolve_model_source", lambda model: type("Source", (), {"name": "m"}))
+    for extra in ([], ["--max-num-batched-tokens", "1024"], ["--no-chunked-prefill"]):
+        assert cli.main(["serve", *extra]) == 0
+    assert seen == [(64, 256, False), (64, 1024, False), (None, None, True)]
