@@ -110,7 +110,7 @@ def build_flags(source_name: str = "") -> tuple[str, ...]:
 
 def isa_description() -> str:
     """One line for logs and `tessera inspect`: what the kernels compute with here."""
-    if missingcpu_flags():
+    if missing_cpu_flags():
         if missing_cpu_flags("gemm_bf16_avx2.c"):
             return "none (no AVX512 or AVX2)"
         return "AVX2 builds (no AVX512): bf16 widened to float32; int8 weights via vpmaddwd"
