@@ -27,11 +27,18 @@ def _unwrap_prompt(prompt: Prompt) -> str | list[int]:
     if not isinstance(prompt, dict):
         return prompt
     keys = set(prompt)
-    if len(keys) == 1 and keys <= set(PROMPT_KEYS):
-        value = prompt[keys.pop()]
-        return value if isinstance(value, str) else list(value)
-    raise ValueError(f"a prompt dict holds exactly one of {', '.join(map(repr, PROMPT_KEYS))}; "
-                     f"got keys {sorted(keys)}")
+    if len(keys) != 1 or not keys <= set(PROMPT_KEYS):
+        raise ValueError(f"a prompt dict holds exactly one of {', '.join(map(repr, PROMPT_KEYS))}; "
+                         f"got keys {sorted(keys)}")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"'prompt' is text; got {type(prompt['prompt']).__name__} "
+                             "(token ids go in 'prompt_token_ids')")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, (str, bytes)):
+        raise ValueError("'prompt_token_ids' is a list of token ids; text goes in 'prompt'")
+    return list(ids)
 
 
 def engine_config(model: str | Path | None = None, *, dtype: str = "auto",

@@ -341,9 +341,13 @@ def test_vllm_prompt_dicts_give_what_plain_prompts_give(make_llm):
     assert token_ids(llm.generate({"prompt_token_ids": ids}, GREEDY)) == plain[1:]  # one dict alone
 
 
-@pytest.mark.parametrize("prompt", [{"prompt": "a", "prompt_token_ids": [1]}, {"text": "a"}, {}])
-def test_prompt_dicts_with_other_keys_are_refused(make_llm, prompt):
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt', 'prompt_token_ids'"),
+    ({"text": "a"}, "exactly one of"), ({}, "exactly one of"),
+    ({"prompt": [1, 2]}, "'prompt' is text"), ({"prompt_token_ids": "a"}, "list of token ids"),
+])
+def test_bad_prompt_dicts_are_refused(make_llm, prompt, match):
     llm = make_llm()
-    with pytest.raises(ValueError, match="exactly one of 'prompt', 'prompt_token_ids'"):
+    with pytest.raises(ValueError, match=match):
         llm.generate([TEXTS[0], prompt], GREEDY)
     assert not llm.engine.has_unfinished()

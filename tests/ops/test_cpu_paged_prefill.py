@@ -68,6 +68,14 @@ def test_long_prompts_and_chunks(specs, window, softcap):
     _run(SPECS[specs], num_heads=9, num_kv_heads=3, head_size=64, block_size=16, window=window, softcap=softcap)
 
 
+@pytest.mark.parametrize("window", [2**31 + 100, 2**32, 2**32 + 5, 10**12])
+def test_windows_past_32_bits_mean_no_window(window):
+    # the kernel's masks are 32-bit lanes: bounds are clamped before narrowing (they wrapped)
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, softcap=None)
+    wide = _run([(40, 40), (100, 30)], window=window, **kwargs)
+    assert torch.equal(wide, _run([(40, 40), (100, 30)], window=None, **kwargs))
+
+
 def test_threads_do_not_change_the_bits():
     # each work item's sums run in one order whatever thread takes it
     kwargs = dict(num_heads=9, num_kv_heads=3, head_size=64, block_size=16, window=None, softcap=None)

@@ -201,7 +201,9 @@ static inline __attribute__((always_inline)) void softmax_row(
     __m256 mx = neg_inf;
     if (masked || softcap > 0.0f) {
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256i lo_v = _mm256_set1_epi32((int)(lo - 1)), hi_v = _mm256_set1_epi32((int)(hi + 1));
+        /* clamped into [0, kn] before narrowing: a window of 2^31 or more wrapped */
+        const int64_t lo_c = lo < 0 ? 0 : lo, hi_c = hi > kn ? kn : hi;
+        const __m256i lo_v = _mm256_set1_epi32((int)(lo_c - 1)), hi_v = _mm256_set1_epi32((int)(hi_c + 1));
         for (int64_t j = 0; j < kn; j += 8) {
             __m256 x = _mm256_loadu_ps(s + j);
             if (softcap > 0.0f) {  /* softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) */
