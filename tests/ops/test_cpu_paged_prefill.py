@@ -76,8 +76,22 @@ def test_windows_past_32_bits_mean_no_window(window):
     assert torch.equal(wide, _run([(40, 40), (100, 30)], window=None, **kwargs))
 
 
+# A few new tokens after a long cached prefix make fewer work items than 4 per thread: with
+# 2 threads their keys are split into parts (of >= 256 keys, whole 64-key tiles) merged
+# afterwards. Windows shorter and longer than a part; group 16 on one KV head (one block,
+# eight parts); decode rows ahead.
+@pytest.mark.parametrize("specs", [[(5, 1), (2000, 10)], [(3000, 5)], [(1300, 60), (900, 3)], [(700, 40)]],
+                         ids=["after-decodes", "eight-parts", "two-seqs", "two-parts"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (16, 1, 64), (4, 2, 20)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (1000, 2.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_prefix_short_chunk_splits_keys(specs, num_heads, num_kv_heads, head_size, window, softcap, threads):
+    _run(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=16,
+         window=window, softcap=softcap, threads=threads)
+
+
 def test_threads_do_not_change_the_bits():
-    # each work item's sums run in one order whatever thread takes it
+    # each work item's sums run in one order whatever thread takes it (without a key split)
     kwargs = dict(num_heads=9, num_kv_heads=3, head_size=64, block_size=16, window=None, softcap=None)
     one = _run(SPECS["mixed"], threads=1, **kwargs)
     two = _run(SPECS["mixed"], threads=2, **kwargs)

@@ -19,7 +19,9 @@
  *   accumulated in registers over the tile's keys.
  * A row group skips the keys after its last position (causal) and the tiles wholly before
  * its window. Items run longest first under a dynamic schedule, since causal blocks late in
- * a long prompt see many more keys than early ones. Built by build.py. */
+ * a long prompt see many more keys than early ones; too few items for the threads (a short
+ * chunk after a long cached prefix) have their keys split into parts merged afterwards.
+ * Built by build.py. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -33,10 +35,23 @@
 #define TILE_KEYS 64     /* keys per packed K/V tile */
 #define ROW_GROUP 6      /* query rows per score / output register tile */
 #define ROWS_TARGET 128  /* query rows per work item (tokens x group heads) */
+/* Fewer items than SPLIT_ITEMS_PER_THREAD per thread (a few new tokens after a long cached
+ * prefix: one item per KV head) and their keys are split into parts of at least
+ * MIN_SPLIT_KEYS, merged afterwards, so every thread has work. */
+#define SPLIT_ITEMS_PER_THREAD 4
+#define MIN_SPLIT_KEYS 256
 
 typedef struct {
     int64_t seq, kv_head, first_token, num_tokens, cost;
+    int64_t k_begin, k_end;  /* the keys this item reads: all the block's rows see, or a part */
+    float *part;             /* NULL: write the output; else [rows][dp + 2] (sums, max, total) */
 } Item;
+
+/* A block of rows whose keys were split into `parts` items, merged after they all ran. */
+typedef struct {
+    int64_t seq, kv_head, first_token, num_tokens, parts;
+    float *part;  /* parts x [rows][dp + 2] */
+} Split;
 
 typedef struct {
     float *q;      /* [rows][dp] query rows, scaled, zero-padded past d */
@@ -268,7 +283,8 @@ static inline __attribute__((always_inline)) void row_group(
     for (int64_t c = 0; c < chunks; c++) scores_tile(w->q + r0 * dp, w->kt, dp, c * 16, s, nr);
     for (int r = 0; r < nr; r++) {
         const int64_t pos = first_pos + (r0 + r) / group;
-        const int64_t hi = pos - k0, lo = window > 0 ? pos - window + 1 - k0 : 0;
+        const int64_t hi = pos - k0 < kn - 1 ? pos - k0 : kn - 1;  /* within the tile's keys */
+        const int64_t lo = window > 0 ? pos - window + 1 - k0 : 0;
         softmax_row(s + r * TILE_KEYS, chunks * 16, lo, hi, pb->softcap,
                     w->m + r0 + r, w->l + r0 + r, w->corr + r0 + r);
     }
@@ -279,7 +295,7 @@ static inline __attribute__((always_inline)) void row_group(
 }
 
 static void run_item(const Problem *pb, const Item *it, Scratch *w) {
-    const int64_t group = pb->group, d = pb->d, dp = pb->dp, window = pb->window;
+    const int64_t group = pb->group, d = pb->d, dp = pb->dp;
     const int64_t q_begin = pb->query_start[it->seq];
     const int64_t q_len = pb->query_start[it->seq + 1] - q_begin;
     const int64_t first_pos = pb->seq_lens[it->seq] - q_len + it->first_token;
@@ -297,10 +313,8 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
     Tile tile = pb->tile;
     tile.table = pb->tables + it->seq * pb->table_width;
     tile.head_offset = it->kv_head * d;
-    const int64_t last_pos = first_pos + it->num_tokens - 1;
-    const int64_t k_begin = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
-    for (int64_t k0 = k_begin; k0 <= last_pos; k0 += TILE_KEYS) {
-        const int64_t kn = last_pos + 1 - k0 < TILE_KEYS ? last_pos + 1 - k0 : TILE_KEYS;
+    for (int64_t k0 = it->k_begin; k0 < it->k_end; k0 += TILE_KEYS) {
+        const int64_t kn = it->k_end - k0 < TILE_KEYS ? it->k_end - k0 : TILE_KEYS;
         pack_tile(&tile, k0, kn, w->kt, w->v);
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_GROUP) {
             switch (rows - r0 < ROW_GROUP ? rows - r0 : ROW_GROUP) {
@@ -313,11 +327,44 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
             }
         }
     }
+    if (it->part) {  /* one part of split keys: the merge normalises */
+        for (int64_t r = 0; r < rows; r++) {
+            float *dst = it->part + r * (dp + 2);
+            memcpy(dst, w->o + r * dp, dp * sizeof(float));
+            dst[dp] = w->m[r];
+            dst[dp + 1] = w->l[r];
+        }
+        return;
+    }
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *dst = pb->out + (q_begin + it->first_token + r / group) * row_elems
                         + (it->kv_head * group + r % group) * d;
         const float inv = 1.0f / w->l[r];  /* > 0: a query always sees its own key */
         for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(w->o[r * dp + i] * inv);
+    }
+}
+
+/* The output rows of a split block: each part's sums rescaled to the largest max. */
+static void merge_split(const Problem *pb, const Split *sp, float *acc) {
+    const int64_t group = pb->group, d = pb->d, dp = pb->dp, rows = sp->num_tokens * group;
+    const int64_t q_begin = pb->query_start[sp->seq], row_elems = pb->heads * d;
+    for (int64_t r = 0; r < rows; r++) {
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < sp->parts; p++) {
+            const float mp = sp->part[(p * rows + r) * (dp + 2) + dp];
+            m = mp > m ? mp : m;
+        }
+        memset(acc, 0, d * sizeof(float));
+        for (int64_t p = 0; p < sp->parts; p++) {
+            const float *src = sp->part + (p * rows + r) * (dp + 2);
+            if (src[dp] == -INFINITY) continue;  /* the row saw no key of this part */
+            const float weight = expf(src[dp] - m);
+            total += weight * src[dp + 1];
+            for (int64_t i = 0; i < d; i++) acc[i] += weight * src[i];
+        }
+        uint16_t *dst = pb->out + (q_begin + sp->first_token + r / group) * row_elems
+                        + (sp->kv_head * group + r % group) * d;
+        for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[i] / total);
     }
 }
 
@@ -336,35 +383,54 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const
     while (((int64_t)1 << shift) < block_size) shift++;
     const int64_t group = heads / kv_heads, dp = (d + 7) / 8 * 8;
     const int64_t block_tokens = ROWS_TARGET / group > 0 ? ROWS_TARGET / group : 1;
-    int64_t num_items = 0;
+    int64_t num_blocks = 0;  /* (sequence, KV head, block of tokens) */
     for (int64_t i = 0; i < num_seqs; i++)
-        num_items += kv_heads * ((query_start[i + 1] - query_start[i] + block_tokens - 1) / block_tokens);
-    if (num_items == 0) return 0;
+        num_blocks += kv_heads * ((query_start[i + 1] - query_start[i] + block_tokens - 1) / block_tokens);
+    if (num_blocks == 0) return 0;
     if (threads < 1) threads = 1;
+    const int64_t wanted = threads > 1 ? SPLIT_ITEMS_PER_THREAD * (int64_t)threads : 1;
+    const int64_t max_parts = num_blocks < wanted ? (wanted + num_blocks - 1) / num_blocks : 1;
     const int64_t rows = block_tokens * group;
     const int64_t floats = rows * dp * 2 + 2 * dp * TILE_KEYS + rows * TILE_KEYS + 3 * rows;
-    Item *items = malloc(num_items * sizeof(Item));
-    float *scratch = aligned_alloc(64, (size_t)threads * ((floats * sizeof(float) + 63) / 64 * 64));
-    if (!items || !scratch) {
-        free(items);
-        free(scratch);
+    const int64_t stride = (floats * sizeof(float) + 63) / 64 * 64 / sizeof(float);
+    Item *items = malloc(num_blocks * max_parts * sizeof(Item));
+    Split *splits = malloc(num_blocks * sizeof(Split));
+    float *scratch = aligned_alloc(64, (size_t)threads * stride * sizeof(float));
+    float *parts_buf = max_parts > 1 ? malloc(num_blocks * max_parts * rows * (dp + 2) * sizeof(float)) : NULL;
+    if (!items || !splits || !scratch || (max_parts > 1 && !parts_buf)) {
+        free(items); free(splits); free(scratch); free(parts_buf);
         return 1;
     }
-    int64_t n = 0;
+    int64_t num_items = 0, num_splits = 0;
+    float *next_part = parts_buf;
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t q_len = query_start[i + 1] - query_start[i];
         for (int64_t t = 0; t < q_len; t += block_tokens) {
             const int64_t count = q_len - t < block_tokens ? q_len - t : block_tokens;
-            const int64_t last_pos = seq_lens[i] - q_len + t + count - 1;
-            const int64_t first_key = window > 0 && last_pos - count - window + 2 > 0 ? last_pos - count - window + 2 : 0;
-            for (int64_t h = 0; h < kv_heads; h++)
-                items[n++] = (Item){i, h, t, count, (last_pos + 1 - first_key) * count};
+            const int64_t first_pos = seq_lens[i] - q_len + t, last_pos = first_pos + count - 1;
+            const int64_t k_begin = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+            const int64_t keys = last_pos + 1 - k_begin;
+            int64_t parts = keys / MIN_SPLIT_KEYS < max_parts ? keys / MIN_SPLIT_KEYS : max_parts;
+            if (parts < 1) parts = 1;
+            int64_t size = keys;
+            if (parts > 1) {  /* parts of whole tiles; rounding may leave fewer */
+                size = ((keys + parts - 1) / parts + TILE_KEYS - 1) / TILE_KEYS * TILE_KEYS;
+                parts = (keys + size - 1) / size;
+            }
+            for (int64_t h = 0; h < kv_heads; h++) {
+                if (parts > 1) splits[num_splits++] = (Split){i, h, t, count, parts, next_part};
+                for (int64_t p = 0; p < parts; p++) {
+                    const int64_t kb = k_begin + p * size, ke = kb + size < last_pos + 1 ? kb + size : last_pos + 1;
+                    items[num_items++] = (Item){i, h, t, count, (ke - kb) * count, kb, ke,
+                                                parts > 1 ? next_part + p * count * group * (dp + 2) : NULL};
+                }
+                if (parts > 1) next_part += parts * count * group * (dp + 2);
+            }
         }
     }
     qsort(items, num_items, sizeof(Item), by_cost_desc);
     const Problem pb = {q, out, tables, seq_lens, query_start, heads, group, d, dp, table_width, window,
                         scale, softcap, {k_cache, v_cache, NULL, shift, kv_heads * d, 0, d, dp}};
-    const int64_t stride = (floats * sizeof(float) + 63) / 64 * 64 / sizeof(float);
     #pragma omp parallel num_threads(threads)
     {
         float *base = scratch + omp_get_thread_num() * stride;
@@ -376,8 +442,13 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const
         w.corr = w.l + rows;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) run_item(&pb, &items[i], &w);
+        /* after the loop's barrier every part is written; w.q (rows x dp >= d) is free */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_splits; i++) merge_split(&pb, &splits[i], w.q);
     }
     free(items);
+    free(splits);
+    free(parts_buf);
     free(scratch);
     return 0;
 }
