@@ -63,12 +63,10 @@ class AttentionMetadata:
         int32, what the C prefill kernel reads; converted once per step, not once per layer."""
         if self._prefill_int32 is None:
             b = self.num_decodes
-            starts = [0]
-            for n in self.query_lens_list[b:]:
-                starts.append(starts[-1] + n)
+            starts = self.query_start_loc[b:self.num_seqs + 1]
             self._prefill_int32 = (self.block_tables[b:].to(torch.int32).contiguous(),
-                                   torch.tensor(self.seq_lens_list[b:], dtype=torch.int32),
-                                   torch.tensor(starts, dtype=torch.int32))
+                                   self.seq_lens[b:].to(torch.int32).contiguous(),
+                                   (starts - starts[0]).to(torch.int32).contiguous())
         return self._prefill_int32
 
     @property

@@ -27,6 +27,7 @@
 
 #include "avx2_math.h"
 #include "bf16.h"
+#include "paged_slots.h"
 
 #define SCORE_HEADS 3   /* query heads per score tile: 4 keys x 3 heads = 12 accumulators */
 #define VALUE_KEYS 16   /* keys per value tile */
@@ -47,8 +48,7 @@ typedef struct {
 
 /* The first element of slot t's row (all KV heads); block sizes are powers of two. */
 static inline int64_t slot_offset(const KvRows *kv, int64_t t) {
-    const int64_t slot = ((int64_t)kv->table[t >> kv->shift] << kv->shift) + (t & (((int64_t)1 << kv->shift) - 1));
-    return slot * kv->row_stride;
+    return paged_slot(kv->table, kv->shift, t) * kv->row_stride;
 }
 
 /* `elems` bf16 values from `row` towards L1. */
@@ -60,13 +60,6 @@ static inline void prefetch_row(const uint16_t *row, int64_t elems) {
 static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
 }
 
 /* out[h * n + j] = q_h . k_j for `heads` (constant after inlining, <= SCORE_HEADS) float32
@@ -130,11 +123,13 @@ static void scores_pass(const float *qf, int64_t kv_heads, int64_t group, int64_
     for (; t + 4 <= end; t += 4) {
         const uint16_t *r0 = kv->k_cache + slot_offset(kv, t), *r1 = kv->k_cache + slot_offset(kv, t + 1);
         const uint16_t *r2 = kv->k_cache + slot_offset(kv, t + 2), *r3 = kv->k_cache + slot_offset(kv, t + 3);
+        const uint16_t *ahead[4];  /* rows KEYS_AHEAD keys on (NULL past the end) */
+        for (int64_t u = 0; u < 4; u++)
+            ahead[u] = t + KEYS_AHEAD + u < end ? kv->k_cache + slot_offset(kv, t + KEYS_AHEAD + u) : NULL;
         for (int64_t j = 0; j < kv_heads; j++) {
             const int64_t off = j * d;
             /* this head's rows only (all heads' at once: 133 -> 106 ms at 32 x 2000 when spread) */
-            for (int64_t u = t + KEYS_AHEAD; u < t + KEYS_AHEAD + 4 && u < end; u++)
-                prefetch_row(kv->k_cache + slot_offset(kv, u) + off, d);
+            for (int64_t u = 0; u < 4 && ahead[u]; u++) prefetch_row(ahead[u] + off, d);
             for (int64_t g = 0; g < group; g += SCORE_HEADS) {
                 const int64_t h = j * group + g;
                 const float *q = qf + h * d;
@@ -284,10 +279,10 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                               int64_t block_size, int64_t table_width, float scale, int64_t window,
                               float softcap, int threads) {
-    if (block_size <= 0 || (block_size & (block_size - 1))) return 2;
+    const int64_t shift = block_shift(block_size);
+    if (shift < 0) return 2;
     if (batch <= 0) return 0;
     if (threads < 1) threads = 1;
-    const int64_t shift = __builtin_ctzll((unsigned long long)block_size);
     const int64_t group = num_heads / num_kv_heads, row_stride = num_kv_heads * d;
     /* A work item is one partition of a sequence's keys, for all its heads. Fewer sequences
      * than ITEMS_PER_THREAD per thread: contexts split into more partitions (of at least

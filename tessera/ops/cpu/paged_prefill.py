@@ -22,7 +22,6 @@ _KERNEL = Kernel("paged_prefill_avx2.c", "tessera_paged_prefill_bf16",
                  ctypes.c_int)
 
 
-
 def _check(spec: object) -> list[str]:
     # Prefill is compute-bound: with AMX tiles torch's flash attention multiplies bf16 natively,
     # far past what float32 FMAs on 8 lanes reach (measured only where there is no AMX).

@@ -31,6 +31,7 @@
 
 #include "avx2_math.h"
 #include "bf16.h"
+#include "paged_slots.h"
 
 #define TILE_KEYS 64     /* keys per packed K/V tile */
 #define ROW_GROUP 6      /* query rows per score / output register tile */
@@ -103,8 +104,7 @@ typedef struct {
 } Tile;
 
 static inline const uint16_t *cache_row(const Tile *t, const uint16_t *cache, int64_t pos) {
-    const int64_t slot = ((int64_t)t->table[pos >> t->shift] << t->shift) + (pos & (((int64_t)1 << t->shift) - 1));
-    return cache + slot * t->row_stride + t->head_offset;
+    return cache + paged_slot(t->table, t->shift, pos) * t->row_stride + t->head_offset;
 }
 
 /* Keys [k0, k0 + kn) into kt ([dp][TILE_KEYS], transposed) and values into v ([TILE_KEYS][dp]);
@@ -237,10 +237,7 @@ static inline __attribute__((always_inline)) void softmax_row(
     } else {
         for (int64_t j = 0; j < kn; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
     }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-    const float tile_max = _mm_cvtss_f32(h);
+    const float tile_max = hmax8(mx);
     const float new_max = tile_max > *m ? tile_max : *m;
     *corr = *m == -INFINITY ? 0.0f : expf(*m - new_max);
     __m256 sum = _mm256_setzero_ps();
@@ -253,10 +250,7 @@ static inline __attribute__((always_inline)) void softmax_row(
         _mm256_storeu_ps(s + j, p);
         sum = _mm256_add_ps(sum, p);
     }
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-    *l = *l * *corr + _mm_cvtss_f32(t);
+    *l = *l * *corr + hsum8(sum);
     *m = new_max;
 }
 
@@ -378,9 +372,8 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const
                                uint16_t *out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
                                int64_t block_size, int64_t table_width, float scale, int64_t window,
                                float softcap, int threads) {
-    if (block_size <= 0 || (block_size & (block_size - 1))) return 2;
-    int64_t shift = 0;
-    while (((int64_t)1 << shift) < block_size) shift++;
+    const int64_t shift = block_shift(block_size);
+    if (shift < 0) return 2;
     const int64_t group = heads / kv_heads, dp = (d + 7) / 8 * 8;
     const int64_t block_tokens = ROWS_TARGET / group > 0 ? ROWS_TARGET / group : 1;
     int64_t num_blocks = 0;  /* (sequence, KV head, block of tokens) */
