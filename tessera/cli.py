@@ -77,6 +77,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every decode step op by op instead of replaying captured graphs "
                         "(kernel graphs on CPU, CUDA graphs on GPU)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="launch each step before the last one's tokens reach the host, so scheduling "
+                        "and output processing overlap the GPU (one rank; no gain on CPU, where a "
+                        "step's outputs then come a step later)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--master-addr", default="127.0.0.1",
@@ -119,7 +123,7 @@ def _engine_config(args: argparse.Namespace):
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
-               parallel=_parallel_config(args))
+               async_scheduling=args.async_scheduling, parallel=_parallel_config(args))
 
 
 def _serve_rank_if_not_driver(config) -> bool:

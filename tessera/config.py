@@ -87,6 +87,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
+    # Schedule and launch step N+1 before step N's tokens reach the host, so the host's
+    # work (outputs, detokenization, scheduling, inputs) overlaps the device's; only a
+    # device that runs asynchronously (CUDA) gains (engine/async_steps.py)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")

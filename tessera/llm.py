@@ -50,7 +50,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   device: str = "cpu", seed: int = 0, chat_template: str | None = None,
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
-                  enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                  enforce_eager: bool = False, async_scheduling: bool = False,
+                  tensor_parallel_size: int = 1,
                   parallel: ParallelConfig | None = None) -> EngineConfig:
     """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments).
     `max_num_seqs` / `max_num_batched_tokens` left None take the device's defaults
@@ -69,7 +70,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                           num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
-                                  enable_chunked_prefill=enable_chunked_prefill),
+                                  enable_chunked_prefill=enable_chunked_prefill,
+                                  async_scheduling=async_scheduling),
         parallel=parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         device=device, seed=seed, logprobs_mode=logprobs_mode)
 

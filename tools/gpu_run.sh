@@ -7,7 +7,9 @@
 #                                interpreter and sm_90 compile tests run on CPU in the suite
 #   tools/gpu_run.sh latency     llama-3-8b (dummy weights, bf16): TPOT at batch 1, 8, 64
 #                                beside the bandwidth roofline; CUDA-graph capture time
-#   tools/gpu_run.sh throughput  THROUGHPUT_PROMPTS (default 1000) x 1000 in / 1000 out
+#   tools/gpu_run.sh throughput  THROUGHPUT_PROMPTS (default 1000) x 1000 in / 1000 out;
+#                                arguments after it go to the engine: run it once as is and
+#                                once with --async-scheduling (host work overlapping the GPU)
 #   tools/gpu_run.sh baseline    BASELINE_PROMPTS (default 16) x 1000/1000, tessera beside
 #                                transformers' generate on the GPU; the engine takes half the
 #                                free memory so the 16 GB transformers model fits beside it
@@ -27,15 +29,16 @@ dummy=(--model $preset --load-format dummy --dtype bfloat16)
 case "${1:-}" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_kernels.py tests/runner/test_cuda_graphs.py \
-        tests/models/test_gpu_parity.py -k "gpu" 2>&1 | tee "$out/tests.log" ;;
+        tests/models/test_gpu_parity.py tests/engine/test_async_scheduling.py -k "gpu" 2>&1 | tee "$out/tests.log" ;;
   latency)
     tessera bench latency "${dummy[@]}" --batch-sizes 1,8,64 --input-len 128 --output-len 256 \
         --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log"
     grep -h "captured\|capture" "$out/latency.log" ;;
   throughput)
+    name=throughput; [[ " ${*:2} " == *" --async-scheduling "* ]] && name=throughput-async
     tessera bench throughput "${dummy[@]}" --num-prompts "${THROUGHPUT_PROMPTS:-1000}" \
-        --input-len 1000 --output-len 1000 --repeats 1 \
-        --output-json "$out/throughput.json" 2>&1 | tee "$out/throughput.log" ;;
+        --input-len 1000 --output-len 1000 --repeats 1 "${@:2}" \
+        --output-json "$out/$name.json" 2>&1 | tee "$out/$name.log" ;;
   baseline)
     tessera bench throughput "${dummy[@]}" --memory-fraction 0.5 --num-prompts "${BASELINE_PROMPTS:-16}" \
         --input-len 1000 --output-len 1000 --repeats 1 --baseline transformers \

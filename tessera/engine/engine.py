@@ -28,7 +28,8 @@ from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
 from tessera.runner.graph_inputs import GraphLimits
-from tessera.runner.model_runner import ModelRunner, StepResult
+from tessera.runner.launched_step import LaunchedStep, StepResult
+from tessera.runner.model_runner import ModelRunner
 from tessera.runner.warmup import plan_kv_cache
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.sampler import Sampler
@@ -55,6 +56,9 @@ class Engine:
                 f"without chunked prefill, max_num_batched_tokens ({sched.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
         tp = config.parallel.tensor_parallel_size
+        if tp > 1 and sched.async_scheduling:
+            raise ConfigError("async scheduling runs one rank: the other ranks would need the "
+                              "sampled tokens before the driver has them")
         if tp > 1 and not type(self.router).features()["supports_tensor_parallel"]:
             raise ConfigError(f"{type(self.router).__name__} ({self.router.config.model_type}) does not "
                               "support tensor parallelism; `tessera models` lists the types that do")
@@ -80,7 +84,9 @@ class Engine:
             weights, desc="Loading weights", unit=" tensors", disable=not show_progress, leave=False))
         logger.info("loaded %s (%s, %s) in %.1fs", self.router.source.name,
                     type(self.model).__name__, self.dtype, time.perf_counter() - started)
-        sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode)
+        # a GPU sorts a whole vocabulary fast; the CPU's top-p first tries the best 256 tokens
+        sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode,
+                          top_p_prefix=None if self.device.type == "cuda" else 256)
         channel = StepChannel(self.device) if self.tp_group is not None else None
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device, self.dtype,
                                   sampler, channel=channel,
@@ -95,6 +101,7 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer, self.router.eos_token_ids)
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
+        self._in_flight: LaunchedStep | None = None  # async scheduling: the step launched last
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
         """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay
@@ -188,7 +195,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefixes no request holds (vLLM's call of this name refuses
@@ -211,15 +218,61 @@ class Engine:
         (see outputs.py for what a RequestOutput holds while streaming and at the end).
         With `stream=False` only requests that finished are reported: offline callers that
         keep only final outputs skip building one per request per step (its token ids and
-        text copied each time: quadratic in the output length)."""
+        text copied each time: quadratic in the output length).
+
+        With async scheduling a call launches the next step first and then reports the
+        tokens of the step launched by the previous call."""
+        if self.config.scheduler.async_scheduling:
+            return self._step_async(stream)
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending "
-                                   f"({self.block_manager.num_free_blocks} free blocks)")
+            self._check_progress()
             return []
         result = self._execute(plan.scheduled)
         self.scheduler.step_done(plan)
+        return self._process(result, stream)
+
+    def _step_async(self, stream: bool) -> list[RequestOutput]:
+        """Schedule step N+1 while step N runs: its rows whose token N is sampling read it
+        on the device; then wait for N's tokens and process them. A sequence that N
+        finishes (EOS, stop string) has already been given a row in N+1, whose token is
+        dropped; a step whose sampling needs those tokens on the host (penalties,
+        min_tokens) first waits for N."""
+        plan = self.scheduler.schedule()
+        previous, outputs, drained = self._in_flight, [], False
+        if previous is not None and any(item.seq.num_pending_tokens and item.seq.params.needs_token_history
+                                        for item in plan.scheduled):
+            self._in_flight, drained = None, True
+            outputs = self._process(previous.result(), stream)
+            previous = None
+            plan.scheduled = [item for item in plan.scheduled if not item.seq.is_finished]
+        if plan.is_empty:
+            if previous is None:
+                if not drained:
+                    self._check_progress()
+                return outputs
+            self._in_flight = None
+            return self._process(previous.result(), stream)
+        if self._fatal is not None:
+            raise self._fatal
+        launched = self.runner.launch(plan.scheduled, previous)
+        for item in launched.inputs.sampled_rows:
+            item.seq.num_pending_tokens += 1
+        self._in_flight = launched
+        if previous is not None:
+            outputs = self._process(previous.result(), stream)
+        self.scheduler.step_done(plan)  # after N's tokens: full blocks' hashes need them
+        if not launched.inputs.prompt_rows and all(s.seq.is_finished for s in launched.inputs.sampled_rows):
+            self._in_flight = None  # only wasted rows: nothing to wait for
+        return outputs
+
+    def _check_progress(self) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress with requests pending "
+                               f"({self.block_manager.num_free_blocks} free blocks)")
+
+    def _process(self, result: StepResult, stream: bool) -> list[RequestOutput]:
+        """Append a step's sampled tokens, finish what they end, and build the outputs."""
         now = time.monotonic()
         processor = self.output_processor
         for rows, infos in result.prompt_logprobs:
@@ -227,6 +280,10 @@ class Engine:
         progressed: dict[SequenceGroup, dict[Sequence, Delta]] = {}
         for sample in result.samples:
             seq = sample.item.seq
+            if seq.num_pending_tokens:
+                seq.num_pending_tokens -= 1
+            if seq.is_finished:  # finished or aborted after this step was launched
+                continue
             group = seq.group
             progressed.setdefault(group, {})[seq] = processor.append_token(
                 seq, sample.token_id, sample.logprobs)

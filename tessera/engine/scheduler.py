@@ -4,6 +4,10 @@ Each step: running sequences first (a decode needs one token; a sequence still i
 prompt gets its next chunk), then waiting sequences in arrival order fill what is left of
 the budget and of `max_num_seqs`. When blocks run out, the most recently arrived running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+
+With async scheduling a running sequence may have a token sampled by a launched step that
+the host has not read yet (`num_pending_tokens`): it counts as a token to compute, and a
+sequence that token will bring to its length limit is not scheduled again.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens (so it samples one)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + seq.num_pending_tokens
 
 
 @dataclass
@@ -61,8 +66,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and n < seq.num_tokens - seq.num_computed_tokens:
+            pending = seq.num_pending_tokens
+            if pending and seq.at_length_limit(pending):
+                i += 1  # its pending token ends it: nothing more to compute
+                continue
+            remaining = seq.num_tokens + pending - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and n < remaining:
                 break
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -106,6 +116,8 @@ class Scheduler:
     def step_done(self, plan: SchedulerOutput) -> None:
         """Record that the model computed the planned tokens (their KV is now cached)."""
         for item in plan.scheduled:
+            if item.seq.is_finished:  # finished while its step ran (async scheduling)
+                continue
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.cache_full_blocks(item.seq)
 

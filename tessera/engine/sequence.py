@@ -41,6 +41,10 @@ class Sequence:
     first_scheduled_time: float | None = None  # first admission to the running batch
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens sampled by launched steps whose results the host has not read yet (async
+    # scheduling: at most 2, the step in flight and the one just launched); they follow
+    # token_ids and count for scheduling, not for outputs
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     status: SequenceStatus = SequenceStatus.WAITING
@@ -105,6 +109,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def at_length_limit(self, extra: int = 0) -> bool:
+        """Whether the sequence is at max_tokens or max_model_len, counting `extra` tokens
+        not yet appended."""
+        return (self.num_output_tokens + extra >= self.params.max_new_tokens
+                or self.num_tokens + extra >= self.max_total_tokens)
 
 
 @dataclass(eq=False)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tessera.engine.scheduler import ScheduledSeq
+from tessera.engine.sequence import Sequence
 from tessera.ops.attention import AttentionMetadata
 
 
@@ -28,6 +29,11 @@ class ModelInputs:
     # after the sampled rows: (sequence, first prompt position, number of positions)
     prompt_rows: list[PromptRows] = field(default_factory=list)
     num_prompt_logit_rows: int = 0  # the last rows of lm_head_indices (all ranks know this)
+    # async scheduling: rows of input_ids whose token the previous step sampled and the
+    # host has not read; the runner fills input_ids[rows] = previous tokens[indices] on
+    # the device before the model runs
+    deferred_rows: torch.Tensor | None = None
+    deferred_indices: torch.Tensor | None = None
 
 
 @dataclass
@@ -41,7 +47,10 @@ class PromptRows:
         return self.item.seq.token_ids[self.start + 1:self.start + 1 + self.count]
 
 
-def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> ModelInputs:
+def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
+                 previous: dict[Sequence, int] | None = None) -> ModelInputs:
+    """`previous`: with async scheduling, where each sequence's token sits among the
+    previous step's sampled tokens, for rows whose last token is still pending."""
     rows = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
     num_decodes = sum(1 for s in rows if s.num_new_tokens == 1)
     tokens: list[int] = []
@@ -54,6 +63,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     sampled_rows: list[ScheduledSeq] = []
     prompt_indices: list[int] = []
     prompt_rows: list[PromptRows] = []
+    deferred_rows: list[int] = []
+    deferred_indices: list[int] = []
     # the block tables as one flat, zero-padded list: a single tensor conversion for the
     # step (one per row cost ~20 us each, 5 ms for a 256-row decode step)
     max_blocks = max(len(s.seq.block_table) for s in rows)
@@ -62,6 +73,13 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         end = start + n
         tokens.extend(seq.token_ids[start:end])
+        if end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
+            if previous is None or seq not in previous or end - 1 != seq.num_tokens:
+                raise RuntimeError(f"request {seq.request_id}: position {end - 1} has no token "
+                                   "and the previous step did not sample it")
+            deferred_rows.append(len(tokens))
+            deferred_indices.append(previous[seq])
+            tokens.append(0)
         positions.extend(range(start, end))
         table = seq.block_table
         _extend_slots(slots, table, start, end, block_size)
@@ -91,8 +109,11 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq_lens=to(seq_lens, torch.int32), query_start_loc=to(query_start, torch.int32),
         num_decodes=num_decodes, num_decode_tokens=num_decodes,
         seq_lens_list=seq_lens, query_lens_list=query_lens)
-    return ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
-                       sampled_rows, max_block_id, prompt_rows, len(prompt_indices))
+    inputs = ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
+                         sampled_rows, max_block_id, prompt_rows, len(prompt_indices))
+    if deferred_rows:
+        inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
+    return inputs
 
 
 _NUMPY_INTS = {torch.int32: np.int32, torch.long: np.int64}

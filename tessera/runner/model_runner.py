@@ -3,7 +3,6 @@ token is sampled (or prompt logprobs are wanted), and samples. Owns the KV cache
 and binds them to the model's attention layers."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -17,6 +16,7 @@ from tessera.runner.decode_graphs import CpuDecodeGraphs
 from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.huge_pages import empty_huge_like, move_weights_to_huge_pages
 from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
+from tessera.runner.launched_step import LaunchedStep, StepResult
 from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prompt_logprobs
 
 
@@ -24,20 +24,6 @@ from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prom
 # 128k-vocabulary model would otherwise hold 4 GiB of float32 logits, memory warm-up never
 # measured (it sizes the KV cache for max_num_seqs sampled rows).
 PROMPT_LOGIT_ROWS = 128
-
-
-@dataclass
-class SampledToken:
-    item: ScheduledSeq
-    token_id: int
-    logprobs: TokenLogprobs | None = None
-
-
-@dataclass
-class StepResult:
-    samples: list[SampledToken] = field(default_factory=list)
-    # per sequence asking for prompt logprobs: its rows and their logprobs, in position order
-    prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -154,43 +140,60 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
         """Run one step: the sampled token (and its logprobs) of each sequence that samples,
         and the prompt logprobs this step computed."""
-        inputs = build_inputs(scheduled, self.block_size, self.device)
+        return self.launch(scheduled).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledSeq], previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step; its sampled tokens stay on the device until `result()`. With
+        `previous` (async scheduling), rows whose token that step is sampling take it from
+        its device tensor."""
+        inputs = build_inputs(scheduled, self.block_size, self.device,
+                              None if previous is None else previous.sampled_index)
+        if inputs.deferred_rows is not None:
+            inputs.input_ids.index_copy_(
+                0, inputs.deferred_rows, previous.token_ids.index_select(0, inputs.deferred_indices))
         if not inputs.sampled_rows and not inputs.prompt_rows:  # only partial prefill chunks
             self.forward_no_logits(inputs)
-            return StepResult()
+            return LaunchedStep(inputs)
         passes = self.forward(inputs)
         try:
-            return self._consume(inputs, passes)
+            token_ids, logprobs = self._sample(inputs, passes)
+            return LaunchedStep(inputs, token_ids, logprobs, self._prompt_logprobs(inputs, passes))
         finally:
             if self.channel is not None:  # the other ranks join every pass's all-gather, even
                 for _ in passes:          # when sampling failed here: run what is left
                     pass
 
-    def _consume(self, inputs: ModelInputs, passes: Iterator[torch.Tensor]) -> StepResult:
-        """Sample from the first pass; prompt logprobs from the rest, one pass at a time."""
-        rows = inputs.sampled_rows
-        result = StepResult()
-        if rows:
-            seqs = [s.seq for s in rows]
-            batch = SamplingBatch(params=[s.params for s in seqs],
-                                  generators=[s.generator for s in seqs],
-                                  token_ids=[s.token_ids for s in seqs],
-                                  num_prompt_tokens=[s.num_prompt_tokens for s in seqs])
-            out = self.sampler.sample(next(passes), batch)
-            result.samples = [SampledToken(item, token, lp) for item, token, lp
-                              in zip(rows, out.token_ids.tolist(), out.logprobs)]
-        if inputs.prompt_rows:
-            targets = torch.tensor([t for r in inputs.prompt_rows for t in r.next_token_ids])
-            num_top = [r.item.seq.params.prompt_logprobs for r in inputs.prompt_rows
-                       for _ in range(r.count)]
-            info: list[TokenLogprobs] = []
-            for logits in passes:
-                done = len(info)
-                info += prompt_logprobs(logits, targets[done:done + logits.shape[0]].to(logits.device),
-                                        num_top[done:done + logits.shape[0]])
-                del logits  # before the generator computes the next pass
-            offset = 0
-            for r in inputs.prompt_rows:
-                result.prompt_logprobs.append((r, info[offset:offset + r.count]))
-                offset += r.count
-        return result
+    def _sample(self, inputs: ModelInputs, passes: Iterator[torch.Tensor]
+                ) -> tuple[torch.Tensor | None, list[TokenLogprobs | None] | None]:
+        """The sampled rows' tokens (on the device) and logprobs, from the first pass."""
+        if not inputs.sampled_rows:
+            return None, None
+        seqs = [s.seq for s in inputs.sampled_rows]
+        batch = SamplingBatch(params=[s.params for s in seqs],
+                              generators=[s.generator for s in seqs],
+                              token_ids=[s.token_ids for s in seqs],
+                              num_prompt_tokens=[s.num_prompt_tokens for s in seqs])
+        out = self.sampler.sample(next(passes), batch)
+        return out.token_ids, out.logprobs
+
+    @staticmethod
+    def _prompt_logprobs(inputs: ModelInputs, passes: Iterator[torch.Tensor]
+                         ) -> list[tuple[PromptRows, list[TokenLogprobs]]]:
+        """Prompt logprobs from the passes after the first, one pass at a time."""
+        if not inputs.prompt_rows:
+            return []
+        targets = torch.tensor([t for r in inputs.prompt_rows for t in r.next_token_ids])
+        num_top = [r.item.seq.params.prompt_logprobs for r in inputs.prompt_rows
+                   for _ in range(r.count)]
+        info: list[TokenLogprobs] = []
+        for logits in passes:
+            done = len(info)
+            info += prompt_logprobs(logits, targets[done:done + logits.shape[0]].to(logits.device),
+                                    num_top[done:done + logits.shape[0]])
+            del logits  # before the generator computes the next pass
+        out, offset = [], 0
+        for r in inputs.prompt_rows:
+            out.append((r, info[offset:offset + r.count]))
+            offset += r.count
+        return out

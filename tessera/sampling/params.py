@@ -168,6 +168,12 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
     @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the tokens sampled so far (penalties count them; min_tokens
+        counts the output), so a step cannot be launched before the last one's reach the host."""
+        return self.has_penalties or self.min_tokens > 0
+
+    @property
     def num_sequences(self) -> int:
         """How many sequences the request runs: best_of, or n."""
         return self.n if self.best_of is None else self.best_of

@@ -13,6 +13,13 @@ import torch
 NEG_INF = float("-inf")
 
 
+def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list on the device without waiting for it: torch.tensor(..., device=cuda)
+    synchronises with the stream (which would stall async scheduling); a non-blocking copy
+    from pageable memory only stages the bytes."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[B, V] float32: how often each token occurs in each row's list (a scatter-add of one
     flat index tensor, not a loop over rows). Ids >= vocab_size are ignored."""
@@ -22,7 +29,7 @@ def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.devi
         flat = torch.tensor([t for ids in token_ids for t in ids]).clamp_(max=vocab_size)
         rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
         counts.index_put_((rows, flat), torch.ones(flat.numel()), accumulate=True)
-    return counts[:, :vocab_size].to(device)
+    return counts[:, :vocab_size].to(device, non_blocking=True)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
@@ -49,9 +56,9 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int], token_ids: list[int]
     if not keep:
         return logits
     device = logits.device
-    index = (torch.tensor([rows[i] for i in keep], device=device),
-             torch.tensor([token_ids[i] for i in keep], device=device))
-    values = torch.tensor([bias[i] for i in keep], dtype=logits.dtype, device=device)
+    index = (device_tensor([rows[i] for i in keep], device),
+             device_tensor([token_ids[i] for i in keep], device))
+    values = device_tensor([bias[i] for i in keep], device, logits.dtype)
     return logits.index_put(index, values, accumulate=True)
 
 
@@ -62,9 +69,9 @@ def suppress_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int])
     if not keep:
         return logits
     device = logits.device
-    index = (torch.tensor([rows[i] for i in keep], device=device),
-             torch.tensor([token_ids[i] for i in keep], device=device))
-    return logits.index_put(index, torch.tensor(NEG_INF, dtype=logits.dtype, device=device))
+    index = (device_tensor([rows[i] for i in keep], device),
+             device_tensor([token_ids[i] for i in keep], device))
+    return logits.index_put(index, torch.full((), NEG_INF, dtype=logits.dtype, device=device))
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -84,7 +91,7 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, prefix: int = 256) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, prefix: int | None = 256) -> torch.Tensor:
     """Nucleus: keep the smallest set of best tokens whose probability reaches top_p (a
     token is dropped when the tokens better than it already hold top_p); the best token
     always stays.
@@ -92,15 +99,18 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, prefix: int = 256) ->
     A full sort of the vocabulary is the expensive part on CPU (260 ms for 64 x 49k), so
     only the best `prefix` tokens are sorted (with topk); every token beyond a prefix that
     already holds top_p is dropped anyway, so the result is the full sort's. Only when
-    some row's nucleus reaches past the prefix (a flat distribution) is everything sorted."""
+    some row's nucleus reaches past the prefix (a flat distribution) is everything sorted.
+    That check waits for the device; `prefix=None` sorts everything at once instead (a GPU
+    sorts fast, and must not wait under async scheduling)."""
     active = top_p < 1.0
     probs = logits.softmax(dim=-1)
     vocab = logits.shape[-1]
-    for k in (min(prefix, vocab), vocab):
+    sizes = (vocab,) if prefix is None or prefix >= vocab else (prefix, vocab)
+    for k in sizes:
         top_ids = logits.topk(k, dim=-1).indices  # sorted, best first
         top_probs = probs.gather(1, top_ids)
         cumulative = top_probs.cumsum(dim=-1)
-        if bool(((cumulative[:, -1] >= top_p) | ~active).all()):
+        if k == vocab or bool(((cumulative[:, -1] >= top_p) | ~active).all()):
             break
     mass_before = cumulative - top_probs
     keep_sorted = mass_before < top_p.unsqueeze(1)

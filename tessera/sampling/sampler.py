@@ -88,9 +88,13 @@ def logprob_info(logprobs: torch.Tensor, chosen: torch.Tensor,
 
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
-                 logprobs_mode: str = "raw"):
+                 logprobs_mode: str = "raw", top_p_prefix: int | None = 256):
+        """`top_p_prefix`: how many best tokens top-p sorts before falling back to the whole
+        vocabulary (see processors.apply_top_p); None sorts everything without a check that
+        waits for the device."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+        self.top_p_prefix = top_p_prefix
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = sorted(eos_token_ids)
         self.logprobs_mode = logprobs_mode
@@ -144,7 +148,7 @@ class Sampler:
         vocab, device = x.shape[1], x.device
 
         def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=x.dtype, device=device)
+            return P.device_tensor([getattr(p, name) for p in params], device, x.dtype)
 
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = P.token_counts([batch.all_ids(i) for i in rows], vocab, device) > 0
@@ -163,23 +167,23 @@ class Sampler:
         device = x.device
 
         def column(name: str, dtype: torch.dtype = x.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+            return P.device_tensor([getattr(p, name) for p in params], device, dtype)
 
-        y = P.apply_temperature(x if len(rows) == x.shape[0] else x[rows], column("temperature"))
+        every_row = len(rows) == x.shape[0]
+        index = None if every_row else P.device_tensor(rows, device)
+        y = P.apply_temperature(x if every_row else x.index_select(0, index), column("temperature"))
         if any(p.top_k > 0 for p in params):
             y = P.apply_top_k(y, column("top_k", torch.long))
         if any(p.top_p < 1.0 for p in params):
-            y = P.apply_top_p(y, column("top_p"))
+            y = P.apply_top_p(y, column("top_p"), self.top_p_prefix)
         if any(p.min_p > 0.0 for p in params):
             y = P.apply_min_p(y, column("min_p"))
         if any(p.typical_p < 1.0 for p in params):
             y = P.apply_typical_p(y, column("typical_p"))
         sampled = self._draw(y.softmax(dim=-1), [batch.generators[i] for i in rows])
-        if len(rows) == x.shape[0]:
+        if every_row:
             return sampled, y
-        out = x.argmax(dim=-1)
-        out[rows] = sampled
-        return out, y
+        return x.argmax(dim=-1).index_copy_(0, index, sampled), y
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One uniform per row from the row's own generator, or the engine's."""
@@ -190,7 +194,7 @@ class Sampler:
         for j, gen in enumerate(generators):
             if gen is not None:
                 uniforms[j] = torch.rand(1, dtype=torch.float64, generator=gen)
-        return inverse_cdf(probs, uniforms.to(probs.device))
+        return inverse_cdf(probs, uniforms.to(probs.device, non_blocking=True))
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
                   sampled_rows: list[int], chosen: torch.Tensor,

@@ -68,6 +68,7 @@ def test_top_p_sorting_only_a_growing_prefix_gives_the_full_sort_result(logits, 
     out = P.apply_top_p(flat, torch.tensor(ps), prefix=prefix)
     assert_same(out, rows_like_hf(flat, hf.TopPLogitsWarper, ps))
     assert torch.equal(out, P.apply_top_p(flat, torch.tensor(ps), prefix=V))
+    assert torch.equal(out, P.apply_top_p(flat, torch.tensor(ps), prefix=None))  # the GPU's
 
 
 def test_top_p_of_1_keeps_the_whole_tail_despite_rounding():
