@@ -1,10 +1,17 @@
 """The engine's host time per decode step, with the model taken out: the default model's
 forward returns zeros, its LM head an empty row per sequence and the sampler random token
 ids, so a step is only what the host does around the model (scheduling, building inputs,
-appending tokens, detokenizing, outputs; not the sampler's arithmetic). On a GPU this time adds to every step unless it overlaps; at 256
-rows of an 8B model a step is ~20-30 ms of device time.
+appending tokens, detokenizing, outputs; not the sampler's arithmetic). On a GPU this
+time adds to every step unless it overlaps; at 256 rows of an 8B model a step is ~20-30 ms
+of device time.
+
+`--device-ms D` simulates such a device: each launched step completes D ms after the
+previous one did (or after its launch, if the queue was empty), like kernels queued on one
+CUDA stream, and reading its tokens waits until then. Synchronous steps then take host + D;
+with `--async-scheduling` the host's work hides under the next step, max(host, D).
 
     python tools/bench_host_overhead.py --rows 256 --output-len 64 --repeats 3
+    python tools/bench_host_overhead.py --rows 256 --device-ms 20 [--async-scheduling]
 """
 from __future__ import annotations
 
@@ -26,11 +33,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="simulated device time per step (0: none, the host time alone)")
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokens = args.rows * (args.input_len + args.output_len)
     llm = LLM(None, dtype="bfloat16", show_progress=False, max_num_seqs=args.rows,
-              max_num_batched_tokens=max(args.rows * args.input_len, 1024), num_kv_blocks=tokens // 16 + args.rows)
+              max_num_batched_tokens=max(args.rows * args.input_len, 1024), num_kv_blocks=tokens // 16 + args.rows,
+              async_scheduling=args.async_scheduling)
     runner = llm.engine.runner
     hidden = runner.model.config.hidden_size
     g = torch.Generator().manual_seed(0)
@@ -38,6 +49,8 @@ def main() -> None:
     runner.model.compute_logits = lambda h: h[:, :1].float()
     runner.sampler.sample = lambda logits, batch: SamplerOutput(
         torch.randint(100, 40000, (logits.shape[0],), generator=g), [None] * logits.shape[0])
+    if args.device_ms:
+        simulate_device(runner, args.device_ms / 1e3)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(args.rows)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -56,6 +69,27 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         decode = sorted(times)[:-1]  # the prefill step is the slowest
         print(f"run {r + 1}: {len(times)} steps, decode step median {statistics.median(decode) * 1e3:.2f} ms")
+
+
+def simulate_device(runner, step_seconds: float) -> None:
+    """Launched steps complete one after another, `step_seconds` each, as on a stream."""
+    launch = runner.launch
+    queue_end = [0.0]
+
+    def queued(scheduled, previous=None):
+        step = launch(scheduled, previous)
+        done = max(time.perf_counter(), queue_end[0]) + step_seconds
+        queue_end[0] = done
+        result = step.result
+
+        def wait_then_read():
+            time.sleep(max(0.0, done - time.perf_counter()))
+            return result()
+
+        step.result = wait_then_read
+        return step
+
+    runner.launch = queued
 
 
 if __name__ == "__main__":
