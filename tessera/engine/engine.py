@@ -33,6 +33,7 @@ from tessera.runner.model_runner import ModelRunner
 from tessera.runner.warmup import plan_kv_cache
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.sampler import Sampler
+from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class Engine:
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step launched last
+        self._grammars: GrammarCompiler | None = None  # structured outputs, built on first use
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
         """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay
@@ -164,6 +166,9 @@ class Engine:
             generator = None if seed is None else torch.Generator().manual_seed(seed)
             seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,
                                  generator, index=index))
+        if params.structured_outputs is not None:
+            for seq in seqs:
+                seq.grammar = self._grammar_matcher(params.structured_outputs)
         group = SequenceGroup(request_id, seqs, pending=seqs[1:])
         for seq in seqs:
             seq.group = group
@@ -171,6 +176,15 @@ class Engine:
         self.requests[request_id] = seqs[0]
         self.scheduler.add(seqs[0])
         return seqs[0]
+
+    def _grammar_matcher(self, spec: StructuredOutputsParams):
+        try:
+            if self._grammars is None:  # on the first constrained request
+                self._grammars = GrammarCompiler(self.tokenizer, self.router.config.vocab_size,
+                                                 self.router.eos_token_ids)
+            return self._grammars.matcher(spec)
+        except StructuredOutputError as exc:
+            raise RequestError(str(exc)) from exc
 
     @staticmethod
     def _check_against_vocab(params: SamplingParams, vocab: int) -> None:

@@ -57,6 +57,10 @@ class OutputProcessor:
         returns the text and token ids to hand out for it."""
         params = seq.params
         seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # cannot happen while the sampler masks by the same matcher
+            raise RuntimeError(f"request {seq.request_id}: token {token} breaks its structured-output "
+                               "constraint")
         if info is not None:
             seq.cumulative_logprob += info.logprob
             if seq.logprobs is not None:
@@ -65,6 +69,8 @@ class OutputProcessor:
         reason: FinishReason | None = None
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             reason = FinishReason.EOS
+        elif seq.grammar is not None and seq.grammar.is_terminated():
+            reason = FinishReason.EOS  # the constraint is complete and took its end token
         elif may_stop and token in params.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, token
         at_length = (seq.num_output_tokens >= params.max_new_tokens

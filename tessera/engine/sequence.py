@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,6 +64,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None          # when params.logprobs is set
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # the group's first sequence
+    # structured outputs: this sequence's xgrammar matcher (what may come next)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -173,7 +173,8 @@ class ModelRunner:
         batch = SamplingBatch(params=[s.params for s in seqs],
                               generators=[s.generator for s in seqs],
                               token_ids=[s.token_ids for s in seqs],
-                              num_prompt_tokens=[s.num_prompt_tokens for s in seqs])
+                              num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
+                              grammars=[s.grammar for s in seqs])
         out = self.sampler.sample(next(passes), batch)
         return out.token_ids, out.logprobs
 

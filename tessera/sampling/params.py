@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tessera.sampling.structured import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
@@ -64,6 +68,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None         # alternatives per generated token (0: the chosen only)
     prompt_logprobs: int | None = None  # alternatives per prompt token (0: the prompt token only)
+    # JSON schema / regex / choice / grammar the output must follow (sampling/structured.py);
+    # a dict of StructuredOutputsParams' fields is taken too
+    structured_outputs: StructuredOutputsParams | None = None
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:
             return SamplingParamsError(f"`{name}` {rule}, got {getattr(self, name)!r}")
@@ -120,6 +127,17 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, "must be null or an integer >= 0 (how many alternatives)")
+        self.structured_outputs = self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> StructuredOutputsParams | None:
+        from tessera.sampling.structured import KINDS, StructuredOutputsParams
+
+        spec = self.structured_outputs
+        if spec is None or isinstance(spec, StructuredOutputsParams):
+            return spec
+        if not isinstance(spec, dict) or not set(spec) <= set(KINDS):
+            raise SamplingParamsError(f"`structured_outputs` takes {', '.join(KINDS)}; got {spec!r}")
+        return StructuredOutputsParams(**spec)
 
     def _check_logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -170,8 +188,9 @@ class SamplingParams:
     @property
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens sampled so far (penalties count them; min_tokens
-        counts the output), so a step cannot be launched before the last one's reach the host."""
-        return self.has_penalties or self.min_tokens > 0
+        counts the output; a grammar advances with each), so a step cannot be launched
+        before the last one's reach the host."""
+        return self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
 
     @property
     def num_sequences(self) -> int:

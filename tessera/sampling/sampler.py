@@ -2,7 +2,8 @@
 
 One step, for a [B, V] float32 logits tensor:
 
-1. logit_bias, then min_tokens (EOS and stop token ids at -inf while a row is short of its
+1. structured-output masks (tokens a row's grammar does not allow next at -inf), then
+   logit_bias, then min_tokens (EOS and stop token ids at -inf while a row is short of its
    minimum), then penalties: repetition (HF: prompt and output tokens), frequency and
    presence (OpenAI: output tokens). These apply to greedy rows too.
 2. Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p, min-p
@@ -30,6 +31,7 @@ import torch
 
 from tessera.sampling import processors as P
 from tessera.sampling.params import SamplingParams
+from tessera.sampling.structured import mask_logits
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -42,6 +44,8 @@ class SamplingBatch:
     # how many of them are prompt. Needed only for penalties and min_tokens.
     token_ids: list[list[int]] | None = None
     num_prompt_tokens: list[int] | None = None
+    # per row: its structured-output matcher, or None (sampling/structured.py)
+    grammars: list | None = None
 
     def output_ids(self, row: int) -> list[int]:
         if self.token_ids is None:
@@ -117,9 +121,12 @@ class Sampler:
     # --- the steps --------------------------------------------------------------------------
 
     def _preprocess(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logit_bias, min_tokens and penalties; returns `logits` itself if none applies."""
+        """The structured-output masks, logit_bias, min_tokens and penalties; returns
+        `logits` itself if none applies."""
         params = batch.params
         x = logits
+        if batch.grammars is not None and any(g is not None for g in batch.grammars):
+            x = mask_logits(x, batch.grammars)
         if any(p.logit_bias for p in params):
             rows, ids, bias = [], [], []
             for i, p in enumerate(params):

@@ -32,10 +32,39 @@ def _check_model(state: ServerState, name: str | None) -> None:
                             param="model")
 
 
+def _structured_outputs(body: _OpenAISampling) -> dict | None:
+    """The one output constraint a request gives: vLLM's `structured_outputs` or a
+    `guided_*` field, or (chat) OpenAI's `response_format`."""
+    given: list[tuple[str, dict]] = []
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", body.structured_outputs))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            given.append((f"guided_{kind}", {kind: value}))
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        else:
+            spec = response_format.json_schema
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValidationFailed("`response_format` of type 'json_schema' needs `json_schema` with "
+                                       "a `schema` object", param="response_format")
+            given.append(("response_format", {"json": spec["schema"]} if "schema" in spec
+                          else {"json_object": True}))
+    if len(given) > 1:
+        raise ValidationFailed(f"give one output constraint, not {' and '.join(n for n, _ in given)}",
+                               param=given[1][0])
+    return given[0][1] if given else None
+
+
 def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
             prompt_logprobs: int | None = None, best_of: int | None = None) -> SamplingParams:
+    structured = _structured_outputs(body)
     try:
         return SamplingParams(
+            structured_outputs=structured,
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
             min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
@@ -273,9 +302,6 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
                                "--chat-template FILE", param="messages")
     if body.tools:
         raise ValidationFailed("`tools` are not supported by this server yet", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ValidationFailed(f"`response_format` {body.response_format.type!r} is not supported yet; "
-                               "only 'text'", param="response_format")
     messages = []
     for m in body.messages:
         msg = m.model_dump(exclude_none=True)

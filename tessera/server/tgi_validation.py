@@ -54,8 +54,7 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
     if p.truncate is not None and not 0 < p.truncate < lim.max_input_tokens:
         raise fail(f"`truncate` must be strictly positive and less than {lim.max_input_tokens}. "
                    f"Given: {p.truncate}")
-    if p.grammar is not None:
-        raise fail("`grammar` is not supported by this server yet")
+    structured = _grammar(p.grammar) if p.grammar is not None else None
     if p.adapter_id is not None:
         raise fail("`adapter_id` is not supported: this server serves no adapters")
     if p.watermark:
@@ -87,7 +86,22 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
             n=best_of, best_of=best_of,
             logprobs=top_n,  # TGI reports every token's logprob (details and stream events)
             prompt_logprobs=0 if p.decoder_input_details else None,
-            skip_special_tokens=True)
+            skip_special_tokens=True, structured_outputs=structured)
     except SamplingParamsError as exc:
         raise fail(str(exc)) from exc
     return ids, params
+
+
+def _grammar(grammar: dict) -> dict:
+    """TGI's GrammarType as structured outputs: {"type": "json", "value": schema} |
+    {"type": "regex", "value": "..."} | {"type": "json_schema", "value": {"name"?, "schema"}}."""
+    kind, value = grammar.get("type"), grammar.get("value")
+    if kind == "json" and isinstance(value, (dict, str)):
+        return {"json": value}
+    if kind == "regex" and isinstance(value, str):
+        return {"regex": value}
+    if kind == "json_schema" and isinstance(value, dict) and isinstance(value.get("schema"), dict):
+        return {"json": value["schema"]}
+    raise ValidationFailed("`grammar` must be {\"type\": \"json\", \"value\": <JSON schema>}, "
+                           "{\"type\": \"regex\", \"value\": <regex>} or "
+                           "{\"type\": \"json_schema\", \"value\": {\"name\": ..., \"schema\": <JSON schema>}}")

@@ -141,13 +141,21 @@ def test_input_longer_than_max_input_tokens(url, server, monkeypatch):
 
 
 @pytest.mark.parametrize("params", [
-    {"grammar": {"type": "json", "value": {"type": "object"}}},
-    {"grammar": {"type": "regex", "value": "[ab]+"}},
+    {"grammar": {"type": "lark", "value": "start: 'a'"}},
+    {"grammar": {"type": "regex", "value": ["[ab]+"]}},
     {"adapter_id": "some/adapter"},
 ])
 def test_unsupported_features_are_422(url, params):
     r = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, **params}})
     assert next(iter(params)) in tgi_error(r, 422, "validation")
+
+
+def test_a_grammar_that_does_not_compile_is_422_with_the_reason(url, server):
+    r = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 2, "grammar": {"type": "regex", "value": "[ab"}}})
+    assert tgi_error(r, 422, "validation") == (
+        V + "invalid regex constraint: Regex parsing error at position 4: Unclosed '['")
+    server.assert_idle()
 
 
 @pytest.mark.parametrize("params,message", [
