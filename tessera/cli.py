@@ -156,6 +156,7 @@ def _sampling_params(args: argparse.Namespace):
         except ValueError:
             raise SystemExit(f"--logit-bias expects TOKEN_ID=BIAS, got {item!r}")
     return SamplingParams(
+        structured_outputs=_structured_outputs(args),
         max_new_tokens=args.max_new_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, typical_p=args.typical_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
@@ -163,6 +164,25 @@ def _sampling_params(args: argparse.Namespace):
         ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_id,
         include_stop_str_in_output=args.include_stop_str, n=args.n, best_of=args.best_of,
         logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+
+
+def _structured_outputs(args: argparse.Namespace) -> dict | None:
+    """--json-schema FILE / --json-object / --regex / --choice ... / --grammar FILE."""
+    if args.json_schema is not None:
+        try:
+            return {"json": json.loads(Path(args.json_schema).read_text())}
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--json-schema {args.json_schema}: {exc}")
+    if args.grammar is not None:
+        try:
+            return {"grammar": Path(args.grammar).read_text()}
+        except OSError as exc:
+            raise SystemExit(f"--grammar {args.grammar}: {exc}")
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    return {"choice": args.choice} if args.choice else None
 
 
 def _logprobs_json(positions) -> list | None:
@@ -330,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                      help="logprobs of the prompt tokens (in --output-file)")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema")
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--regex", help="the output matches this regular expression")
+    shape.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    shape.add_argument("--grammar", metavar="FILE", help="the output follows this EBNF grammar (start symbol root)")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 

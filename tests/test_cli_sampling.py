@@ -94,3 +94,23 @@ def test_bad_logit_bias_syntax_and_stream_with_several_prompts(tiny):
         main(["generate", "--model", str(tiny), *ENGINE_ARGS, "hello", "--logit-bias", "x"])
     with pytest.raises(SystemExit, match="--stream"):
         main(["generate", "--model", str(tiny), *ENGINE_ARGS, "a", "b", "--stream"])
+
+
+def test_structured_output_flags(tiny, tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                  "required": ["ok"], "additionalProperties": False}))
+    out_file = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", str(tiny), *ENGINE_ARGS, "The quick", "Paged", "--json-schema", str(schema),
+                 "--max-new-tokens", "30", "--output-file", str(out_file)]) == 0
+    for record in map(json.loads, out_file.read_text().splitlines()):
+        assert json.loads(record["text"]).keys() == {"ok"}
+    assert main(["generate", "--model", str(tiny), *ENGINE_ARGS, "The quick", "--choice", "left", "--choice", "right",
+                 "--temperature", "1", "--n", "3", "--output-file", str(out_file)]) == 0
+    (record,) = map(json.loads, out_file.read_text().splitlines())
+    assert {c["text"] for c in record["completions"]} <= {"left", "right"}
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tiny), *ENGINE_ARGS, "The quick", "--regex", "[ab"]) == 2
+    assert "invalid regex constraint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny), "x", "--regex", "a", "--choice", "b"])  # one constraint
