@@ -6,6 +6,7 @@ weights, sizes the paged KV cache by a warm-up step, and sets up the scheduler.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Collection, Iterator, Sequence as Seq
 
@@ -104,6 +105,7 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step launched last
         self._grammars: GrammarCompiler | None = None  # structured outputs, built on first use
+        self._grammars_lock = threading.Lock()
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
         """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay
@@ -177,14 +179,21 @@ class Engine:
         self.scheduler.add(seqs[0])
         return seqs[0]
 
-    def _grammar_matcher(self, spec: StructuredOutputsParams):
+    def compile_grammar(self, spec: StructuredOutputsParams):
+        """Compile a structured-output constraint (cached); any thread may call this, so a
+        server compiles before handing the request to the engine thread."""
         try:
-            if self._grammars is None:  # on the first constrained request
-                self._grammars = GrammarCompiler(self.tokenizer, self.router.config.vocab_size,
-                                                 self.router.eos_token_ids)
-            return self._grammars.matcher(spec)
+            with self._grammars_lock:
+                if self._grammars is None:  # on the first constrained request
+                    self._grammars = GrammarCompiler(self.tokenizer, self.router.config.vocab_size,
+                                                     self.router.eos_token_ids)
+            return self._grammars.compile(spec)
         except StructuredOutputError as exc:
             raise RequestError(str(exc)) from exc
+
+    def _grammar_matcher(self, spec: StructuredOutputsParams):
+        compiled = self.compile_grammar(spec)  # first: it builds the compiler
+        return self._grammars.matcher(compiled)
 
     @staticmethod
     def _check_against_vocab(params: SamplingParams, vocab: int) -> None:

@@ -63,8 +63,8 @@ class StructuredOutputError(ValueError):
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary; `matcher(spec)` gives a fresh
-    per-sequence matcher."""
+    """Compiles constraints for one tokenizer and vocabulary (thread-safe; xgrammar caches
+    compiled constraints); `matcher(compiled)` gives a fresh per-sequence matcher."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
         try:
@@ -77,7 +77,7 @@ class GrammarCompiler:
                                                        stop_token_ids=sorted(stop_token_ids))
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
 
-    def matcher(self, spec: StructuredOutputsParams):
+    def compile(self, spec: StructuredOutputsParams):
         compiler = self._compiler
         try:
             if spec.json is not None:
@@ -97,6 +97,9 @@ class GrammarCompiler:
             # drop xgrammar's "[time] file.cc:line: " prefix from what the client reads
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc)).strip()
             raise StructuredOutputError(f"invalid {spec.kind} constraint: {reason}") from exc
+        return compiled
+
+    def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)
 
 

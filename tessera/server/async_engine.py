@@ -121,6 +121,10 @@ class AsyncEngine:
         sink = _Sink(asyncio.get_running_loop())
         finished = False
         try:
+            if params.structured_outputs is not None:
+                # compile here, off the engine thread, so running streams do not wait for it;
+                # the engine's own compile then hits xgrammar's cache
+                await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
             self._commands.put(_Add(request_id, prompt if isinstance(prompt, str) else list(prompt),
                                     params, sink))
             while True:

@@ -105,3 +105,18 @@ def test_tgi_bad_grammar_value_is_422(url):
     r = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {
         "max_new_tokens": 5, "grammar": {"type": "json_schema", "value": {"name": "no schema"}}}})
     assert "`grammar` must be" in tgi_error(r, 422, "validation")
+
+
+def test_constraints_compile_before_reaching_the_engine_thread(url, server, monkeypatch):
+    """The HTTP side compiles (a large schema must not stall every running stream), so a
+    constraint that does not compile never reaches the engine."""
+    core = server.engine.engine
+    added = []
+    add_request = core.add_request
+    monkeypatch.setattr(core, "add_request", lambda *a, **kw: added.append(a) or add_request(*a, **kw))
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "guided_regex": "(bad"})
+    assert openai_error(r, 400)["message"].startswith("invalid regex constraint")
+    assert added == []
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "guided_regex": "[xy]{2}"})
+    assert r.status_code == 200 and len(added) == 1
+    assert re.fullmatch("[xy]{2}", r.json()["choices"][0]["text"])
