@@ -16,6 +16,7 @@ from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from tessera.server.state import ServerState
+from tessera.server.tool_calls import ToolCallStream, ToolPlan, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter(prefix="/v1")
@@ -60,8 +61,14 @@ def _structured_outputs(body: _OpenAISampling) -> dict | None:
 
 
 def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
-            prompt_logprobs: int | None = None, best_of: int | None = None) -> SamplingParams:
+            prompt_logprobs: int | None = None, best_of: int | None = None,
+            tools: ToolPlan | None = None) -> SamplingParams:
     structured = _structured_outputs(body)
+    if tools is not None:
+        if structured is not None:
+            raise ValidationFailed("give one output constraint: a `tool_choice` that calls tools "
+                                   "already constrains the output", param="tool_choice")
+        structured = tools.constraint
     try:
         return SamplingParams(
             structured_outputs=structured,
@@ -300,8 +307,6 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     if not state.chat_template:
         raise ValidationFailed("this model has no chat template; start the server with "
                                "--chat-template FILE", param="messages")
-    if body.tools:
-        raise ValidationFailed("`tools` are not supported by this server yet", param="tools")
     messages = []
     for m in body.messages:
         msg = m.model_dump(exclude_none=True)
@@ -316,7 +321,8 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     try:
         text = state.tokenizer.apply_chat_template(
             messages, chat_template=state.chat_template, tokenize=False,
-            add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+            add_generation_prompt=body.add_generation_prompt, tools=body.tools or None,
+            **(body.chat_template_kwargs or {}))
     except Exception as exc:  # a template error names what the template disliked
         raise ValidationFailed(f"chat template error: {exc}", param="messages") from exc
     return list(state.tokenizer(text, add_special_tokens=False).input_ids)
@@ -326,6 +332,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     state = _state(request)
     _check_model(state, body.model)
+    tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)
     ids = _chat_prompt(state, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = requested if requested is not None else max(state.limits.max_total_tokens - len(ids), 1)
@@ -335,7 +342,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise ValidationFailed("`top_logprobs` must be in [0, 20]", param="top_logprobs")
     top = body.top_logprobs or 0
-    params = _params(body, max_tokens, top if body.logprobs else None)
+    params = _params(body, max_tokens, top if body.logprobs else None, tools=tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = run_request(state, rid, ids, params)
@@ -349,6 +356,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                                             "logprobs": None, "finish_reason": None}]}
             n_out = 0
             ended: set[int] = set()
+            calls = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
             async for out in stream:
                 for c in out.outputs:
                     if c.index in ended or (not c.delta_token_ids and c.finish_reason is None):
@@ -361,10 +369,15 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                     logprobs = None
                     if body.logprobs and c.delta_logprobs is not None:
                         logprobs = _chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top)
-                    delta = {"content": c.delta_text} if c.delta_text else {}
+                    finish = FINISH.get(c.finish_reason) if c.finish_reason else None
+                    if tools is not None:
+                        delta, finish = calls[c.index].delta(c.delta_text, finish)
+                        if not delta and finish is None and logprobs is None:
+                            continue  # a list of calls shows once complete
+                    else:
+                        delta = {"content": c.delta_text} if c.delta_text else {}
                     yield {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                                "finish_reason": FINISH.get(c.finish_reason) if c.finish_reason else None,
-                                                "stop_reason": c.stop_reason}]}
+                                                "finish_reason": finish, "stop_reason": c.stop_reason}]}
             if body.stream_options and body.stream_options.include_usage:
                 yield {**base, "choices": [], "usage": _usage(len(ids), n_out)}
 
@@ -375,8 +388,12 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     for c in out.outputs:
         n_out += len(c.token_ids)
         logprobs = _chat_logprobs(state, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": FINISH.get(c.finish_reason),
-                        "stop_reason": c.stop_reason})
+        message, finish = {"role": "assistant", "content": c.text}, FINISH.get(c.finish_reason)
+        made = tool_calls(tools, c.text) if tools is not None else None
+        if made is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": made}
+            finish = tools.finish_reason if finish == "stop" else finish
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                          "choices": choices, "usage": _usage(len(ids), n_out)})

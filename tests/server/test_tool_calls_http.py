@@ -1,0 +1,108 @@
+"""OpenAI tool calls through the openai package over real HTTP: a named function and
+"required" constrain the output, so even the tiny random model makes valid calls (streamed
+and not); "none" writes text; "auto" and malformed tools are clear 400s."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import CHAT, MODEL_NAME
+from tests.server.test_http_wire import openai_error
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "metric": {"type": "boolean"}},
+                   "required": ["city", "metric"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def weather_args_valid(arguments: str) -> bool:
+    args = json.loads(arguments)
+    return set(args) == {"city", "metric"} and args["city"] in ("Paris", "Oslo") and isinstance(args["metric"], bool)
+
+
+def call_valid(call) -> bool:
+    if call.function.name == "get_weather":
+        return weather_args_valid(call.function.arguments)
+    return call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
+@pytest.fixture
+def client(url):
+    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def chat(client, **kw):
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=80, **kw)
+
+
+def test_named_function_stream_and_not(client, server):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    full = chat(client, tools=[WEATHER, TIME], tool_choice=choice).choices[0]
+    assert full.message.content is None and full.finish_reason == "stop"
+    (call,) = full.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert weather_args_valid(call.function.arguments), call.function.arguments
+    arguments, ids, names = "", set(), set()
+    for chunk in chat(client, tools=[WEATHER, TIME], tool_choice=choice, stream=True):
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            assert delta_call.index == 0
+            arguments += delta_call.function.arguments or ""
+            ids.add(delta_call.id) if delta_call.id else None
+            names.add(delta_call.function.name) if delta_call.function.name else None
+    assert arguments == call.function.arguments and len(ids) == 1 and names == {"get_weather"}
+    server.assert_idle()
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_makes_valid_calls_stream_and_not(client, parallel):
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    full = chat(client, tools=[WEATHER, TIME], tool_choice="required", temperature=0.9, seed=11, **extra).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content is None
+    calls = full.message.tool_calls
+    assert calls and all(call_valid(c) for c in calls)
+    if parallel is False:
+        assert len(calls) == 1
+    streamed = {}
+    for chunk in chat(client, tools=[WEATHER, TIME], tool_choice="required", temperature=0.9, seed=11,
+                      stream=True, **extra):
+        for c in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed[c.index] = (c.function.name, c.function.arguments)
+    assert list(streamed.values()) == [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_tool_choice_none_writes_text_and_tool_messages_render(client):
+    messages = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                                                               "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00 UTC"}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
+                                         tools=[TIME], tool_choice="none").choices[0]
+    assert out.message.tool_calls is None and isinstance(out.message.content, str)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"tools": [WEATHER]}, '"auto" needs a parser'),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, '"auto" needs a parser'),
+    ({"tool_choice": "required"}, "`tool_choice` needs `tools`"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among `tools`"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "`tool_choice` must be"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"},
+     "`tools[0].function.name`"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "`tools[0]` must be"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "one output constraint"),
+])
+def test_tool_errors_are_400(url, server, body, message):
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 5, **body})
+    err = openai_error(r, 400)
+    assert message in err["message"]
+    server.assert_idle()
