@@ -275,7 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(lambda: _make_llm(args, config).engine,
                       model_name=name, host=args.host, port=args.port, api_key=api_key,
                       max_concurrent_requests=args.max_concurrent_requests,
-                      max_input_tokens=args.max_input_tokens)
+                      max_input_tokens=args.max_input_tokens, tool_call_parser=args.tool_call_parser)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight beyond which clients get 429 'Model is overloaded'")
     serve.add_argument("--max-input-tokens", type=int, default=None,
                        help="longest prompt accepted (default: max model length - 1)")
+    serve.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                       help="read tool calls in the model's own syntax, which enables tool_choice \"auto\" "
+                            "(hermes: <tool_call>{...}</tool_call>, as Qwen 2.5/3 and Hermes models write)")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -64,7 +64,7 @@ def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
             prompt_logprobs: int | None = None, best_of: int | None = None,
             tools: ToolPlan | None = None) -> SamplingParams:
     structured = _structured_outputs(body)
-    if tools is not None:
+    if tools is not None and tools.constraint is not None:
         if structured is not None:
             raise ValidationFailed("give one output constraint: a `tool_choice` that calls tools "
                                    "already constrains the output", param="tool_choice")
@@ -332,7 +332,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     state = _state(request)
     _check_model(state, body.model)
-    tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
     ids = _chat_prompt(state, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = requested if requested is not None else max(state.limits.max_total_tokens - len(ids), 1)
@@ -389,9 +389,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         n_out += len(c.token_ids)
         logprobs = _chat_logprobs(state, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
         message, finish = {"role": "assistant", "content": c.text}, FINISH.get(c.finish_reason)
-        made = tool_calls(tools, c.text) if tools is not None else None
+        content, made = tool_calls(tools, c.text) if tools is not None else (c.text, None)
         if made is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": made}
+            message = {"role": "assistant", "content": content, "tool_calls": made}
             finish = tools.finish_reason if finish == "stop" else finish
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish, "stop_reason": c.stop_reason})

@@ -34,6 +34,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None  # "auto" tool choice reads the model's calls with it
     ready: bool = False
     special_ids: frozenset[int] = frozenset()
     metrics: ServerMetrics = field(init=False)

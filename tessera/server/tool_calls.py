@@ -1,15 +1,17 @@
-"""OpenAI tool calls for the chat route, where a structured-output constraint makes them
-work with any model: `tool_choice` naming a function constrains the output to that
-function's parameters schema (the output *is* the arguments); `"required"` constrains it
-to a JSON array of `{"name", "parameters"}` objects, one per call. `"none"` generates
-text. `"auto"` (OpenAI's default when tools are given) needs a parser of the model's own
-tool-call syntax, which this server does not have: it is refused with a clear error, as
-vLLM refuses it without `--tool-call-parser`. The tools are passed to the chat template
-either way, so the model sees them as it was trained to.
+"""OpenAI tool calls for the chat route. A structured-output constraint makes them work
+with any model: `tool_choice` naming a function constrains the output to that function's
+parameters schema (the output *is* the arguments); `"required"` constrains it to a JSON
+array of `{"name", "parameters"}` objects, one per call. `"none"` generates text. `"auto"`
+(OpenAI's default when tools are given) lets the model choose, so its own tool-call syntax
+must be parsed: the server's `--tool-call-parser` names it (`hermes`: `<tool_call>{"name",
+"arguments"}</tool_call>` blocks, as Qwen 2.5/3, Hermes and many fine-tunes write them);
+without one, "auto" is refused, as vLLM refuses it. The tools are passed to the chat
+template in every case, so the model sees them as it was trained to.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -19,16 +21,22 @@ from tessera.server.errors import ValidationFailed
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+
+
 @dataclass
 class ToolPlan:
-    """How the output becomes tool calls: one named function's arguments, or a list."""
+    """How the output becomes tool calls: one named function's arguments (`function`), a
+    constrained list ("required"), or the model's own syntax read by `parser` ("auto")."""
 
-    function: str | None  # the named function; None: "required" (the output is a list)
-    constraint: dict[str, Any]  # structured_outputs
+    function: str | None = None
+    constraint: dict[str, Any] | None = None  # structured_outputs
+    parser: str | None = None
 
     @property
     def finish_reason(self) -> str:
-        # vLLM's: a named function is a forced choice ("stop"), "required" ends in calls
+        # vLLM's: a named function is a forced choice ("stop"); otherwise calls end it
         return "stop" if self.function is not None else "tool_calls"
 
 
@@ -50,7 +58,7 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
-                    parallel_tool_calls: bool | None) -> ToolPlan | None:
+                    parallel_tool_calls: bool | None, parser: str | None = None) -> ToolPlan | None:
     """The constraint for this request's tool choice, or None for plain text."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -60,9 +68,12 @@ def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return None
+    if choice == "auto" and parser is not None:
+        return ToolPlan(parser=parser)
     if choice == "auto":
         raise ValidationFailed("`tool_choice` \"auto\" needs a parser of the model's tool-call syntax, "
-                               "which this server does not have; use \"required\" or name a function",
+                               "and this server was started without --tool-call-parser; use \"required\" or "
+                               "name a function",
                                param="tool_choice")
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
@@ -71,33 +82,63 @@ def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if parallel_tool_calls is False:
             array["maxItems"] = 1
-        return ToolPlan(None, {"json": array})
+        return ToolPlan(constraint={"json": array})
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
         raise ValidationFailed("`tool_choice` must be \"none\", \"auto\", \"required\" or "
                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
     if name not in functions:
         raise ValidationFailed(f"`tool_choice` names {name!r}, which is not among `tools`", param="tool_choice")
-    return ToolPlan(name, {"json": functions[name]})
+    return ToolPlan(function=name, constraint={"json": functions[name]})
 
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
-    """The calls a finished output makes, or None when it is not a complete call list (cut
-    by max_tokens or a stop string): then it is returned as content."""
+def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """A finished output as (content, calls). The calls are None when the output makes
+    none, or not a complete list of them (cut by max_tokens or a stop string): then all
+    of it is content."""
     if plan.function is not None:
         calls = [(plan.function, text)]
+        content = None
     else:
+        content, found = _parse_hermes(text) if plan.parser is not None else (None, _parse_list(text))
+        if not found:
+            return text, None
+        calls = found
+    return content, [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+                     for name, arguments in calls]
+
+
+def _parse_list(text: str) -> list[tuple[str, str]] | None:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return [(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """Text before the first <tool_call> block is content; each block holds
+    {"name", "arguments"}. Anything malformed: no calls."""
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return text, None
+    calls = []
+    for block in _HERMES_BLOCK.findall(text[start:]):
         try:
-            items = json.loads(text)
+            call = json.loads(block)
         except json.JSONDecodeError:
-            return None
-        calls = [(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
-    return [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
-            for name, arguments in calls]
+            return text, None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, None
+        arguments = call.get("arguments", {})
+        calls.append((call["name"], arguments if isinstance(arguments, str)
+                      else json.dumps(arguments, ensure_ascii=False)))
+    content = text[:start].rstrip()  # not lstripped: a stream has sent it as it came
+    return (content if content.strip() else None), (calls or None)
 
 
 class ToolCallStream:
@@ -107,6 +148,7 @@ class ToolCallStream:
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.text = ""
+        self.sent = 0  # characters of text already sent as content ("auto")
         self.call_id: str | None = None
 
     def delta(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
@@ -120,10 +162,32 @@ class ToolCallStream:
                 call = {"index": 0, "id": self.call_id, "type": "function",
                         "function": {"name": plan.function, "arguments": text}}
             return {"tool_calls": [call]}, plan.finish_reason if finish == "stop" else finish
+        if plan.parser is not None and finish is None:
+            return self._hermes_content(), None
         if finish is None:
             return {}, None
-        made = tool_calls(plan, self.text)
-        if made is None:
-            return ({"content": self.text} if self.text else {}), finish
-        return ({"tool_calls": [{"index": i, **call} for i, call in enumerate(made)]},
-                plan.finish_reason if finish == "stop" else finish)
+        content, made = tool_calls(plan, self.text)
+        if made is None:  # no calls: whatever content is not out yet
+            rest = self.text[self.sent:]
+            return ({"content": rest} if rest else {}), finish
+        delta: dict[str, Any] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(made)]}
+        rest = (content or "")[self.sent:]
+        if rest:
+            delta["content"] = rest
+        return delta, plan.finish_reason if finish == "stop" else finish
+
+    def _hermes_content(self) -> dict[str, Any]:
+        """Content before a <tool_call> goes out as it comes; from the tag on (or what may
+        be its beginning) it is held until the end, when the calls are parsed."""
+        end = self.text.find(HERMES_OPEN)
+        if end < 0:
+            end = len(self.text)
+            for k in range(min(len(HERMES_OPEN) - 1, len(self.text)), 0, -1):
+                if HERMES_OPEN.startswith(self.text[-k:]):
+                    end -= k
+                    break
+        # trailing whitespace waits for what follows it: before a call it is not content
+        end = len(self.text[:end].rstrip())
+        rest = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return {"content": rest} if rest else {}

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
 from tests.server.conftest import CHAT, MODEL_NAME
 from tests.server.test_http_wire import openai_error
 
@@ -41,7 +42,8 @@ def client(url):
 
 def chat(client, **kw):
     kw.setdefault("temperature", 0)
-    return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=80, **kw)
+    kw.setdefault("max_tokens", 80)
+    return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, **kw)
 
 
 def test_named_function_stream_and_not(client, server):
@@ -90,8 +92,8 @@ def test_tool_choice_none_writes_text_and_tool_messages_render(client):
 
 
 @pytest.mark.parametrize("body,message", [
-    ({"tools": [WEATHER]}, '"auto" needs a parser'),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, '"auto" needs a parser'),
+    ({"tools": [WEATHER]}, "without --tool-call-parser"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "without --tool-call-parser"),
     ({"tool_choice": "required"}, "`tool_choice` needs `tools`"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among `tools`"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "`tool_choice` must be"),
@@ -106,3 +108,57 @@ def test_tool_errors_are_400(url, server, body, message):
     err = openai_error(r, 400)
     assert message in err["message"]
     server.assert_idle()
+
+
+# --- "auto" with the hermes parser ----------------------------------------------------------
+
+HERMES_OUTPUT = ('Let me check. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+                 '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "metric": true}}</tool_call>')
+HERMES_CALLS = [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Oslo", "metric": true}')]
+
+
+def stream_pieces(text: str, size: int) -> tuple[str, list]:
+    plan = plan_tool_calls([WEATHER, TIME], "auto", None, "hermes")
+    stream, content, calls, finish = ToolCallStream(plan), "", [], None
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for i, piece in enumerate(pieces):
+        delta, finish = stream.delta(piece, "stop" if i == len(pieces) - 1 else None)
+        content += delta.get("content", "")
+        calls += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_hermes_stream_pieces_give_the_calls_and_the_content_before_them(size):
+    assert stream_pieces(HERMES_OUTPUT, size) == ("Let me check.", HERMES_CALLS, "tool_calls")
+    plain = "No tools needed <tool but not a tag"
+    assert stream_pieces(plain, size) == (plain, [], "stop")
+    broken = 'Hm <tool_call>{"name": "get_time", "arguments": {</tool_call>'
+    assert stream_pieces(broken, size) == (broken, [], "stop")  # malformed: all of it is content
+
+
+def test_hermes_parse_of_a_finished_output():
+    plan = plan_tool_calls([WEATHER, TIME], "auto", None, "hermes")
+    content, calls = tool_calls(plan, HERMES_OUTPUT)
+    assert content == "Let me check." and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == HERMES_CALLS
+    assert tool_calls(plan, "just text") == ("just text", None)
+    assert tool_calls(plan, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", None)
+
+
+def test_auto_with_the_hermes_parser_over_http(client, server, monkeypatch):
+    monkeypatch.setattr(server.state, "tool_call_parser", "hermes")
+    # the tiny model is made to write a hermes call by a structured output
+    forced = {"guided_choice": [HERMES_OUTPUT]}
+    full = chat(client, tools=[WEATHER, TIME], extra_body=forced, max_tokens=400).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content == "Let me check."
+    assert [(c.function.name, c.function.arguments) for c in full.message.tool_calls] == HERMES_CALLS
+    content, calls = "", {}
+    for chunk in chat(client, tools=[WEATHER, TIME], tool_choice="auto", extra_body=forced, stream=True,
+                      max_tokens=400):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            for c in chunk.choices[0].delta.tool_calls or []:
+                calls[c.index] = (c.function.name, c.function.arguments)
+    assert content == "Let me check." and list(calls.values()) == HERMES_CALLS
+    text = chat(client, tools=[WEATHER], extra_body={"guided_choice": ["plain answer"]}).choices[0]
+    assert text.message.content == "plain answer" and text.message.tool_calls is None and text.finish_reason == "stop"
