@@ -65,3 +65,13 @@ def available_memory_bytes(device: str) -> int:
         free, _total = torch.cuda.mem_get_info(torch.device(device))
         return int(free)
     return int(psutil.virtual_memory().available)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait for the device: on CUDA it
+    goes through pinned memory, because a copy from pageable memory may synchronise with
+    the stream (and async scheduling would lose its overlap). torch's pinned allocator keeps
+    the block until the copy has run."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

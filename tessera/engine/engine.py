@@ -104,6 +104,7 @@ class Engine:
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step launched last
+        self._undelivered: list[RequestOutput] = []  # processed before a launch that raised
         self._grammars: GrammarCompiler | None = None  # structured outputs, built on first use
         self._grammars_lock = threading.Lock()
 
@@ -218,7 +219,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._undelivered)
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefixes no request holds (vLLM's call of this name refuses
@@ -262,11 +263,12 @@ class Engine:
         dropped; a step whose sampling needs those tokens on the host (penalties,
         min_tokens) first waits for N."""
         plan = self.scheduler.schedule()
-        previous, outputs, drained = self._in_flight, [], False
+        previous, outputs, drained = self._in_flight, self._undelivered, False
+        self._undelivered = []
         if previous is not None and any(item.seq.num_pending_tokens and item.seq.params.needs_token_history
                                         for item in plan.scheduled):
             self._in_flight, drained = None, True
-            outputs = self._process(previous.result(), stream)
+            outputs = outputs + self._process(previous.result(), stream)
             previous = None
             plan.scheduled = [item for item in plan.scheduled if not item.seq.is_finished]
         if plan.is_empty:
@@ -275,15 +277,19 @@ class Engine:
                     self._check_progress()
                 return outputs
             self._in_flight = None
-            return self._process(previous.result(), stream)
+            return outputs + self._process(previous.result(), stream)
         if self._fatal is not None:
             raise self._fatal
-        launched = self.runner.launch(plan.scheduled, previous)
+        try:
+            launched = self.runner.launch(plan.scheduled, previous)
+        except BaseException:
+            self._undelivered = outputs  # a drained step's outputs come with the next call
+            raise
         for item in launched.inputs.sampled_rows:
             item.seq.num_pending_tokens += 1
         self._in_flight = launched
         if previous is not None:
-            outputs = self._process(previous.result(), stream)
+            outputs = outputs + self._process(previous.result(), stream)
         self.scheduler.step_done(plan)  # after N's tokens: full blocks' hashes need them
         if not launched.inputs.prompt_rows and all(s.seq.is_finished for s in launched.inputs.sampled_rows):
             self._in_flight = None  # only wasted rows: nothing to wait for

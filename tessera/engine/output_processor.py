@@ -4,6 +4,8 @@ what text may be handed out, and assemble RequestOutputs (see outputs.py for the
 streaming contract)."""
 from __future__ import annotations
 
+import logging
+
 from transformers import PreTrainedTokenizerBase
 
 from tessera.engine.detokenizer import detokenize_incrementally, fast_decoder, flush
@@ -11,6 +13,8 @@ from tessera.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, 
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.stop import find_stop, partial_stop_length
 from tessera.sampling.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 Delta = tuple[str, list[int]]  # text and token ids one step added to a sequence
 
@@ -56,11 +60,14 @@ class OutputProcessor:
         """Add a sampled token; sets `seq.finish_reason` when it ends the sequence and
         returns the text and token ids to hand out for it."""
         params = seq.params
+        if seq.grammar is not None and not _accepts(seq.grammar, token):
+            # the constraint reached a state nothing can follow (a grammar with a rule that
+            # never ends): this sequence ends, the step and the other requests go on
+            logger.warning("request %s: its structured-output constraint allows no next token; "
+                           "finishing it", seq.request_id)
+            seq.finish_reason = FinishReason.ABORT
+            return "", []
         seq.token_ids.append(token)
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            # cannot happen while the sampler masks by the same matcher
-            raise RuntimeError(f"request {seq.request_id}: token {token} breaks its structured-output "
-                               "constraint")
         if info is not None:
             seq.cumulative_logprob += info.logprob
             if seq.logprobs is not None:
@@ -139,3 +146,10 @@ class OutputProcessor:
             [self.completion(s, deltas.get(s)) for s in seqs], finished=finished,
             metrics=self._metrics(group, now),
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None)
+
+
+def _accepts(matcher, token: int) -> bool:
+    try:
+        return matcher.accept_token(token)
+    except Exception:  # xgrammar raises for an id outside the vocabulary (all-masked rows)
+        return False

@@ -16,6 +16,7 @@ import torch
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.engine.sequence import Sequence
 from tessera.ops.attention import AttentionMetadata
+from tessera.platform import to_device
 
 
 @dataclass
@@ -102,10 +103,10 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     max_block_id = max(flat_tables)  # padding is 0, and block ids are >= 0
 
     def to(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-        return _tensor(values, dtype).to(device, non_blocking=True)
+        return to_device(_tensor(values, dtype), device)
 
     attn = AttentionMetadata(
-        slot_mapping=to(slots), block_tables=tables.to(device, non_blocking=True),
+        slot_mapping=to(slots), block_tables=to_device(tables, device),
         seq_lens=to(seq_lens, torch.int32), query_start_loc=to(query_start, torch.int32),
         num_decodes=num_decodes, num_decode_tokens=num_decodes,
         seq_lens_list=seq_lens, query_lens_list=query_lens)

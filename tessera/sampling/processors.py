@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
+from tessera.platform import to_device
+
 NEG_INF = float("-inf")
 
 
 def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list on the device without waiting for it: torch.tensor(..., device=cuda)
-    synchronises with the stream (which would stall async scheduling); a non-blocking copy
-    from pageable memory only stages the bytes."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """A small host list on the device without waiting for it (torch.tensor(..., device=cuda)
+    synchronises with the stream, which would stall async scheduling)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -29,7 +30,7 @@ def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.devi
         flat = torch.tensor([t for ids in token_ids for t in ids]).clamp_(max=vocab_size)
         rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
         counts.index_put_((rows, flat), torch.ones(flat.numel()), accumulate=True)
-    return counts[:, :vocab_size].to(device, non_blocking=True)
+    return to_device(counts[:, :vocab_size].contiguous(), device)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 
+from tessera.platform import to_device
 from tessera.sampling import processors as P
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.structured import mask_logits
@@ -124,9 +125,9 @@ class Sampler:
         """The structured-output masks, logit_bias, min_tokens and penalties; returns
         `logits` itself if none applies."""
         params = batch.params
-        x = logits
+        x = constrained = logits
         if batch.grammars is not None and any(g is not None for g in batch.grammars):
-            x = mask_logits(x, batch.grammars)
+            x = constrained = mask_logits(x, batch.grammars)
         if any(p.logit_bias for p in params):
             rows, ids, bias = [], [], []
             for i, p in enumerate(params):
@@ -148,6 +149,10 @@ class Sampler:
         if penalised:
             x = x.clone() if x is logits else x
             x[penalised] = self._penalise(x[penalised], batch, penalised)
+        if constrained is not logits and x is not constrained:
+            # where min_tokens took the only tokens a constraint allows (its end), the
+            # constraint wins: its output is complete (no host sync: a where over rows)
+            x = torch.where(torch.isinf(x).all(dim=1, keepdim=True), constrained, x)
         return x
 
     def _penalise(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
@@ -201,7 +206,7 @@ class Sampler:
         for j, gen in enumerate(generators):
             if gen is not None:
                 uniforms[j] = torch.rand(1, dtype=torch.float64, generator=gen)
-        return inverse_cdf(probs, uniforms.to(probs.device, non_blocking=True))
+        return inverse_cdf(probs, to_device(uniforms, probs.device))
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
                   sampled_rows: list[int], chosen: torch.Tensor,

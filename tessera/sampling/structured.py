@@ -18,9 +18,11 @@ from typing import Any, Sequence
 
 import torch
 
+from tessera.platform import to_device
 from tessera.sampling.params import SamplingParamsError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+CACHE_LIMIT_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,9 @@ class GrammarCompiler:
         self._xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self.vocab_size = vocab_size
+        # bounded: every distinct schema a client sends stays cached (~55 KB each at 49k tokens)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_LIMIT_BYTES)
 
     def compile(self, spec: StructuredOutputsParams):
         compiler = self._compiler
@@ -97,6 +101,10 @@ class GrammarCompiler:
             # drop xgrammar's "[time] file.cc:line: " prefix from what the client reads
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc)).strip()
             raise StructuredOutputError(f"invalid {spec.kind} constraint: {reason}") from exc
+        first = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher(compiled).fill_next_token_bitmask(first, 0)
+        if not first.any():  # e.g. a regex of an empty class, a left-recursive grammar
+            raise StructuredOutputError(f"the {spec.kind} constraint matches nothing: no output can follow it")
         return compiled
 
     def matcher(self, compiled):
@@ -113,5 +121,5 @@ def mask_logits(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
     out = logits.clone()
-    xgrammar.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), indices=rows)
+    xgrammar.apply_token_bitmask_inplace(out, to_device(bitmask, out.device), indices=rows)
     return out

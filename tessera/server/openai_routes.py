@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tessera.engine.outputs import PositionLogprobs, RequestOutput
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
-from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, ToolPlan, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
@@ -181,8 +181,8 @@ def _completion_logprobs(state: ServerState, ids: list[int], lps: list[PositionL
     for t, lp in zip(ids, lps):
         text = state.token_text(t)
         tokens.append(text)
-        token_lps.append(lp[t].logprob if lp and t in lp else None)
-        tops.append({state.token_text(a): v.logprob for a, v in lp.items()} if lp else None)
+        token_lps.append(wire_logprob(lp[t].logprob) if lp and t in lp else None)
+        tops.append({state.token_text(a): wire_logprob(v.logprob) for a, v in lp.items()} if lp else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -292,7 +292,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
 def _chat_logprobs(state: ServerState, ids: list[int], lps: list[PositionLogprobs], top: int) -> dict:
     def entry(t: int, logprob: float) -> dict:
         text = state.token_text(t)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": wire_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     content = []
     for t, lp in zip(ids, lps):

@@ -6,6 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# A logprob of -inf (a token the processed distribution excludes) is not JSON; vLLM's API
+# sends this floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def wire_logprob(logprob: float | None) -> float | None:
+    return logprob if logprob is None or logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 class GenerateParameters(BaseModel):
     """TGI's 19 parameters. Every field defaults as TGI's code does (not its OpenAPI doc)."""

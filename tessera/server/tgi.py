@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tessera import __version__
 from tessera.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from tessera.server.errors import APIError
-from tessera.server.protocol import CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest
+from tessera.server.protocol import (CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest,
+                                     wire_logprob)
 from tessera.server.state import ServerState
 from tessera.server.tgi_validation import validate_generate
 from tessera.server.tracking import collect, run_request
@@ -26,7 +27,7 @@ def _state(request: Request) -> ServerState:
 
 def _token(state: ServerState, token_id: int, lp: PositionLogprobs | None) -> dict:
     logprob = lp[token_id].logprob if lp and token_id in lp else None
-    return {"id": token_id, "text": state.token_text(token_id), "logprob": logprob,
+    return {"id": token_id, "text": state.token_text(token_id), "logprob": wire_logprob(logprob),
             "special": token_id in state.special_ids}
 
 
@@ -35,7 +36,7 @@ def _top_tokens(state: ServerState, chosen: int, lp: PositionLogprobs | None, n:
         return []
     alternatives = sorted(((t, v) for t, v in lp.items() if v.rank is not None and v.rank <= n),
                           key=lambda item: item[1].rank)
-    return [{"id": t, "text": state.token_text(t), "logprob": v.logprob, "special": t in state.special_ids}
+    return [{"id": t, "text": state.token_text(t), "logprob": wire_logprob(v.logprob), "special": t in state.special_ids}
             for t, v in alternatives[:n]]
 
 
@@ -53,7 +54,7 @@ def _prefill(state: ServerState, out: RequestOutput, p: GenerateParameters) -> l
     if not p.decoder_input_details:
         return []
     lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-    return [{"id": t, "text": state.token_text(t), "logprob": lp[t].logprob if lp and t in lp else None}
+    return [{"id": t, "text": state.token_text(t), "logprob": wire_logprob(lp[t].logprob) if lp and t in lp else None}
             for t, lp in zip(out.prompt_token_ids, lps)]
 
 

@@ -222,3 +222,34 @@ def test_gpu_decode_launch_never_waits_for_the_device(make_tiny_llama):
                 assert bool(checked) == flag
     assert results[True, True] == results[True, False]
     assert results[False, True] == results[False, False]
+
+
+def test_outputs_processed_before_a_failed_launch_are_delivered_by_the_next_step(make_pair, monkeypatch):
+    """A step that waits for the last one's tokens (a penalty row) processes them before
+    launching; if that launch raises, those outputs (here a request's final one) must not
+    be lost with the exception."""
+    finals_by_mode = []
+    for llm in make_pair():
+        engine = llm.engine
+        engine.add_request("short", TEXTS[0], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
+        engine.add_request("pen", TEXTS[1], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True,
+                                                           presence_penalty=0.5))
+        launch, calls, finals, failures = engine.runner.launch, [0], {}, 0
+
+        def flaky(scheduled, previous=None):
+            calls[0] += 1
+            if calls[0] == 3:  # the step after "short" got its last token
+                raise RuntimeError("transient launch failure")
+            return launch(scheduled, previous)
+
+        monkeypatch.setattr(engine.runner, "launch", flaky)
+        while engine.has_unfinished():
+            try:
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out.outputs[0].finish_reason
+            except RuntimeError:
+                failures += 1
+        assert failures == 1
+        finals_by_mode.append(finals)
+    assert finals_by_mode[0] == finals_by_mode[1] == {"short": "length", "pen": "length"}

@@ -112,3 +112,41 @@ def test_malformed_specs_are_sampling_params_errors(spec):
     with pytest.raises(SamplingParamsError):
         SamplingParams(structured_outputs=spec)
     assert SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")).structured_outputs.kind == "regex"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_gives_way_to_a_complete_constraint(tiny, async_scheduling):
+    """A choice is complete after one word, where only EOS may follow; min_tokens would
+    forbid EOS and leave nothing to choose. The constraint wins, and a neighbour in the
+    same batch is untouched."""
+    llm = LLM(tiny, dtype="float32", show_progress=False, num_kv_blocks=256, block_size=4,
+              async_scheduling=async_scheduling)
+    plain = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(TEXTS[1], plain)[0].outputs[0].token_ids
+    constrained = SamplingParams(max_new_tokens=20, temperature=0.0, min_tokens=8,
+                                 structured_outputs={"choice": ["yes", "no"]})
+    first, second = llm.generate([TEXTS[0], TEXTS[1]], [constrained, plain])
+    assert first.outputs[0].text in ("yes", "no") and first.outputs[0].finish_reason == "eos_token"
+    assert second.outputs[0].token_ids == alone
+    assert llm.engine.block_manager.all_free()
+
+
+@pytest.mark.parametrize("spec", [{"regex": r"[^\s\S]"}, {"grammar": 'root ::= root "x"'}])
+def test_a_constraint_that_matches_nothing_is_refused_up_front(llm, spec):
+    with pytest.raises(RequestError, match="matches nothing"):
+        llm.engine.add_request("nothing", TEXTS[0], SamplingParams(structured_outputs=spec))
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_constraint_that_dead_ends_finishes_only_its_own_request(llm):
+    """'a' is allowed first, then the rule after it can never produce anything: that request
+    ends (abort) and the step, and the request beside it, go on."""
+    dead_end = SamplingParams(max_new_tokens=10, temperature=0.0,
+                              structured_outputs={"grammar": 'root ::= "a" tail\ntail ::= tail "b"'})
+    plain = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        first, second = llm.generate([TEXTS[0], TEXTS[1]], [dead_end, plain])
+    except RequestError:
+        pytest.skip("xgrammar refuses this grammar at compile time")
+    assert first.outputs[0].finish_reason == "abort" and first.outputs[0].text in ("", "a")
+    assert len(second.outputs[0].token_ids) == 6 and second.outputs[0].finish_reason == "length"

@@ -120,3 +120,21 @@ def test_constraints_compile_before_reaching_the_engine_thread(url, server, monk
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "guided_regex": "[xy]{2}"})
     assert r.status_code == 200 and len(added) == 1
     assert re.fullmatch("[xy]{2}", r.json()["choices"][0]["text"])
+
+
+def test_excluded_tokens_logprobs_are_json_floors_not_infinity(url, server, monkeypatch):
+    """With processed logprobs, tokens a constraint or top_k excludes have logprob -inf,
+    which JSON cannot carry: the API sends vLLM's floor, -9999.0, streamed or not."""
+    monkeypatch.setattr(server.engine.engine.runner.sampler, "logprobs_mode", "processed")
+    body = {"messages": CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 5, "temperature": 0,
+            "guided_choice": ["yes", "no"]}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    top = r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert -9999.0 in [t["logprob"] for t in top]
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "logprobs": 3, "top_k": 2,
+                                                  "stream": True})
+    assert r.status_code == 200 and "Infinity" not in r.text and "-9999.0" in r.text
+    r = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 3, "top_k": 1, "top_n_tokens": 3, "details": True, "do_sample": True}})
+    assert r.status_code == 200, r.text
