@@ -11,6 +11,9 @@ from pathlib import Path
 
 from tessera.config import DTYPES, LOAD_FORMATS, MODEL_IMPLS, scheduler_defaults
 
+# tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:
     """A text file (one prompt a line) or JSONL: each line a string, {"prompt": ...}
@@ -372,9 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight beyond which clients get 429 'Model is overloaded'")
     serve.add_argument("--max-input-tokens", type=int, default=None,
                        help="longest prompt accepted (default: max model length - 1)")
-    serve.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="read tool calls in the model's own syntax, which enables tool_choice \"auto\" "
-                            "(hermes: <tool_call>{...}</tool_call>, as Qwen 2.5/3 and Hermes models write)")
+                            "(hermes: <tool_call>{...}</tool_call>, as Qwen 2.5/3 and Hermes models write; "
+                            "llama3_json: a {\"name\", \"parameters\"} object, as Llama 3.1-3.3 write)")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -163,3 +163,10 @@ def test_serve_takes_the_serving_token_budget_unless_told(monkeypatch):
     for extra in ([], ["--max-num-batched-tokens", "1024"], ["--no-chunked-prefill"]):
         assert cli.main(["serve", *extra]) == 0
     assert seen == [(64, 256, False), (64, 1024, False), (None, None, True)]
+
+
+def test_serve_tool_call_parser_choices_are_the_servers_parsers():
+    from tessera.cli import TOOL_CALL_PARSERS
+    from tessera.server.tool_parsers import PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)

@@ -3,26 +3,23 @@ with any model: `tool_choice` naming a function constrains the output to that fu
 parameters schema (the output *is* the arguments); `"required"` constrains it to a JSON
 array of `{"name", "parameters"}` objects, one per call. `"none"` generates text. `"auto"`
 (OpenAI's default when tools are given) lets the model choose, so its own tool-call syntax
-must be parsed: the server's `--tool-call-parser` names it (`hermes`: `<tool_call>{"name",
-"arguments"}</tool_call>` blocks, as Qwen 2.5/3, Hermes and many fine-tunes write them);
-without one, "auto" is refused, as vLLM refuses it. The tools are passed to the chat
+must be parsed: the server's `--tool-call-parser` names it (tool_parsers.py: `hermes`,
+`llama3_json`); without one, "auto" is refused, as vLLM refuses it. The tools are passed to the chat
 template in every case, so the model sees them as it was trained to.
 """
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from tessera.server.errors import ValidationFailed
+from tessera.server.tool_parsers import PARSERS
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
 
 
 @dataclass
@@ -104,7 +101,7 @@ def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, An
         calls = [(plan.function, text)]
         content = None
     else:
-        content, found = _parse_hermes(text) if plan.parser is not None else (None, _parse_list(text))
+        content, found = PARSERS[plan.parser].parse(text) if plan.parser is not None else (None, _parse_list(text))
         if not found:
             return text, None
         calls = found
@@ -118,27 +115,6 @@ def _parse_list(text: str) -> list[tuple[str, str]] | None:
     except json.JSONDecodeError:
         return None
     return [(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    """Text before the first <tool_call> block is content; each block holds
-    {"name", "arguments"}. Anything malformed: no calls."""
-    start = text.find(HERMES_OPEN)
-    if start < 0:
-        return text, None
-    calls = []
-    for block in _HERMES_BLOCK.findall(text[start:]):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            return text, None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, None
-        arguments = call.get("arguments", {})
-        calls.append((call["name"], arguments if isinstance(arguments, str)
-                      else json.dumps(arguments, ensure_ascii=False)))
-    content = text[:start].rstrip()  # not lstripped: a stream has sent it as it came
-    return (content if content.strip() else None), (calls or None)
 
 
 class ToolCallStream:
@@ -163,7 +139,10 @@ class ToolCallStream:
                         "function": {"name": plan.function, "arguments": text}}
             return {"tool_calls": [call]}, plan.finish_reason if finish == "stop" else finish
         if plan.parser is not None and finish is None:
-            return self._hermes_content(), None
+            end = PARSERS[plan.parser].content_end(self.text)
+            rest = self.text[self.sent:end] if end > self.sent else ""
+            self.sent = max(self.sent, end)
+            return ({"content": rest} if rest else {}), None
         if finish is None:
             return {}, None
         content, made = tool_calls(plan, self.text)
@@ -175,19 +154,3 @@ class ToolCallStream:
         if rest:
             delta["content"] = rest
         return delta, plan.finish_reason if finish == "stop" else finish
-
-    def _hermes_content(self) -> dict[str, Any]:
-        """Content before a <tool_call> goes out as it comes; from the tag on (or what may
-        be its beginning) it is held until the end, when the calls are parsed."""
-        end = self.text.find(HERMES_OPEN)
-        if end < 0:
-            end = len(self.text)
-            for k in range(min(len(HERMES_OPEN) - 1, len(self.text)), 0, -1):
-                if HERMES_OPEN.startswith(self.text[-k:]):
-                    end -= k
-                    break
-        # trailing whitespace waits for what follows it: before a call it is not content
-        end = len(self.text[:end].rstrip())
-        rest = self.text[self.sent:end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return {"content": rest} if rest else {}

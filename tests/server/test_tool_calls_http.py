@@ -117,8 +117,12 @@ HERMES_OUTPUT = ('Let me check. <tool_call>\n{"name": "get_time", "arguments": {
 HERMES_CALLS = [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Oslo", "metric": true}')]
 
 
-def stream_pieces(text: str, size: int) -> tuple[str, list]:
-    plan = plan_tool_calls([WEATHER, TIME], "auto", None, "hermes")
+LLAMA3_OUTPUT = ('{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                 '{"name": "get_weather", "parameters": {"city": "Oslo", "metric": true}}')
+
+
+def stream_pieces(text: str, size: int, parser: str = "hermes") -> tuple[str, list, str]:
+    plan = plan_tool_calls([WEATHER, TIME], "auto", None, parser)
     stream, content, calls, finish = ToolCallStream(plan), "", [], None
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
@@ -135,6 +139,16 @@ def test_hermes_stream_pieces_give_the_calls_and_the_content_before_them(size):
     assert stream_pieces(plain, size) == (plain, [], "stop")
     broken = 'Hm <tool_call>{"name": "get_time", "arguments": {</tool_call>'
     assert stream_pieces(broken, size) == (broken, [], "stop")  # malformed: all of it is content
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_llama3_json_stream_pieces(size):
+    assert stream_pieces(LLAMA3_OUTPUT, size, "llama3_json") == ("", HERMES_CALLS, "tool_calls")
+    tagged = "<|python_tag|>" + LLAMA3_OUTPUT.split(";")[0]
+    assert stream_pieces(tagged, size, "llama3_json") == ("", HERMES_CALLS[:1], "tool_calls")
+    for text in ("The weather is fine {not a call}", '{"name": "get_time", "parameters": {"zone"',
+                 '{"no_name": 1}'):
+        assert stream_pieces(text, size, "llama3_json") == (text, [], "stop")
 
 
 def test_hermes_parse_of_a_finished_output():
