@@ -98,6 +98,13 @@ def _usage(n_prompt: int, n_completion: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
+def _continuous_usage(body: _OpenAISampling) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+    (with include_usage, as vLLM requires)."""
+    options = body.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -259,10 +266,13 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                     if body.logprobs is not None and c.delta_logprobs is not None:
                         logprobs = _completion_logprobs(state, c.delta_token_ids, c.delta_logprobs,
                                                         len(c.text) - len(c.delta_text))
-                    yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                           "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                        "finish_reason": FINISH.get(c.finish_reason) if c.finish_reason else None,
-                                        "stop_reason": c.stop_reason}]}
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                             "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                          "finish_reason": FINISH.get(c.finish_reason) if c.finish_reason else None,
+                                          "stop_reason": c.stop_reason}]}
+                    if _continuous_usage(body):
+                        chunk["usage"] = _usage(n_prompt, n_out)
+                    yield chunk
             if body.stream_options and body.stream_options.include_usage:
                 yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                        "choices": [], "usage": _usage(n_prompt, n_out)}
@@ -351,9 +361,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         stream = await _admitted(stream)
         async def chunks() -> AsyncIterator[dict]:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+            usage = {"usage": _usage(len(ids), 0)} if _continuous_usage(body) else {}
             for i in range(body.n):
                 yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]}
+                                            "logprobs": None, "finish_reason": None}], **usage}
             n_out = 0
             ended: set[int] = set()
             calls = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
@@ -376,8 +387,10 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                             continue  # a list of calls shows once complete
                     else:
                         delta = {"content": c.delta_text} if c.delta_text else {}
+                    if usage:
+                        usage = {"usage": _usage(len(ids), n_out)}
                     yield {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
-                                                "finish_reason": finish, "stop_reason": c.stop_reason}]}
+                                                "finish_reason": finish, "stop_reason": c.stop_reason}], **usage}
             if body.stream_options and body.stream_options.include_usage:
                 yield {**base, "choices": [], "usage": _usage(len(ids), n_out)}
 

@@ -201,3 +201,20 @@ def test_context_overflow_is_400(url):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "max_tokens" and "maximum context length is 512 tokens" in err["message"]
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_count_up_in_every_chunk(client, route):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "chat":
+        chunks = list(_greedy_chat(client, stream=True, stream_options=options))
+    else:
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True, stream_options=options,
+                                                extra_body={"ignore_eos": True}))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    completion = [u.completion_tokens for u in usages]
+    assert completion == sorted(completion) and completion[-1] == MAX_TOKENS
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    assert chunks[-1].choices == []  # the include_usage chunk still ends the stream
