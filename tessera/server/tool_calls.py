@@ -80,8 +80,10 @@ def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
         if parallel_tool_calls is False:
             array["maxItems"] = 1
         return ToolPlan(constraint={"json": array})
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
-    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
+    # OpenAI's {"type": "function", "function": {"name"}}; TGI's clients leave out "type"
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not (isinstance(name, str) and choice.get("type", "function") == "function"):
         raise ValidationFailed("`tool_choice` must be \"none\", \"auto\", \"required\" or "
                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
     if name not in functions:

@@ -176,3 +176,17 @@ def test_auto_with_the_hermes_parser_over_http(client, server, monkeypatch):
     assert content == "Let me check." and list(calls.values()) == HERMES_CALLS
     text = chat(client, tools=[WEATHER], extra_body={"guided_choice": ["plain answer"]}).choices[0]
     assert text.message.content == "plain answer" and text.message.tool_calls is None and text.finish_reason == "stop"
+
+
+def test_huggingface_hub_client_named_tool_choice_without_type(url):
+    """TGI's clients send tool_choice as {"function": {"name"}} (no "type")."""
+    from huggingface_hub import InferenceClient
+
+    hub = InferenceClient(base_url=url, timeout=30)
+    out = hub.chat_completion(CHAT, model=MODEL_NAME, max_tokens=80, temperature=0, tools=[WEATHER],
+                              tool_choice={"function": {"name": "get_weather"}})
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and weather_args_valid(call.function.arguments)
+    required = hub.chat_completion(CHAT, model=MODEL_NAME, max_tokens=80, temperature=0, tools=[WEATHER, TIME],
+                                   tool_choice="required")
+    assert required.choices[0].message.tool_calls and required.choices[0].finish_reason == "tool_calls"
