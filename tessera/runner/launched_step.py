@@ -11,7 +11,7 @@ import torch
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.engine.sequence import Sequence
 from tessera.runner.inputs import ModelInputs, PromptRows
-from tessera.sampling.sampler import TokenLogprobs
+from tessera.sampling.sampler import SamplerOutput, TokenLogprobs
 
 
 @dataclass
@@ -29,12 +29,12 @@ class StepResult:
 
 
 class LaunchedStep:
-    def __init__(self, inputs: ModelInputs, token_ids: torch.Tensor | None = None,
-                 logprobs: list[TokenLogprobs | None] | None = None,
+    def __init__(self, inputs: ModelInputs, sampled: SamplerOutput | None = None,
                  prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] | None = None):
         self.inputs = inputs
+        self.sampled = sampled  # its logprobs stay on the device until result()
+        token_ids = None if sampled is None else sampled.token_ids
         self.token_ids = token_ids  # [sampled rows], on the device: the next step's inputs
-        self.logprobs = logprobs or [None] * len(inputs.sampled_rows)
         self.prompt_logprobs = prompt_logprobs or []
         self.ready: torch.cuda.Event | None = None
         self.host_token_ids = token_ids
@@ -56,5 +56,5 @@ class LaunchedStep:
         if self.host_token_ids is None:
             return StepResult(prompt_logprobs=self.prompt_logprobs)
         samples = [SampledToken(item, token, lp) for item, token, lp
-                   in zip(self.inputs.sampled_rows, self.host_token_ids.tolist(), self.logprobs)]
+                   in zip(self.inputs.sampled_rows, self.host_token_ids.tolist(), self.sampled.logprobs)]
         return StepResult(samples, self.prompt_logprobs)

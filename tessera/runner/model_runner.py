@@ -17,7 +17,7 @@ from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.huge_pages import empty_huge_like, move_weights_to_huge_pages
 from tessera.runner.inputs import ModelInputs, PromptRows, build_inputs
 from tessera.runner.launched_step import LaunchedStep, StepResult
-from tessera.sampling.sampler import Sampler, SamplingBatch, TokenLogprobs, prompt_logprobs
+from tessera.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, TokenLogprobs, prompt_logprobs
 
 
 # Prompt-logprob positions whose logits exist at once: an 8192-token prompt chunk of a
@@ -157,26 +157,24 @@ class ModelRunner:
             return LaunchedStep(inputs)
         passes = self.forward(inputs)
         try:
-            token_ids, logprobs = self._sample(inputs, passes)
-            return LaunchedStep(inputs, token_ids, logprobs, self._prompt_logprobs(inputs, passes))
+            sampled = self._sample(inputs, passes)
+            return LaunchedStep(inputs, sampled, self._prompt_logprobs(inputs, passes))
         finally:
             if self.channel is not None:  # the other ranks join every pass's all-gather, even
                 for _ in passes:          # when sampling failed here: run what is left
                     pass
 
-    def _sample(self, inputs: ModelInputs, passes: Iterator[torch.Tensor]
-                ) -> tuple[torch.Tensor | None, list[TokenLogprobs | None] | None]:
-        """The sampled rows' tokens (on the device) and logprobs, from the first pass."""
+    def _sample(self, inputs: ModelInputs, passes: Iterator[torch.Tensor]) -> SamplerOutput | None:
+        """The sampled rows' tokens and logprobs (on the device), from the first pass."""
         if not inputs.sampled_rows:
-            return None, None
+            return None
         seqs = [s.seq for s in inputs.sampled_rows]
         batch = SamplingBatch(params=[s.params for s in seqs],
                               generators=[s.generator for s in seqs],
                               token_ids=[s.token_ids for s in seqs],
                               num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
                               grammars=[s.grammar for s in seqs])
-        out = self.sampler.sample(next(passes), batch)
-        return out.token_ids, out.logprobs
+        return self.sampler.sample(next(passes), batch)
 
     @staticmethod
     def _prompt_logprobs(inputs: ModelInputs, passes: Iterator[torch.Tensor]

@@ -68,27 +68,56 @@ class TokenLogprobs:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
-class SamplerOutput:
-    token_ids: torch.Tensor                  # [B] int64
-    logprobs: list[TokenLogprobs | None]     # per row; None where not asked for
+class LogprobTensors:
+    """Logprob information of some rows, still on the device: computed with the step, read
+    on the host only when asked (async scheduling launches the next step before that)."""
+
+    def __init__(self, logprobs: torch.Tensor, chosen: torch.Tensor, num_top: Sequence[int]):
+        """logprobs [R, V] (log_softmax'ed), chosen [R]; one topk for all rows."""
+        self.chosen = chosen
+        self.chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        self.ranks = (logprobs > self.chosen_lp.unsqueeze(1)).sum(dim=1).add_(1)
+        self.num_top = list(num_top)
+        k = min(max(self.num_top, default=0), logprobs.shape[1])
+        self.top = logprobs.topk(k, dim=1) if k > 0 else None
+
+    def to_host(self) -> list[TokenLogprobs]:
+        """Per row the chosen token's logprob, rank and its `num_top[r]` best alternatives."""
+        top_ids: list[list[int]] = [[] for _ in self.num_top]
+        top_lps: list[list[float]] = [[] for _ in self.num_top]
+        if self.top is not None:
+            top_ids, top_lps = self.top.indices.tolist(), self.top.values.tolist()
+        return [TokenLogprobs(t, lp, r, list(zip(ids[:n], lps[:n])))
+                for t, lp, r, ids, lps, n in zip(self.chosen.tolist(), self.chosen_lp.tolist(),
+                                                 self.ranks.tolist(), top_ids, top_lps, self.num_top)]
 
 
 def logprob_info(logprobs: torch.Tensor, chosen: torch.Tensor,
                  num_top: Sequence[int]) -> list[TokenLogprobs]:
     """logprobs [R, V] (log_softmax'ed), chosen [R] -> per row the chosen token's logprob,
-    rank and its `num_top[r]` best alternatives (one topk for all rows)."""
-    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
-    ranks = (logprobs > chosen_lp).sum(dim=1).add_(1)
-    k = min(max(num_top, default=0), logprobs.shape[1])
-    top_ids: list[list[int]] = [[] for _ in num_top]
-    top_lps: list[list[float]] = [[] for _ in num_top]
-    if k > 0:
-        values, ids = logprobs.topk(k, dim=1)
-        top_ids, top_lps = ids.tolist(), values.tolist()
-    return [TokenLogprobs(t, lp, r, list(zip(ids[:n], lps[:n])))
-            for t, lp, r, ids, lps, n in zip(chosen.tolist(), chosen_lp.squeeze(1).tolist(),
-                                             ranks.tolist(), top_ids, top_lps, num_top)]
+    rank and its `num_top[r]` best alternatives."""
+    return LogprobTensors(logprobs, chosen, num_top).to_host()
+
+
+class SamplerOutput:
+    """The chosen tokens [B] (int64, on the logits' device) and, per row that asked, their
+    logprobs, read on the host the first time `logprobs` is used."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: list[TokenLogprobs | None] | None = None,
+                 pending: tuple[list[int], LogprobTensors] | None = None):
+        self.token_ids = token_ids
+        self._logprobs = logprobs
+        self._pending = pending  # (rows, their logprob tensors)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        if self._logprobs is None:
+            self._logprobs = [None] * self.token_ids.shape[0]
+            if self._pending is not None:
+                rows, tensors = self._pending
+                for i, item in zip(rows, tensors.to_host()):
+                    self._logprobs[i] = item
+        return self._logprobs
 
 
 class Sampler:
@@ -117,7 +146,7 @@ class Sampler:
             warped = None
         else:
             chosen, warped = self._sample_rows(x, batch, sampled_rows)
-        return SamplerOutput(chosen, self._logprobs(logits, x, warped, sampled_rows, chosen, params))
+        return SamplerOutput(chosen, pending=self._logprobs(logits, x, warped, sampled_rows, chosen, params))
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -210,25 +239,25 @@ class Sampler:
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
                   sampled_rows: list[int], chosen: torch.Tensor,
-                  params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+                  params: list[SamplingParams]) -> tuple[list[int], LogprobTensors] | None:
+        """The rows that want logprobs and their logprob tensors (left on the device)."""
         rows = [i for i, p in enumerate(params) if p.needs_logprobs]
-        out: list[TokenLogprobs | None] = [None] * len(params)
         if not rows:
-            return out
+            return None
+        device = raw.device
+        index = P.device_tensor(rows, device)
         if self.logprobs_mode == "raw":
-            source = raw[rows]
+            source = raw.index_select(0, index)
         else:  # the distribution each row was chosen from
-            source = x[rows]
+            source = x.index_select(0, index)
             if warped is not None:
                 position = {i: j for j, i in enumerate(sampled_rows)}
                 mine = [k for k, i in enumerate(rows) if i in position]
                 if mine:
-                    source[mine] = warped[[position[rows[k]] for k in mine]]
-        info = logprob_info(source.log_softmax(dim=-1), chosen[rows],
-                            [params[i].logprobs or 0 for i in rows])
-        for i, item in zip(rows, info):
-            out[i] = item
-        return out
+                    source.index_copy_(0, P.device_tensor(mine, device), warped.index_select(
+                        0, P.device_tensor([position[rows[k]] for k in mine], device)))
+        return rows, LogprobTensors(source.log_softmax(dim=-1), chosen.index_select(0, index),
+                                    [params[i].logprobs or 0 for i in rows])
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

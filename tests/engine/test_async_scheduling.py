@@ -189,12 +189,13 @@ def test_async_scheduling_refuses_tensor_parallelism(tiny):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_decode_launch_never_waits_for_the_device(make_tiny_llama):
-    """On CUDA a decode step (graph replay or eager, greedy or sampled) is queued without
+    """On CUDA a decode step (graph replay or eager, greedy or sampled, with logprobs or
+    not) is queued without
     any host-device synchronisation, or nothing would overlap; and the tokens equal the
     synchronous engine's (length stops only, so both run the same batches)."""
     folder, _ = make_tiny_llama(seed=3)
     prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 4) for i in range(11)]
-    params = [SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True,
+    params = [SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True, logprobs=2 if i % 3 == 0 else None,
                              **(dict(temperature=0.0) if i % 2 else dict(temperature=0.9, top_p=0.9, seed=i)))
               for i in range(11)]
     results = {}
