@@ -74,6 +74,11 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return _render(request, exc)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # a bug: still the route's error body, not a bare text 500 (the traceback is logged)
+        return _render(request, APIError(f"internal error: {type(exc).__name__}: {exc}"))
+
     @app.exception_handler(RequestValidationError)
     async def body_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _render(request, ValidationFailed(_describe(exc)))

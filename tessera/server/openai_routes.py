@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import AsyncIterator
@@ -16,10 +17,13 @@ from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
 from tessera.server.state import ServerState
+from tessera.server.tgi_validation import grammar_constraint
 from tessera.server.tool_calls import ToolCallStream, ToolPlan, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter(prefix="/v1")
+logger = logging.getLogger(__name__)
+
 FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abort": "abort"}
 
 
@@ -45,7 +49,11 @@ def _structured_outputs(body: _OpenAISampling) -> dict | None:
             given.append((f"guided_{kind}", {kind: value}))
     response_format = getattr(body, "response_format", None)
     if response_format is not None and response_format.type != "text":
-        if response_format.type == "json_object":
+        if response_format.type in ("json", "regex") or (
+                response_format.type == "json_schema" and response_format.json_schema is None):
+            given.append(("response_format", grammar_constraint(
+                {"type": response_format.type, "value": response_format.value}, "response_format")))
+        elif response_format.type == "json_object":
             given.append(("response_format", {"json_object": True}))
         else:
             spec = response_format.json_schema
@@ -79,7 +87,9 @@ def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
             logit_bias=body.logit_bias, seed=body.seed, n=body.n, best_of=best_of,
             stop=body.stop, stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+            # a tool-call parser reads tags that some tokenizers mark special (as vLLM does)
+            skip_special_tokens=body.skip_special_tokens and (tools is None or tools.parser is None),
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs)
     except SamplingParamsError as exc:
         raise ValidationFailed(str(exc)) from exc
@@ -162,12 +172,21 @@ async def _admitted(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[Reque
     return rest()
 
 
-async def _stream_body(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _stream_body(chunks: AsyncIterator[dict], *streams: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    """SSE lines of `chunks`; an error ends the stream with an error event (never a cut
+    connection), and the request streams are closed either way (an abandoned one would
+    hold its in-flight slot until garbage collection)."""
     try:
         async for chunk in chunks:
             yield _sse(chunk)
     except APIError as exc:
         yield _sse(openai_error_body(exc))
+    except Exception as exc:  # a bug: say so in the stream's own dialect
+        logger.exception("streaming response failed")
+        yield _sse(openai_error_body(APIError(f"internal error: {type(exc).__name__}: {exc}")))
+    finally:
+        for stream in streams:
+            await stream.aclose()
     yield _sse("[DONE]")
 
 
@@ -277,7 +296,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                 yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                        "choices": [], "usage": _usage(n_prompt, n_out)}
 
-        return StreamingResponse(_stream_body(chunks()), media_type="text/event-stream")
+        return StreamingResponse(_stream_body(chunks(), *streams), media_type="text/event-stream")
 
     finals = await asyncio.gather(*(collect(request, s) for s in streams))
     choices, n_out = [], 0
@@ -394,7 +413,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             if body.stream_options and body.stream_options.include_usage:
                 yield {**base, "choices": [], "usage": _usage(len(ids), n_out)}
 
-        return StreamingResponse(_stream_body(chunks()), media_type="text/event-stream")
+        return StreamingResponse(_stream_body(chunks(), stream), media_type="text/event-stream")
 
     out = await collect(request, stream)
     choices, n_out = [], 0

@@ -115,8 +115,12 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's (text / json_object / json_schema with `json_schema`), or TGI's grammar
+    shape (json / regex / json_schema with `value`), which TGI's clients send."""
+
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: dict[str, Any] | None = None
+    value: Any = None
 
 
 class ChatCompletionRequest(_OpenAISampling):

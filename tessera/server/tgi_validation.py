@@ -54,7 +54,7 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
     if p.truncate is not None and not 0 < p.truncate < lim.max_input_tokens:
         raise fail(f"`truncate` must be strictly positive and less than {lim.max_input_tokens}. "
                    f"Given: {p.truncate}")
-    structured = _grammar(p.grammar) if p.grammar is not None else None
+    structured = grammar_constraint(p.grammar) if p.grammar is not None else None
     if p.adapter_id is not None:
         raise fail("`adapter_id` is not supported: this server serves no adapters")
     if p.watermark:
@@ -92,9 +92,10 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
     return ids, params
 
 
-def _grammar(grammar: dict) -> dict:
+def grammar_constraint(grammar: dict, name: str = "grammar") -> dict:
     """TGI's GrammarType as structured outputs: {"type": "json", "value": schema} |
-    {"type": "regex", "value": "..."} | {"type": "json_schema", "value": {"name"?, "schema"}}."""
+    {"type": "regex", "value": "..."} | {"type": "json_schema", "value": {"name"?, "schema"}}.
+    `name`: the field it came in (TGI's `grammar`, or a chat `response_format`)."""
     kind, value = grammar.get("type"), grammar.get("value")
     if kind == "json" and isinstance(value, (dict, str)):
         return {"json": value}
@@ -102,6 +103,7 @@ def _grammar(grammar: dict) -> dict:
         return {"regex": value}
     if kind == "json_schema" and isinstance(value, dict) and isinstance(value.get("schema"), dict):
         return {"json": value["schema"]}
-    raise ValidationFailed("`grammar` must be {\"type\": \"json\", \"value\": <JSON schema>}, "
+    raise ValidationFailed(f"`{name}` must be {{\"type\": \"json\", \"value\": <JSON schema>}}, "
                            "{\"type\": \"regex\", \"value\": <regex>} or "
-                           "{\"type\": \"json_schema\", \"value\": {\"name\": ..., \"schema\": <JSON schema>}}")
+                           "{\"type\": \"json_schema\", \"value\": {\"name\": ..., \"schema\": <JSON schema>}}",
+                           param=None if name == "grammar" else name)

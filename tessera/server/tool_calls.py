@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.server.errors import ValidationFailed
-from tessera.server.tool_parsers import PARSERS
+from tessera.server.tool_parsers import PARSERS, json_text, loads
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -50,7 +50,8 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if not isinstance(parameters, dict):
             raise ValidationFailed(f"`tools[{i}].function.parameters` must be a JSON schema object",
                                    param="tools")
-        functions[name] = parameters
+        # arguments are a JSON object (OpenAI); an open schema such as {} would allow any value
+        functions[name] = parameters if "type" in parameters else {**parameters, "type": "object"}
     return functions
 
 
@@ -73,10 +74,11 @@ def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
                                "name a function",
                                param="tool_choice")
     if choice == "required":
+        schemas, definitions = _hoist_definitions(functions)
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, schema in functions.items()]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+                 for name, schema in schemas.items()]
+        array = {**definitions, "type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if parallel_tool_calls is False:
             array["maxItems"] = 1
         return ToolPlan(constraint={"json": array})
@@ -89,6 +91,26 @@ def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if name not in functions:
         raise ValidationFailed(f"`tool_choice` names {name!r}, which is not among `tools`", param="tool_choice")
     return ToolPlan(function=name, constraint={"json": functions[name]})
+
+
+def _hoist_definitions(functions: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict]:
+    """Each function's `$defs` / `definitions`, moved to the root of the combined schema:
+    references such as "#/$defs/Address" resolve from the root."""
+    schemas, definitions = {}, {}
+    for name, schema in functions.items():
+        schema = dict(schema)
+        for key in ("$defs", "definitions"):
+            found = schema.pop(key, None) or {}
+            if not isinstance(found, dict):
+                raise ValidationFailed(f"`{key}` of function {name!r} must be an object", param="tools")
+            merged = definitions.setdefault(key, {})
+            for ref, value in found.items():
+                if merged.get(ref, value) != value:
+                    raise ValidationFailed(f"functions define `{key}/{ref}` differently; with "
+                                           "tool_choice \"required\" they share one schema", param="tools")
+                merged[ref] = value
+        schemas[name] = schema
+    return schemas, {key: value for key, value in definitions.items() if value}
 
 
 def new_call_id() -> str:
@@ -113,10 +135,10 @@ def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, An
 
 def _parse_list(text: str) -> list[tuple[str, str]] | None:
     try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
+        items = loads(text)
+    except (json.JSONDecodeError, RecursionError):
         return None
-    return [(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+    return [(item["name"], json_text(item["parameters"])) for item in items]
 
 
 class ToolCallStream:

@@ -138,3 +138,36 @@ def test_excluded_tokens_logprobs_are_json_floors_not_infinity(url, server, monk
     r = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {
         "max_new_tokens": 3, "top_k": 1, "top_n_tokens": 3, "details": True, "do_sample": True}})
     assert r.status_code == 200, r.text
+
+
+def test_tgi_style_response_format_from_huggingface_hub(url):
+    """TGI's clients send response_format in TGI's grammar shape ({"type": "json", "value"})."""
+    from huggingface_hub import InferenceClient
+
+    hub = InferenceClient(base_url=url, timeout=30)
+    out = hub.chat_completion(CHAT, model=MODEL_NAME, max_tokens=60, temperature=0,
+                              response_format={"type": "json", "value": SCHEMA})
+    assert valid_against_schema(out.choices[0].message.content)
+    out = hub.chat_completion(CHAT, model=MODEL_NAME, max_tokens=10, temperature=0,
+                              response_format={"type": "regex", "value": "[xyz]{4}"})
+    assert re.fullmatch("[xyz]{4}", out.choices[0].message.content)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "response_format": {"type": "regex"}})
+    assert openai_error(r, 400)["param"] == "response_format"
+
+
+def test_an_unexpected_error_is_an_error_body_and_frees_the_request(url, server, monkeypatch):
+    """A bug while building a response gives the OpenAI error shape (streamed: an error
+    event, then [DONE]) and leaves nothing in flight."""
+    import tessera.server.openai_routes as routes
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(routes, "_chat_logprobs", broken)
+    body = {"messages": CHAT, "max_tokens": 4, "logprobs": True}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert openai_error(r, 500)["message"] == "internal error: RuntimeError: boom"
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True})
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == "internal error: RuntimeError: boom"
+    server.assert_idle()

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
+from tessera.server.tool_parsers import PARSERS
 from tests.server.conftest import CHAT, MODEL_NAME
 from tests.server.test_http_wire import openai_error
 
@@ -190,3 +191,49 @@ def test_huggingface_hub_client_named_tool_choice_without_type(url):
     required = hub.chat_completion(CHAT, model=MODEL_NAME, max_tokens=80, temperature=0, tools=[WEATHER, TIME],
                                    tool_choice="required")
     assert required.choices[0].message.tool_calls and required.choices[0].finish_reason == "tool_calls"
+
+
+def test_parsers_keep_numbers_as_written_and_take_an_unclosed_complete_last_block():
+    hermes, llama3 = PARSERS["hermes"], PARSERS["llama3_json"]
+    # 1e999 as a float is Infinity, which is not JSON; digits beyond a double's are kept
+    assert hermes.parse('<tool_call>{"name": "f", "arguments": {"x": 1e999, "y": 0.12345678901234567890123}}'
+                        '</tool_call>') == (None, [("f", '{"x": 1E+999, "y": 0.12345678901234567890123}')])
+    assert llama3.parse('{"name": "f", "parameters": {"x": 1e999}}') == (None, [("f", '{"x": 1E+999}')])
+    assert hermes.parse('<tool_call>{"name": "g", "arguments": {}}') == (None, [("g", "{}")])
+    cut = 'A<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "argu'
+    assert hermes.parse(cut) == (cut, None)  # a call cut short: all content, as in vLLM
+    deep = '<tool_call>{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}</tool_call>"
+    assert hermes.parse(deep) == (deep, None)  # too deep for json: content, not an error
+    alone_cut = '<tool_call>{"name": "g", "arguments": {'
+    assert hermes.parse(alone_cut) == (alone_cut, None)
+
+
+def test_required_with_definitions_in_function_schemas(client):
+    """Function schemas with $defs are combined under one root for "required", where their
+    #/$defs/... references resolve."""
+    address = {"type": "object", "properties": {"zip": {"enum": ["111", "222"]}}, "required": ["zip"],
+               "additionalProperties": False}
+    ship = {"type": "function", "function": {"name": "ship", "parameters": {
+        "type": "object", "$defs": {"Address": address}, "properties": {"to": {"$ref": "#/$defs/Address"}},
+        "required": ["to"], "additionalProperties": False}}}
+    out = chat(client, tools=[ship, TIME], tool_choice="required", parallel_tool_calls=False, temperature=0.9,
+               seed=3).choices[0]
+    (call,) = out.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert (call.function.name == "ship" and args["to"]["zip"] in ("111", "222")) or call_valid(call)
+    clash = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "$defs": {"Address": {"type": "string"}}, "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="differently"):
+        chat(client, tools=[ship, clash], tool_choice="required")
+
+
+def test_an_open_parameters_schema_still_gives_an_object(client):
+    """OpenAI's arguments are a JSON object; "parameters": {} alone would allow any value."""
+    anything = {"type": "function", "function": {"name": "anything", "parameters": {}}}
+    for seed in range(4):
+        out = chat(client, tools=[anything], tool_choice={"type": "function", "function": {"name": "anything"}},
+                   temperature=1.0, seed=seed, max_tokens=60).choices[0]
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.message.tool_calls[0].function.arguments), dict)
+        else:
+            assert out.message.tool_calls[0].function.arguments.startswith("{")
