@@ -71,6 +71,8 @@ def _structured_outputs(body: _OpenAISampling) -> dict | None:
 def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
             prompt_logprobs: int | None = None, best_of: int | None = None,
             tools: ToolPlan | None = None) -> SamplingParams:
+    if body.stream_options is not None and not body.stream:
+        raise ValidationFailed("`stream_options` is only for `stream: true`", param="stream_options")
     structured = _structured_outputs(body)
     if tools is not None and tools.constraint is not None:
         if structured is not None:

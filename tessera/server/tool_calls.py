@@ -51,6 +51,8 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             raise ValidationFailed(f"`tools[{i}].function.parameters` must be a JSON schema object",
                                    param="tools")
         # arguments are a JSON object (OpenAI); an open schema such as {} would allow any value
+        if name in functions:
+            raise ValidationFailed(f"`tools` define the function {name!r} twice", param="tools")
         functions[name] = parameters if "type" in parameters else {**parameters, "type": "object"}
     return functions
 

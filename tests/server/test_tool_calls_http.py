@@ -101,6 +101,8 @@ def test_tool_choice_none_writes_text_and_tool_messages_render(client):
     ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"},
      "`tools[0].function.name`"),
     ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "`tools[0]` must be"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "define the function 'get_weather' twice"),
+    ({"stream_options": {"include_usage": True}}, "only for `stream: true`"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "one output constraint"),
 ])
