@@ -89,7 +89,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Schedule and launch step N+1 before step N's tokens reach the host, so the host's
     # work (outputs, detokenization, scheduling, inputs) overlaps the device's; only a
-    # device that runs asynchronously (CUDA) gains (engine/async_steps.py)
+    # device that runs asynchronously (CUDA) gains (Engine._step_async)
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

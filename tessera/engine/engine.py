@@ -169,9 +169,10 @@ class Engine:
             generator = None if seed is None else torch.Generator().manual_seed(seed)
             seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,
                                  generator, index=index))
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None:  # compiled once, a matcher per sequence
+            compiled = self.compile_grammar(params.structured_outputs)
             for seq in seqs:
-                seq.grammar = self._grammar_matcher(params.structured_outputs)
+                seq.grammar = self._grammars.matcher(compiled)
         group = SequenceGroup(request_id, seqs, pending=seqs[1:])
         for seq in seqs:
             seq.group = group
@@ -191,10 +192,6 @@ class Engine:
             return self._grammars.compile(spec)
         except StructuredOutputError as exc:
             raise RequestError(str(exc)) from exc
-
-    def _grammar_matcher(self, spec: StructuredOutputsParams):
-        compiled = self.compile_grammar(spec)  # first: it builds the compiler
-        return self._grammars.matcher(compiled)
 
     @staticmethod
     def _check_against_vocab(params: SamplingParams, vocab: int) -> None:

@@ -80,8 +80,7 @@ class OutputProcessor:
             reason = FinishReason.EOS  # the constraint is complete and took its end token
         elif may_stop and token in params.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, token
-        at_length = (seq.num_output_tokens >= params.max_new_tokens
-                     or seq.num_tokens >= seq.max_total_tokens)
+        at_length = seq.at_length_limit()
         # A stop token's own text is not output unless include_stop_str_in_output (vLLM).
         end = seq.num_tokens - 1 if reason is not None and not params.include_stop_str_in_output else None
         before = len(seq.text)

@@ -30,7 +30,7 @@ def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.devi
         flat = torch.tensor([t for ids in token_ids for t in ids]).clamp_(max=vocab_size)
         rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
         counts.index_put_((rows, flat), torch.ones(flat.numel()), accumulate=True)
-    return to_device(counts[:, :vocab_size].contiguous(), device)
+    return to_device(counts[:, :vocab_size], device)  # on CPU: the view, no copy
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
