@@ -84,6 +84,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch each step before the last one's tokens reach the host, so scheduling "
                         "and output processing overlap the GPU (one rank; no gain on CPU, where a "
                         "step's outputs then come a step later)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from n-grams of the '
+                        'sequence itself; the output is what the model alone would give)')
+    p.add_argument("--speculate", type=int, default=None, metavar="N",
+                   help="as TGI: speculative decoding with N n-gram draft tokens per step "
+                        "(--speculative-config with its defaults)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many ranks (gloo on CPU, NCCL on CUDA)")
     p.add_argument("--master-addr", default="127.0.0.1",
@@ -126,7 +133,24 @@ def _engine_config(args: argparse.Namespace):
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
-               async_scheduling=args.async_scheduling, parallel=_parallel_config(args))
+               async_scheduling=args.async_scheduling, speculative_config=_speculative_config(args),
+               parallel=_parallel_config(args))
+
+
+def _speculative_config(args: argparse.Namespace) -> dict | None:
+    if args.speculative_config is not None and args.speculate is not None:
+        raise SystemExit("give --speculative-config or --speculate, not both")
+    if args.speculate is not None:
+        return {"method": "ngram", "num_speculative_tokens": args.speculate}
+    if args.speculative_config is None:
+        return None
+    try:
+        value = json.loads(args.speculative_config)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SystemExit("--speculative-config must be a JSON object")
+    return value
 
 
 def _serve_rank_if_not_driver(config) -> bool:

@@ -127,6 +127,62 @@ def scheduler_defaults(device: str, max_num_seqs: int | None = None,
     return seqs, tokens if max_num_batched_tokens is None else max_num_batched_tokens
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: each decode step also verifies up to `num_speculative_tokens`
+    proposed tokens in the same forward pass, keeping the longest prefix the model itself
+    would have produced (so outputs follow the model's distribution exactly). "ngram"
+    (prompt lookup) proposes what followed the last occurrence of the sequence's final
+    n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`: free to propose,
+    and strong where outputs quote their input (editing, extraction, summaries, code).
+    0 tokens: off."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        _require(0 <= self.num_speculative_tokens <= 32,
+                 f"num_speculative_tokens must be in [0, 32], got {self.num_speculative_tokens}")
+        _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+
+def speculative_config_from(value: SpeculativeConfig | dict | None) -> SpeculativeConfig:
+    """A SpeculativeConfig from vLLM's `speculative_config` dict ({"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}); a
+    given max alone also sets the min when that would exceed it."""
+    if value is None:
+        return SpeculativeConfig()
+    if isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    unknown = sorted(set(value) - known)
+    _require(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+    _require("num_speculative_tokens" in value, "speculative_config needs num_speculative_tokens")
+    for key in known - {"method"}:
+        if key in value:
+            _require(isinstance(value[key], int) and not isinstance(value[key], bool),
+                     f"speculative_config {key} must be an integer, got {value[key]!r}")
+    args = dict(value)
+    if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
+        args["prompt_lookup_min"] = min(SpeculativeConfig.prompt_lookup_min, args["prompt_lookup_max"])
+    return SpeculativeConfig(**args)
+
+
 @dataclass
 class ParallelConfig:
     """Tensor parallelism. With `tensor_parallel_size` > 1 the engine spawns the other ranks
@@ -162,6 +218,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "cpu"
     seed: int = 0
     # where returned logprobs come from: "raw" (the model's distribution, vLLM's default)

@@ -7,7 +7,8 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from tessera.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, scheduler_defaults
+from tessera.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                            SpeculativeConfig, scheduler_defaults, speculative_config_from)
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams
@@ -51,6 +52,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
                   enforce_eager: bool = False, async_scheduling: bool = False,
+                  speculative_config: SpeculativeConfig | dict | None = None,
                   tensor_parallel_size: int = 1,
                   parallel: ParallelConfig | None = None) -> EngineConfig:
     """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments).
@@ -73,6 +75,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   async_scheduling=async_scheduling),
         parallel=parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        speculative=speculative_config_from(speculative_config),
         device=device, seed=seed, logprobs_mode=logprobs_mode)
 
 

@@ -20,6 +20,7 @@ from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, rank_device
 from tessera.engine.block_manager import BlockManager
 from tessera.engine.errors import EngineFatalError
+from tessera.engine.ngram_proposer import NgramProposer
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import Scheduler
@@ -58,6 +59,9 @@ class Engine:
                 f"without chunked prefill, max_num_batched_tokens ({sched.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
         tp = config.parallel.tensor_parallel_size
+        if sched.async_scheduling and config.speculative.enabled:
+            raise ConfigError("async scheduling and speculative decoding do not combine: the next "
+                              "step's inputs depend on how many drafts the host accepts")
         if tp > 1 and sched.async_scheduling:
             raise ConfigError("async scheduling runs one rank: the other ranks would need the "
                               "sampled tokens before the driver has them")
@@ -107,6 +111,8 @@ class Engine:
         self._undelivered: list[RequestOutput] = []  # processed before a launch that raised
         self._grammars: GrammarCompiler | None = None  # structured outputs, built on first use
         self._grammars_lock = threading.Lock()
+        self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
+        self._spec_counts = [0, 0, 0]  # steps of a sequence with drafts, drafts, accepted drafts
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
         """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay
@@ -119,7 +125,8 @@ class Engine:
         if num_blocks is None:
             plan = plan_kv_cache(self.runner, memory_fraction=cache.fraction_for(self.config.device),
                                  max_num_batched_tokens=sched.max_num_batched_tokens,
-                                 max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len)
+                                 max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
+                                 logit_rows_per_seq=1 + self.config.speculative.num_speculative_tokens)
             num_blocks = plan.num_blocks
         capacity = num_blocks * cache.block_size
         if capacity < cache.block_size:
@@ -230,7 +237,9 @@ class Engine:
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks,
             num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits)
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            spec_num_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
+            spec_accepted_tokens=self._spec_counts[2])
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -250,8 +259,18 @@ class Engine:
             self._check_progress()
             return []
         result = self._execute(plan.scheduled)
-        self.scheduler.step_done(plan)
+        self.scheduler.step_done(plan, result.num_rejected)
+        if result.num_rejected:
+            self._count_speculation(plan, result.num_rejected)
         return self._process(result, stream)
+
+    def _count_speculation(self, plan, num_rejected: dict[Sequence, int]) -> None:
+        for item in plan.scheduled:
+            if item.draft_token_ids:
+                drafts = len(item.draft_token_ids)
+                self._spec_counts[0] += 1
+                self._spec_counts[1] += drafts
+                self._spec_counts[2] += drafts - num_rejected.get(item.seq, drafts)
 
     def _step_async(self, stream: bool) -> list[RequestOutput]:
         """Schedule step N+1 while step N runs: its rows whose token N is sampling read it
@@ -311,14 +330,19 @@ class Engine:
             if seq.is_finished:  # finished or aborted after this step was launched
                 continue
             group = seq.group
-            progressed.setdefault(group, {})[seq] = processor.append_token(
-                seq, sample.token_id, sample.logprobs)
+            deltas = progressed.setdefault(group, {})
+            text, ids = processor.append_token(seq, sample.token_id, sample.logprobs)
+            if seq in deltas:  # accepted drafts: several tokens of one sequence in a step
+                text, ids = deltas[seq][0] + text, deltas[seq][1] + ids
+            deltas[seq] = text, ids
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             if group.pending:  # the first sequence has computed the prompt: fan out
                 for child in reversed(group.pending):
                     self.scheduler.waiting.appendleft(child)  # ahead of newer requests
                 group.pending.clear()
+        if self.proposer is not None:
+            self._propose(progressed)
         outputs = []
         for group, deltas in progressed.items():
             if group.is_finished:
@@ -327,6 +351,15 @@ class Engine:
                 continue
             outputs.append(processor.request_output(group, deltas, now))
         return outputs
+
+    def _propose(self, progressed: dict[SequenceGroup, dict[Sequence, Delta]]) -> None:
+        """Speculative decoding: drafts for the next step of every sequence this step
+        advanced (not under a structured-output constraint: its mask holds for one
+        position only)."""
+        for deltas in progressed.values():
+            for seq in deltas:
+                if not seq.is_finished and seq.grammar is None:
+                    seq.draft_token_ids = self.proposer.propose(seq)
 
     def _execute(self, scheduled) -> StepResult:
         if self._fatal is not None:

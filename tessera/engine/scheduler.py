@@ -8,6 +8,10 @@ sequence is preempted: its blocks are freed and it is recomputed later from its 
 With async scheduling a running sequence may have a token sampled by a launched step that
 the host has not read yet (`num_pending_tokens`): it counts as a token to compute, and a
 sequence that token will bring to its length limit is not scheduled again.
+
+With speculative decoding a decoding sequence may carry draft tokens: they are computed
+after its last token in the same step (as a short prefill chunk) when the budget and the
+free blocks allow, and dropped otherwise (drafts never cause a preemption).
 """
 from __future__ import annotations
 
@@ -24,12 +28,20 @@ from tessera.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    # speculative decoding: proposed tokens after the sequence's own (the last of the
+    # num_new_tokens); the step samples after each of them too, to verify them
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        """This step's tokens that are the sequence's own (not drafts)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence's tokens (so it samples one)."""
         seq = self.seq
-        return seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + seq.num_pending_tokens
+        return seq.num_computed_tokens + self.num_real_tokens == seq.num_tokens + seq.num_pending_tokens
 
 
 @dataclass
@@ -71,7 +83,13 @@ class Scheduler:
                 i += 1  # its pending token ends it: nothing more to compute
                 continue
             remaining = seq.num_tokens + pending - seq.num_computed_tokens
-            n = min(remaining, budget)
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []  # proposed for this step only
+            if remaining != 1 or pending:
+                drafts = []
+            drafts = drafts[:budget - 1]
+            if drafts and not self._room_for_drafts(seq, len(drafts), len(self.running) - i - 1):
+                drafts = []  # drafts are optional: never preempt for them
+            n = min(remaining + len(drafts), budget)
             if not self.config.enable_chunked_prefill and n < remaining:
                 break
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
@@ -83,7 +101,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # `seq` itself was the last one and got preempted
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, drafts))
             budget -= n
             i += 1
         if out.preempted:
@@ -113,17 +131,31 @@ class Scheduler:
             budget -= n
         return out
 
-    def step_done(self, plan: SchedulerOutput) -> None:
-        """Record that the model computed the planned tokens (their KV is now cached)."""
+    def step_done(self, plan: SchedulerOutput, num_rejected: dict[Sequence, int] | None = None) -> None:
+        """Record that the model computed the planned tokens (their KV is now cached).
+        `num_rejected`: per sequence, its trailing drafts the step did not accept; their
+        KV is garbage (computed from tokens the sequence does not have) and is recomputed
+        over."""
         for item in plan.scheduled:
             if item.seq.is_finished:  # finished while its step ran (async scheduling)
                 continue
-            item.seq.num_computed_tokens += item.num_new_tokens
+            rejected = num_rejected.get(item.seq, 0) if num_rejected else 0
+            item.seq.num_computed_tokens += item.num_new_tokens - rejected
             self.blocks.cache_full_blocks(item.seq)
+
+    def _room_for_drafts(self, seq: Sequence, num_drafts: int, num_after: int) -> bool:
+        """Whether blocks for `seq`'s drafts leave one free block for each of the
+        `num_after` running sequences still to schedule (what their decodes may need)."""
+        start = seq.num_computed_tokens + 1
+        need = self.blocks.blocks_needed(seq, start + num_drafts)
+        if need == self.blocks.blocks_needed(seq, start):
+            return True
+        return self.blocks.num_free_blocks - need >= num_after
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

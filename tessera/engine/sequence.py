@@ -46,6 +46,9 @@ class Sequence:
     # scheduling: at most 2, the step in flight and the one just launched); they follow
     # token_ids and count for scheduling, not for outputs
     num_pending_tokens: int = 0
+    # speculative decoding: tokens proposed to follow token_ids, for the next step to
+    # verify (the scheduler takes them; a step that cannot fit them drops them)
+    draft_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     status: SequenceStatus = SequenceStatus.WAITING

@@ -1,8 +1,9 @@
 """Flat, unpadded model inputs for one scheduled step.
 
 Rows are reordered so that single-token rows (decodes) come first, which lets attention
-batch them; `order` maps rows back to the scheduler's sequences. Logits are computed for
-the last token of each sequence that samples, and, for a sequence that asked for prompt
+batch them; `sampled_rows` names the sequence of each logits row. Logits are computed for
+the last token of each sequence that samples (and for each of its draft tokens, with
+speculative decoding), and, for a sequence that asked for prompt
 logprobs, for every prompt position of this step whose logprobs are not recorded yet
 (those rows come after the sampled ones).
 """
@@ -25,7 +26,9 @@ class ModelInputs:
     positions: torch.Tensor        # [T]
     attn: AttentionMetadata
     lm_head_indices: torch.Tensor  # [S + P] token rows whose logits are needed
-    sampled_rows: list[ScheduledSeq]  # the sequences the first S rows belong to, in order
+    # the sequences the first S rows belong to, in order: one row each, or with drafts
+    # (speculative decoding) 1 + len(item.draft_token_ids) consecutive rows
+    sampled_rows: list[ScheduledSeq]
     max_block_id: int              # highest KV block this step touches
     # after the sampled rows: (sequence, first prompt position, number of positions)
     prompt_rows: list[PromptRows] = field(default_factory=list)
@@ -73,14 +76,16 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     for r, item in enumerate(rows):
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         end = start + n
-        tokens.extend(seq.token_ids[start:end])
-        if end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
-            if previous is None or seq not in previous or end - 1 != seq.num_tokens:
-                raise RuntimeError(f"request {seq.request_id}: position {end - 1} has no token "
+        real_end = end - len(item.draft_token_ids)
+        tokens.extend(seq.token_ids[start:real_end])
+        if real_end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
+            if previous is None or seq not in previous or real_end - 1 != seq.num_tokens:
+                raise RuntimeError(f"request {seq.request_id}: position {real_end - 1} has no token "
                                    "and the previous step did not sample it")
             deferred_rows.append(len(tokens))
             deferred_indices.append(previous[seq])
             tokens.append(0)
+        tokens.extend(item.draft_token_ids)
         positions.extend(range(start, end))
         table = seq.block_table
         _extend_slots(slots, table, start, end, block_size)
@@ -89,8 +94,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq_lens.append(end)
         query_lens.append(n)
         query_start.append(query_start[-1] + n)
-        if item.samples:
-            lm_head_indices.append(query_start[-1] - 1)
+        if item.samples:  # after the last real token, and after each draft (to verify it)
+            lm_head_indices.extend(range(query_start[-1] - 1 - len(item.draft_token_ids), query_start[-1]))
             sampled_rows.append(item)
         if seq.needs_prompt_logits:
             first = max(start, seq.num_prompt_logprobs_done)

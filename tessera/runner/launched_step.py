@@ -23,9 +23,27 @@ class SampledToken:
 
 @dataclass
 class StepResult:
+    # in row order; a sequence with accepted drafts has several, in token order
     samples: list[SampledToken] = field(default_factory=list)
     # per sequence asking for prompt logprobs: its rows and their logprobs, in position order
     prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] = field(default_factory=list)
+    # speculative decoding: per sequence that had drafts, how many the step rejected
+    num_rejected: dict[Sequence, int] = field(default_factory=dict)
+
+
+def num_accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts the step accepts: those up to the first that differs from the token
+    sampled at its position. The model's token at the first difference (or after the last
+    draft) follows them, so every output token is one the model sampled given the tokens
+    before it: greedy outputs equal plain decoding's, and sampled ones follow the same
+    distribution (for a proposal of one certain token, rejection sampling reduces to this
+    comparison)."""
+    count = 0
+    for draft, token in zip(drafts, sampled):
+        if draft != token:
+            break
+        count += 1
+    return count
 
 
 class LaunchedStep:
@@ -46,7 +64,8 @@ class LaunchedStep:
 
     @property
     def sampled_index(self) -> dict[Sequence, int]:
-        """Each sampling sequence's row in `token_ids`."""
+        """Each sampling sequence's row in `token_ids` (async scheduling, which runs
+        without drafts: one row per sequence)."""
         return {item.seq: i for i, item in enumerate(self.inputs.sampled_rows)}
 
     def result(self) -> StepResult:
@@ -55,6 +74,14 @@ class LaunchedStep:
             self.ready.synchronize()
         if self.host_token_ids is None:
             return StepResult(prompt_logprobs=self.prompt_logprobs)
-        samples = [SampledToken(item, token, lp) for item, token, lp
-                   in zip(self.inputs.sampled_rows, self.host_token_ids.tolist(), self.sampled.logprobs)]
-        return StepResult(samples, self.prompt_logprobs)
+        tokens, logprobs = self.host_token_ids.tolist(), self.sampled.logprobs
+        result = StepResult(prompt_logprobs=self.prompt_logprobs)
+        row = 0
+        for item in self.inputs.sampled_rows:
+            drafts = item.draft_token_ids
+            count = num_accepted(drafts, tokens[row:row + len(drafts)]) if drafts else 0
+            result.samples += [SampledToken(item, tokens[r], logprobs[r]) for r in range(row, row + count + 1)]
+            if drafts:
+                result.num_rejected[item.seq] = len(drafts) - count
+            row += len(drafts) + 1
+        return result

@@ -168,12 +168,19 @@ class ModelRunner:
         """The sampled rows' tokens and logprobs (on the device), from the first pass."""
         if not inputs.sampled_rows:
             return None
-        seqs = [s.seq for s in inputs.sampled_rows]
+        # a row per logits row: a sequence with k drafts has k + 1, the j-th seeing the
+        # first j drafts as its history
+        seqs = [item.seq for item in inputs.sampled_rows for _ in range(len(item.draft_token_ids) + 1)]
+        drafts = None
+        if any(item.draft_token_ids for item in inputs.sampled_rows):
+            drafts = [item.draft_token_ids[:j] for item in inputs.sampled_rows
+                      for j in range(len(item.draft_token_ids) + 1)]
         batch = SamplingBatch(params=[s.params for s in seqs],
                               generators=[s.generator for s in seqs],
                               token_ids=[s.token_ids for s in seqs],
                               num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
-                              grammars=[s.grammar for s in seqs])
+                              grammars=[s.grammar for s in seqs],
+                              draft_token_ids=drafts)
         return self.sampler.sample(next(passes), batch)
 
     @staticmethod

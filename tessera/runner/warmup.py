@@ -72,10 +72,13 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int)
 
 
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,
-                  max_num_seqs: int, max_model_len: int) -> KVCachePlan:
+                  max_num_seqs: int, max_model_len: int, logit_rows_per_seq: int = 1) -> KVCachePlan:
+    """`logit_rows_per_seq`: 1 + the draft tokens a sequence may verify per step."""
     num_tokens = min(max_num_batched_tokens, max_model_len)
-    # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
-    activation = profile_peak_step(runner, num_tokens, max(max_num_seqs, PROMPT_LOGIT_ROWS))
+    # the LM head's largest pass: every row sampling (after each of its drafts too), or
+    # one pass of prompt-logprob rows
+    activation = profile_peak_step(runner, num_tokens,
+                                   max(max_num_seqs * logit_rows_per_seq, PROMPT_LOGIT_ROWS))
     available = available_memory_bytes(str(runner.device))
     per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
     budget = int(available * memory_fraction) - activation * runner.ranks_sharing_memory

@@ -47,14 +47,23 @@ class SamplingBatch:
     num_prompt_tokens: list[int] | None = None
     # per row: its structured-output matcher, or None (sampling/structured.py)
     grammars: list | None = None
+    # speculative decoding: per row, draft tokens that follow token_ids at this row's
+    # position (the row verifying a sequence's j-th draft sees its first j - 1)
+    draft_token_ids: list[list[int]] | None = None
 
     def output_ids(self, row: int) -> list[int]:
         if self.token_ids is None:
             return []
-        return self.token_ids[row][self.num_prompt_tokens[row]:]
+        return self.token_ids[row][self.num_prompt_tokens[row]:] + self._drafts(row)
 
     def all_ids(self, row: int) -> list[int]:
-        return [] if self.token_ids is None else self.token_ids[row]
+        if self.token_ids is None:
+            return []
+        drafts = self._drafts(row)
+        return self.token_ids[row] + drafts if drafts else self.token_ids[row]
+
+    def _drafts(self, row: int) -> list[int]:
+        return [] if self.draft_token_ids is None else self.draft_token_ids[row]
 
 
 @dataclass

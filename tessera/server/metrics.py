@@ -32,6 +32,13 @@ class _EngineCollector:
                                   value=s.prefix_cache_queries)
         yield CounterMetricFamily("tessera_prefix_cache_hits", "Prompt tokens served from the prefix cache",
                                   value=s.prefix_cache_hits)
+        yield CounterMetricFamily("tessera_spec_decode_num_drafts",
+                                  "Speculative decoding: sequence steps that verified draft tokens",
+                                  value=s.spec_num_drafts)
+        yield CounterMetricFamily("tessera_spec_decode_num_draft_tokens",
+                                  "Speculative decoding: draft tokens verified", value=s.spec_draft_tokens)
+        yield CounterMetricFamily("tessera_spec_decode_num_accepted_tokens",
+                                  "Speculative decoding: draft tokens accepted", value=s.spec_accepted_tokens)
 
 
 class ServerMetrics:

@@ -1,0 +1,304 @@
+"""Speculative decoding with n-gram drafts: the proposer's lookups, and an engine whose
+outputs are those of plain decoding (greedy: token for token, with penalties, min_tokens,
+logit_bias, stop tokens and strings, length limits, preemption, prefix caching, small
+token budgets, n / best_of, streaming; sampled: the same distribution), while it does
+verify and accept drafts. Every engine ends with all KV blocks free."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from tessera import LLM, SamplingParams
+from tessera.config import ConfigError, SpeculativeConfig, speculative_config_from
+from tessera.engine.ngram_proposer import NgramProposer, propose_ngram
+from tessera.engine.sequence import Sequence
+from tessera.runner.launched_step import num_accepted
+from tessera.runner.model_runner import ModelRunner
+from tessera.sampling.sampler import Sampler
+from tests.engine.test_engine import TEXTS, tiny  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
+
+
+def propose(tokens: list[int], k: int = 4, min_n: int = 2, max_n: int = 4) -> list[int]:
+    return propose_ngram(np.array(tokens), len(tokens), k, min_n, max_n)
+
+
+# --- the proposer -------------------------------------------------------------------------
+
+
+def test_proposal_follows_the_most_recent_longest_match():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12
+    tokens = [1, 2, 3, 9, 8, 5, 2, 3, 7, 6, 4, 2, 3]
+    # "2 3" occurs at 1-2 and 6-7; the most recent is followed by 7 6 4 2
+    assert propose(tokens) == [7, 6, 4, 2]
+    # a longer match wins over a more recent shorter one: "5 2 3" at 0-2, "2 3" at 5-6
+    assert propose([5, 2, 3, 8, 1, 2, 3, 9, 5, 2, 3]) == [8, 1, 2, 3]
+    assert propose(tokens, k=2) == [7, 6]
+
+
+def test_no_proposal_without_a_long_enough_match():
+    assert propose([1, 2, 3, 4, 5]) == []
+    assert propose([1, 2, 3, 4, 3]) == []           # "3" alone is shorter than min_n = 2
+    assert propose([1, 2, 3, 4, 3], min_n=1) == [4, 3, 4, 3]
+    assert propose([7]) == []
+    assert propose([1, 2, 1, 2], k=0) == []
+
+
+def test_a_loop_is_proposed_past_the_end_of_the_history():
+    # period 3: the match at 3-4 is followed by one real token, then by the proposal itself
+    assert propose([5, 6, 7, 5, 6, 7, 5, 6], k=6) == [7, 5, 6, 7, 5, 6]
+    assert propose([4, 4, 4], k=3) == [4, 4, 4]
+
+
+def test_the_proposer_mirrors_growing_sequences_and_respects_length_limits():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=5))
+    seq = Sequence("r", None, [1, 2, 3, 1, 2], SamplingParams(max_tokens=100), max_total_tokens=64)
+    assert proposer.propose(seq) == [3, 1, 2, 3, 1]
+    seq.token_ids += [9, 9, 1, 2]  # appended after the first lookup: mirrored incrementally
+    assert proposer.propose(seq) == [9, 9, 1, 2, 9]
+    # two output tokens left: at most one draft (the step's own token follows it)
+    seq.params = SamplingParams(max_tokens=6)
+    assert proposer.propose(seq) == [9]
+    seq.params = SamplingParams(max_tokens=5)
+    assert proposer.propose(seq) == []
+    seq.params = SamplingParams(max_tokens=100)
+    seq.max_total_tokens = seq.num_tokens + 3
+    assert proposer.propose(seq) == [9, 9]
+
+
+def test_num_accepted_stops_at_the_first_difference():
+    assert num_accepted([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert num_accepted([1, 2, 3], [1, 5, 3, 4]) == 1
+    assert num_accepted([1, 2, 3], [0, 2, 3, 4]) == 0
+
+
+def test_speculative_config_parsing():
+    assert speculative_config_from(None).enabled is False
+    config = speculative_config_from({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1})
+    assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (3, 1, 1)
+    for bad in ({"num_speculative_tokens": 3, "model": "x"}, {"prompt_lookup_max": 3},
+                {"num_speculative_tokens": "3"}, {"num_speculative_tokens": 3, "method": "eagle"},
+                {"num_speculative_tokens": -1}, {"num_speculative_tokens": 2, "prompt_lookup_min": 5},
+                [3]):
+        with pytest.raises(ConfigError):
+            speculative_config_from(bad)
+
+
+# --- the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_pair(tiny):
+    """make_pair(k=4, **kwargs) -> (plain LLM, speculating LLM) with the same settings."""
+    built: list[LLM] = []
+
+    def make(k: int = 4, folder=None, lookup_min: int = 1, **kwargs) -> tuple[LLM, LLM]:
+        kwargs.setdefault("num_kv_blocks", 256)
+        kwargs.setdefault("block_size", 4)
+        kwargs.setdefault("dtype", "float32")
+        spec = {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min}
+        pair = (LLM(folder or tiny, show_progress=False, **kwargs),
+                LLM(folder or tiny, show_progress=False, speculative_config=spec, **kwargs))
+        built.extend(pair)
+        return pair
+
+    yield make
+    for llm in built:
+        engine = llm.engine
+        assert not engine.has_unfinished()
+        assert engine.block_manager.all_free()
+        assert engine.requests == {}
+
+
+def tokens_and_text(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
+
+
+def assert_speculated(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0, stats
+    assert stats.spec_accepted_tokens <= stats.spec_draft_tokens
+
+
+def greedy(max_new_tokens: int = 32, **kwargs) -> SamplingParams:
+    kwargs.setdefault("ignore_eos", True)
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kwargs)
+
+
+def test_greedy_outputs_equal_plain_decoding(make_pair):
+    plain, spec = make_pair()
+    expected = plain.generate(TEXTS, greedy())
+    assert tokens_and_text(spec.generate(TEXTS, greedy())) == tokens_and_text(expected)
+    assert_speculated(spec)
+    stats = spec.engine.stats()
+    assert stats.spec_mean_acceptance_length > 1.0
+
+
+def test_history_dependent_sampling_sees_the_drafts_before_each_position(make_pair):
+    """Penalties, min_tokens and logit_bias at the row verifying draft j apply to the
+    history plus drafts 1..j-1: greedy outputs still equal plain decoding's."""
+    plain, spec = make_pair()
+    params = [greedy(repetition_penalty=1.3), greedy(frequency_penalty=0.4, presence_penalty=0.2),
+              greedy(min_tokens=20, ignore_eos=False), greedy(logit_bias={5: 3.0, 17: -50.0}),
+              greedy(repetition_penalty=0.7)] * 2
+    prompts = (TEXTS * 2)[:len(params)]
+    assert tokens_and_text(spec.generate(prompts, params)) == tokens_and_text(plain.generate(prompts, params))
+    assert_speculated(spec)
+
+
+def test_each_verifying_row_sees_the_drafts_before_it(make_pair, monkeypatch):
+    """What penalties and min_tokens read: the row verifying draft j of a sequence has the
+    sequence's tokens plus drafts 1..j-1 as its history (n-gram drafts repeat earlier
+    tokens, so outputs alone rarely show a mistake here)."""
+    _, spec = make_pair()
+    expected, actual = [], []
+    run_sample, sample = ModelRunner._sample, Sampler.sample
+
+    def runner_spy(self, inputs, passes):
+        for item in inputs.sampled_rows:
+            for j in range(len(item.draft_token_ids) + 1):
+                drafts = item.draft_token_ids[:j]
+                expected.append((item.seq.token_ids + drafts, item.seq.output_token_ids + drafts))
+        return run_sample(self, inputs, passes)
+
+    def sampler_spy(self, logits, batch):
+        assert logits.shape[0] == len(batch.params)
+        actual.extend((list(batch.all_ids(i)), batch.output_ids(i)) for i in range(len(batch.params)))
+        return sample(self, logits, batch)
+
+    monkeypatch.setattr(ModelRunner, "_sample", runner_spy)
+    monkeypatch.setattr(Sampler, "sample", sampler_spy)
+    spec.generate(TEXTS, greedy(frequency_penalty=0.01))
+    assert_speculated(spec)
+    assert len(expected) > spec.engine.stats().spec_draft_tokens
+    assert actual == expected
+
+
+def test_stops_inside_accepted_drafts_end_the_output_where_plain_decoding_does(make_pair):
+    plain, spec = make_pair()
+    full = [o.outputs[0].token_ids for o in plain.generate(TEXTS, greedy())]
+    params = []
+    for i, tokens in enumerate(full):
+        if i % 3 == 0:
+            params.append(greedy(stop_token_ids=[tokens[5 + i % 7]]))
+        elif i % 3 == 1:
+            text = plain.tokenizer.decode(tokens[:9 + i])
+            params.append(greedy(stop=[text[-4:]], include_stop_str_in_output=i % 2 == 0))
+        else:
+            params.append(greedy(max_new_tokens=3 + i))  # length limits fall inside drafts
+    expected = plain.generate(TEXTS, params)
+    assert {o.outputs[0].finish_reason for o in expected} >= {"stop_sequence", "length"}
+    assert tokens_and_text(spec.generate(TEXTS, params)) == tokens_and_text(expected)
+    assert_speculated(spec)
+
+
+def test_logprobs_of_accepted_tokens_match(make_pair):
+    plain, spec = make_pair()
+    params = greedy(logprobs=3)
+    expected, got = plain.generate(TEXTS[:4], params), spec.generate(TEXTS[:4], params)
+    assert tokens_and_text(got) == tokens_and_text(expected)
+    for want, have in zip(expected, got):
+        a, b = want.outputs[0], have.outputs[0]
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-3)
+        assert len(b.logprobs) == len(a.logprobs)
+        for pa, pb in zip(a.logprobs, b.logprobs):
+            assert list(pa) == list(pb)
+            assert [x.logprob for x in pb.values()] == pytest.approx([x.logprob for x in pa.values()], abs=1e-4)
+
+
+def test_no_step_writes_past_max_model_len(make_pair, monkeypatch):
+    plain, spec = make_pair(max_model_len=24)
+    highest = []
+    launch = ModelRunner.launch
+
+    def spy(self, scheduled, previous=None):
+        step = launch(self, scheduled, previous)
+        highest.append(int(step.inputs.positions.max()))
+        return step
+
+    monkeypatch.setattr(ModelRunner, "launch", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    expected = plain.generate(TEXTS[:6], params)
+    highest.clear()
+    assert tokens_and_text(spec.generate(TEXTS[:6], params)) == tokens_and_text(expected)
+    assert max(highest) < 24
+    assert all(o.outputs[0].finish_reason == "length" for o in expected)
+    assert_speculated(spec)
+
+
+def test_preemption_prefix_caching_and_small_budgets_keep_outputs(make_pair):
+    # few blocks: sequences get preempted and recomputed; drafts never cause a preemption
+    plain, spec = make_pair(num_kv_blocks=40, max_num_seqs=8, max_num_batched_tokens=16)
+    expected = plain.generate(TEXTS, greedy(40))
+    got = spec.generate(TEXTS, greedy(40))
+    assert tokens_and_text(got) == tokens_and_text(expected)
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert_speculated(spec)
+    # the same prompts again reuse cached blocks, among them blocks filled by accepted drafts
+    hits = spec.engine.block_manager.prefix_hits
+    again = [p + "".join(o.outputs[0].text) for p, o in zip(TEXTS, got)]
+    assert tokens_and_text(spec.generate(again, greedy(8))) == tokens_and_text(plain.generate(again, greedy(8)))
+    assert spec.engine.block_manager.prefix_hits > hits
+
+
+def test_n_and_best_of_and_streamed_deltas(make_pair):
+    plain, spec = make_pair()
+    params = SamplingParams(temperature=0.3, max_new_tokens=24, n=2, best_of=3, seed=7, ignore_eos=True)
+    outs = spec.generate(TEXTS[:3], params)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [24] * 6
+    spec.engine.add_request("s", TEXTS[0], greedy(30))
+    texts, ids, multi = [], [], False
+    while spec.engine.has_unfinished():
+        for out in spec.engine.step():
+            c = out.outputs[0]
+            texts.append(c.delta_text)
+            ids += c.delta_token_ids
+            multi |= len(c.delta_token_ids) > 1
+            final = c
+    assert multi  # a step handed out several tokens at once
+    assert ids == final.token_ids and "".join(texts) == final.text
+    assert final.text == plain.generate([TEXTS[0]], greedy(30))[0].outputs[0].text
+
+
+def test_sampling_follows_the_model_distribution(make_pair):
+    """Sampled tokens have the distribution of plain sampling. The prompt is the tiny
+    model's own greedy loop, so the proposer drafts it and, at a low temperature, a good
+    share of drafts is accepted and the rest rejected. Token frequencies per position over
+    many seeded requests: speculative vs plain may differ no more than two plain runs with
+    other seeds do (every run is seeded, so this is deterministic)."""
+    plain, spec = make_pair(k=3, num_kv_blocks=512, max_num_seqs=64)
+    loop = plain.generate([TEXTS[1]], greedy(48))[0].outputs[0].token_ids
+    prompt = list(plain.engine.encode(TEXTS[1])) + list(loop)
+    num = 4000
+
+    def frequencies(llm: LLM, first_seed: int) -> list[collections.Counter]:
+        params = [SamplingParams(temperature=0.03, max_new_tokens=4, seed=first_seed + s, ignore_eos=True)
+                  for s in range(num)]
+        outs = llm.generate([prompt] * num, params, use_tqdm=False)
+        return [collections.Counter(o.outputs[0].token_ids[i] for o in outs) for i in range(4)]
+
+    def distance(a: collections.Counter, b: collections.Counter) -> float:
+        return sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / (2 * num)
+
+    reference, other, speculative = frequencies(plain, 0), frequencies(plain, num), frequencies(spec, 2 * num)
+    stats = spec.engine.stats()
+    assert 0.1 < stats.spec_acceptance_rate < 0.9, stats  # both outcomes are exercised
+    for position in range(4):
+        noise = distance(reference[position], other[position])
+        assert distance(reference[position], speculative[position]) < max(0.04, 1.5 * noise), position
+
+
+def test_structured_outputs_get_no_drafts(make_pair):
+    plain, spec = make_pair()
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, structured_outputs={"regex": "[ab ]{1,16}"})
+    assert tokens_and_text(spec.generate(TEXTS[:2], params)) == tokens_and_text(plain.generate(TEXTS[:2], params))
+    assert spec.engine.stats().spec_draft_tokens == 0
+
+
+def test_async_scheduling_and_speculation_are_refused(tiny):
+    with pytest.raises(ConfigError, match="speculative"):
+        LLM(tiny, show_progress=False, num_kv_blocks=64, async_scheduling=True,
+            speculative_config={"num_speculative_tokens": 2})
