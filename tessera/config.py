@@ -138,12 +138,15 @@ class SpeculativeConfig:
     (prompt lookup) proposes what followed the last occurrence of the sequence's final
     n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`: free to propose,
     and strong where outputs quote their input (editing, extraction, summaries, code).
-    0 tokens: off."""
+    0 tokens: off. `disable_by_batch_size`: no drafts while more sequences than this run
+    or wait (verifying costs rows; once a step is compute-bound, as a CPU's is at a few rows, they
+    cost more than accepted drafts give back; docs/benchmarks.md)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -157,6 +160,8 @@ class SpeculativeConfig:
         _require(1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                  "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        _require(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+                 f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
 
 def speculative_config_from(value: SpeculativeConfig | dict | None) -> SpeculativeConfig:
@@ -169,12 +174,13 @@ def speculative_config_from(value: SpeculativeConfig | dict | None) -> Speculati
         return value
     if not isinstance(value, dict):
         raise ConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+             "disable_by_batch_size"}
     unknown = sorted(set(value) - known)
     _require(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
     _require("num_speculative_tokens" in value, "speculative_config needs num_speculative_tokens")
     for key in known - {"method"}:
-        if key in value:
+        if value.get(key) is not None:
             _require(isinstance(value[key], int) and not isinstance(value[key], bool),
                      f"speculative_config {key} must be an integer, got {value[key]!r}")
     args = dict(value)

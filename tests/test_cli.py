@@ -170,3 +170,32 @@ def test_serve_tool_call_parser_choices_are_the_servers_parsers():
     from tessera.server.tool_parsers import PARSERS
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+
+
+def test_generate_with_speculative_decoding_gives_the_plain_output(tiny, reference, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    expected = reference.generate("The quick brown fox", params)[0].outputs[0].text
+    for flags in (["--speculate", "3"],
+                  ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}']):
+        code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--max-new-tokens", "24", "--ignore-eos",
+                     *flags, "The quick brown fox"])
+        assert code == 0
+        assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--speculate", "2", "--speculative-config", '{"num_speculative_tokens": 2}'], "not both"),
+    (["--speculative-config", "{num_speculative_tokens: 2}"], "not JSON"),
+    (["--speculative-config", "[2]"], "JSON object"),
+])
+def test_bad_speculative_flags_exit_with_a_message(tiny, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["generate", "--model", str(tiny), *ENGINE_ARGS, *flags, "hello"])
+
+
+def test_unknown_speculative_config_key_exits_2(tiny, capsys):
+    code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--speculative-config",
+                 '{"num_speculative_tokens": 2, "model": "draft"}', "hello"])
+    assert code == 2
+    assert "unknown speculative_config keys ['model']" in capsys.readouterr().err

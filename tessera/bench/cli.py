@@ -17,11 +17,13 @@ from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
-    bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "serve"),
+    bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "speculative", "serve"),
                        help="throughput/latency: beside --baseline; prefix: TTFT of a request "
                             "sharing a long prefix, caching on vs off; chunked: decode ITL while a "
-                            "long prompt arrives, chunked prefill on vs off; serve: TTFT, TPOT, ITL "
-                            "and throughput of a running server (--url)")
+                            "long prompt arrives, chunked prefill on vs off; speculative: n-gram "
+                            "speculative decoding on vs off (--speculate N, default 4) on chat prompts "
+                            "that quote a passage and ones that do not, per --batch-sizes; serve: "
+                            "TTFT, TPOT, ITL and throughput of a running server (--url)")
     bench.add_argument("--num-prompts", type=int, default=32, help="throughput/serve: prompts in the run")
     bench.add_argument("--batch-sizes", default="1", help="latency: comma-separated batch sizes")
     bench.add_argument("--input-len", type=int, default=128)
@@ -82,6 +84,24 @@ def _scenario(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _speculative(args: argparse.Namespace, engine) -> int:
+    from tessera.bench.speculative import speculative_bench
+
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    rows = speculative_bench(engine, sizes, args.output_len, args.repeats)
+    meta = {"workload": "speculative", "model": engine.router.source.name, "dtype": str(engine.dtype),
+            "threads": torch.get_num_threads(), "output_len": args.output_len, "repeats": args.repeats,
+            "speculative": dataclasses.asdict(engine.config.speculative), "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine()}
+    print(f"\nspeculative: {meta['model']} {meta['dtype']}, {meta['threads']} threads, greedy, up to "
+          f"{args.output_len} tokens, median of {args.repeats}")
+    print(markdown_table(rows, ["engine", "ms_per_token", "workload", "batch_size", "output_tokens_per_s",
+                                "tokens_per_step", "acceptance_rate", "same_as_plain"]))
+    if args.output_json:
+        write_json(Path(args.output_json), meta, rows)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tessera.cli import _make_llm
 
@@ -101,6 +121,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.load_format = "dummy"
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.workload == "speculative" and args.speculate is None and args.speculative_config is None:
+        args.speculate = 4
     with _make_llm(args) as llm:
         return _bench(args, llm, entries)
 
@@ -131,6 +153,8 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
     engine = llm.engine
     if args.workload in ("prefix", "chunked"):
         return _scenario(args, engine)
+    if args.workload == "speculative":
+        return _speculative(args, engine)
     sizes = [int(s) for s in args.batch_sizes.split(",")] if args.workload == "latency" else [args.num_prompts]
     prompts, output_lens = _requests(args, engine, max(sizes), entries)
     rows: list[object] = []

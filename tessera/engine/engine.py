@@ -356,6 +356,9 @@ class Engine:
         """Speculative decoding: drafts for the next step of every sequence this step
         advanced (not under a structured-output constraint: its mask holds for one
         position only)."""
+        limit = self.proposer.config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
+            return
         for deltas in progressed.values():
             for seq in deltas:
                 if not seq.is_finished and seq.grammar is None:

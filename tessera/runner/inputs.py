@@ -3,9 +3,9 @@
 Rows are reordered so that single-token rows (decodes) come first, which lets attention
 batch them; `sampled_rows` names the sequence of each logits row. Logits are computed for
 the last token of each sequence that samples (and for each of its draft tokens, with
-speculative decoding), and, for a sequence that asked for prompt
-logprobs, for every prompt position of this step whose logprobs are not recorded yet
-(those rows come after the sampled ones).
+speculative decoding: such a sequence is one decode row per token), and, for a sequence
+that asked for prompt logprobs, for every prompt position of this step whose logprobs are
+not recorded yet (those rows come after the sampled ones).
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                  previous: dict[Sequence, int] | None = None) -> ModelInputs:
     """`previous`: with async scheduling, where each sequence's token sits among the
     previous step's sampled tokens, for rows whose last token is still pending."""
-    rows = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
-    num_decodes = sum(1 for s in rows if s.num_new_tokens == 1)
+    # stable: decodes first; a decode with drafts is one decode row per token
+    rows = sorted(scheduled, key=lambda s: s.num_real_tokens != 1)
+    num_decodes = sum(s.num_new_tokens for s in rows if s.num_real_tokens == 1)
     tokens: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -73,7 +74,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     # step (one per row cost ~20 us each, 5 ms for a 256-row decode step)
     max_blocks = max(len(s.seq.block_table) for s in rows)
     flat_tables: list[int] = []
-    for r, item in enumerate(rows):
+    for item in rows:
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         end = start + n
         real_end = end - len(item.draft_token_ids)
@@ -89,11 +90,17 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         positions.extend(range(start, end))
         table = seq.block_table
         _extend_slots(slots, table, start, end, block_size)
-        flat_tables.extend(table)
-        flat_tables.extend([0] * (max_blocks - len(table)))
-        seq_lens.append(end)
-        query_lens.append(n)
-        query_start.append(query_start[-1] + n)
+        padded_table = table + [0] * (max_blocks - len(table))
+        # Drafts are verified as decode rows, one per token, all reading the sequence's
+        # blocks: the whole step's K/V is written before attention reads it, so the row
+        # of position p, seeing the first p + 1 cached tokens, is causal attention over
+        # the chunk; and it is a decode step that captured graphs can replay.
+        for row_end in (range(real_end, end + 1) if item.draft_token_ids else (end,)):
+            row_len = n if not item.draft_token_ids else 1
+            flat_tables.extend(padded_table)
+            seq_lens.append(row_end)
+            query_lens.append(row_len)
+            query_start.append(query_start[-1] + row_len)
         if item.samples:  # after the last real token, and after each draft (to verify it)
             lm_head_indices.extend(range(query_start[-1] - 1 - len(item.draft_token_ids), query_start[-1]))
             sampled_rows.append(item)
@@ -101,10 +108,10 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
             first = max(start, seq.num_prompt_logprobs_done)
             last = min(end, seq.num_prompt_tokens - 1)
             if last > first:
-                base = query_start[-2] - start
+                base = query_start[-1] - end
                 prompt_indices.extend(range(base + first, base + last))
                 prompt_rows.append(PromptRows(item, first, last - first))
-    tables = _tensor(flat_tables, torch.int32).view(len(rows), max_blocks)
+    tables = _tensor(flat_tables, torch.int32).view(len(seq_lens), max_blocks)
     max_block_id = max(flat_tables)  # padding is 0, and block ids are >= 0
 
     def to(values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:

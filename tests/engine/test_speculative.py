@@ -79,7 +79,9 @@ def test_speculative_config_parsing():
     assert speculative_config_from(None).enabled is False
     config = speculative_config_from({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1})
     assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (3, 1, 1)
+    assert speculative_config_from({"num_speculative_tokens": 3, "disable_by_batch_size": None}).enabled
     for bad in ({"num_speculative_tokens": 3, "model": "x"}, {"prompt_lookup_max": 3},
+                {"num_speculative_tokens": 3, "disable_by_batch_size": 0},
                 {"num_speculative_tokens": "3"}, {"num_speculative_tokens": 3, "method": "eagle"},
                 {"num_speculative_tokens": -1}, {"num_speculative_tokens": 2, "prompt_lookup_min": 5},
                 [3]):
@@ -298,7 +300,30 @@ def test_structured_outputs_get_no_drafts(make_pair):
     assert spec.engine.stats().spec_draft_tokens == 0
 
 
+def test_no_drafts_above_disable_by_batch_size(tiny):
+    params = greedy(24)
+    llm = LLM(tiny, show_progress=False, num_kv_blocks=256, block_size=4, dtype="float32",
+              speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                  "disable_by_batch_size": 2})
+    llm.generate(TEXTS[:3], params)
+    assert llm.engine.stats().spec_draft_tokens == 0  # three sequences: never speculated
+    llm.generate(TEXTS[:2], params)
+    assert_speculated(llm)
+
+
 def test_async_scheduling_and_speculation_are_refused(tiny):
     with pytest.raises(ConfigError, match="speculative"):
         LLM(tiny, show_progress=False, num_kv_blocks=64, async_scheduling=True,
             speculative_config={"num_speculative_tokens": 2})
+
+
+def test_tensor_parallel_speculation_equals_plain_decoding(make_pair):
+    """The other ranks run the same verifying rows (their inputs carry them) and join the
+    LM head's one pass over every row's logits."""
+    plain, _ = make_pair()
+    expected = plain.generate(TEXTS[:4], greedy(24))
+    with LLM(plain.engine.config.model.model, show_progress=False, num_kv_blocks=256, block_size=4,
+             dtype="float32", tensor_parallel_size=2,
+             speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1}) as llm:
+        assert tokens_and_text(llm.generate(TEXTS[:4], greedy(24))) == tokens_and_text(expected)
+        assert_speculated(llm)
