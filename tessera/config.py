@@ -164,10 +164,19 @@ class SpeculativeConfig:
                  f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
 
-def speculative_config_from(value: SpeculativeConfig | dict | None) -> SpeculativeConfig:
+# disable_by_batch_size when a speculative config does not say: a CPU step is compute-bound
+# beyond a few rows, so verifying rows cost about what accepted drafts give back from 4
+# sequences on (docs/benchmarks.md, session 11); a GPU's decode step stays bound by its
+# weight reads far beyond that
+SPECULATION_BATCH_LIMITS = {"cpu": 2, "cuda": None}
+
+
+def speculative_config_from(value: SpeculativeConfig | dict | None, device: str = "cpu") -> SpeculativeConfig:
     """A SpeculativeConfig from vLLM's `speculative_config` dict ({"method": "ngram",
-    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}); a
-    given max alone also sets the min when that would exceed it."""
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+    "disable_by_batch_size": 2}); a given max alone also sets the min when that would
+    exceed it; disable_by_batch_size left out takes the device's default (given as null:
+    never disabled)."""
     if value is None:
         return SpeculativeConfig()
     if isinstance(value, SpeculativeConfig):
@@ -186,6 +195,8 @@ def speculative_config_from(value: SpeculativeConfig | dict | None) -> Speculati
     args = dict(value)
     if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
         args["prompt_lookup_min"] = min(SpeculativeConfig.prompt_lookup_min, args["prompt_lookup_max"])
+    if "disable_by_batch_size" not in args:
+        args["disable_by_batch_size"] = SPECULATION_BATCH_LIMITS["cuda" if device.startswith("cuda") else "cpu"]
     return SpeculativeConfig(**args)
 
 

@@ -75,7 +75,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   async_scheduling=async_scheduling),
         parallel=parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-        speculative=speculative_config_from(speculative_config),
+        speculative=speculative_config_from(speculative_config, device),
         device=device, seed=seed, logprobs_mode=logprobs_mode)
 
 

@@ -11,6 +11,7 @@ decode step and flip a near-tie.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -72,7 +73,9 @@ def speculative_bench(engine: Engine, batch_sizes: list[int], output_len: int,
     config = engine.config.speculative
     if not config.enabled:
         raise ValueError("the engine was built without speculative decoding")
-    proposer = engine.proposer or NgramProposer(config)
+    # every batch size speculates here, whatever disable_by_batch_size says: that limit is
+    # what this measures
+    proposer = NgramProposer(dataclasses.replace(config, disable_by_batch_size=None))
     saved = engine.proposer
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0)
     results = []

@@ -80,6 +80,10 @@ def test_speculative_config_parsing():
     config = speculative_config_from({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1})
     assert (config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == (3, 1, 1)
     assert speculative_config_from({"num_speculative_tokens": 3, "disable_by_batch_size": None}).enabled
+    # left out: the device's default (a CPU step is compute-bound beyond a few rows)
+    assert speculative_config_from({"num_speculative_tokens": 3}).disable_by_batch_size == 2
+    assert speculative_config_from({"num_speculative_tokens": 3}, "cuda:0").disable_by_batch_size is None
+    assert speculative_config_from({"num_speculative_tokens": 3, "disable_by_batch_size": None}).disable_by_batch_size is None
     for bad in ({"num_speculative_tokens": 3, "model": "x"}, {"prompt_lookup_max": 3},
                 {"num_speculative_tokens": 3, "disable_by_batch_size": 0},
                 {"num_speculative_tokens": "3"}, {"num_speculative_tokens": 3, "method": "eagle"},
@@ -101,7 +105,7 @@ def make_pair(tiny):
         kwargs.setdefault("num_kv_blocks", 256)
         kwargs.setdefault("block_size", 4)
         kwargs.setdefault("dtype", "float32")
-        spec = {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min}
+        spec = {"num_speculative_tokens": k, "prompt_lookup_min": lookup_min, "disable_by_batch_size": None}
         pair = (LLM(folder or tiny, show_progress=False, **kwargs),
                 LLM(folder or tiny, show_progress=False, speculative_config=spec, **kwargs))
         built.extend(pair)
@@ -324,6 +328,7 @@ def test_tensor_parallel_speculation_equals_plain_decoding(make_pair):
     expected = plain.generate(TEXTS[:4], greedy(24))
     with LLM(plain.engine.config.model.model, show_progress=False, num_kv_blocks=256, block_size=4,
              dtype="float32", tensor_parallel_size=2,
-             speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1}) as llm:
+             speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                 "disable_by_batch_size": None}) as llm:
         assert tokens_and_text(llm.generate(TEXTS[:4], greedy(24))) == tokens_and_text(expected)
         assert_speculated(llm)
