@@ -6,8 +6,8 @@ passage again (editing, extraction and code changes look like this), "free" asks
 text. Greedy decoding; every prompt runs (in consecutive batches of the batch size); prompts
 cached by a warm-up round; off and on alternating per repeat.
 Besides speed, each row says how many outputs equal the plain run's: with float32 all
-should; with bf16 the verifying pass (a short prefill) may round differently from a
-decode step and flip a near-tie.
+should; with bf16 a verifying step (more rows than the plain one) may round differently
+and flip a near-tie, as a different batch size may.
 """
 from __future__ import annotations
 

@@ -91,6 +91,19 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back `seq`'s blocks past its first `num_tokens` tokens (blocks that rejected
+        speculative drafts were given: never hashed, never shared). They go to the front
+        of the free queue, so the next allocation takes them before evicting a cached
+        prefix."""
+        keep = max(self.num_blocks_for(num_tokens), len(seq.block_hashes))
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                self.free_blocks.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def all_free(self) -> bool:
         return self.num_free_blocks == self.num_blocks and not any(self.ref_counts)
 

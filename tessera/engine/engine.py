@@ -99,7 +99,7 @@ class Engine:
                                   ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
                                   decode_graphs=self._decode_graphs(config))
         self.num_blocks = self._size_kv_cache()
-        self.runner.graph_limits = GraphLimits(config.scheduler.max_num_seqs, self.max_model_len)
+        self.runner.graph_limits = GraphLimits(self._max_decode_rows(), self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
@@ -113,6 +113,13 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
         self._spec_counts = [0, 0, 0]  # steps of a sequence with drafts, drafts, accepted drafts
+
+    def _max_decode_rows(self) -> int:
+        """The most rows a decode step can have: one per sequence, and one per verified
+        draft with speculative decoding (within the step's token budget)."""
+        sched = self.config.scheduler
+        rows = sched.max_num_seqs * (1 + self.config.speculative.num_speculative_tokens)
+        return min(rows, max(sched.max_num_batched_tokens, sched.max_num_seqs))
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
         """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay

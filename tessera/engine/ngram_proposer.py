@@ -55,7 +55,7 @@ def propose_ngram(tokens: np.ndarray, num_tokens: int, max_proposal: int,
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        # per live sequence: (its tokens as int64, how many are filled in)
+        # per live sequence (dropped with it): (its tokens as int64, how many are filled in)
         self._arrays: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = (
             weakref.WeakKeyDictionary())
 
@@ -83,6 +83,3 @@ class NgramProposer:
             array[filled:n] = seq.token_ids[filled:n]
         self._arrays[seq] = (array, n)
         return array
-
-    def forget(self, seq: Sequence) -> None:
-        self._arrays.pop(seq, None)

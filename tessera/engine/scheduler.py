@@ -9,9 +9,11 @@ With async scheduling a running sequence may have a token sampled by a launched 
 the host has not read yet (`num_pending_tokens`): it counts as a token to compute, and a
 sequence that token will bring to its length limit is not scheduled again.
 
-With speculative decoding a decoding sequence may carry draft tokens: they are computed
-after its last token in the same step (as a short prefill chunk) when the budget and the
-free blocks allow, and dropped otherwise (drafts never cause a preemption).
+With speculative decoding a decoding sequence may carry draft tokens. They are added last,
+after every running sequence and admission has its tokens, from the budget and free blocks
+left over, so they never take a step's room from a real token and never cause a
+preemption; drafts that do not fit are dropped (the next step proposes again). The blocks
+that rejected drafts were given are handed back in `step_done`.
 """
 from __future__ import annotations
 
@@ -83,13 +85,7 @@ class Scheduler:
                 i += 1  # its pending token ends it: nothing more to compute
                 continue
             remaining = seq.num_tokens + pending - seq.num_computed_tokens
-            drafts, seq.draft_token_ids = seq.draft_token_ids, []  # proposed for this step only
-            if remaining != 1 or pending:
-                drafts = []
-            drafts = drafts[:budget - 1]
-            if drafts and not self._room_for_drafts(seq, len(drafts), len(self.running) - i - 1):
-                drafts = []  # drafts are optional: never preempt for them
-            n = min(remaining + len(drafts), budget)
+            n = min(remaining, budget)
             if not self.config.enable_chunked_prefill and n < remaining:
                 break
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
@@ -101,11 +97,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # `seq` itself was the last one and got preempted
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, n, drafts))
+            out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
         if out.preempted:
-            return out  # no admissions in a step that had to give blocks back
+            self._drop_drafts()
+            return out  # no admissions (nor drafts) in a step that had to give blocks back
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # prompt logprobs need logits at every prompt position: no cached prefix then
@@ -129,6 +126,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        self._add_drafts(out, budget)
         return out
 
     def step_done(self, plan: SchedulerOutput, num_rejected: dict[Sequence, int] | None = None) -> None:
@@ -141,16 +139,35 @@ class Scheduler:
                 continue
             rejected = num_rejected.get(item.seq, 0) if num_rejected else 0
             item.seq.num_computed_tokens += item.num_new_tokens - rejected
+            if rejected:  # the next step computes one token: blocks past it go back
+                self.blocks.trim(item.seq, item.seq.num_computed_tokens + 1)
             self.blocks.cache_full_blocks(item.seq)
 
-    def _room_for_drafts(self, seq: Sequence, num_drafts: int, num_after: int) -> bool:
-        """Whether blocks for `seq`'s drafts leave one free block for each of the
-        `num_after` running sequences still to schedule (what their decodes may need)."""
-        start = seq.num_computed_tokens + 1
-        need = self.blocks.blocks_needed(seq, start + num_drafts)
-        if need == self.blocks.blocks_needed(seq, start):
-            return True
-        return self.blocks.num_free_blocks - need >= num_after
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give decoding sequences their drafts from what the step left: `budget` tokens
+        and the free blocks. Proposed drafts are used by this step or dropped."""
+        block_size = self.blocks.block_size
+        for item in out.scheduled:
+            seq = item.seq
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            if not drafts or budget <= 0 or item.num_new_tokens != 1 or seq.num_pending_tokens or not item.samples:
+                continue
+            start = seq.num_computed_tokens + 1
+            room = (len(seq.block_table) + self.blocks.num_free_blocks) * block_size - start
+            count = min(len(drafts), budget, room)
+            if count <= 0:
+                continue
+            self.blocks.allocate(seq, start + count)
+            item.num_new_tokens += count
+            item.draft_token_ids = drafts[:count]
+            budget -= count
+        self._drop_drafts()
+
+    def _drop_drafts(self) -> None:
+        """Drafts are proposed for the next step only: a sequence that step did not run
+        gets new ones when it next advances."""
+        for seq in self.running:
+            seq.draft_token_ids = []
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

@@ -14,7 +14,8 @@ class EngineStats:
     prefix_cache_queries: int    # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int       # of those, tokens served from cached blocks
     # speculative decoding, since start: sequence steps that verified drafts, the drafts,
-    # and how many of them were accepted
+    # and how many of them verification accepted (a stop among them may end the output
+    # before the last)
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

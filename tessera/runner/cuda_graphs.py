@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs (`--enforce-eager` turns it off).
 
-Captured once per KV cache, at start-up: one graph per bucket (1, 2, 4, 8, then steps of 16
-up to max_num_seqs), largest first into one memory pool (a smaller graph reuses the larger
+Captured once per KV cache, at start-up: one graph per bucket (1, 2, 4, 8, then steps of 16,
+beyond 256 of 64, up to the most rows a decode step has: max_num_seqs, times 1 + k with
+k speculative tokens), largest first into one memory pool (a smaller graph reuses the larger
 one's intermediate memory), each after an eager warm-up pass on a side stream (Triton
 compiles, cuBLAS picks its algorithms). Captured with the host-side lengths set to
 max_model_len, so the decode kernel's grid covers any sequence a later step can hold
@@ -31,12 +32,15 @@ from tessera.runner.inputs import ModelInputs
 logger = logging.getLogger(__name__)
 
 
-def cuda_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, 8, then multiples of 16, up to the first that holds max_num_seqs."""
+def cuda_buckets(max_rows: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then multiples of 16 to 256, then of 64, up to the first that holds
+    max_rows (beyond 256 rows, 64 more pad a step by under 25%, and speculative decoding's
+    max_num_seqs x (1 + k) rows would otherwise take 4x the graphs to capture)."""
     buckets = [1]
-    while buckets[-1] < max_num_seqs:
+    while buckets[-1] < max_rows:
         last = buckets[-1]
-        buckets.append(last * 2 if last < 8 else (last // 16 + 1) * 16)
+        step = 16 if last < 256 else 64
+        buckets.append(last * 2 if last < 8 else (last // step + 1) * step)
     return tuple(buckets)
 
 
@@ -61,7 +65,7 @@ class CudaDecodeGraphs:
         self.inputs = None
         if limits is None:
             return
-        self.inputs = StaticDecodeInputs(cuda_buckets(limits.max_num_seqs), limits, self.block_size,
+        self.inputs = StaticDecodeInputs(cuda_buckets(limits.max_rows), limits, self.block_size,
                                          self.device)
         started = time.perf_counter()
         try:

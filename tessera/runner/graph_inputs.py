@@ -19,7 +19,8 @@ from tessera.runner.inputs import ModelInputs
 
 @dataclass(frozen=True)
 class GraphLimits:
-    max_num_seqs: int   # the most rows a decode step can have
+    max_rows: int       # the most rows a decode step can have (max_num_seqs, times 1 + k
+                        # with k speculative tokens: each verified draft is a row)
     max_model_len: int  # the longest sequence: block tables are this wide
 
 

@@ -11,7 +11,7 @@ import torch
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.engine.sequence import Sequence
 from tessera.runner.inputs import ModelInputs, PromptRows
-from tessera.sampling.sampler import SamplerOutput, TokenLogprobs
+from tessera.sampling.sampler import SamplerOutput, TokenLogprobs, rewind_draws
 
 
 @dataclass
@@ -48,8 +48,11 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
 
 class LaunchedStep:
     def __init__(self, inputs: ModelInputs, sampled: SamplerOutput | None = None,
-                 prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] | None = None):
+                 prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] | None = None,
+                 generator_states: dict[Sequence, torch.Tensor] | None = None):
         self.inputs = inputs
+        # speculative decoding: seeded sequences' generator states before this step's draws
+        self.generator_states = generator_states or {}
         self.sampled = sampled  # its logprobs stay on the device until result()
         token_ids = None if sampled is None else sampled.token_ids
         self.token_ids = token_ids  # [sampled rows], on the device: the next step's inputs
@@ -83,5 +86,8 @@ class LaunchedStep:
             result.samples += [SampledToken(item, tokens[r], logprobs[r]) for r in range(row, row + count + 1)]
             if drafts:
                 result.num_rejected[item.seq] = len(drafts) - count
+                state = self.generator_states.get(item.seq)
+                if state is not None:
+                    rewind_draws(item.seq.generator, state, count + 1)
             row += len(drafts) + 1
         return result

@@ -157,8 +157,12 @@ class ModelRunner:
             return LaunchedStep(inputs)
         passes = self.forward(inputs)
         try:
+            # seeded sequences verifying drafts: their generators before the draws, to be
+            # rewound to the tokens kept (launched_step.py)
+            states = {item.seq: item.seq.generator.get_state() for item in inputs.sampled_rows
+                      if item.draft_token_ids and item.seq.generator is not None and not item.seq.params.greedy}
             sampled = self._sample(inputs, passes)
-            return LaunchedStep(inputs, sampled, self._prompt_logprobs(inputs, passes))
+            return LaunchedStep(inputs, sampled, self._prompt_logprobs(inputs, passes), states)
         finally:
             if self.channel is not None:  # the other ranks join every pass's all-gather, even
                 for _ in passes:          # when sampling failed here: run what is left

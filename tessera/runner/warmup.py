@@ -14,6 +14,8 @@ from tessera.ops.attention import AttentionMetadata
 from tessera.platform import available_memory_bytes
 from tessera.runner.inputs import ModelInputs
 from tessera.runner.model_runner import PROMPT_LOGIT_ROWS, ModelRunner
+from tessera.sampling.params import SamplingParams
+from tessera.sampling.sampler import SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +56,12 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        for _ in runner.forward(inputs):
-            pass
+        _run_step(runner, inputs)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
     else:
         rss_before = psutil.Process().memory_info().rss
-        for _ in runner.forward(inputs):
-            pass
+        _run_step(runner, inputs)
         max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         peak = max(max_rss - rss_before, 0)
     runner.release_kv_cache()
@@ -69,6 +69,23 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return int(peak)
+
+
+def _run_step(runner: ModelRunner, inputs: ModelInputs) -> None:
+    """The forward passes, and the sampler over the first pass's rows with every processor
+    on (it holds several rows x vocabulary copies: as much as the logits themselves)."""
+    for index, logits in enumerate(runner.forward(inputs)):
+        if index == 0 and runner.sampler is not None:
+            rows = logits.shape[0]
+            batch = SamplingBatch(params=[WORST_CASE_SAMPLING] * rows, generators=[None] * rows,
+                                  token_ids=[[0]] * rows, num_prompt_tokens=[1] * rows)
+            runner.sampler.sample(logits, batch).logprobs  # noqa: B018 (computes them)
+        del logits
+
+
+# every processor and logprobs: the sampler's largest footprint per row
+WORST_CASE_SAMPLING = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, typical_p=0.9,
+                                     repetition_penalty=1.1, frequency_penalty=0.1, logprobs=20)
 
 
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,

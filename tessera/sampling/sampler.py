@@ -243,7 +243,7 @@ class Sampler:
             uniforms[shared] = torch.rand(len(shared), dtype=torch.float64, generator=self.generator)
         for j, gen in enumerate(generators):
             if gen is not None:
-                uniforms[j] = torch.rand(1, dtype=torch.float64, generator=gen)
+                uniforms[j] = _own_uniform(gen)
         return inverse_cdf(probs, to_device(uniforms, probs.device))
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
@@ -267,6 +267,21 @@ class Sampler:
                         0, P.device_tensor([position[rows[k]] for k in mine], device)))
         return rows, LogprobTensors(source.log_softmax(dim=-1), chosen.index_select(0, index),
                                     [params[i].logprobs or 0 for i in rows])
+
+
+def _own_uniform(generator: torch.Generator) -> torch.Tensor:
+    """A seeded row's draw for one sampled token."""
+    return torch.rand(1, dtype=torch.float64, generator=generator)
+
+
+def rewind_draws(generator: torch.Generator, state: torch.Tensor, num_tokens: int) -> None:
+    """Put a seeded sequence's generator where `num_tokens` sampled tokens from `state`
+    leave it. Speculative decoding draws for every verified position, then keeps fewer
+    tokens; rewinding makes the next draws those plain decoding would make, so a seeded
+    request's output does not depend on what was drafted (nor on the rest of the batch)."""
+    generator.set_state(state)
+    for _ in range(num_tokens):
+        _own_uniform(generator)
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

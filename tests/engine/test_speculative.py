@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from tessera import LLM, SamplingParams
-from tessera.config import ConfigError, SpeculativeConfig, speculative_config_from
+from tessera.config import ConfigError, SchedulerConfig, SpeculativeConfig, speculative_config_from
+from tessera.engine.block_manager import BlockManager
+from tessera.engine.scheduler import Scheduler
 from tessera.engine.ngram_proposer import NgramProposer, propose_ngram
-from tessera.engine.sequence import Sequence
+from tessera.engine.sequence import Sequence, SequenceStatus
 from tessera.runner.launched_step import num_accepted
 from tessera.runner.model_runner import ModelRunner
 from tessera.sampling.sampler import Sampler
@@ -91,6 +93,56 @@ def test_speculative_config_parsing():
                 [3]):
         with pytest.raises(ConfigError):
             speculative_config_from(bad)
+
+
+# --- scheduling drafts -------------------------------------------------------------------
+
+
+def running_seq(manager: BlockManager, name: str, prompt: list[int], computed: int,
+                drafts: list[int] = ()) -> Sequence:
+    seq = Sequence(name, None, prompt, SamplingParams(max_tokens=100), max_total_tokens=512)
+    seq.num_computed_tokens = computed
+    manager.allocate(seq, computed + 1)
+    seq.status = SequenceStatus.RUNNING
+    seq.draft_token_ids = list(drafts)
+    return seq
+
+
+def test_drafts_only_take_the_budget_real_tokens_leave():
+    manager = BlockManager(64, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8), manager)
+    scheduler.running = [running_seq(manager, name, [1, 2, 3, 4, 5, 6], 5, [7, 8, 9, 10]) for name in "ABC"]
+    out = scheduler.schedule()
+    # every decode runs; the 5 tokens left go to drafts, in order
+    assert [(i.seq.request_id, i.num_new_tokens, i.draft_token_ids) for i in out.scheduled] == [
+        ("A", 5, [7, 8, 9, 10]), ("B", 2, [7]), ("C", 1, [])]
+    assert all(not s.draft_token_ids for s in scheduler.running)  # used once
+
+
+def test_drafts_never_preempt_and_take_only_free_blocks():
+    manager = BlockManager(9, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16), manager)
+    decoding = running_seq(manager, "A", list(range(10, 20)), 9, [1, 2, 3, 4])   # 3 blocks
+    prefill = running_seq(manager, "B", list(range(100, 123)), 15)             # 4 blocks, 8 to go
+    scheduler.running = [decoding, prefill]
+    out = scheduler.schedule()
+    assert not out.preempted
+    # B's chunk takes the last 2 free blocks: A's drafts get only the rest of its own
+    # third block (slots 10 and 11)
+    assert [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled] == [("A", 3), ("B", 8)]
+    assert manager.num_free_blocks == 0
+
+
+def test_blocks_of_rejected_drafts_are_given_back():
+    manager = BlockManager(16, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), manager)
+    seq = running_seq(manager, "A", [1, 2, 3, 4, 5, 6, 7], 6, list(range(20, 28)))
+    scheduler.running = [seq]
+    out = scheduler.schedule()
+    assert out.scheduled[0].num_new_tokens == 9 and len(seq.block_table) == 4  # slots 6..14
+    scheduler.step_done(out, {seq: 7})  # one draft accepted: 8 tokens valid, slot 8 next
+    assert seq.num_computed_tokens == 8
+    assert len(seq.block_table) == 3 and manager.num_free_blocks == 13
 
 
 # --- the engine -----------------------------------------------------------------------------
@@ -269,32 +321,47 @@ def test_n_and_best_of_and_streamed_deltas(make_pair):
     assert final.text == plain.generate([TEXTS[0]], greedy(30))[0].outputs[0].text
 
 
-def test_sampling_follows_the_model_distribution(make_pair):
-    """Sampled tokens have the distribution of plain sampling. The prompt is the tiny
-    model's own greedy loop, so the proposer drafts it and, at a low temperature, a good
-    share of drafts is accepted and the rest rejected. Token frequencies per position over
-    many seeded requests: speculative vs plain may differ no more than two plain runs with
-    other seeds do (every run is seeded, so this is deterministic)."""
+def test_unseeded_sampling_follows_the_model_distribution(make_pair):
+    """Unseeded rows draw from the engine's generator, several per verifying sequence: the
+    tokens still have plain sampling's distribution. The prompt is the tiny model's own
+    greedy loop, so the proposer drafts it and, at a low temperature, a good share of
+    drafts is accepted and the rest rejected. Token frequencies per position over many
+    requests: speculative vs plain may differ no more than two plain runs do (the engines'
+    generators are seeded, so this is deterministic)."""
     plain, spec = make_pair(k=3, num_kv_blocks=512, max_num_seqs=64)
     loop = plain.generate([TEXTS[1]], greedy(48))[0].outputs[0].token_ids
     prompt = list(plain.engine.encode(TEXTS[1])) + list(loop)
     num = 4000
+    params = SamplingParams(temperature=0.03, max_new_tokens=4, ignore_eos=True)
 
-    def frequencies(llm: LLM, first_seed: int) -> list[collections.Counter]:
-        params = [SamplingParams(temperature=0.03, max_new_tokens=4, seed=first_seed + s, ignore_eos=True)
-                  for s in range(num)]
+    def frequencies(llm: LLM) -> list[collections.Counter]:
         outs = llm.generate([prompt] * num, params, use_tqdm=False)
         return [collections.Counter(o.outputs[0].token_ids[i] for o in outs) for i in range(4)]
 
     def distance(a: collections.Counter, b: collections.Counter) -> float:
         return sum(abs(a[t] - b[t]) for t in set(a) | set(b)) / (2 * num)
 
-    reference, other, speculative = frequencies(plain, 0), frequencies(plain, num), frequencies(spec, 2 * num)
+    reference, other, speculative = frequencies(plain), frequencies(plain), frequencies(spec)
     stats = spec.engine.stats()
     assert 0.1 < stats.spec_acceptance_rate < 0.9, stats  # both outcomes are exercised
     for position in range(4):
         noise = distance(reference[position], other[position])
         assert distance(reference[position], speculative[position]) < max(0.04, 1.5 * noise), position
+
+
+def test_seeded_sampling_gives_plain_decodings_tokens(make_pair):
+    """A seeded sequence's generator is rewound to the tokens a step kept, so its output
+    does not depend on what was drafted: equal to plain decoding, token for token."""
+    plain, spec = make_pair(k=3, max_num_seqs=16)
+    loop = plain.generate([TEXTS[1]], greedy(48))[0].outputs[0].token_ids
+    prompt = list(plain.engine.encode(TEXTS[1])) + list(loop)
+    params = [SamplingParams(temperature=t, top_p=0.95, max_new_tokens=12, seed=s, ignore_eos=True)
+              for s in range(32) for t in (0.03, 0.3)]
+    prompts = [prompt] * len(params)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    assert tokens_and_text(spec.generate(prompts, params, use_tqdm=False)) == tokens_and_text(expected)
+    stats = spec.engine.stats()
+    assert 0.1 < stats.spec_acceptance_rate < 0.9, stats
 
 
 def test_structured_outputs_get_no_drafts(make_pair):

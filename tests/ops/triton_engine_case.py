@@ -47,7 +47,7 @@ def replay_like_a_cuda_graph(llm: LLM) -> list[int]:
 
     runner = llm.engine.runner
     limits = GraphLimits(llm.engine.config.scheduler.max_num_seqs, llm.engine.max_model_len)
-    static = StaticDecodeInputs(cuda_buckets(limits.max_num_seqs), limits, runner.block_size, runner.device)
+    static = StaticDecodeInputs(cuda_buckets(limits.max_rows), limits, runner.block_size, runner.device)
     eager_run, checked = runner._run_model, []
 
     def run_model(inputs):

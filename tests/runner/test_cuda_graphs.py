@@ -10,12 +10,16 @@ from tessera import LLM, SamplingParams
 from tessera.runner.cuda_graphs import cuda_buckets
 
 
-def test_buckets_double_to_8_then_step_by_16_until_max_num_seqs_fits():
+def test_buckets_double_to_8_then_step_by_16_then_64_until_max_rows_fit():
     assert cuda_buckets(1) == (1,)
     assert cuda_buckets(6) == (1, 2, 4, 8)
     assert cuda_buckets(8) == (1, 2, 4, 8)
     assert cuda_buckets(20) == (1, 2, 4, 8, 16, 32)
     assert cuda_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    # beyond 256 rows (speculative decoding: max_num_seqs x (1 + k)), steps of 64
+    assert cuda_buckets(1280)[19:22] == (256, 320, 384) and cuda_buckets(1280)[-1] == 1280
+    assert len(cuda_buckets(1280)) == 36
+    assert cuda_buckets(300) == cuda_buckets(256) + (320,)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
