@@ -12,7 +12,7 @@ from pathlib import Path
 from tessera.config import DTYPES, LOAD_FORMATS, MODEL_IMPLS, scheduler_defaults
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:
@@ -404,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="read tool calls in the model's own syntax, which enables tool_choice \"auto\" "
                             "(hermes: <tool_call>{...}</tool_call>, as Qwen 2.5/3 and Hermes models write; "
-                            "llama3_json: a {\"name\", \"parameters\"} object, as Llama 3.1-3.3 write)")
+                            "llama3_json: a {\"name\", \"parameters\"} object, as Llama 3.1-3.3 write; "
+                            "mistral: [TOOL_CALLS] and a JSON list or name[ARGS]{...}; pythonic: "
+                            "[f(x=1), g()], as Llama 3.2 and 4 write)")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

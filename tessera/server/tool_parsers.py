@@ -9,11 +9,17 @@ can send it as it comes and hold back what may become a call.
 - `llama3_json`: an output that is a JSON object `{"name": ..., "parameters": {...}}` (or
   several separated by `;`), optionally after `<|python_tag|>` (Llama 3.1-3.3's templates);
   an output that starts otherwise is content.
+- `mistral`: `[TOOL_CALLS]` and a JSON list of calls, or `name[ARGS]{...}` per call (newer
+  Mistral tokenizers); text before it is content.
+- `pythonic`: an output that is a Python list of calls, `[f(x=1), g(y="a")]` (Llama 3.2
+  and 4), parsed with `ast` (literal values only; nothing is evaluated).
 A malformed call leaves the whole output as content.
 """
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 from decimal import Decimal
 from typing import Any, Protocol
@@ -122,4 +128,115 @@ class Llama3JsonParser:
         return len(text)
 
 
-PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
+class MistralParser:
+    """`[TOOL_CALLS]` then either a JSON list of {"name", "arguments"} objects (Mistral's v3
+    tokenizer: Mistral 7B v0.3, Mixtral 8x22B, Mistral Nemo) or one `name[ARGS]{...}` per
+    call, each after its own `[TOOL_CALLS]` (v11 and later: Mistral Small 3.2, Magistral,
+    Devstral). Text before the first `[TOOL_CALLS]` is content."""
+
+    TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+    def parse(self, text: str) -> Parsed:
+        start = text.find(self.TAG)
+        if start < 0:
+            return text, None
+        calls: list[Call] = []
+        for segment in text[start + len(self.TAG):].split(self.TAG):
+            segment = segment.strip()
+            try:
+                if self.ARGS in segment:
+                    name, _, arguments = segment.partition(self.ARGS)
+                    name = name.partition(self.CALL_ID)[0].strip()  # v13: name[CALL_ID]id[ARGS]
+                    calls.append(_call({"name": name, "arguments": loads(arguments)}, "arguments"))
+                else:
+                    items = loads(segment)
+                    calls += [_call(item, "arguments") for item in (items if isinstance(items, list) else [items])]
+            except (json.JSONDecodeError, RecursionError):
+                return text, None
+        if not calls or any(call is None or not call[0] for call in calls):
+            return text, None
+        content = text[:start].rstrip()
+        return (content if content.strip() else None), calls
+
+    def content_end(self, text: str) -> int:
+        return _held_before(text, self.TAG)
+
+
+class PythonicParser:
+    """An output that is a Python list of calls with keyword arguments,
+    `[get_weather(city="Oslo"), get_time()]` (Llama 3.2 and 4's templates; Llama 4 may wrap
+    it in `<|python_start|>` ... `<|python_end|>`); argument values are Python literals
+    (strings, numbers, True / False / None, lists, dicts). An output that starts otherwise
+    is content."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str) -> Parsed:
+        body = text.strip()
+        if body.startswith(self.START):
+            body = body[len(self.START):].removesuffix(self.END).strip()
+        if not body.startswith("["):
+            return text, None
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, None
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return text, None
+        return None, calls
+
+    @classmethod
+    def _call(cls, node: ast.AST) -> Call:
+        if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
+            raise ValueError("not a call with keyword arguments")
+        name = cls._dotted(node.func)
+        arguments = {k.arg: _python_literal(k.value) for k in node.keywords}
+        return name, json_text(arguments)
+
+    @classmethod
+    def _dotted(cls, node: ast.AST) -> str:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute):
+            return f"{cls._dotted(node.value)}.{node.attr}"
+        raise ValueError("not a function name")
+
+    def content_end(self, text: str) -> int:
+        body = text.lstrip()
+        if not body or body.startswith("[") or body.startswith(self.START) or self.START.startswith(body):
+            return 0  # may be a call: hold it all
+        return len(text)
+
+
+def _python_literal(node: ast.AST) -> Any:
+    """A literal argument value as `loads` would give it (numbers as Decimal, so huge or
+    precise ones survive into the JSON arguments)."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            return value
+        if isinstance(value, int):
+            return Decimal(value)
+        if isinstance(value, float) and math.isfinite(value):
+            return Decimal(repr(value))
+        raise ValueError(f"unsupported literal {value!r}")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _python_literal(node.operand)
+        if not isinstance(value, Decimal):
+            raise ValueError("a sign before a non-number")
+        return value.copy_negate() if isinstance(node.op, ast.USub) else value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_python_literal(item) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(key is None for key in node.keys):
+            raise ValueError("** in a dict")
+        keys = [_python_literal(key) for key in node.keys]
+        if not all(isinstance(key, str) for key in keys):
+            raise ValueError("dict keys must be strings")
+        return dict(zip(keys, (_python_literal(value) for value in node.values)))
+    raise ValueError(f"not a literal: {type(node).__name__}")
+
+
+PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),
+                                      "mistral": MistralParser(), "pythonic": PythonicParser()}

@@ -239,3 +239,63 @@ def test_an_open_parameters_schema_still_gives_an_object(client):
             assert isinstance(json.loads(out.message.tool_calls[0].function.arguments), dict)
         else:
             assert out.message.tool_calls[0].function.arguments.startswith("{")
+
+
+MISTRAL_OUTPUTS = [
+    'Let me check.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "metric": true}}]',
+    'Let me check.[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "metric": true}',
+    'Let me check. [TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "UTC"}'
+    '[TOOL_CALLS]get_weather[CALL_ID]f5g6h7i8j[ARGS]{"city": "Oslo", "metric": true}',
+]
+PYTHONIC_OUTPUT = '[get_time(zone="UTC"), get_weather(city="Oslo", metric=True)]'
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_mistral_stream_pieces_both_syntaxes(size):
+    for text in MISTRAL_OUTPUTS:
+        assert stream_pieces(text, size, "mistral") == ("Let me check.", HERMES_CALLS, "tool_calls")
+    for text in ("No tools [TOOL but not a tag", 'A[TOOL_CALLS][{"name": "get_time", "arguments": {',
+                 "A[TOOL_CALLS]get_time[ARGS]{not json}", '[TOOL_CALLS][{"arguments": {}}]', "[TOOL_CALLS]"):
+        assert stream_pieces(text, size, "mistral") == (text, [], "stop")
+
+
+@pytest.mark.parametrize("size", [1, 6, 1000])
+def test_pythonic_stream_pieces(size):
+    assert stream_pieces(PYTHONIC_OUTPUT, size, "pythonic") == ("", HERMES_CALLS, "tool_calls")
+    wrapped = "<|python_start|>" + PYTHONIC_OUTPUT + "<|python_end|>"
+    assert stream_pieces(wrapped, size, "pythonic") == ("", HERMES_CALLS, "tool_calls")
+    for text in ("The answer is [1, 2]", "[get_time(zone=", '[get_time("UTC")]', "[]",
+                 '[get_time(zone=__import__("os").getcwd())]', "[get_time(**{'zone': 'UTC'})]",
+                 "[get_time(zone=1+2)]"):
+        assert stream_pieces(text, size, "pythonic") == (text, [], "stop")
+
+
+def test_pythonic_values_become_json_with_their_digits():
+    pythonic = PARSERS["pythonic"]
+    content, calls = pythonic.parse(
+        '[api.search(q="caf\\u00e9", n=10**0 if False else 3, x=1)]')
+    assert (content, calls) == ('[api.search(q="caf\\u00e9", n=10**0 if False else 3, x=1)]', None)  # not literal
+    assert pythonic.parse('[api.search(q="café", limit=-3, ratio=2.5e-3, big=123456789012345678901234567890, '
+                          'tags=("a", None), opts={"deep": [True, False]}, neg=-0.0)]') == (None, [(
+        "api.search", '{"q": "café", "limit": -3, "ratio": 0.0025, "big": 123456789012345678901234567890, '
+                      '"tags": ["a", null], "opts": {"deep": [true, false]}, "neg": -0.0}')])
+    assert pythonic.parse("[f(x=float('inf'))]")[1] is None
+    assert pythonic.parse("[f(x=1e999)]")[1] is None  # infinite: no JSON number for it
+
+
+def test_auto_with_the_mistral_and_pythonic_parsers_over_http(client, server, monkeypatch):
+    for parser, output, content in (("mistral", MISTRAL_OUTPUTS[1], "Let me check."),
+                                    ("pythonic", PYTHONIC_OUTPUT, None)):
+        monkeypatch.setattr(server.state, "tool_call_parser", parser)
+        forced = {"guided_choice": [output]}  # the tiny model is made to write the calls
+        full = chat(client, tools=[WEATHER, TIME], extra_body=forced, max_tokens=400).choices[0]
+        assert full.finish_reason == "tool_calls" and full.message.content == content
+        assert [(c.function.name, c.function.arguments) for c in full.message.tool_calls] == HERMES_CALLS
+        streamed, calls = "", {}
+        for chunk in chat(client, tools=[WEATHER, TIME], extra_body=forced, stream=True, max_tokens=400):
+            if chunk.choices:
+                streamed += chunk.choices[0].delta.content or ""
+                for c in chunk.choices[0].delta.tool_calls or []:
+                    calls[c.index] = (c.function.name, c.function.arguments)
+        assert streamed == (content or "") and list(calls.values()) == HERMES_CALLS
