@@ -29,7 +29,8 @@ dummy=(--model $preset --load-format dummy --dtype bfloat16)
 case "${1:-}" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_kernels.py tests/runner/test_cuda_graphs.py \
-        tests/models/test_gpu_parity.py tests/engine/test_async_scheduling.py -k "gpu" 2>&1 | tee "$out/tests.log" ;;
+        tests/models/test_gpu_parity.py tests/engine/test_async_scheduling.py tests/engine/test_speculative.py \
+        -k "gpu" 2>&1 | tee "$out/tests.log" ;;
   latency)
     tessera bench latency "${dummy[@]}" --batch-sizes 1,8,64 --input-len 128 --output-len 256 \
         --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log"

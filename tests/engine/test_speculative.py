@@ -9,6 +9,7 @@ import collections
 
 import numpy as np
 import pytest
+import torch
 
 from tessera import LLM, SamplingParams
 from tessera.config import ConfigError, SchedulerConfig, SpeculativeConfig, speculative_config_from
@@ -398,4 +399,20 @@ def test_tensor_parallel_speculation_equals_plain_decoding(make_pair):
              speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                  "disable_by_batch_size": None}) as llm:
         assert tokens_and_text(llm.generate(TEXTS[:4], greedy(24))) == tokens_and_text(expected)
+        assert_speculated(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_speculation_replays_cuda_graphs_and_equals_plain_decoding(tiny):
+    """On the GPU the verifying rows run through the Triton decode kernel inside captured
+    CUDA graphs (max_num_seqs x (1 + k) rows are captured); float32 greedy outputs equal
+    plain decoding's."""
+    kwargs = dict(dtype="float32", device="cuda", num_kv_blocks=256, block_size=16, max_num_seqs=4,
+                  show_progress=False)
+    with LLM(tiny, **kwargs) as plain:
+        expected = plain.generate(TEXTS, greedy(40), use_tqdm=False)
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    with LLM(tiny, speculative_config=spec, **kwargs) as llm:
+        assert llm.engine.runner.graphs.inputs.buckets[-1] == 16  # 4 sequences x (1 + 3)
+        assert tokens_and_text(llm.generate(TEXTS, greedy(40), use_tqdm=False)) == tokens_and_text(expected)
         assert_speculated(llm)
