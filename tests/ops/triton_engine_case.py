@@ -2,7 +2,8 @@
 through Triton's interpreter (run by test_triton_kernels.py in a subprocess with
 TRITON_INTERPRET=1): what a CUDA run would execute, kernel for kernel, as the engine calls
 it (its metadata, its strides and views, mixed prefill/decode steps, prefix-cache hits,
-chunked prefill), against transformers' greedy tokens and logits in float32.
+chunked prefill, speculative decoding's verifying rows), against transformers' greedy
+tokens and logits in float32.
 
     TRITON_INTERPRET=1 python -m tests.ops.triton_engine_case FOLDER [FOLDER ...]
 
@@ -46,7 +47,7 @@ def replay_like_a_cuda_graph(llm: LLM) -> list[int]:
     from tessera.runner.graph_inputs import GraphLimits, StaticDecodeInputs
 
     runner = llm.engine.runner
-    limits = GraphLimits(llm.engine.config.scheduler.max_num_seqs, llm.engine.max_model_len)
+    limits = GraphLimits(llm.engine.runner.graph_limits.max_rows, llm.engine.max_model_len)
     static = StaticDecodeInputs(cuda_buckets(limits.max_rows), limits, runner.block_size, runner.device)
     eager_run, checked = runner._run_model, []
 
@@ -105,6 +106,23 @@ def check(folder: str) -> None:
         want_prompt = logits[:len(prompt) - 1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
         torch.testing.assert_close(got_prompt, want_prompt, atol=FP32_ATOL, rtol=0)
     assert hits.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    check_speculation(folder, hf, [p + p for p in prompts[2:4]])
+
+
+def check_speculation(folder: str, hf, prompts: list[list[int]]) -> None:
+    """Speculative decoding: drafts (here from the repeated prompts) verified as decode
+    rows sharing a block table, through the Triton decode kernel, eagerly and as a CUDA
+    graph replays them; greedy tokens equal transformers' whatever is accepted."""
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": None}
+    with LLM(folder, dtype="float32", block_size=4, num_kv_blocks=96, max_num_batched_tokens=16,
+             max_num_seqs=2, enforce_eager=True, speculative_config=spec, show_progress=False) as llm:
+        replayed = replay_like_a_cuda_graph(llm)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+        assert llm.engine.stats().spec_draft_tokens > 0
+        assert any(rows > 2 for rows, _ in replayed), replayed  # verifying steps: more rows than sequences
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_generate(hf, prompt, 8), (folder, len(prompt))
 
 
 if __name__ == "__main__":
