@@ -116,9 +116,11 @@ class Engine:
 
     def _max_decode_rows(self) -> int:
         """The most rows a decode step can have: one per sequence, and one per verified
-        draft with speculative decoding (within the step's token budget)."""
-        sched = self.config.scheduler
-        rows = sched.max_num_seqs * (1 + self.config.speculative.num_speculative_tokens)
+        draft with speculative decoding (while at most disable_by_batch_size sequences
+        run, within the step's token budget)."""
+        sched, spec = self.config.scheduler, self.config.speculative
+        speculating = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
+        rows = max(sched.max_num_seqs, speculating * (1 + spec.num_speculative_tokens))
         return min(rows, max(sched.max_num_batched_tokens, sched.max_num_seqs))
 
     def _decode_graphs(self, config: EngineConfig) -> bool:

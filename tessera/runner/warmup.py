@@ -77,7 +77,9 @@ def _run_step(runner: ModelRunner, inputs: ModelInputs) -> None:
     for index, logits in enumerate(runner.forward(inputs)):
         if index == 0 and runner.sampler is not None:
             rows = logits.shape[0]
-            batch = SamplingBatch(params=[WORST_CASE_SAMPLING] * rows, generators=[None] * rows,
+            # throwaway generators: the engine's own must not depend on the warm-up's shape
+            batch = SamplingBatch(params=[WORST_CASE_SAMPLING] * rows,
+                                  generators=[torch.Generator() for _ in range(rows)],
                                   token_ids=[[0]] * rows, num_prompt_tokens=[1] * rows)
             runner.sampler.sample(logits, batch).logprobs  # noqa: B018 (computes them)
         del logits

@@ -9,7 +9,6 @@ template in every case, so the model sees them as it was trained to.
 """
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -138,7 +137,7 @@ def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, An
 def _parse_list(text: str) -> list[tuple[str, str]] | None:
     try:
         items = loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
         return None
     return [(item["name"], json_text(item["parameters"])) for item in items]
 

@@ -37,8 +37,8 @@ class ToolCallParser(Protocol):
 
 def loads(text: str) -> Any:
     """JSON with its numbers kept as written (Decimal): re-serialised arguments must not turn
-    1e999 into Infinity (not JSON) or lose digits."""
-    return json.loads(text, parse_float=Decimal)
+    1e999 into Infinity (not JSON) or lose digits (nor hit Python's limit on int digits)."""
+    return json.loads(text, parse_float=Decimal, parse_int=Decimal)
 
 
 def json_text(value: Any) -> str:
@@ -85,7 +85,7 @@ class HermesParser:
         for match in self.BLOCK.finditer(text, start):
             try:
                 call = _call(loads(match.group(1)), "arguments")
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 call = None
             if call is None:  # malformed, or a last block cut mid-call (as vLLM: all content)
                 return text, None
@@ -106,11 +106,11 @@ class Llama3JsonParser:
             body = body[len(self.PYTHON_TAG):].lstrip()
         if not body.startswith("{"):
             return text, None
-        decoder, calls, pos = json.JSONDecoder(parse_float=Decimal), [], 0
+        decoder, calls, pos = json.JSONDecoder(parse_float=Decimal, parse_int=Decimal), [], 0
         while pos < len(body):
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except (json.JSONDecodeError, RecursionError):
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 return text, None
             call = _call(obj, "parameters")
             if call is None:
@@ -144,14 +144,16 @@ class MistralParser:
         for segment in text[start + len(self.TAG):].split(self.TAG):
             segment = segment.strip()
             try:
-                if self.ARGS in segment:
-                    name, _, arguments = segment.partition(self.ARGS)
-                    name = name.partition(self.CALL_ID)[0].strip()  # v13: name[CALL_ID]id[ARGS]
-                    calls.append(_call({"name": name, "arguments": loads(arguments)}, "arguments"))
-                else:
+                if segment[:1] in ("[", "{"):  # the JSON list (whatever its strings hold)
                     items = loads(segment)
                     calls += [_call(item, "arguments") for item in (items if isinstance(items, list) else [items])]
-            except (json.JSONDecodeError, RecursionError):
+                else:
+                    name, found, arguments = segment.partition(self.ARGS)
+                    name = name.partition(self.CALL_ID)[0].strip()  # v13: name[CALL_ID]id[ARGS]
+                    arguments = loads(arguments) if found else None
+                    calls.append(_call({"name": name, "arguments": arguments}, "arguments")
+                                 if isinstance(arguments, dict) else None)
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 return text, None
         if not calls or any(call is None or not call[0] for call in calls):
             return text, None
@@ -181,18 +183,20 @@ class PythonicParser:
             tree = ast.parse(body, mode="eval").body
             if not isinstance(tree, ast.List) or not tree.elts:
                 return text, None
-            calls = [self._call(node) for node in tree.elts]
+            calls = [self._call(node, body) for node in tree.elts]
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return text, None
         return None, calls
 
     @classmethod
-    def _call(cls, node: ast.AST) -> Call:
+    def _call(cls, node: ast.AST, source: str) -> Call:
         if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):
             raise ValueError("not a call with keyword arguments")
-        name = cls._dotted(node.func)
-        arguments = {k.arg: _python_literal(k.value) for k in node.keywords}
-        return name, json_text(arguments)
+        names = [k.arg for k in node.keywords]
+        if len(set(names)) != len(names):
+            raise ValueError("an argument given twice")
+        arguments = {k.arg: _python_literal(k.value, source) for k in node.keywords}
+        return cls._dotted(node.func), json_text(arguments)
 
     @classmethod
     def _dotted(cls, node: ast.AST) -> str:
@@ -209,9 +213,9 @@ class PythonicParser:
         return len(text)
 
 
-def _python_literal(node: ast.AST) -> Any:
-    """A literal argument value as `loads` would give it (numbers as Decimal, so huge or
-    precise ones survive into the JSON arguments)."""
+def _python_literal(node: ast.AST, source: str) -> Any:
+    """A literal argument value as `loads` would give it (numbers as Decimal, floats from
+    their source text, so huge or precise ones survive into the JSON arguments)."""
     if isinstance(node, ast.Constant):
         value = node.value
         if isinstance(value, bool) or value is None or isinstance(value, str):
@@ -219,22 +223,22 @@ def _python_literal(node: ast.AST) -> Any:
         if isinstance(value, int):
             return Decimal(value)
         if isinstance(value, float) and math.isfinite(value):
-            return Decimal(repr(value))
+            return Decimal(ast.get_source_segment(source, node).replace("_", ""))
         raise ValueError(f"unsupported literal {value!r}")
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _python_literal(node.operand)
+        value = _python_literal(node.operand, source)
         if not isinstance(value, Decimal):
             raise ValueError("a sign before a non-number")
         return value.copy_negate() if isinstance(node.op, ast.USub) else value
     if isinstance(node, (ast.List, ast.Tuple)):
-        return [_python_literal(item) for item in node.elts]
+        return [_python_literal(item, source) for item in node.elts]
     if isinstance(node, ast.Dict):
         if any(key is None for key in node.keys):
             raise ValueError("** in a dict")
-        keys = [_python_literal(key) for key in node.keys]
+        keys = [_python_literal(key, source) for key in node.keys]
         if not all(isinstance(key, str) for key in keys):
             raise ValueError("dict keys must be strings")
-        return dict(zip(keys, (_python_literal(value) for value in node.values)))
+        return dict(zip(keys, (_python_literal(value, source) for value in node.values)))
     raise ValueError(f"not a literal: {type(node).__name__}")
 
 

@@ -189,6 +189,7 @@ def greedy(max_new_tokens: int = 32, **kwargs) -> SamplingParams:
 
 def test_greedy_outputs_equal_plain_decoding(make_pair):
     plain, spec = make_pair()
+    assert spec.engine.runner.graph_limits.max_rows == 64 * 5  # every sequence verifying 4 drafts
     expected = plain.generate(TEXTS, greedy())
     assert tokens_and_text(spec.generate(TEXTS, greedy())) == tokens_and_text(expected)
     assert_speculated(spec)
@@ -377,6 +378,8 @@ def test_no_drafts_above_disable_by_batch_size(tiny):
     llm = LLM(tiny, show_progress=False, num_kv_blocks=256, block_size=4, dtype="float32",
               speculative_config={"num_speculative_tokens": 4, "prompt_lookup_min": 1,
                                   "disable_by_batch_size": 2})
+    # decode graphs cover the rows a step can have: 64 sequences, or 2 verifying 1 + 4 rows
+    assert llm.engine.runner.graph_limits.max_rows == 64
     llm.generate(TEXTS[:3], params)
     assert llm.engine.stats().spec_draft_tokens == 0  # three sequences: never speculated
     llm.generate(TEXTS[:2], params)

@@ -30,3 +30,15 @@ def test_garbage_in_unwritten_slots_never_reaches_outputs(make_tiny_llama):
     assert 0 < used < runner.num_blocks  # zeroed only as far as blocks were handed out
     k_cache = runner.attn_layers[0].kv_cache[0]
     assert torch.isnan(k_cache[used:]).all()
+
+
+def test_warm_up_profiles_the_sampler_without_touching_the_engines_generator(make_tiny_llama):
+    """Sizing the cache runs the sampler over the largest logits pass; unseeded outputs of
+    an engine seed must not depend on whether (or at what shape) that ran."""
+    folder, _ = make_tiny_llama(seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    outputs = []
+    for sizing in (dict(num_kv_blocks=64), dict(memory_fraction=0.01), dict(memory_fraction=0.01, max_num_seqs=3)):
+        llm = LLM(folder, dtype="float32", seed=5, show_progress=False, **sizing)
+        outputs.append(llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -299,3 +299,20 @@ def test_auto_with_the_mistral_and_pythonic_parsers_over_http(client, server, mo
                 for c in chunk.choices[0].delta.tool_calls or []:
                     calls[c.index] = (c.function.name, c.function.arguments)
         assert streamed == (content or "") and list(calls.values()) == HERMES_CALLS
+
+
+def test_parser_edge_cases_numbers_duplicates_and_arguments_that_are_not_objects():
+    mistral, pythonic, hermes = PARSERS["mistral"], PARSERS["pythonic"], PARSERS["hermes"]
+    # floats keep their source digits; ints beyond Python's 4300-digit str limit stay exact
+    assert pythonic.parse("[f(x=0.12345678901234567890123, y=1_000.5)]") == (
+        None, [("f", '{"x": 0.12345678901234567890123, "y": 1000.5}')])
+    huge = "9" * 5000
+    assert hermes.parse('<tool_call>{"name": "f", "arguments": {"n": ' + huge + "}}</tool_call>") == (
+        None, [("f", '{"n": ' + huge + "}")])
+    assert mistral.parse('[TOOL_CALLS][{"name": "f", "arguments": {"n": ' + huge + "}}]")[1] == [("f", '{"n": ' + huge + "}")]
+    assert pythonic.parse("[f(x=1, x=2)]")[1] is None  # an argument given twice
+    # the JSON list is read as JSON whatever its strings hold
+    assert mistral.parse('[TOOL_CALLS][{"name": "f", "arguments": {"s": "a[ARGS]b"}}]') == (
+        None, [("f", '{"s": "a[ARGS]b"}')])
+    for text in ('[TOOL_CALLS]f[ARGS]"x"', "[TOOL_CALLS]f", "[TOOL_CALLS]f[ARGS][1]"):
+        assert mistral.parse(text) == (text, None)  # arguments must be an object
