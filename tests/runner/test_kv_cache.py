@@ -38,7 +38,9 @@ def test_warm_up_profiles_the_sampler_without_touching_the_engines_generator(mak
     folder, _ = make_tiny_llama(seed=0)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
     outputs = []
-    for sizing in (dict(num_kv_blocks=64), dict(memory_fraction=0.01), dict(memory_fraction=0.01, max_num_seqs=3)):
+    # sized from memory at two shapes (capped by what max_num_seqs full sequences use), and
+    # fixed (no warm-up profile)
+    for sizing in (dict(num_kv_blocks=64), dict(memory_fraction=0.5), dict(memory_fraction=0.5, max_num_seqs=3)):
         llm = LLM(folder, dtype="float32", seed=5, show_progress=False, **sizing)
         outputs.append(llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0].token_ids)
     assert outputs[0] == outputs[1] == outputs[2]
