@@ -115,9 +115,10 @@ class Engine:
         self._spec_counts = [0, 0, 0]  # steps of a sequence with drafts, drafts, accepted drafts
 
     def _max_decode_rows(self) -> int:
-        """The most rows a decode step can have: one per sequence, and one per verified
-        draft with speculative decoding (while at most disable_by_batch_size sequences
-        run, within the step's token budget)."""
+        """The most rows a decode step can have, each sampled: one per sequence, and one
+        per verified draft with speculative decoding (while at most disable_by_batch_size
+        sequences run, within the step's token budget). Warm-up profiles the LM head and
+        sampler for this many rows; decode graphs cover it."""
         sched, spec = self.config.scheduler, self.config.speculative
         speculating = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
         rows = max(sched.max_num_seqs, speculating * (1 + spec.num_speculative_tokens))
@@ -135,7 +136,7 @@ class Engine:
             plan = plan_kv_cache(self.runner, memory_fraction=cache.fraction_for(self.config.device),
                                  max_num_batched_tokens=sched.max_num_batched_tokens,
                                  max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
-                                 logit_rows_per_seq=1 + self.config.speculative.num_speculative_tokens)
+                                 max_sampled_rows=self._max_decode_rows())
             num_blocks = plan.num_blocks
         capacity = num_blocks * cache.block_size
         if capacity < cache.block_size:

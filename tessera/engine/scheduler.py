@@ -149,7 +149,7 @@ class Scheduler:
         block_size = self.blocks.block_size
         for item in out.scheduled:
             seq = item.seq
-            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            drafts = seq.draft_token_ids
             if not drafts or budget <= 0 or item.num_new_tokens != 1 or seq.num_pending_tokens or not item.samples:
                 continue
             start = seq.num_computed_tokens + 1

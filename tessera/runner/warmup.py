@@ -91,13 +91,12 @@ WORST_CASE_SAMPLING = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p
 
 
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,
-                  max_num_seqs: int, max_model_len: int, logit_rows_per_seq: int = 1) -> KVCachePlan:
-    """`logit_rows_per_seq`: 1 + the draft tokens a sequence may verify per step."""
+                  max_num_seqs: int, max_model_len: int, max_sampled_rows: int | None = None) -> KVCachePlan:
+    """`max_sampled_rows`: the most rows a step samples (default max_num_seqs; more with
+    speculative decoding, which samples after every draft)."""
     num_tokens = min(max_num_batched_tokens, max_model_len)
-    # the LM head's largest pass: every row sampling (after each of its drafts too), or
-    # one pass of prompt-logprob rows
-    activation = profile_peak_step(runner, num_tokens,
-                                   max(max_num_seqs * logit_rows_per_seq, PROMPT_LOGIT_ROWS))
+    # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
+    activation = profile_peak_step(runner, num_tokens, max(max_sampled_rows or max_num_seqs, PROMPT_LOGIT_ROWS))
     available = available_memory_bytes(str(runner.device))
     per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
     budget = int(available * memory_fraction) - activation * runner.ranks_sharing_memory
