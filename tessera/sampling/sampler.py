@@ -112,10 +112,9 @@ class SamplerOutput:
     """The chosen tokens [B] (int64, on the logits' device) and, per row that asked, their
     logprobs, read on the host the first time `logprobs` is used."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: list[TokenLogprobs | None] | None = None,
-                 pending: tuple[list[int], LogprobTensors] | None = None):
+    def __init__(self, token_ids: torch.Tensor, pending: tuple[list[int], LogprobTensors] | None = None):
         self.token_ids = token_ids
-        self._logprobs = logprobs
+        self._logprobs: list[TokenLogprobs | None] | None = None
         self._pending = pending  # (rows, their logprob tensors)
 
     @property
