@@ -230,12 +230,31 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving. With `enable_lora`, every linear layer gets `max_loras` adapter
+    slots of rank up to `max_lora_rank` (allocated before the KV cache is sized), and one
+    step runs requests of up to `max_loras` distinct adapters (plus the base model).
+    `lora_modules`: adapters loaded at start-up, name -> PEFT folder."""
+
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    lora_modules: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(1 <= self.max_lora_rank <= 512, f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        _require(not self.lora_modules or self.enable_lora, "lora_modules need enable_lora")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = "cpu"
     seed: int = 0
     # where returned logprobs come from: "raw" (the model's distribution, vLLM's default)

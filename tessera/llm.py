@@ -7,15 +7,18 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from tessera.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                            SpeculativeConfig, scheduler_defaults, speculative_config_from)
+from tessera.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                            SchedulerConfig, SpeculativeConfig, scheduler_defaults, speculative_config_from)
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
+from tessera.lora.request import LoRARequest
 from tessera.sampling.params import SamplingParams
 
 # a text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = str | list[int] | dict
 Message = dict[str, str]
+# one adapter for every prompt, or one (or None) per prompt
+LoRAArg = LoRARequest | Seq[LoRARequest | None] | None
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -54,7 +57,9 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   enforce_eager: bool = False, async_scheduling: bool = False,
                   speculative_config: SpeculativeConfig | dict | None = None,
                   tensor_parallel_size: int = 1,
-                  parallel: ParallelConfig | None = None) -> EngineConfig:
+                  parallel: ParallelConfig | None = None,
+                  enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
+                  lora_modules: dict[str, str] | None = None) -> EngineConfig:
     """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments).
     `max_num_seqs` / `max_num_batched_tokens` left None take the device's defaults
     (config.scheduler_defaults)."""
@@ -76,6 +81,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                   async_scheduling=async_scheduling),
         parallel=parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         speculative=speculative_config_from(speculative_config, device),
+        lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                        lora_modules=dict(lora_modules or {})),
         device=device, seed=seed, logprobs_mode=logprobs_mode)
 
 
@@ -114,22 +121,23 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, lora_request: LoRAArg = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids,
         or vLLM's dict forms {"prompt": text} and {"prompt_token_ids": ids};
-        `sampling_params` is one SamplingParams for all prompts or one per prompt."""
+        `sampling_params` is one SamplingParams for all prompts or one per prompt, and so is
+        `lora_request` (the adapter to run with; needs enable_lora)."""
         prompts, params_list = self._pair(prompts, sampling_params)
-        return self._run(prompts, params_list, use_tqdm)
+        return self._run(prompts, params_list, use_tqdm, self._loras(lora_request, len(prompts)))
 
     def generate_stream(self, prompts: Prompt | Seq[Prompt],
-                        sampling_params: SamplingParams | Seq[SamplingParams] | None = None
-                        ) -> Iterator[tuple[int, RequestOutput]]:
+                        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                        lora_request: LoRAArg = None) -> Iterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, RequestOutput) as the engine produces them: each carries
         the text, token ids and logprobs its step added (`outputs[j].delta_text`, ...),
         and the last one of a prompt has `finished=True`. Stopping the iteration early
         aborts the requests still running."""
         prompts, params_list = self._pair(prompts, sampling_params)
-        ids = self._add(prompts, params_list)
+        ids = self._add(prompts, params_list, self._loras(lora_request, len(prompts)))
         index = {request_id: i for i, request_id in enumerate(ids)}
         try:
             for out in self.engine.iter_outputs(ids):
@@ -152,13 +160,23 @@ class LLM:
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         return prompts, params_list
 
+    @staticmethod
+    def _loras(lora_request: LoRAArg, num_prompts: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * num_prompts
+        loras = list(lora_request)
+        if len(loras) != num_prompts:
+            raise ValueError(f"{len(loras)} LoRA requests for {num_prompts} prompts")
+        return loras
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool | None = None,
+             lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or the --chat-template override) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         template = self.engine.router.chat_template
@@ -170,13 +188,14 @@ class LLM:
         # The template already holds any BOS token; do not add special tokens twice.
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams],
+             loras: list[LoRARequest | None]) -> list[str]:
         """Queue every prompt, or none of them (a bad one aborts those already queued)."""
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+                engine.add_request(request_id, prompt, p, lora)
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)
@@ -184,9 +203,9 @@ class LLM:
         return ids
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams],
-             use_tqdm: bool | None) -> list[RequestOutput]:
+             use_tqdm: bool | None, loras: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.engine
-        ids = self._add(prompts, params)
+        ids = self._add(prompts, params, loras)
         finished: dict[str, RequestOutput] = {}
         show = self.show_progress if use_tqdm is None else use_tqdm
         try:

@@ -23,11 +23,13 @@ class Command(enum.IntEnum):
     FORWARD_NO_LOGITS = 2  # only partial prefill chunks: no rows sample
     ALLOCATE_KV = 3        # arg = number of blocks
     RELEASE_KV = 4
+    LOAD_LORA = 5          # arg = slot; then the adapter's name and folder (UTF-8 bytes)
 
 
 # command, arg, tokens, seqs, table width, decodes, logit rows, max block id, has padding,
-# prompt-logprob rows (the last logit rows, which the LM head takes in passes of their own)
-HEADER_LEN = 10
+# prompt-logprob rows (the last logit rows, which the LM head takes in passes of their own),
+# LoRA segments (for LOAD_LORA: the length of the name-and-folder bytes)
+HEADER_LEN = 11
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Received:
     command: Command
     arg: int = 0
     inputs: ModelInputs | None = None
+    lora: tuple[str, str] | None = None  # LOAD_LORA: (adapter name, folder)
 
 
 class StepChannel:
@@ -51,26 +54,40 @@ class StepChannel:
             header[2:] = torch.tensor([inputs.input_ids.numel(), a.num_seqs, a.block_tables.shape[1],
                                        a.num_decodes, inputs.lm_head_indices.numel(),
                                        inputs.max_block_id, int(a.has_padding),
-                                       inputs.num_prompt_logit_rows])
+                                       inputs.num_prompt_logit_rows, len(inputs.lora_segments)])
+            segments = torch.tensor(inputs.lora_segments, dtype=torch.long).flatten()
             payload = torch.cat([inputs.input_ids.long(), inputs.positions.long(), a.slot_mapping.long(),
                                  a.block_tables.long().flatten(), a.seq_lens.long(),
-                                 a.query_start_loc.long(), inputs.lm_head_indices.long()])
+                                 a.query_start_loc.long(), inputs.lm_head_indices.long(), segments])
         dist.broadcast(header.to(self.device), src=0)
         if payload is not None:
             dist.broadcast(payload.to(self.device), src=0)
+
+    def send_lora(self, slot: int, name: str, folder: str) -> None:
+        """Rank 0: every rank loads the adapter in `folder` into `slot`."""
+        data = torch.frombuffer(bytearray(f"{name}\0{folder}".encode()), dtype=torch.uint8)
+        header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        header[0], header[1], header[2] = int(Command.LOAD_LORA), slot, data.numel()
+        dist.broadcast(header.to(self.device), src=0)
+        dist.broadcast(data.to(self.device), src=0)
 
     def recv(self) -> Received:
         """Other ranks: block until the driver's next command."""
         header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
         dist.broadcast(header, src=0)
-        command, arg, tokens, seqs, width, decodes, rows, max_block, padded, prompt_rows = header.tolist()
+        command, arg, tokens, seqs, width, decodes, rows, max_block, padded, prompt_rows, num_segments = header.tolist()
         command = Command(command)
+        if command == Command.LOAD_LORA:
+            data = torch.empty(tokens, dtype=torch.uint8, device=self.device)
+            dist.broadcast(data, src=0)
+            name, folder = bytes(data.cpu().tolist()).decode().split("\0", 1)
+            return Received(command, arg, lora=(name, folder))
         if command not in (Command.FORWARD, Command.FORWARD_NO_LOGITS):
             return Received(command, arg)
-        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows]
+        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 3 * num_segments]
         payload = torch.empty(sum(sizes), dtype=torch.long, device=self.device)
         dist.broadcast(payload, src=0)
-        ids, positions, slots, tables, seq_lens, starts, lm_rows = payload.split(sizes)
+        ids, positions, slots, tables, seq_lens, starts, lm_rows, segments = payload.split(sizes)
         seq_lens_list, starts_list = seq_lens.tolist(), starts.tolist()
         attn = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.view(seqs, width).int(),
@@ -78,5 +95,7 @@ class StepChannel:
             num_decodes=decodes, num_decode_tokens=decodes, seq_lens_list=seq_lens_list,
             query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:])],
             has_padding=bool(padded))
+        lora_segments = [tuple(segment) for segment in segments.view(-1, 3).tolist()]
         return Received(command, arg, ModelInputs(ids, positions, attn, lm_rows, [], max_block,
-                                                  num_prompt_logit_rows=prompt_rows))
+                                                  num_prompt_logit_rows=prompt_rows,
+                                                  lora_segments=lora_segments))

@@ -13,6 +13,7 @@ import torch
 from tessera.config import EngineConfig
 from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankInfo, init_rank, launched_rank_info, rank_device
+from tessera.lora.adapter import load_adapter
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
@@ -44,6 +45,9 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
     dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
                           config.model.quantization)
     runner = ModelRunner(model, config.cache.block_size, device, dtype, sampler=None)
+    lora = config.lora
+    if lora.enable_lora:
+        runner.enable_lora(lora.max_loras, lora.max_lora_rank)
     channel = StepChannel(device)
     while True:
         msg = channel.recv()
@@ -53,6 +57,9 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
             runner.allocate_kv_cache(msg.arg)
         elif msg.command == Command.RELEASE_KV:
             runner.release_kv_cache()
+        elif msg.command == Command.LOAD_LORA:  # the driver checked it: this load succeeds
+            name, folder = msg.lora
+            runner.load_lora(msg.arg, load_adapter(name, folder, model, lora.max_lora_rank))
         elif msg.command == Command.FORWARD:
             for _ in runner.forward(msg.inputs):  # its LM head joins each pass's all-gather
                 pass

@@ -5,7 +5,9 @@ A sequence's block table maps its token i to slot block_table[i // block_size] *
 identified by a hash chained over the previous block's hash and its own token ids; a new
 sequence reuses the cached blocks of its longest cached prefix. Freed blocks keep their
 contents and hash and are evicted least-recently-freed first, only when a block is needed.
-Hash hits are confirmed by comparing token ids, so a collision can never mix sequences.
+Hash hits are confirmed by comparing the parent hash and the token ids, so a collision can
+never mix sequences. The first block's parent is the sequence's cache salt (its LoRA
+adapter, or None), so KV computed under one adapter is never reused under another.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class BlockManager:
         # Free blocks in eviction order (oldest first); cached ones keep their hash entry.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # what each cached block's hash was computed from: (parent hash or salt, token ids)
+        self.block_tokens: list[tuple | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0     # tokens found
@@ -116,12 +119,12 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return match
         usable = (seq.num_tokens - 1) // self.block_size
-        parent = None
+        parent = seq.cache_salt
         for i in range(usable):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             block = self.cached.get(h)
-            if block is None or self.block_tokens[block] != tokens:
+            if block is None or self.block_tokens[block] != (parent, tokens):
                 break
             match.blocks.append(block)
             match.hashes.append(h)
@@ -162,13 +165,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             block = seq.block_table[i]
             if h not in self.cached:  # a twin computed concurrently keeps the entry
                 self.cached[h] = block
-                self.block_hash[block], self.block_tokens[block] = h, tokens
+                self.block_hash[block], self.block_tokens[block] = h, (parent, tokens)
             seq.block_hashes.append(h)
             parent = h

@@ -26,6 +26,9 @@ from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.stats import EngineStats
+from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError
+from tessera.lora.registry import LoRARegistry
+from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
@@ -65,6 +68,9 @@ class Engine:
         if tp > 1 and sched.async_scheduling:
             raise ConfigError("async scheduling runs one rank: the other ranks would need the "
                               "sampled tokens before the driver has them")
+        if config.lora.enable_lora and self.router.implementation != "native":
+            raise ConfigError(f"LoRA adapters need a tessera model folder; {self.router.config.model_type} "
+                              "runs on the transformers fallback (`tessera models` lists the folders)")
         if tp > 1 and not type(self.router).features()["supports_tensor_parallel"]:
             raise ConfigError(f"{type(self.router).__name__} ({self.router.config.model_type}) does not "
                               "support tensor parallelism; `tessera models` lists the types that do")
@@ -98,12 +104,19 @@ class Engine:
                                   sampler, channel=channel,
                                   ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
                                   decode_graphs=self._decode_graphs(config))
+        lora = config.lora
+        self.loras = LoRARegistry(self.model, lora.max_lora_rank) if lora.enable_lora else None
+        if self.loras is not None:  # slots first: the KV cache gets what they leave
+            self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
+            for name, path in lora.lora_modules.items():
+                self.loras.add(LoRARequest(name, len(self.loras.adapters()) + 1, path))
         self.num_blocks = self._size_kv_cache()
         self.runner.graph_limits = GraphLimits(self._max_decode_rows(), self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   max_loras=lora.max_loras if lora.enable_lora else None)
         self.output_processor = OutputProcessor(self.tokenizer, self.router.eos_token_ids)
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
@@ -159,8 +172,11 @@ class Engine:
         return list(self.tokenizer(prompt).input_ids)
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
-                    params: SamplingParams | None = None) -> Sequence:
+                    params: SamplingParams | None = None,
+                    lora_request: LoRARequest | str | None = None) -> Sequence:
         """Queue a request; returns its first sequence (all of them: `seq.group.seqs`).
+        `lora_request`: the adapter to run it with, a LoRARequest (loaded on first use) or
+        the name of a loaded one.
 
         With n / best_of > 1 the request runs as that many independent sequences (seeds
         seed, seed + 1, ... when a seed is given). The first one is scheduled at once; the
@@ -180,12 +196,13 @@ class Engine:
             raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is "
                                f"{self.max_model_len}, leaving no room to generate")
         self._check_against_vocab(params, vocab)
+        lora = self._resolve_lora(lora_request)
         seqs = []
         for index in range(params.num_sequences):
             seed = params.child_seed(index)
             generator = None if seed is None else torch.Generator().manual_seed(seed)
             seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,
-                                 generator, index=index))
+                                 generator, index=index, lora=lora))
         if params.structured_outputs is not None:  # compiled once, a matcher per sequence
             compiled = self.compile_grammar(params.structured_outputs)
             for seq in seqs:
@@ -197,6 +214,40 @@ class Engine:
         self.requests[request_id] = seqs[0]
         self.scheduler.add(seqs[0])
         return seqs[0]
+
+    # --- LoRA adapters ---------------------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """Load an adapter (a no-op when that name is loaded from that folder); any thread."""
+        return self._require_lora().add(request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload the adapter `name` (requests already running with it finish with it)."""
+        return self._require_lora().remove(name)
+
+    def list_loras(self) -> list[LoRAAdapter]:
+        return [] if self.loras is None else self.loras.adapters()
+
+    def _require_lora(self) -> LoRARegistry:
+        if self.loras is None:
+            raise RequestError("LoRA adapters are not enabled: start with --enable-lora "
+                               "(LLM(..., enable_lora=True))")
+        return self.loras
+
+    def _resolve_lora(self, request: LoRARequest | str | None) -> LoRAAdapter | None:
+        if request is None:
+            return None
+        registry = self._require_lora()
+        if isinstance(request, LoRARequest):
+            try:
+                return registry.add(request)
+            except LoRAAdapterError as exc:
+                raise RequestError(str(exc)) from exc
+        adapter = registry.get(request)
+        if adapter is None:
+            known = sorted(a.name for a in registry.adapters())
+            raise RequestError(f"unknown LoRA adapter {request!r}; loaded: {known}")
+        return adapter
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Compile a structured-output constraint (cached); any thread may call this, so a
@@ -249,7 +300,9 @@ class Engine:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             spec_num_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
-            spec_accepted_tokens=self._spec_counts[2])
+            spec_accepted_tokens=self._spec_counts[2],
+            lora_running=_adapter_names(sched.running), lora_waiting=_adapter_names(sched.waiting),
+            max_loras=self.config.lora.max_loras if self.loras is not None else 0)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -421,3 +474,7 @@ class Engine:
                     if out.finished and remaining is not None:
                         remaining.discard(out.request_id)
                     yield out
+
+
+def _adapter_names(seqs) -> tuple[str, ...]:
+    return tuple(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))

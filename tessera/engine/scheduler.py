@@ -14,6 +14,10 @@ after every running sequence and admission has its tokens, from the budget and f
 left over, so they never take a step's room from a real token and never cause a
 preemption; drafts that do not fit are dropped (the next step proposes again). The blocks
 that rejected drafts were given are handed back in `step_done`.
+
+With LoRA adapters, the running batch holds sequences of at most `max_loras` distinct
+adapters (the device's slots); a waiting sequence whose adapter would exceed that is passed
+over, and those behind it may be admitted first.
 """
 from __future__ import annotations
 
@@ -61,9 +65,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None = None):
         self.config = config
         self.blocks = block_manager
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -103,8 +108,14 @@ class Scheduler:
         if out.preempted:
             self._drop_drafts()
             return out  # no admissions (nor drafts) in a step that had to give blocks back
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = {seq.lora.key for seq in self.running if seq.lora is not None}
+        passed = 0  # waiting sequences passed over: their adapter cannot join this batch
+        while passed < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[passed]
+            if (seq.lora is not None and seq.lora.key not in adapters
+                    and len(adapters) >= (self.max_loras or 0)):
+                passed += 1
+                continue
             # prompt logprobs need logits at every prompt position: no cached prefix then
             match = (PrefixMatch([], [], 0) if seq.needs_prompt_logits
                      else self.blocks.match_prefix(seq))
@@ -117,7 +128,9 @@ class Scheduler:
             fresh = self.blocks.num_blocks_for(cached + n) - len(match.blocks)
             if fresh + match.num_free > self.blocks.num_free_blocks:
                 break
-            self.waiting.popleft()
+            del self.waiting[passed]
+            if seq.lora is not None:
+                adapters.add(seq.lora.key)
             seq.num_computed_tokens = self.blocks.take_prefix(seq, match)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
@@ -69,6 +69,14 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # the group's first sequence
     # structured outputs: this sequence's xgrammar matcher (what may come next)
     grammar: Any = None
+    # the LoRA adapter it runs with (tessera.lora.adapter.LoRAAdapter), None: the base model
+    lora: Any = None
+
+    @property
+    def cache_salt(self) -> Hashable:
+        """What the prefix cache mixes into the first block's hash: KV computed under one
+        adapter (or none) is never reused under another."""
+        return None if self.lora is None else ("lora", self.lora.key)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,10 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # LoRA: the adapters of running and waiting requests, and how many one step can run
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

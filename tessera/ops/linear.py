@@ -27,7 +27,12 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 class Linear(OpModule):
-    """Replicated: every rank holds the whole weight (routers, small projections)."""
+    """Replicated: every rank holds the whole weight (routers, small projections).
+
+    `lora` (set by tessera/lora/slots.py when adapters are enabled) adds the adapters' deltas
+    of the pass's rows to the output."""
+
+    lora = None  # tessera.lora.layer.LayerLoRA | None
 
     def __init__(self, in_features: int, out_features: int, target: OpTarget, bias: bool = False):
         super().__init__()
@@ -42,7 +47,8 @@ class Linear(OpModule):
         self.weight = prepared_param(self.weight, self._prepare)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight, self.bias)
+        out = self._linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
 
 class RowParallelLinear(Linear):
@@ -67,6 +73,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(x, self.weight, self.bias if self.add_bias else None)
+        if self.lora is not None:  # each rank's partial delta (its input columns of A) is
+            out = self.lora(x, out)  # summed by the all-reduce with the partial product
         return all_reduce(out, self.tp_size)
 
 

@@ -6,6 +6,9 @@ the last token of each sequence that samples (and for each of its draft tokens, 
 speculative decoding: such a sequence is one decode row per token), and, for a sequence
 that asked for prompt logprobs, for every prompt position of this step whose logprobs are
 not recorded yet (those rows come after the sampled ones).
+
+With LoRA adapters, rows of one adapter are kept together (decodes first still), so that
+each adapter's rows are a few contiguous segments of the step's tokens (`lora_segments`).
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ class ModelInputs:
     # the device before the model runs
     deferred_rows: torch.Tensor | None = None
     deferred_indices: torch.Tensor | None = None
+    # LoRA: (slot, first token row, end token row) of each run of one adapter's tokens
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -52,11 +57,17 @@ class PromptRows:
 
 
 def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
-                 previous: dict[Sequence, int] | None = None) -> ModelInputs:
+                 previous: dict[Sequence, int] | None = None,
+                 lora_slots: dict[int, int] | None = None) -> ModelInputs:
     """`previous`: with async scheduling, where each sequence's token sits among the
-    previous step's sampled tokens, for rows whose last token is still pending."""
-    # stable: decodes first; a decode with drafts is one decode row per token
-    rows = sorted(scheduled, key=lambda s: s.num_real_tokens != 1)
+    previous step's sampled tokens, for rows whose last token is still pending.
+    `lora_slots`: the slot of each adapter (by key) the step's sequences use."""
+    def slot_of(item: ScheduledSeq) -> int:
+        return -1 if item.seq.lora is None else lora_slots[item.seq.lora.key]
+
+    # stable: decodes first (a decode with drafts is one decode row per token), then by adapter
+    rows = sorted(scheduled, key=lambda s: (s.num_real_tokens != 1, slot_of(s) if lora_slots else -1))
+    segments: list[tuple[int, int, int]] = []
     num_decodes = sum(s.num_new_tokens for s in rows if s.num_real_tokens == 1)
     tokens: list[int] = []
     positions: list[int] = []
@@ -78,6 +89,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         end = start + n
         real_end = end - len(item.draft_token_ids)
+        first_row = len(tokens)
         tokens.extend(seq.token_ids[start:real_end])
         if real_end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
             if previous is None or seq not in previous or real_end - 1 != seq.num_tokens:
@@ -87,6 +99,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
             deferred_indices.append(previous[seq])
             tokens.append(0)
         tokens.extend(item.draft_token_ids)
+        if seq.lora is not None:
+            _add_segment(segments, slot_of(item), first_row, len(tokens))
         positions.extend(range(start, end))
         table = seq.block_table
         _extend_slots(slots, table, start, end, block_size)
@@ -123,10 +137,18 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         num_decodes=num_decodes, num_decode_tokens=num_decodes,
         seq_lens_list=seq_lens, query_lens_list=query_lens)
     inputs = ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
-                         sampled_rows, max_block_id, prompt_rows, len(prompt_indices))
+                         sampled_rows, max_block_id, prompt_rows, len(prompt_indices),
+                         lora_segments=segments)
     if deferred_rows:
         inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
     return inputs
+
+
+def _add_segment(segments: list[tuple[int, int, int]], slot: int, start: int, end: int) -> None:
+    if segments and segments[-1][0] == slot and segments[-1][2] == start:
+        segments[-1] = (slot, segments[-1][1], end)
+    else:
+        segments.append((slot, start, end))
 
 
 _NUMPY_INTS = {torch.int32: np.int32, torch.long: np.int64}

@@ -10,6 +10,9 @@ from torch import nn
 
 from tessera.distributed.channel import Command, StepChannel
 from tessera.engine.scheduler import ScheduledSeq
+from tessera.lora.adapter import LoRAAdapter
+from tessera.lora.layer import lora_context
+from tessera.lora.slots import LoRASlots
 from tessera.ops.attention import Attention, attention_context
 from tessera.runner.cuda_graphs import CudaDecodeGraphs
 from tessera.runner.decode_graphs import CpuDecodeGraphs
@@ -58,6 +61,16 @@ class ModelRunner:
             self.graphs = (CudaDecodeGraphs(model, block_size, device) if device.type == "cuda"
                            else CpuDecodeGraphs(model, block_size))
         self.graph_limits: GraphLimits | None = None
+        self.lora: LoRASlots | None = None  # adapter slots, once enable_lora ran
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        """Give every linear layer adapter slots (before the KV cache is sized: they take
+        device memory)."""
+        self.lora = LoRASlots(self.model, num_slots, max_rank, self.dtype, self.device)
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Another rank: repeat a load the driver made."""
+        self.lora.load(slot, adapter)
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -129,11 +142,12 @@ class ModelRunner:
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         self._zero_blocks_up_to(inputs.max_block_id + 1)
-        if self.graphs is not None:
+        # graphs replay the base model: a step with adapter rows runs eagerly
+        if self.graphs is not None and not inputs.lora_segments:
             hidden = self.graphs.run(inputs)
             if hidden is not None:
                 return hidden
-        with attention_context(inputs.attn):
+        with attention_context(inputs.attn), lora_context(inputs.lora_segments):
             return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
@@ -148,7 +162,8 @@ class ModelRunner:
         `previous` (async scheduling), rows whose token that step is sampling take it from
         its device tensor."""
         inputs = build_inputs(scheduled, self.block_size, self.device,
-                              None if previous is None else previous.sampled_index)
+                              None if previous is None else previous.sampled_index,
+                              self._activate_loras(scheduled))
         if inputs.deferred_rows is not None:
             inputs.input_ids.index_copy_(
                 0, inputs.deferred_rows, previous.token_ids.index_select(0, inputs.deferred_indices))
@@ -167,6 +182,20 @@ class ModelRunner:
             if self.channel is not None:  # the other ranks join every pass's all-gather, even
                 for _ in passes:          # when sampling failed here: run what is left
                     pass
+
+    def _activate_loras(self, scheduled: list[ScheduledSeq]) -> dict[int, int] | None:
+        """The slot of each adapter the step uses, loading those not resident (on every
+        rank)."""
+        adapters = [item.seq.lora for item in scheduled if item.seq.lora is not None]
+        if not adapters:
+            return None
+        if self.lora is None:
+            raise RuntimeError("a sequence has a LoRA adapter but LoRA is not enabled")
+        slots, loads = self.lora.activate(adapters)
+        if self.channel is not None:
+            for slot, adapter in loads:
+                self.channel.send_lora(slot, adapter.name, adapter.path)
+        return slots
 
     def _sample(self, inputs: ModelInputs, passes: Iterator[torch.Tensor]) -> SamplerOutput | None:
         """The sampled rows' tokens and logprobs (on the device), from the first pass."""

@@ -2,7 +2,7 @@
 through that parameter's own loader. Missing and unexpected weights are errors."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Hashable, Iterable
 
 import torch
 from torch import nn
@@ -17,25 +17,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     for name, param in params.items():
         param.tessera_name = name
-    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     ignored: tuple[str, ...] = getattr(model, "ignored_weight_suffixes", ())
-    # optional model hook for names a fragment swap cannot express (e.g. one tensor per
-    # expert into a stacked parameter): name -> (parameter name, shard id), or None
-    map_name = getattr(model, "map_weight_name", None)
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
     for ckpt_name, tensor in weights:
         if ckpt_name.endswith(ignored):
             continue
-        mapped = map_name(ckpt_name) if map_name is not None else None
-        if mapped is not None:
-            name, shard_id = mapped
-        else:
-            name, shard_id = ckpt_name, None
-            for fragment, (packed_fragment, shard) in packed.items():
-                if f".{fragment}." in ckpt_name:
-                    name, shard_id = ckpt_name.replace(f".{fragment}.", f".{packed_fragment}."), shard
-                    break
+        name, shard_id = checkpoint_target(model, ckpt_name)
         param = params.get(name)
         if param is None:
             unexpected.append(ckpt_name)
@@ -59,3 +47,19 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         shown = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
         raise WeightLoadError(f"{len(missing)} model parameters were not in the checkpoint: {shown}")
     return set(loaded)
+
+
+def checkpoint_target(model: nn.Module, ckpt_name: str) -> tuple[str, Hashable]:
+    """(our parameter's name, shard id) for a checkpoint tensor's name: the model's own
+    `map_weight_name` hook first (names a fragment swap cannot express, e.g. one tensor per
+    expert into a stacked parameter), then its packed_modules_mapping (q_proj -> qkv_proj,
+    shard "q"), else the name itself (shard None)."""
+    map_name = getattr(model, "map_weight_name", None)
+    mapped = map_name(ckpt_name) if map_name is not None else None
+    if mapped is not None:
+        return mapped
+    packed: dict[str, tuple[str, Hashable]] = getattr(model, "packed_modules_mapping", {})
+    for fragment, (packed_fragment, shard) in packed.items():
+        if f".{fragment}." in ckpt_name:
+            return ckpt_name.replace(f".{fragment}.", f".{packed_fragment}."), shard
+    return ckpt_name, None
