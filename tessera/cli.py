@@ -72,6 +72,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rendezvous port (default: a free one; MASTER_PORT when launched by torchrun)")
     p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
                    help="logprobs from the model's distribution (raw) or the one sampled from (processed)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters on top of the model (several in one batch)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT adapter folders to load at start-up, as NAME=PATH or vLLM's JSON "
+                        '\'{"name": ..., "path": ...}\' (implies --enable-lora); clients pick one by '
+                        "name (OpenAI `model`, TGI `adapter_id`)")
+    p.add_argument("--max-loras", type=int, default=4,
+                   help="distinct adapters one step can run (device slots per layer; default 4)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
 
 
 def _parallel_config(args: argparse.Namespace):
@@ -107,7 +116,29 @@ def _engine_config(args: argparse.Namespace):
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
                async_scheduling=args.async_scheduling, speculative_config=_speculative_config(args),
-               parallel=_parallel_config(args))
+               parallel=_parallel_config(args), **_lora_args(args))
+
+
+def _lora_args(args: argparse.Namespace) -> dict:
+    modules: dict[str, str] = {}
+    for item in args.lora_modules or ():
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"--lora-modules {item!r} is not JSON: {exc}") from None
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+                raise SystemExit(f'--lora-modules {item!r}: the JSON form is {{"name": ..., "path": ...}}')
+            name, path = spec["name"], spec["path"]
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise SystemExit(f"--lora-modules {item!r}: expected NAME=PATH")
+        if name in modules:
+            raise SystemExit(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return {"enable_lora": args.enable_lora or bool(modules), "max_loras": args.max_loras,
+            "max_lora_rank": args.max_lora_rank, "lora_modules": modules}
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | None:
@@ -160,7 +191,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(lambda: _make_llm(args, config).engine,
                       model_name=name, host=args.host, port=args.port, api_key=api_key,
                       max_concurrent_requests=args.max_concurrent_requests,
-                      max_input_tokens=args.max_input_tokens, tool_call_parser=args.tool_call_parser)
+                      max_input_tokens=args.max_input_tokens, tool_call_parser=args.tool_call_parser,
+                      allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -224,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "llama3_json: a {\"name\", \"parameters\"} object, as Llama 3.1-3.3 write; "
                             "mistral: [TOOL_CALLS] and a JSON list or name[ARGS]{...}; pythonic: "
                             "[f(x=1), g()], as Llama 3.2 and 4 write)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read "
+                            "folders on this machine: only for trusted clients)")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -43,6 +43,8 @@ def add_generate_parser(sub: argparse._SubParsersAction, add_engine_args) -> Non
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                      help="logprobs of the prompt tokens (in --output-file)")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    gen.add_argument("--lora", default=None, metavar="NAME",
+                     help="run every prompt with this adapter (one of --lora-modules)")
     shape = gen.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema")
     shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
@@ -172,12 +174,12 @@ def _generate(args: argparse.Namespace, llm, prompts: list, params) -> int:
                      if args.chat or isinstance(p, list) else p for p in prompts]
     started = time.perf_counter()
     if args.stream:
-        for _, out in llm.generate_stream(token_prompts, params):
+        for _, out in llm.generate_stream(token_prompts, params, lora_request=args.lora):
             print(out.outputs[0].delta_text, end="", flush=True)
         print()
         outputs = [out]
     else:
-        outputs = llm.generate(token_prompts, params, use_tqdm=len(prompts) > 1)
+        outputs = llm.generate(token_prompts, params, use_tqdm=len(prompts) > 1, lora_request=args.lora)
     elapsed = time.perf_counter() - started
     if args.output_file:
         with open(args.output_file, "w") as f:

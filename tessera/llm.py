@@ -17,8 +17,9 @@ from tessera.sampling.params import SamplingParams
 # a text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = str | list[int] | dict
 Message = dict[str, str]
-# one adapter for every prompt, or one (or None) per prompt
-LoRAArg = LoRARequest | Seq[LoRARequest | None] | None
+# one adapter for every prompt, or one (or None) per prompt: a LoRARequest (loaded on first
+# use) or the name of a loaded adapter (lora_modules)
+LoRAArg = LoRARequest | str | Seq[LoRARequest | str | None] | None
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
@@ -161,8 +162,8 @@ class LLM:
         return prompts, params_list
 
     @staticmethod
-    def _loras(lora_request: LoRAArg, num_prompts: int) -> list[LoRARequest | None]:
-        if lora_request is None or isinstance(lora_request, LoRARequest):
+    def _loras(lora_request: LoRAArg, num_prompts: int) -> list[LoRARequest | str | None]:
+        if lora_request is None or isinstance(lora_request, (LoRARequest, str)):
             return [lora_request] * num_prompts
         loras = list(lora_request)
         if len(loras) != num_prompts:
@@ -189,7 +190,7 @@ class LLM:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _add(self, prompts: list[Prompt], params: list[SamplingParams],
-             loras: list[LoRARequest | None]) -> list[str]:
+             loras: list[LoRARequest | str | None]) -> list[str]:
         """Queue every prompt, or none of them (a bad one aborts those already queued)."""
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
@@ -203,7 +204,7 @@ class LLM:
         return ids
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams],
-             use_tqdm: bool | None, loras: list[LoRARequest | None]) -> list[RequestOutput]:
+             use_tqdm: bool | None, loras: list[LoRARequest | str | None]) -> list[RequestOutput]:
         engine = self.engine
         ids = self._add(prompts, params, loras)
         finished: dict[str, RequestOutput] = {}

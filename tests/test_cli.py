@@ -199,3 +199,37 @@ def test_unknown_speculative_config_key_exits_2(tiny, capsys):
                  '{"num_speculative_tokens": 2, "model": "draft"}', "hello"])
     assert code == 2
     assert "unknown speculative_config keys ['model']" in capsys.readouterr().err
+
+
+def test_generate_with_a_lora_module_gives_the_adapters_output(tiny, tmp_path, monkeypatch, capsys):
+    from tests.server.test_lora_http import save_adapter
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    path = save_adapter(AutoModelForCausalLM.from_pretrained(tiny), tmp_path / "sql", 3, ["q_proj", "down_proj"])
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    with LLM(tiny, dtype="float32", num_kv_blocks=64, show_progress=False, enable_lora=True,
+             lora_modules={"sql": path}) as llm:
+        expected = llm.generate("The quick brown fox", params, lora_request="sql")[0].outputs[0].text
+        assert expected != llm.generate("The quick brown fox", params)[0].outputs[0].text
+    for spec in (f"sql={path}", json.dumps({"name": "sql", "path": path})):
+        code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--max-new-tokens", "12", "--ignore-eos",
+                     "--lora-modules", spec, "--lora", "sql", "The quick brown fox"])
+        assert code == 0
+        assert capsys.readouterr().out == expected + "\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-modules", "sql"], "expected NAME=PATH"),
+    (["--lora-modules", '{"name": "sql"}'], "JSON form"),
+    (["--lora-modules", "a=/x", "a=/y"], "names 'a' twice"),
+])
+def test_bad_lora_modules_exit_with_a_message(tiny, flags, message):
+    with pytest.raises(SystemExit, match=message):  # the prompt first: --lora-modules takes a list
+        main(["generate", "hello", "--model", str(tiny), *ENGINE_ARGS, *flags])
+
+
+def test_an_unknown_lora_name_exits_2(tiny, capsys):
+    code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--enable-lora", "--lora", "nope", "hello"])
+    assert code == 2
+    assert "unknown LoRA adapter 'nope'" in capsys.readouterr().err

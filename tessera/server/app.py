@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tessera.server import openai_routes, tgi
+from tessera.server import lora_routes, openai_routes, tgi
 from tessera.server.errors import APIError, Unavailable, ValidationFailed, openai_error, tgi_error
 from tessera.server.state import ServerState
 
@@ -97,4 +97,6 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     app.include_router(tgi.router)
     app.include_router(openai_routes.router)
+    if state.allow_runtime_lora_updating:
+        app.include_router(lora_routes.router)
     return app

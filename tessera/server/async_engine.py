@@ -41,6 +41,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     sink: "_Sink"
+    lora: str | None = None  # a loaded adapter's name
 
 
 @dataclass
@@ -108,10 +109,10 @@ class AsyncEngine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: str | Seq[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; the last has finished=True.
-        Closing the iterator early aborts the request."""
+        Closing the iterator early aborts the request. `lora`: a loaded adapter's name."""
         if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self.dead_reason or "the server is shutting down")
         with self._lock:
@@ -126,7 +127,7 @@ class AsyncEngine:
                 # the engine's own compile then hits xgrammar's cache
                 await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
             self._commands.put(_Add(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                                    params, sink))
+                                    params, sink, lora))
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
@@ -175,7 +176,7 @@ class AsyncEngine:
                 self.engine.abort(cmd.request_id)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.lora)
         except Exception as exc:  # validation the engine does itself (length, ids ...)
             cmd.sink.put(exc)
             return

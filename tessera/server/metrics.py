@@ -1,6 +1,7 @@
 """Prometheus metrics, all prefixed `tessera_`, in a registry of the app's own."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -39,6 +40,11 @@ class _EngineCollector:
                                   "Speculative decoding: draft tokens verified", value=s.spec_draft_tokens)
         yield CounterMetricFamily("tessera_spec_decode_num_accepted_tokens",
                                   "Speculative decoding: draft tokens accepted", value=s.spec_accepted_tokens)
+        if s.max_loras:  # as vLLM's lora_requests_info: the adapters in labels, a timestamp as value
+            info = GaugeMetricFamily("tessera_lora_requests_info", "LoRA adapters of running and waiting requests",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(s.max_loras), ",".join(s.lora_running), ",".join(s.lora_waiting)], time.time())
+            yield info
 
 
 class ServerMetrics:

@@ -31,10 +31,15 @@ def _state(request: Request) -> ServerState:
     return request.app.state.tessera
 
 
-def _check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise ModelNotFound(f"The model `{name}` does not exist. This server serves `{state.model_name}`.",
-                            param="model")
+def _resolve_model(state: ServerState, name: str | None) -> tuple[str, str | None]:
+    """(the name responses carry, the LoRA adapter to run with) for a request's `model`:
+    the served model (or none given) runs the base model, a loaded adapter's name runs it."""
+    if name is None or name == state.model_name:
+        return state.model_name, None
+    if name in state.lora_names():
+        return name, name
+    served = ", ".join(f"`{n}`" for n in [state.model_name, *state.lora_names()])
+    raise ModelNotFound(f"The model `{name}` does not exist. This server serves {served}.", param="model")
 
 
 def _structured_outputs(body: _OpenAISampling) -> dict | None:
@@ -197,8 +202,13 @@ async def _stream_body(chunks: AsyncIterator[dict], *streams: AsyncIterator[Requ
 @router.get("/models")
 async def models(request: Request) -> dict:
     state = _state(request)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "tessera", "max_model_len": state.limits.max_total_tokens}]}
+    created = int(time.time())
+    base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "tessera",
+            "max_model_len": state.limits.max_total_tokens}
+    # LoRA adapters as vLLM lists them: their folder as `root`, the base model as `parent`
+    adapters = [{**base, "id": adapter.name, "root": adapter.path, "parent": state.model_name}
+                for adapter in state.engine.engine.list_loras()]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 # --- /v1/completions --------------------------------------------------------------------------
@@ -235,7 +245,7 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
 @router.post("/completions")
 async def completions(request: Request, body: CompletionRequest) -> Response:
     state = _state(request)
-    _check_model(state, body.model)
+    served, lora = _resolve_model(state, body.model)
     if body.suffix is not None:
         raise ValidationFailed("`suffix` is not supported", param="suffix")
     if body.stream and body.best_of not in (None, body.n):
@@ -249,7 +259,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                      best_of=body.best_of)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    streams = [run_request(state, f"{rid}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
+    streams = [run_request(state, f"{rid}-{i}", ids, params, lora) for i, (_, ids) in enumerate(prompts)]
     if body.stream:
         admitted = []
         try:
@@ -287,7 +297,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                     if body.logprobs is not None and c.delta_logprobs is not None:
                         logprobs = _completion_logprobs(state, c.delta_token_ids, c.delta_logprobs,
                                                         len(c.text) - len(c.delta_text))
-                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": served,
                              "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                           "finish_reason": FINISH.get(c.finish_reason) if c.finish_reason else None,
                                           "stop_reason": c.stop_reason}]}
@@ -295,7 +305,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                         chunk["usage"] = _usage(n_prompt, n_out)
                     yield chunk
             if body.stream_options and body.stream_options.include_usage:
-                yield {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                yield {"id": rid, "object": "text_completion", "created": created, "model": served,
                        "choices": [], "usage": _usage(n_prompt, n_out)}
 
         return StreamingResponse(_stream_body(chunks(), *streams), media_type="text/event-stream")
@@ -314,7 +324,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                 logprobs = _completion_logprobs(state, ids, lps, 0)
             choices.append({"index": i * body.n + c.index, "text": text, "logprobs": logprobs,
                             "finish_reason": FINISH.get(c.finish_reason), "stop_reason": c.stop_reason})
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": served,
                          "choices": choices, "usage": _usage(n_prompt, n_out)})
 
 
@@ -362,7 +372,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     state = _state(request)
-    _check_model(state, body.model)
+    served, lora = _resolve_model(state, body.model)
     tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
     ids = _chat_prompt(state, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -376,12 +386,12 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     params = _params(body, max_tokens, top if body.logprobs else None, tools=tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = run_request(state, rid, ids, params)
+    stream = run_request(state, rid, ids, params, lora)
 
     if body.stream:
         stream = await _admitted(stream)
         async def chunks() -> AsyncIterator[dict]:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served}
             usage = {"usage": _usage(len(ids), 0)} if _continuous_usage(body) else {}
             for i in range(body.n):
                 yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -429,5 +439,5 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             finish = tools.finish_reason if finish == "stop" else finish
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": served,
                          "choices": choices, "usage": _usage(len(ids), n_out)})

@@ -35,6 +35,7 @@ class ServerState:
     tokenizer: PreTrainedTokenizerBase | None = None
     chat_template: str | None = None
     tool_call_parser: str | None = None  # "auto" tool choice reads the model's calls with it
+    allow_runtime_lora_updating: bool = False  # mount /v1/load_lora_adapter and unload
     ready: bool = False
     special_ids: frozenset[int] = frozenset()
     metrics: ServerMetrics = field(init=False)
@@ -60,6 +61,10 @@ class ServerState:
             self.limits.max_input_tokens = core.max_model_len - 1
         self.limits.max_concurrent_requests = engine.max_concurrent_requests
         self.ready = True
+
+    def lora_names(self) -> list[str]:
+        """The loaded LoRA adapters' names (clients pass one as `model` or `adapter_id`)."""
+        return [adapter.name for adapter in self.engine.engine.list_loras()]
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (as TGI reports it), cached: the vocabulary is fixed."""

@@ -15,7 +15,7 @@ from tessera.server.errors import APIError
 from tessera.server.protocol import (CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest,
                                      wire_logprob)
 from tessera.server.state import ServerState
-from tessera.server.tgi_validation import validate_generate
+from tessera.server.tgi_validation import adapter_of, validate_generate
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter()
@@ -82,7 +82,7 @@ async def _generate(request: Request, body: GenerateRequest) -> tuple[dict, dict
     p = body.parameters
     ids, params = validate_generate(body.inputs, p, state, stream=False)
     validated = time.monotonic()
-    out = await collect(request, run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params))
+    out = await collect(request, run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params, adapter_of(p, state)))
     completions = sorted(out.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))
     best = completions[0]
     prefix = body.inputs if p.return_full_text else ""
@@ -108,7 +108,7 @@ async def _stream_events(state: ServerState, body: GenerateRequest, ids: list[in
     p = body.parameters
     index = 0
     try:
-        async for out in run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params):
+        async for out in run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params, adapter_of(p, state)):
             c = out.outputs[0]
             lps = c.delta_logprobs or [None] * len(c.delta_token_ids)
             for k, (token_id, lp) in enumerate(zip(c.delta_token_ids, lps)):

@@ -10,6 +10,17 @@ from tessera.server.protocol import GenerateParameters
 from tessera.server.state import ServerState
 
 
+def adapter_of(p: GenerateParameters, state: ServerState) -> str | None:
+    """The LoRA adapter a request names in `adapter_id` (loaded with --lora-modules or
+    /v1/load_lora_adapter); None, or the served model's name, is the base model."""
+    if p.adapter_id is None or p.adapter_id == state.model_name:
+        return None
+    loaded = state.lora_names()
+    if p.adapter_id not in loaded:
+        raise ValidationFailed(f"`adapter_id` {p.adapter_id!r} is not a loaded adapter; loaded: {loaded}")
+    return p.adapter_id
+
+
 def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
                       stream: bool) -> tuple[list[int], SamplingParams]:
     lim = state.limits
@@ -55,8 +66,7 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
         raise fail(f"`truncate` must be strictly positive and less than {lim.max_input_tokens}. "
                    f"Given: {p.truncate}")
     structured = grammar_constraint(p.grammar) if p.grammar is not None else None
-    if p.adapter_id is not None:
-        raise fail("`adapter_id` is not supported: this server serves no adapters")
+    adapter_of(p, state)
     if p.watermark:
         raise fail("`watermark` is not supported by this server")
 

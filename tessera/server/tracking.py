@@ -17,15 +17,16 @@ from tessera.server.state import ServerState
 
 
 async def run_request(state: ServerState, request_id: str, prompt_ids: list[int],
-                      params: SamplingParams) -> AsyncIterator[RequestOutput]:
-    """The request's outputs; metrics recorded on the way; errors raised as APIError."""
+                      params: SamplingParams, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+    """The request's outputs (with the loaded adapter named `lora`, if any); metrics
+    recorded on the way; errors raised as APIError."""
     m = state.metrics
     arrival = time.monotonic()
     last = None
     tokens = 0
     outcome = "aborted"  # unless it ends otherwise (a client that went away)
     try:
-        async for out in state.engine.generate(request_id, prompt_ids, params):
+        async for out in state.engine.generate(request_id, prompt_ids, params, lora):
             now = time.monotonic()
             new = sum(len(c.delta_token_ids) for c in out.outputs)
             if new:

@@ -74,12 +74,13 @@ class RunningServer:
 
 
 def start_server(folder: Path | None, *, max_concurrent_requests: int = 128, api_key: str | None = None,
-                 attach: bool = True, llm_kwargs: dict | None = None, **limits) -> RunningServer:
+                 attach: bool = True, llm_kwargs: dict | None = None,
+                 allow_runtime_lora_updating: bool = False, **limits) -> RunningServer:
     """The app on a free loopback port; `attach=False` leaves the state unattached (loading)."""
     engine = None
     state = ServerState(model_name=MODEL_NAME,
                         limits=ServerLimits(max_concurrent_requests=max_concurrent_requests, **limits),
-                        api_key=api_key)
+                        api_key=api_key, allow_runtime_lora_updating=allow_runtime_lora_updating)
     if attach:
         core = LLM(folder, dtype="float32", num_kv_blocks=512, show_progress=False, **(llm_kwargs or {})).engine
         engine = AsyncEngine(core, max_concurrent_requests=max_concurrent_requests)
