@@ -17,12 +17,15 @@ from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
-    bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "speculative", "serve"),
+    bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "speculative", "lora",
+                                            "serve"),
                        help="throughput/latency: beside --baseline; prefix: TTFT of a request "
                             "sharing a long prefix, caching on vs off; chunked: decode ITL while a "
                             "long prompt arrives, chunked prefill on vs off; speculative: n-gram "
                             "speculative decoding on vs off (--speculate N, default 4) on chat prompts "
-                            "that quote a passage and ones that do not, per --batch-sizes; serve: "
+                            "that quote a passage and ones that do not, per --batch-sizes; lora: the "
+                            "base model vs one adapter vs --max-loras adapters in each batch, per "
+                            "--batch-sizes (random adapters of rank --max-lora-rank); serve: "
                             "TTFT, TPOT, ITL and throughput of a running server (--url)")
     bench.add_argument("--num-prompts", type=int, default=32, help="throughput/serve: prompts in the run")
     bench.add_argument("--batch-sizes", default="1", help="latency: comma-separated batch sizes")
@@ -102,6 +105,24 @@ def _speculative(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _lora(args: argparse.Namespace, engine) -> int:
+    from tessera.bench.lora import lora_bench
+
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    rows = lora_bench(engine, sizes, args.input_len, args.output_len, args.repeats)
+    lora = engine.config.lora
+    meta = {"workload": "lora", "model": engine.router.source.name, "dtype": str(engine.dtype),
+            "threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
+            "repeats": args.repeats, "max_loras": lora.max_loras, "rank": lora.max_lora_rank,
+            "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+    print(f"\nlora: {meta['model']} {meta['dtype']}, {meta['threads']} threads, rank {lora.max_lora_rank} "
+          f"on every projection, {args.input_len} in / {args.output_len} out, median of {args.repeats}")
+    print(markdown_table(rows, ["engine", "output_tokens_per_s", "batch_size", "ms_per_token"], "tessera, base model"))
+    if args.output_json:
+        write_json(Path(args.output_json), meta, rows)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tessera.cli import _make_llm
 
@@ -123,6 +144,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.workload == "speculative" and args.speculate is None and args.speculative_config is None:
         args.speculate = 4
+    if args.workload == "lora":
+        args.enable_lora = True
     with _make_llm(args) as llm:
         return _bench(args, llm, entries)
 
@@ -155,6 +178,8 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
         return _scenario(args, engine)
     if args.workload == "speculative":
         return _speculative(args, engine)
+    if args.workload == "lora":
+        return _lora(args, engine)
     sizes = [int(s) for s in args.batch_sizes.split(",")] if args.workload == "latency" else [args.num_prompts]
     prompts, output_lens = _requests(args, engine, max(sizes), entries)
     rows: list[object] = []

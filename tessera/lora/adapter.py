@@ -99,7 +99,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
         if b.shape[1] != rank:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {module_name} lora_B has shape "
                                    f"{tuple(b.shape)}, expected [out, {rank}]")
-        in_features, out_features = _full_shape(layer, shard)
+        in_features, out_features = full_shape(layer, shard)
         if a.shape[1] != in_features or b.shape[0] != out_features:
             raise LoRAAdapterError(
                 f"LoRA adapter {name!r}: {module_name} has factors of shapes {tuple(a.shape)} and "
@@ -175,7 +175,7 @@ def _target_layer(name: str, model: nn.Module, module_name: str) -> tuple[str, H
     return layer_name, shard, layer
 
 
-def _full_shape(layer: Linear, shard: Hashable) -> tuple[int, int]:
+def full_shape(layer: Linear, shard: Hashable) -> tuple[int, int]:
     """(in, out) of the target as the Hugging Face model has it (whole, unpacked)."""
     in_features = layer.full_in_features if isinstance(layer, RowParallelLinear) else layer.in_features
     out_features = layer.full_sizes[shard] if isinstance(layer, PackedLinear) else layer.out_features

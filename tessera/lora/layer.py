@@ -1,7 +1,7 @@
 """A linear layer's LoRA slots, and the pass-wide record of which token rows use which slot.
 
-Each layer holds `num_slots` adapters at once, as A [slots, R, in] and B [slots, out, R]
-(this rank's share under tensor parallelism). A packed layer (QKV, gate-up) stacks its
+Each layer holds `num_slots` adapters at once, as A [slots, R, in] and B transposed,
+[slots, R, out] (this rank's share under tensor parallelism). A packed layer (QKV, gate-up) stacks its
 shards' factors along R: A = [A_q; A_k; A_v] and B is block-structured, each shard's B in
 its own output rows and rank columns, so one pair of GEMMs serves the packed output.
 
@@ -43,19 +43,21 @@ class LayerLoRA:
         num_shards = len(layer.shard_sizes) if isinstance(layer, PackedLinear) else 1
         capacity = max_rank * num_shards
         self.a = torch.zeros(num_slots, capacity, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, layer.out_features, capacity, dtype=dtype, device=device)
-        self.ranks = [0] * num_slots  # columns of R in use per slot (0: nothing to add)
+        self.b_t = torch.zeros(num_slots, capacity, layer.out_features, dtype=dtype, device=device)
+        # per slot, the (A.T, B.T) views of its rank, made once: slicing per call costs
+        # more than the thin GEMMs themselves at decode sizes; None: nothing to add
+        self.factors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
 
     @property
     def num_bytes(self) -> int:
-        return (self.a.numel() + self.b.numel()) * self.a.element_size()
+        return (self.a.numel() + self.b_t.numel()) * self.a.element_size()
 
     def load(self, slot: int, shards: dict[Hashable, LoRAPair] | None) -> None:
         """Put an adapter's factors for this layer into `slot` (None: it does not target
         this layer)."""
         layer = self.layer
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.b_t[slot].zero_()
         rank = 0
         for shard, pair in (shards or {}).items():
             a, b, r = pair.a, pair.b, pair.rank
@@ -69,14 +71,15 @@ class LayerLoRA:
             if rank + r > self.a.shape[1]:
                 raise ValueError(f"rank {rank + r} exceeds the slot's capacity {self.a.shape[1]}")
             self.a[slot, rank:rank + r].copy_(a)
-            self.b[slot, out_start:out_start + b.shape[0], rank:rank + r].copy_(b)
+            self.b_t[slot, rank:rank + r, out_start:out_start + b.shape[0]].copy_(b.t())
             rank += r
-        self.ranks[slot] = rank
+        self.factors[slot] = (self.a[slot, :rank].t(), self.b_t[slot, :rank]) if rank else None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base layer's output for `x`) plus each segment's adapter delta."""
         for slot, start, end in _segments:
-            rank = self.ranks[slot]
-            if rank:
-                out[start:end].addmm_(x[start:end] @ self.a[slot, :rank].t(), self.b[slot, :, :rank].t())
+            factors = self.factors[slot]
+            if factors is not None:
+                a_t, b_t = factors
+                out[start:end].addmm_(x[start:end] @ a_t, b_t)
         return out

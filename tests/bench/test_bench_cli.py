@@ -128,3 +128,33 @@ def test_latency_plot_needs_a_sweep(make_tiny_llama, tmp_path, capsys):
     assert _tiny_bench(folder, "latency", "--batch-sizes", "2", "--input-len", "8", "--output-len", "4",
                        "--plot", str(plot)) == 0
     assert not plot.exists() and "no plot written" in capsys.readouterr().out
+
+
+def test_lora_bench_compares_base_one_and_several_adapters(make_tiny_llama, tmp_path, capsys):
+    folder, _ = make_tiny_llama()
+    out = tmp_path / "lora.json"
+    code = main(["bench", "lora", "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--batch-sizes", "1,3", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+                 "--max-loras", "2", "--max-lora-rank", "4", "--output-json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["engine"], r["batch_size"]) for r in results] == [
+        (e, b) for b in (1, 3) for e in ("tessera, base model", "tessera, 1 adapter", "tessera, 2 adapters")]
+    assert all(r["output_tokens_per_s"] > 0 for r in results)
+    assert "speedup vs tessera, base model" in capsys.readouterr().out
+
+
+def test_random_bench_adapters_target_every_projection(make_tiny_llama, tmp_path):
+    from tessera import LLM
+    from tessera.bench.lora import write_random_adapter
+    from tessera.lora.adapter import load_adapter
+
+    folder, _ = make_tiny_llama()
+    with LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False, enable_lora=True) as llm:
+        path = write_random_adapter(llm.engine, tmp_path / "a", rank=4, seed=0)
+        adapter = load_adapter("a", path, llm.engine.model, max_rank=4)
+    layers = {f"model.layers.{i}.{m}" for i in range(2)
+              for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    assert set(adapter.weights) == layers
+    assert set(adapter.weights["model.layers.0.self_attn.qkv_proj"]) == {"q", "k", "v"}
+    assert set(adapter.weights["model.layers.0.mlp.gate_up_proj"]) == {0, 1}
