@@ -169,16 +169,19 @@ def _target_layer(name: str, model: nn.Module, module_name: str) -> tuple[str, H
     except AttributeError:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: targets {module_name}, which this model "
                                "does not have") from None
-    if not isinstance(layer, Linear) or (shard is not None) != isinstance(layer, PackedLinear):
+    if not isinstance(layer, Linear) or (shard is not None and not isinstance(layer, PackedLinear)):
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {module_name} is a {type(layer).__name__}; "
                                "adapters can target the attention and MLP projections only")
     return layer_name, shard, layer
 
 
 def full_shape(layer: Linear, shard: Hashable) -> tuple[int, int]:
-    """(in, out) of the target as the Hugging Face model has it (whole, unpacked)."""
+    """(in, out) of the target as the Hugging Face model has it (whole: one shard of a packed
+    layer, or all of them where the checkpoint packs them too, shard None, as Phi-3's qkv_proj)."""
     in_features = layer.full_in_features if isinstance(layer, RowParallelLinear) else layer.in_features
-    out_features = layer.full_sizes[shard] if isinstance(layer, PackedLinear) else layer.out_features
+    if isinstance(layer, PackedLinear):
+        return in_features, layer.full_sizes[shard] if shard is not None else sum(layer.full_sizes.values())
+    out_features = layer.out_features
     return in_features, out_features
 
 

@@ -63,17 +63,31 @@ class LayerLoRA:
             a, b, r = pair.a, pair.b, pair.rank
             if isinstance(layer, RowParallelLinear):  # this rank's input columns
                 a = a[:, layer.in_span.start:layer.in_span.start + layer.in_span.size]
-            out_start = 0
-            if isinstance(layer, PackedLinear):  # this rank's rows of the shard
-                span = layer.spans[shard]
-                b = b[span.start:span.start + span.size]
-                out_start = layer.shard_offsets[shard]
             if rank + r > self.a.shape[1]:
                 raise ValueError(f"rank {rank + r} exceeds the slot's capacity {self.a.shape[1]}")
             self.a[slot, rank:rank + r].copy_(a)
-            self.b_t[slot, rank:rank + r, out_start:out_start + b.shape[0]].copy_(b.t())
+            for out_start, rows in self._output_rows(shard, b):
+                self.b_t[slot, rank:rank + r, out_start:out_start + rows.shape[0]].copy_(rows.t())
             rank += r
         self.factors[slot] = (self.a[slot, :rank].t(), self.b_t[slot, :rank]) if rank else None
+
+    def _output_rows(self, shard: Hashable, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(where in this rank's output, which rows of B) for a target's B: all of it for an
+        unpacked layer; this rank's span of the shard for a packed one; of each shard when
+        the target is the whole packed layer (shard None: a checkpoint that packs too)."""
+        layer = self.layer
+        if not isinstance(layer, PackedLinear):
+            return [(0, b)]
+        full_starts, start = {}, 0
+        for sid, size in layer.full_sizes.items():
+            full_starts[sid] = start
+            start += size
+        pieces = []
+        for sid in (layer.spans if shard is None else [shard]):
+            span = layer.spans[sid]
+            first = span.start + (full_starts[sid] if shard is None else 0)
+            pieces.append((layer.shard_offsets[sid], b[first:first + span.size]))
+        return pieces
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base layer's output for `x`) plus each segment's adapter delta."""

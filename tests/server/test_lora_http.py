@@ -4,17 +4,16 @@ running at once each get what their adapter alone gives (the offline engine's an
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import json
 
 import httpx
 import openai
 import pytest
-import torch
 from text_generation import Client
 
 from tessera import LLM, SamplingParams
 from tessera.lora import LoRARequest
+from tests.lora.peft_adapters import save_peft_adapter
 from tests.server.conftest import MODEL_NAME, start_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:text_generation")
@@ -24,15 +23,7 @@ MAX_TOKENS = 12
 
 
 def save_adapter(hf_model, folder, seed: int, targets: list[str]) -> str:
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(hf_model), LoraConfig(r=8, lora_alpha=16, target_modules=targets,
-                                                                    lora_dropout=0.0))
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:  # B starts at zero: make the adapter change the outputs
-            torch.nn.init.normal_(param, std=0.3)
-    peft_model.save_pretrained(folder)
+    save_peft_adapter(hf_model, folder, seed, target_modules=targets)
     return str(folder)
 
 

@@ -1,0 +1,94 @@
+"""LoRA adapters on the other model folders, against PEFT on transformers' model: Phi-3,
+whose checkpoints (and so its adapters) target the fused qkv_proj / gate_up_proj; Qwen2
+(Q/K/V biases, which adapters leave alone) and Qwen3 (Q/K norms after the adapted
+projection); Mixtral's attention, with adapters on its experts refused; and tensor
+parallelism, where every kind of target is split over two ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.engine.engine import RequestError
+from tessera.lora import LoRARequest
+from tests.lora.peft_adapters import save_peft_adapter
+from tests.models.parity import hf_generate, prompt_ids
+from tests.models.test_moe_parity import make_tiny_moe
+from tests.models.test_phi3_parity import make_tiny_phi3
+from tests.models.test_qwen_parity import make_tiny_qwen
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+PROMPTS = [prompt_ids(n, seed=5) for n in (4, 19, 37)]
+
+# name -> (model maker, its kind argument or None, adapter target modules)
+FAMILIES = {
+    "phi3-fused": (make_tiny_phi3, None, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "qwen2-biased-qkv": (make_tiny_qwen, "qwen2", ["q_proj", "k_proj", "v_proj", "up_proj"]),
+    "qwen3-qk-norm": (make_tiny_qwen, "qwen3", ["q_proj", "k_proj", "o_proj", "down_proj"]),
+    "mixtral-attention": (make_tiny_moe, "mixtral", ["q_proj", "v_proj", "o_proj"]),
+}
+
+
+def _make(family: str, tmp_path_factory, tokenizer_dir):
+    maker, kind, targets = FAMILIES[family]
+    folder = tmp_path_factory.mktemp(family)
+    hf = maker(folder, tokenizer_dir, seed=3) if kind is None else maker(folder, tokenizer_dir, kind, seed=3)
+    adapter = tmp_path_factory.mktemp(f"{family}-adapter")
+    peft_model = save_peft_adapter(hf, adapter, seed=4, std=0.2, target_modules=targets)
+    return folder, hf, adapter, peft_model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_adapter_outputs_equal_pefts(family, tmp_path_factory, tiny_tokenizer_dir):
+    folder, hf, adapter, peft_model = _make(family, tmp_path_factory, tiny_tokenizer_dir)
+    expected = [hf_generate(peft_model, p, NEW_TOKENS) for p in PROMPTS]
+    assert expected != [hf_generate(hf, p, NEW_TOKENS) for p in PROMPTS], "the adapter must matter"
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, enable_lora=True) as llm:
+        lora = LoRARequest(family, 1, str(adapter))
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)]
+        assert got == expected
+        base = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in base] == [hf_generate(hf, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_mixtral_experts_are_refused(tmp_path_factory, tiny_tokenizer_dir):
+    folder = tmp_path_factory.mktemp("mixtral")
+    hf = make_tiny_moe(folder, tiny_tokenizer_dir, "mixtral", seed=3)
+    adapter = tmp_path_factory.mktemp("mixtral-experts")
+    # transformers 5 stores the experts as stacked parameters, which PEFT targets as such
+    save_peft_adapter(hf, adapter, seed=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"])
+    with LLM(folder, dtype="float32", num_kv_blocks=32, show_progress=False, enable_lora=True) as llm:
+        with pytest.raises(RequestError, match=r"target_parameters=\['experts.gate_up_proj'\] is not supported"):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("x", 1, str(adapter)))
+        assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("family", ["phi3-fused", "qwen2-biased-qkv"])
+def test_tensor_parallel_adapters_equal_one_process(family, tmp_path_factory, tiny_tokenizer_dir):
+    folder, _, adapter, peft_model = _make(family, tmp_path_factory, tiny_tokenizer_dir)
+    expected = [hf_generate(peft_model, p, NEW_TOKENS) for p in PROMPTS]
+    loras = [LoRARequest("a", 1, str(adapter)), None, LoRARequest("a", 1, str(adapter))]
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, enable_lora=True,
+             tensor_parallel_size=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)]
+    assert got[0] == expected[0] and got[2] == expected[2]
+    assert got[1] != expected[1]  # the base model's row is not adapted
+
+
+def test_adapters_apply_on_int8_weights(tmp_path_factory, tiny_tokenizer_dir):
+    """The delta adds to whatever the base layer computes: with int8 base weights the
+    adapter's output is the int8 model's plus the adapter (close to PEFT's, not equal)."""
+    folder, hf, adapter, peft_model = _make("qwen2-biased-qkv", tmp_path_factory, tiny_tokenizer_dir)
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, enable_lora=True,
+             quantization="int8") as llm:
+        lora = LoRARequest("a", 1, str(adapter))
+        params = SamplingParams(max_new_tokens=1, temperature=0, logprobs=5)
+        out = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
+    for prompt, o in zip(PROMPTS, out):
+        with torch.no_grad():
+            want = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        token = o.outputs[0].token_ids[0]
+        assert abs(o.outputs[0].logprobs[0][token].logprob - want[token].item()) < 0.05
