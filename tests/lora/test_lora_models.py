@@ -92,3 +92,24 @@ def test_adapters_apply_on_int8_weights(tmp_path_factory, tiny_tokenizer_dir):
             want = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
         token = o.outputs[0].token_ids[0]
         assert abs(o.outputs[0].logprobs[0][token].logprob - want[token].item()) < 0.05
+
+
+def test_bf16_adapters_follow_pefts_float32_outputs(tmp_path_factory, tiny_tokenizer_dir):
+    """In bf16 the slots' GEMMs run through the CPU's packed bf16 kernel where it builds
+    (zero-padded ranks): the adapter's effect on the next-token distribution must be
+    PEFT's, within bf16 rounding."""
+    folder, hf, adapter, peft_model = _make("qwen2-biased-qkv", tmp_path_factory, tiny_tokenizer_dir)
+    params = SamplingParams(max_new_tokens=1, temperature=0, logprobs=0)
+    with LLM(folder, dtype="bfloat16", num_kv_blocks=64, show_progress=False, enable_lora=True) as llm:
+        slots = llm.engine.runner.lora.layers["model.layers.0.self_attn.qkv_proj"]
+        out = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=LoRARequest("a", 1, str(adapter)))
+        base = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert slots.a.shape[1] % 16 == 0 and slots.factors[0] is not None
+    for prompt, o, b in zip(PROMPTS, out, base):
+        with torch.no_grad():
+            want = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+            want_base = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        token, base_token = o.outputs[0].token_ids[0], b.outputs[0].token_ids[0]
+        assert abs(o.outputs[0].logprobs[0][token].logprob - want[token].item()) < 0.1
+        assert abs(want[token].item() - want.max().item()) < 0.1  # (near-)greedy under PEFT too
+        assert abs(b.outputs[0].logprobs[0][base_token].logprob - want_base[base_token].item()) < 0.1
