@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.ops.attention import AttentionMetadata
+from tessera.lora.layer import row_slots_for
 from tessera.runner.inputs import ModelInputs
 
 
@@ -96,6 +97,6 @@ class StepChannel:
             query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:])],
             has_padding=bool(padded))
         lora_segments = [tuple(segment) for segment in segments.view(-1, 3).tolist()]
-        return Received(command, arg, ModelInputs(ids, positions, attn, lm_rows, [], max_block,
-                                                  num_prompt_logit_rows=prompt_rows,
-                                                  lora_segments=lora_segments))
+        return Received(command, arg, ModelInputs(
+            ids, positions, attn, lm_rows, [], max_block, num_prompt_logit_rows=prompt_rows,
+            lora_segments=lora_segments, lora_row_slots=row_slots_for(lora_segments, tokens, self.device)))

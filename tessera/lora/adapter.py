@@ -113,8 +113,9 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
 
 
 def adapter_folder(path: str | Path) -> Path:
-    """How an adapter's folder is recorded (its `path`)."""
-    return Path(path).expanduser()
+    """How an adapter's folder is recorded (its `path`): absolute, since tensor-parallel
+    ranks load it again later, whatever the working directory is by then."""
+    return Path(path).expanduser().absolute()
 
 
 def _read_config(name: str, folder: Path) -> dict:

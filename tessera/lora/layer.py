@@ -1,23 +1,27 @@
 """A linear layer's LoRA slots, and the pass-wide record of which token rows use which slot.
 
-Each layer holds `num_slots` adapters at once, as A [slots, R, in] and B [slots, out, R]
-(this rank's share under tensor parallelism). A packed layer (QKV, gate-up) stacks its
+Each layer holds `num_slots` adapters at once, as A [slots, R, in] and B transposed,
+[slots, R, out] (this rank's share under tensor parallelism). A packed layer (QKV, gate-up) stacks its
 shards' factors along R: A = [A_q; A_k; A_v] and B is block-structured, each shard's B in
 its own output rows and rank columns, so one pair of GEMMs serves the packed output.
 
-A step's rows are grouped so that rows of one adapter are contiguous (runner/inputs.py);
-`lora_context` names those segments for the pass, and each layer adds
-`x[rows] @ A[slot].T @ B[slot].T` to its output for each segment: two thin GEMMs per
-adapter in the batch, no gathered weights. Rows of the base model are in no segment.
+Each layer adds `x[r] @ A[slot].T @ B[slot].T` to its output for every row r of an
+adapter, in one of two ways that `lora_context` chooses for the pass:
 
-The GEMMs go through the registered `linear` builder for the device and dtype, with each
-slot's factors prepared in its layout once, when the slot is loaded (on CPU in bf16 the
-packed GEMM kernel: at decode sizes about twice as fast as torch's bf16 GEMM). The rank
-is padded with zeros to a multiple of 16, the panel width of that layout.
+- segments (prefills, large steps): a step's rows are grouped so that rows of one adapter
+  are contiguous (runner/inputs.py), and each segment costs two thin GEMMs through the
+  registered `linear` builder, with each slot's factors prepared in its layout once, when
+  the slot is loaded (on CPU in bf16 the packed GEMM kernel). No gathered weights;
+- rows (decode-sized steps, at most ROWS_LIMIT): the registered `lora_rows` op reads each
+  row's slot from a tensor, one call per layer, so that a captured decode graph replays it
+  (the runner's static buffer holds the slots; base rows are -1).
+
+Ranks are padded with zeros to a multiple of 16, the panel width of the packed layout.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Hashable, Iterator
 
 import torch
@@ -28,20 +32,42 @@ from tessera.ops.registry import OpTarget
 
 RANK_ALIGN = 16  # slot ranks are padded to this (the packed GEMM's panel width)
 
+ROWS_LIMIT = 32  # steps of at most this many rows use the per-row op (decode graphs' range)
+
 Segment = tuple[int, int, int]  # slot, first token row, end token row
 
-_segments: list[Segment] = []  # the current forward pass's
+
+@dataclass
+class LoRAPass:
+    """What a forward pass's layers add: `row_slots` (int32 [rows], -1 for the base model)
+    when set, else each segment's delta (none: the base model for every row)."""
+
+    segments: list[Segment] = field(default_factory=list)
+    row_slots: torch.Tensor | None = None
+
+
+_current = LoRAPass()
 
 
 @contextmanager
-def lora_context(segments: list[Segment]) -> Iterator[None]:
-    """Scope a pass's adapter segments (none: the base model for every row)."""
-    global _segments
-    saved, _segments = _segments, segments
+def lora_context(lora: LoRAPass) -> Iterator[None]:
+    """Scope a pass's adapters."""
+    global _current
+    saved, _current = _current, lora
     try:
         yield
     finally:
-        _segments = saved
+        _current = saved
+
+
+def row_slots_for(segments: list[Segment], rows: int, device: torch.device) -> torch.Tensor | None:
+    """The per-row slots of a step with these segments, if it is small enough for them."""
+    if not segments or rows > ROWS_LIMIT:
+        return None
+    slots = [-1] * rows
+    for slot, start, end in segments:
+        slots[start:end] = [slot] * (end - start)
+    return torch.tensor(slots, dtype=torch.int32).to(device)
 
 
 class LayerLoRA:
@@ -51,24 +77,26 @@ class LayerLoRA:
         num_shards = len(layer.shard_sizes) if isinstance(layer, PackedLinear) else 1
         capacity = -(-max_rank * num_shards // RANK_ALIGN) * RANK_ALIGN
         self.a = torch.zeros(num_slots, capacity, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, layer.out_features, capacity, dtype=dtype, device=device)
+        self.b_t = torch.zeros(num_slots, capacity, layer.out_features, dtype=dtype, device=device)
+        self.ranks = torch.zeros(num_slots, dtype=torch.int32, device=device)  # read by lora_rows
         target = OpTarget(device.type, dtype)
         self._linear = target.op("linear")
         self._prepare = target.prepare("linear")
+        self._rows = target.op("lora_rows")
         # per slot, (A, B) of its padded rank in the builder's layout, made at load: slicing
         # or repacking per call would cost more than the thin GEMMs; None: nothing to add
         self.factors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
 
     @property
     def num_bytes(self) -> int:
-        return (self.a.numel() + self.b.numel()) * self.a.element_size()
+        return (self.a.numel() + self.b_t.numel()) * self.a.element_size()
 
     def load(self, slot: int, shards: dict[Hashable, LoRAPair] | None) -> None:
         """Put an adapter's factors for this layer into `slot` (None: it does not target
         this layer)."""
         layer = self.layer
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.b_t[slot].zero_()
         rank = 0
         for shard, pair in (shards or {}).items():
             a, b, r = pair.a, pair.b, pair.rank
@@ -78,11 +106,12 @@ class LayerLoRA:
                 raise ValueError(f"rank {rank + r} exceeds the slot's capacity {self.a.shape[1]}")
             self.a[slot, rank:rank + r].copy_(a)
             for out_start, rows in self._output_rows(shard, b):
-                self.b[slot, out_start:out_start + rows.shape[0], rank:rank + r].copy_(rows)
+                self.b_t[slot, rank:rank + r, out_start:out_start + rows.shape[0]].copy_(rows.t())
             rank += r
         padded = -(-rank // RANK_ALIGN) * RANK_ALIGN
+        self.ranks[slot] = padded
         self.factors[slot] = (self._prepared(self.a[slot, :padded]),
-                              self._prepared(self.b[slot, :, :padded])) if rank else None
+                              self._prepared(self.b_t[slot, :padded].t())) if rank else None
 
     def _prepared(self, weight: torch.Tensor) -> torch.Tensor:
         weight = weight.contiguous()  # a view into the slot, unless its rank is partial
@@ -107,8 +136,12 @@ class LayerLoRA:
         return pieces
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` (the base layer's output for `x`) plus each segment's adapter delta."""
-        for slot, start, end in _segments:
+        """`out` (the base layer's output for `x`) plus its rows' adapter deltas."""
+        lora = _current
+        if lora.row_slots is not None:
+            self._rows(x, out, lora.row_slots, self.ranks, self.a, self.b_t)
+            return out
+        for slot, start, end in lora.segments:
             factors = self.factors[slot]
             if factors is not None:
                 a, b = factors

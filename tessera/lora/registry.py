@@ -8,6 +8,7 @@ the device slot it occupied is reused once no step needs it.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from torch import nn
 
@@ -30,7 +31,8 @@ class LoRARegistry:
             adapter = load_adapter(request.lora_name, request.lora_path, self.model, self.max_rank)
             with self._lock:  # another thread may have loaded it meanwhile: first one wins
                 existing = self._adapters.setdefault(request.lora_name, adapter)
-        if existing.path != str(adapter_folder(request.lora_path)):
+        # the same folder however it is spelled (relative, absolute, through a link)
+        if Path(existing.path).resolve() != adapter_folder(request.lora_path).resolve():
             raise LoRAAdapterError(f"a LoRA adapter named {request.lora_name!r} is already loaded "
                                    f"from {existing.path}")
         return existing

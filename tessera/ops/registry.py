@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 OP_KINDS = (
-    "embedding", "linear", "rms_norm", "rotary", "silu_and_mul",
+    "embedding", "linear", "lora_rows", "rms_norm", "rotary", "silu_and_mul",
     "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
 )
 PHASES = (None, "prefill", "decode")

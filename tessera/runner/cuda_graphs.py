@@ -47,6 +47,10 @@ def cuda_buckets(max_rows: int) -> tuple[int, ...]:
 class CudaDecodeGraphs:
     """Owned by the model runner: `reset` on every new KV cache (captures), `run` per step."""
 
+    # captured without LoRA: steps with adapter rows run eagerly (capturing torch's
+    # lora_rows with the slots buffer, as the CPU graphs do, awaits a GPU to test it on)
+    replays_lora = False
+
     def __init__(self, model: nn.Module, block_size: int, device: torch.device):
         self.model = model
         self.block_size = block_size

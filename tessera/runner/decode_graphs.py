@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tessera.lora.layer import LoRAPass, lora_context
 from tessera.ops.attention import AttentionMetadata, attention_context
 from tessera.ops.cpu.build import KernelBuildError
 from tessera.ops.cpu.graph import KernelGraph, capture
@@ -39,6 +40,8 @@ class _Captured:
 class CpuDecodeGraphs:
     """Owned by the model runner: `reset` on every new KV cache (the graphs hold its
     pointers), `run` per step."""
+
+    replays_lora = True  # steps with LoRA rows replay too (the slots are an input buffer)
 
     def __init__(self, model: nn.Module, block_size: int):
         self.model = model
@@ -88,7 +91,9 @@ class CpuDecodeGraphs:
         # host copies: only torch builders read them (and then no graph is kept), but
         # the capturing pass's own result must be right
         meta = self.inputs.metadata(bucket, step.seq_lens_list + [1] * (bucket - step.num_decodes))
-        with attention_context(meta), capture() as graph:
+        # LoRA layers (when enabled) record their per-row op, reading the slots buffer
+        lora = LoRAPass(row_slots=self.inputs.lora_slots[:bucket])
+        with attention_context(meta), lora_context(lora), capture() as graph:
             hidden = self.model(self.inputs.ids[:bucket], self.inputs.positions[:bucket])
         reason = None
         if not graph.replayable:

@@ -38,6 +38,7 @@ class StaticDecodeInputs:
         self.tables = torch.zeros((size, self.table_width), dtype=torch.int32, device=device)
         self.lens = torch.ones(size, dtype=torch.int32, device=device)
         self.starts = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device)  # -1: base model
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
         """The bucket a step runs in, or None when no graph can run it (prefill rows, more
@@ -56,6 +57,10 @@ class StaticDecodeInputs:
         self.slots[:rows].copy_(meta.slot_mapping)
         self.tables[:rows, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.lens[:rows].copy_(meta.seq_lens)
+        if inputs.lora_row_slots is not None:
+            self.lora_slots[:rows].copy_(inputs.lora_row_slots)
+        else:
+            self.lora_slots[:rows] = -1
         if bucket > rows:  # rows left over from a larger step
             self.pad(rows, bucket)
 
@@ -65,6 +70,7 @@ class StaticDecodeInputs:
         self.slots[start:end] = -1
         self.tables[start:end, 0] = 0
         self.lens[start:end] = 1
+        self.lora_slots[start:end] = -1
 
     def metadata(self, bucket: int, seq_lens_list: list[int]) -> AttentionMetadata:
         """Metadata over the buffers' first `bucket` rows. `seq_lens_list` is what host-side

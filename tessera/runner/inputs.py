@@ -19,6 +19,7 @@ import torch
 
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.engine.sequence import Sequence
+from tessera.lora.layer import row_slots_for
 from tessera.ops.attention import AttentionMetadata
 from tessera.platform import to_device
 
@@ -41,8 +42,10 @@ class ModelInputs:
     # the device before the model runs
     deferred_rows: torch.Tensor | None = None
     deferred_indices: torch.Tensor | None = None
-    # LoRA: (slot, first token row, end token row) of each run of one adapter's tokens
+    # LoRA: (slot, first token row, end token row) of each run of one adapter's tokens,
+    # and for a small step each row's slot (-1: the base model; tessera/lora/layer.py)
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
+    lora_row_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -138,7 +141,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq_lens_list=seq_lens, query_lens_list=query_lens)
     inputs = ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
                          sampled_rows, max_block_id, prompt_rows, len(prompt_indices),
-                         lora_segments=segments)
+                         lora_segments=segments, lora_row_slots=row_slots_for(segments, len(tokens), device))
     if deferred_rows:
         inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
     return inputs

@@ -11,7 +11,7 @@ from torch import nn
 from tessera.distributed.channel import Command, StepChannel
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.lora.adapter import LoRAAdapter
-from tessera.lora.layer import lora_context
+from tessera.lora.layer import LoRAPass, lora_context
 from tessera.lora.slots import LoRASlots
 from tessera.ops.attention import Attention, attention_context
 from tessera.runner.cuda_graphs import CudaDecodeGraphs
@@ -142,12 +142,12 @@ class ModelRunner:
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         self._zero_blocks_up_to(inputs.max_block_id + 1)
-        # graphs replay the base model: a step with adapter rows runs eagerly
-        if self.graphs is not None and not inputs.lora_segments:
+        # CUDA graphs replay the base model only: a step with adapter rows runs eagerly
+        if self.graphs is not None and (not inputs.lora_segments or self.graphs.replays_lora):
             hidden = self.graphs.run(inputs)
             if hidden is not None:
                 return hidden
-        with attention_context(inputs.attn), lora_context(inputs.lora_segments):
+        with attention_context(inputs.attn), lora_context(LoRAPass(inputs.lora_segments, inputs.lora_row_slots)):
             return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
