@@ -44,6 +44,11 @@ static inline __m256 bf16x8_to_f32(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
+/* 8 bf16 values held in a register (as f32x8_to_bf16 returns them) -> float32 */
+static inline __m256 bf16x8_to_f32_from(__m128i v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
 /* Round to nearest even, NaN stays NaN (quiet), as bf16.h's f32_to_bf16. */
 static inline __m128i f32x8_to_bf16(__m256 f) {
     const __m256i bits = _mm256_castps_si256(f);

@@ -11,8 +11,8 @@ from tessera.ops.cpu.build import Kernel
 from tessera.ops.lora_rows import lora_rows_ref
 from tessera.ops.registry import register_op
 
-_KERNEL = Kernel("lora_rows_avx2.c", "tessera_lora_rows_bf16", (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 4,
-                 ctypes.c_int)
+_KERNEL = Kernel("lora_rows_avx2.c", "tessera_lora_rows_bf16",
+                 (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 4 + (ctypes.c_int,), ctypes.c_int)
 
 
 @register_op("lora_rows", name="cpu_lora_rows_bf16", priority=10, devices=("cpu",),
@@ -24,6 +24,7 @@ def lora_rows_bf16(x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor, 
             or row_slots.dtype != torch.int32 or slot_ranks.dtype != torch.int32 or x.dim() != 2):
         return lora_rows_ref(x, out, row_slots, slot_ranks, a, b_t)
     status = _KERNEL(x.data_ptr(), out.data_ptr(), row_slots.data_ptr(), slot_ranks.data_ptr(), a.data_ptr(),
-                     b_t.data_ptr(), x.shape[0], x.shape[1], out.shape[1], a.shape[1])
+                     b_t.data_ptr(), x.shape[0], x.shape[1], out.shape[1], a.shape[1], torch.get_num_threads())
     if status:
-        raise ValueError(f"lora_rows: slot capacity {a.shape[1]} exceeds the kernel's 2048")
+        raise ValueError(f"lora_rows: slot capacity {a.shape[1]} or {x.shape[1]} input features exceed "
+                         "the kernel's 2048 / 32768")
