@@ -137,7 +137,8 @@ def _lora_args(args: argparse.Namespace) -> dict:
         if name in modules:
             raise SystemExit(f"--lora-modules names {name!r} twice")
         modules[name] = path
-    return {"enable_lora": args.enable_lora or bool(modules), "max_loras": args.max_loras,
+    runtime = getattr(args, "allow_runtime_lora_updating", False)  # (serve) loads need the slots
+    return {"enable_lora": args.enable_lora or bool(modules) or runtime, "max_loras": args.max_loras,
             "max_lora_rank": args.max_lora_rank, "lora_modules": modules}
 
 

@@ -233,3 +233,11 @@ def test_an_unknown_lora_name_exits_2(tiny, capsys):
     code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--enable-lora", "--lora", "nope", "hello"])
     assert code == 2
     assert "unknown LoRA adapter 'nope'" in capsys.readouterr().err
+
+
+def test_runtime_lora_updating_enables_lora():
+    from tessera.cli import _lora_args, build_parser
+
+    args = build_parser().parse_args(["serve", "--allow-runtime-lora-updating"])
+    assert _lora_args(args)["enable_lora"] is True
+    assert _lora_args(build_parser().parse_args(["serve"]))["enable_lora"] is False

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.ops.attention import AttentionMetadata
+from tessera.lora.adapter import LoRAAdapter, adapter_from_bytes, adapter_to_bytes
 from tessera.lora.layer import row_slots_for
 from tessera.runner.inputs import ModelInputs
 
@@ -24,12 +25,12 @@ class Command(enum.IntEnum):
     FORWARD_NO_LOGITS = 2  # only partial prefill chunks: no rows sample
     ALLOCATE_KV = 3        # arg = number of blocks
     RELEASE_KV = 4
-    LOAD_LORA = 5          # arg = slot; then the adapter's name and folder (UTF-8 bytes)
+    LOAD_LORA = 5          # arg = slot; then the adapter as safetensors bytes
 
 
 # command, arg, tokens, seqs, table width, decodes, logit rows, max block id, has padding,
 # prompt-logprob rows (the last logit rows, which the LM head takes in passes of their own),
-# LoRA segments (for LOAD_LORA: the length of the name-and-folder bytes)
+# LoRA segments (for LOAD_LORA: the length of the adapter's bytes)
 HEADER_LEN = 11
 
 
@@ -38,7 +39,7 @@ class Received:
     command: Command
     arg: int = 0
     inputs: ModelInputs | None = None
-    lora: tuple[str, str] | None = None  # LOAD_LORA: (adapter name, folder)
+    lora: LoRAAdapter | None = None  # LOAD_LORA: the driver's adapter
 
 
 class StepChannel:
@@ -64,9 +65,10 @@ class StepChannel:
         if payload is not None:
             dist.broadcast(payload.to(self.device), src=0)
 
-    def send_lora(self, slot: int, name: str, folder: str) -> None:
-        """Rank 0: every rank loads the adapter in `folder` into `slot`."""
-        data = torch.frombuffer(bytearray(f"{name}\0{folder}".encode()), dtype=torch.uint8)
+    def send_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Rank 0: every rank loads `adapter` (its factors as the driver holds them, not
+        read from the folder again) into `slot`."""
+        data = torch.frombuffer(bytearray(adapter_to_bytes(adapter)), dtype=torch.uint8)
         header = torch.zeros(HEADER_LEN, dtype=torch.long)
         header[0], header[1], header[2] = int(Command.LOAD_LORA), slot, data.numel()
         dist.broadcast(header.to(self.device), src=0)
@@ -81,8 +83,7 @@ class StepChannel:
         if command == Command.LOAD_LORA:
             data = torch.empty(tokens, dtype=torch.uint8, device=self.device)
             dist.broadcast(data, src=0)
-            name, folder = bytes(data.cpu().tolist()).decode().split("\0", 1)
-            return Received(command, arg, lora=(name, folder))
+            return Received(command, arg, lora=adapter_from_bytes(data.cpu().numpy().tobytes()))
         if command not in (Command.FORWARD, Command.FORWARD_NO_LOGITS):
             return Received(command, arg)
         sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 3 * num_segments]

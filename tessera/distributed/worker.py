@@ -13,7 +13,6 @@ import torch
 from tessera.config import EngineConfig
 from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankInfo, init_rank, launched_rank_info, rank_device
-from tessera.lora.adapter import load_adapter
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
@@ -57,9 +56,8 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
             runner.allocate_kv_cache(msg.arg)
         elif msg.command == Command.RELEASE_KV:
             runner.release_kv_cache()
-        elif msg.command == Command.LOAD_LORA:  # the driver checked it: this load succeeds
-            name, folder = msg.lora
-            runner.load_lora(msg.arg, load_adapter(name, folder, model, lora.max_lora_rank))
+        elif msg.command == Command.LOAD_LORA:  # the driver's checked adapter, as it holds it
+            runner.load_lora(msg.arg, msg.lora)
         elif msg.command == Command.FORWARD:
             for _ in runner.forward(msg.inputs):  # its LM head joins each pass's all-gather
                 pass

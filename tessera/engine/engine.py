@@ -105,7 +105,7 @@ class Engine:
                                   ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
                                   decode_graphs=self._decode_graphs(config))
         lora = config.lora
-        self.loras = LoRARegistry(self.model, lora.max_lora_rank) if lora.enable_lora else None
+        self.loras = LoRARegistry(self.model, lora.max_lora_rank, self.dtype) if lora.enable_lora else None
         if self.loras is not None:  # slots first: the KV cache gets what they leave
             self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
             for name, path in lora.lora_modules.items():
@@ -301,7 +301,10 @@ class Engine:
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             spec_num_drafts=self._spec_counts[0], spec_draft_tokens=self._spec_counts[1],
             spec_accepted_tokens=self._spec_counts[2],
-            lora_running=_adapter_names(sched.running), lora_waiting=_adapter_names(sched.waiting),
+            # stats() runs on the server's thread while the engine thread changes the queues:
+            # copies made in C (list(...)) never see them half-changed
+            lora_running=_adapter_names(list(sched.running)) if self.loras is not None else (),
+            lora_waiting=_adapter_names(list(sched.waiting)) if self.loras is not None else (),
             max_loras=self.config.lora.max_loras if self.loras is not None else 0)
 
     # --- the loop ---------------------------------------------------------------------------

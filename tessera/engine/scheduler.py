@@ -17,7 +17,9 @@ that rejected drafts were given are handed back in `step_done`.
 
 With LoRA adapters, the running batch holds sequences of at most `max_loras` distinct
 adapters (the device's slots); a waiting sequence whose adapter would exceed that is passed
-over, and those behind it may be admitted first.
+over. Behind it only base-model sequences may go first: another request of a running
+adapter would keep that adapter's slot taken, and a steady stream of them would starve the
+passed-over one forever; held back, the running adapters drain and free a slot.
 """
 from __future__ import annotations
 
@@ -112,9 +114,9 @@ class Scheduler:
         passed = 0  # waiting sequences passed over: their adapter cannot join this batch
         while passed < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[passed]
-            if (seq.lora is not None and seq.lora.key not in adapters
-                    and len(adapters) >= (self.max_loras or 0)):
-                passed += 1
+            if seq.lora is not None and (passed or (seq.lora.key not in adapters
+                                                    and len(adapters) >= (self.max_loras or 0))):
+                passed += 1  # (behind a passed-over one, only the base model goes ahead)
                 continue
             # prompt logprobs need logits at every prompt position: no cached prefix then
             match = (PrefixMatch([], [], 0) if seq.needs_prompt_logits

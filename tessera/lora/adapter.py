@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Hashable
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_bytes, load_file, save as save_bytes
 from torch import nn
 
 from tessera.ops.linear import Linear, PackedLinear, RowParallelLinear
@@ -75,8 +75,40 @@ class LoRAAdapter:
                    for shards in self.weights.values() for p in shards.values())
 
 
-def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -> LoRAAdapter:
-    """Read and check the adapter in folder `path` for `model` (a tessera model)."""
+def adapter_to_bytes(adapter: LoRAAdapter) -> bytes:
+    """The adapter as it is loaded (safetensors bytes), for other tensor-parallel ranks:
+    they take exactly the driver's factors instead of reading the folder again."""
+    tensors = {json.dumps([layer, shard, half]): getattr(pair, half)
+               for layer, shards in adapter.weights.items() for shard, pair in shards.items()
+               for half in ("a", "b")}
+    return save_bytes(tensors, metadata={"name": adapter.name, "path": adapter.path, "rank": str(adapter.rank),
+                                         "key": str(adapter.key)})
+
+
+def adapter_from_bytes(data: bytes) -> LoRAAdapter:
+    """adapter_to_bytes, undone."""
+    tensors = load_bytes(data)
+    weights: dict[str, dict[Hashable, LoRAPair]] = {}
+    halves: dict[tuple, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        layer, shard, half = json.loads(key)
+        halves.setdefault((layer, shard), {})[half] = tensor
+    for (layer, shard), pair in halves.items():
+        weights.setdefault(layer, {})[shard] = LoRAPair(pair["a"], pair["b"])
+    meta = _metadata(data)
+    return LoRAAdapter(meta["name"], meta["path"], int(meta["rank"]), weights, key=int(meta["key"]))
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """A safetensors buffer's metadata: the JSON header after its 8-byte length."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + size]).get("__metadata__", {})
+
+
+def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
+                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Read and check the adapter in folder `path` for `model` (a tessera model). The
+    factors are kept in `dtype` (the model's: what the slots hold), scaled in float32."""
     folder = adapter_folder(path)
     if not folder.is_dir():
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {str(folder)!r} is not a directory")
@@ -106,7 +138,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int) -
                 f"{tuple(b.shape)}, but the model's layer is {in_features} -> {out_features}; "
                 "was it trained for another base model?")
         scale = _scale(config, module_name, rank)
-        pair = LoRAPair(a.float().contiguous(), (b.float() * scale).contiguous())
+        pair = LoRAPair(a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
         weights.setdefault(layer_name, {})[shard] = pair
     rank = max(p.rank for shards in weights.values() for p in shards.values())
     return LoRAAdapter(name, str(folder), rank, weights)

@@ -16,7 +16,10 @@ adapter, in one of two ways that `lora_context` chooses for the pass:
   row's slot from a tensor, one call per layer, so that a captured decode graph replays it
   (the runner's static buffer holds the slots; base rows are -1).
 
-Ranks are padded with zeros to a multiple of 16, the panel width of the packed layout.
+A slot's capacity is max rank x shards padded to a multiple of 16 (the panel width of the
+packed layout), zeros past the adapter's rank: the segment GEMMs run over all of it (their
+packed copies are allocated up front, so the KV cache is sized around them), the rows op
+stops at the rank rounded up to 16.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 from tessera.lora.adapter import LoRAPair
 from tessera.ops.linear import Linear, PackedLinear, RowParallelLinear
 from tessera.ops.registry import OpTarget
+from tessera.platform import to_device
 
 RANK_ALIGN = 16  # slot ranks are padded to this (the packed GEMM's panel width)
 
@@ -67,7 +71,7 @@ def row_slots_for(segments: list[Segment], rows: int, device: torch.device) -> t
     slots = [-1] * rows
     for slot, start, end in segments:
         slots[start:end] = [slot] * (end - start)
-    return torch.tensor(slots, dtype=torch.int32).to(device)
+    return to_device(torch.tensor(slots, dtype=torch.int32), device)
 
 
 class LayerLoRA:
@@ -83,13 +87,17 @@ class LayerLoRA:
         self._linear = target.op("linear")
         self._prepare = target.prepare("linear")
         self._rows = target.op("lora_rows")
-        # per slot, (A, B) of its padded rank in the builder's layout, made at load: slicing
-        # or repacking per call would cost more than the thin GEMMs; None: nothing to add
+        # per slot, (A, B) in the linear builder's layout (packed panels on CPU, else views
+        # of the slot): allocated now, so that the KV cache is sized around them, and
+        # refilled at each load; `factors` names the loaded ones (None: nothing to add)
+        self._prepared = [(self._prepare_copy(self.a[s]), self._prepare_copy(self.b_t[s].t()))
+                          for s in range(num_slots)]
         self.factors: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
 
     @property
     def num_bytes(self) -> int:
-        return (self.a.numel() + self.b_t.numel()) * self.a.element_size()
+        copies = sum(t.numel() for pair in self._prepared for t in pair) if self._prepare is not None else 0
+        return (self.a.numel() + self.b_t.numel() + copies) * self.a.element_size()
 
     def load(self, slot: int, shards: dict[Hashable, LoRAPair] | None) -> None:
         """Put an adapter's factors for this layer into `slot` (None: it does not target
@@ -108,14 +116,15 @@ class LayerLoRA:
             for out_start, rows in self._output_rows(shard, b):
                 self.b_t[slot, rank:rank + r, out_start:out_start + rows.shape[0]].copy_(rows.t())
             rank += r
-        padded = -(-rank // RANK_ALIGN) * RANK_ALIGN
-        self.ranks[slot] = padded
-        self.factors[slot] = (self._prepared(self.a[slot, :padded]),
-                              self._prepared(self.b_t[slot, :padded].t())) if rank else None
+        self.ranks[slot] = -(-rank // RANK_ALIGN) * RANK_ALIGN  # the rows op stops there
+        if self._prepare is not None:  # (views need nothing: they see the slot)
+            for dst, src in zip(self._prepared[slot], (self.a[slot], self.b_t[slot].t())):
+                dst.copy_(self._prepare(src.contiguous()))
+        self.factors[slot] = self._prepared[slot] if rank else None
 
-    def _prepared(self, weight: torch.Tensor) -> torch.Tensor:
-        weight = weight.contiguous()  # a view into the slot, unless its rank is partial
-        return weight if self._prepare is None else self._prepare(weight)
+    def _prepare_copy(self, weight: torch.Tensor) -> torch.Tensor:
+        """The builder's layout of `weight` (a slot's view itself where it has none)."""
+        return weight if self._prepare is None else self._prepare(weight.contiguous())
 
     def _output_rows(self, shard: Hashable, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """(where in this rank's output, which rows of B) for a target's B: all of it for an

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError, adapter_folder, load_adapter
@@ -17,9 +18,10 @@ from tessera.lora.request import LoRARequest
 
 
 class LoRARegistry:
-    def __init__(self, model: nn.Module, max_rank: int):
+    def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype):
         self.model = model
         self.max_rank = max_rank
+        self.dtype = dtype
         self._adapters: dict[str, LoRAAdapter] = {}
         self._lock = threading.Lock()
 
@@ -28,7 +30,7 @@ class LoRARegistry:
         it is loaded already (from the same folder; another folder is an error)."""
         existing = self.get(request.lora_name)
         if existing is None:
-            adapter = load_adapter(request.lora_name, request.lora_path, self.model, self.max_rank)
+            adapter = load_adapter(request.lora_name, request.lora_path, self.model, self.max_rank, self.dtype)
             with self._lock:  # another thread may have loaded it meanwhile: first one wins
                 existing = self._adapters.setdefault(request.lora_name, adapter)
         # the same folder however it is spelled (relative, absolute, through a link)

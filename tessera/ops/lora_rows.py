@@ -2,9 +2,10 @@
 
 out[r] += (x[r] @ A[s].T) @ B[s].T with s = row_slots[r]; rows with s < 0 are the base
 model's. Used for decode-sized steps (tessera/lora/layer.py), where one call per layer with
-the slots in a tensor is what a captured decode graph can replay. The reference gathers
-each row's factors: fine for a few rows (the memory is rows x capacity x in), not for a
-prefill, which runs per segment instead.
+the slots in a tensor is what a captured decode graph can replay. The reference runs every
+row through every slot's A (one GEMM, K = in), zeroes what is not the row's own slot, and
+expands through all slots' B at once (one GEMM, K = slots x capacity): no gathered copies
+of the factors, no host sync, and for a few rows a little more arithmetic than needed.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def lora_rows_ref(x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor, s
     """x [rows, in], out [rows, n] (added to in place), row_slots [rows] int32, slot_ranks
     [slots] int32 (unused here: A and B are zero past each slot's rank), a [slots, cap,
     in], b_t [slots, cap, n]."""
-    index = row_slots.clamp(min=0).long()
-    t = torch.bmm(a.index_select(0, index), x.unsqueeze(2)).squeeze(2)       # [rows, cap]
-    t = t * (row_slots >= 0).unsqueeze(1).to(t.dtype)                        # base rows: 0
-    out += torch.bmm(t.unsqueeze(1), b_t.index_select(0, index)).squeeze(1)  # [rows, n]
+    slots, capacity, _ = a.shape
+    rows = x.shape[0]
+    t = (x @ a.reshape(slots * capacity, -1).t()).view(rows, slots, capacity)
+    own = row_slots.unsqueeze(1) == torch.arange(slots, device=row_slots.device)  # -1: no slot
+    t = t * own.unsqueeze(2).to(t.dtype)
+    out += t.reshape(rows, slots * capacity) @ b_t.reshape(slots * capacity, -1)

@@ -194,7 +194,7 @@ class ModelRunner:
         slots, loads = self.lora.activate(adapters)
         if self.channel is not None:
             for slot, adapter in loads:
-                self.channel.send_lora(slot, adapter.name, adapter.path)
+                self.channel.send_lora(slot, adapter)
         return slots
 
     def _sample(self, inputs: ModelInputs, passes: Iterator[torch.Tensor]) -> SamplerOutput | None:

@@ -54,6 +54,10 @@ async def load_lora_adapter(request: Request, body: LoadLoRAAdapterRequest) -> P
 @router.post("/unload_lora_adapter")
 async def unload_lora_adapter(request: Request, body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
     state = _state(request)
-    if not state.engine.engine.remove_lora(body.lora_name):
+    try:
+        removed = state.engine.engine.remove_lora(body.lora_name)
+    except RequestError as exc:  # LoRA is not enabled
+        raise ValidationFailed(str(exc), param="lora_name") from exc
+    if not removed:
         raise ModelNotFound(f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -251,12 +251,38 @@ def test_more_adapters_than_slots(num_kv_blocks, base, trio, make_llm):
     assert run(llm, prompts, loras) == expected
     assert all(len(set(step) - {None}) <= 1 for step in steps)
     assert {name for step in steps for name in step} == {"a", "b", "c", None}
-    # the first step passes over b and c: both requests of a and the base model's run (with
-    # 6 blocks, only the first of those fits)
-    assert steps[0].count("a") == 2 and steps[0].count(None) == (2 if num_kv_blocks == 64 else 1)
+    # the first step passes over b; behind it only the base model's requests go ahead (the
+    # second request of a waits, or a stream of them could starve b): with 64 blocks a and
+    # both base requests run, with 6 only a and the first base request fit
+    assert steps[0].count("a") == 1 and steps[0].count(None) == (2 if num_kv_blocks == 64 else 1)
     if num_kv_blocks == 6:
         assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.all_free()
+
+
+
+def test_a_stream_of_one_adapter_cannot_starve_another(trio, make_llm):
+    """One slot: while b waits for it, new requests of a (which holds it) queue behind b
+    instead of keeping a's slot taken forever; the base model's still go ahead."""
+    llm = make_llm(max_loras=1)
+    engine = llm.engine
+    requests = [t.request(name, i + 1) for i, (name, t) in enumerate(zip("ab", trio))]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a-0", PROMPTS[0], params, requests[0])
+    engine.add_request("b", PROMPTS[1], params, requests[1])
+    finished: dict[str, int] = {}
+    for step in range(200):
+        if step % 3 == 0:  # a new request of a every third step, and one of the base model
+            engine.add_request(f"a-{step + 1}", PROMPTS[0], params, requests[0])
+            engine.add_request(f"base-{step + 1}", PROMPTS[2], params)
+        finished.update((out.request_id, step) for out in engine.step() if out.finished)
+        if "b" in finished:
+            break
+    assert "b" in finished and finished["b"] < 40
+    assert any(r.startswith("base-") and s < finished["b"] for r, s in finished.items())
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    check_idle(llm)
 
 
 # --- the prefix cache ----------------------------------------------------------------------

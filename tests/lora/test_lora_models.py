@@ -113,3 +113,20 @@ def test_bf16_adapters_follow_pefts_float32_outputs(tmp_path_factory, tiny_token
         assert abs(o.outputs[0].logprobs[0][token].logprob - want[token].item()) < 0.1
         assert abs(want[token].item() - want.max().item()) < 0.1  # (near-)greedy under PEFT too
         assert abs(b.outputs[0].logprobs[0][base_token].logprob - want_base[base_token].item()) < 0.1
+
+
+def test_tensor_parallel_ranks_take_the_drivers_factors(tmp_path_factory, tiny_tokenizer_dir):
+    """The other ranks receive the adapter the driver loaded; they never read its folder,
+    so a folder removed (or rewritten) after loading changes nothing."""
+    import shutil
+
+    folder, _, adapter, peft_model = _make("qwen2-biased-qkv", tmp_path_factory, tiny_tokenizer_dir)
+    copy = tmp_path_factory.mktemp("doomed") / "adapter"
+    shutil.copytree(adapter, copy)
+    expected = [hf_generate(peft_model, p, NEW_TOKENS) for p in PROMPTS]
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, enable_lora=True,
+             tensor_parallel_size=2) as llm:
+        llm.engine.add_lora(LoRARequest("a", 1, str(copy)))
+        shutil.rmtree(copy)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request="a")]
+    assert got == expected

@@ -25,7 +25,8 @@ def factors(slots: int, capacity: int, k: int, n: int, ranks: list[int], seed: i
     return a, b_t, torch.tensor(ranks, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("rows,k,n,capacity", [(1, 64, 96, 16), (7, 576, 960, 48), (32, 128, 1100, 32)])
+@pytest.mark.parametrize("rows,k,n,capacity", [(1, 64, 96, 16), (7, 576, 960, 48), (32, 128, 1100, 32),
+                                             (3, 5000, 40, 16)])  # a row wider than the stack buffer
 def test_kernel_equals_the_reference(rows, k, n, capacity):
     a, b_t, ranks = factors(3, capacity, k, n, [capacity, capacity // 2, 16])
     g = torch.Generator().manual_seed(1)

@@ -140,3 +140,14 @@ def test_runtime_updates_need_the_flag(server):
     assert r.status_code == 404
     r = httpx.post(server.url + "/v1/completions", json={"model": "x", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 404
+
+
+def test_runtime_routes_without_lora_enabled_are_400(tiny_model_dir):
+    running = start_server(tiny_model_dir, allow_runtime_lora_updating=True)
+    try:
+        for route, body in (("load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"}),
+                            ("unload_lora_adapter", {"lora_name": "x"})):
+            r = httpx.post(f"{running.url}/v1/{route}", json=body)
+            assert r.status_code == 400 and "enable-lora" in r.json()["error"]["message"]
+    finally:
+        running.stop()

@@ -25,6 +25,7 @@ def lora_rows_bf16(x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor, 
         return lora_rows_ref(x, out, row_slots, slot_ranks, a, b_t)
     status = _KERNEL(x.data_ptr(), out.data_ptr(), row_slots.data_ptr(), slot_ranks.data_ptr(), a.data_ptr(),
                      b_t.data_ptr(), x.shape[0], x.shape[1], out.shape[1], a.shape[1], torch.get_num_threads())
-    if status:
-        raise ValueError(f"lora_rows: slot capacity {a.shape[1]} or {x.shape[1]} input features exceed "
-                         "the kernel's 2048 / 32768")
+    if status == 2:
+        raise MemoryError(f"lora_rows: no memory for a float32 copy of a row of {x.shape[1]} features")
+    if status:  # max_lora_rank (<= 512) x 3 packed shards stays below this
+        raise ValueError(f"lora_rows: slot capacity {a.shape[1]} exceeds the kernel's 2048")

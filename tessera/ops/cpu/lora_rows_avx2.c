@@ -8,12 +8,13 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "avx2_math.h"
 #include "bf16.h"
 
 #define MAX_CAPACITY 2048  /* slot rank capacity (max_lora_rank x packed shards, padded) */
-#define MAX_IN 32768       /* input features held as float32 on each thread's stack */
+#define STACK_IN 4096      /* input features widened on the stack (16 KiB); more: malloc */
 
 /* x . a over n features: x already float32, a bf16 */
 static float dot_f32_bf16(const float *x, const uint16_t *a, int64_t n) {
@@ -28,11 +29,13 @@ static float dot_f32_bf16(const float *x, const uint16_t *a, int64_t n) {
     return sum;
 }
 
-/* One row's delta, added to out_row (n features), with slot s. */
-static void lora_row(const uint16_t *x_row, uint16_t *outr, int32_t s, const int32_t *slot_rank,
-                     const uint16_t *a, const uint16_t *bt, int64_t in, int64_t n, int64_t capacity) {
+/* One row's delta, added to out_row (n features), with slot s; 2 when no memory. */
+static int lora_row(const uint16_t *x_row, uint16_t *outr, int32_t s, const int32_t *slot_rank,
+                    const uint16_t *a, const uint16_t *bt, int64_t in, int64_t n, int64_t capacity) {
     float t[MAX_CAPACITY];
-    float xf[MAX_IN];
+    float stack_x[STACK_IN];
+    float *xf = in <= STACK_IN ? stack_x : malloc((size_t)in * sizeof(float));
+    if (!xf) return 2;
     const int64_t rank = slot_rank[s];
     for (int64_t i = 0; i < in; i++) xf[i] = bf16_to_f32(x_row[i]);
     const uint16_t *as = a + (int64_t)s * capacity * in;
@@ -58,23 +61,28 @@ static void lora_row(const uint16_t *x_row, uint16_t *outr, int32_t s, const int
         for (int64_t j = 0; j < rank; j++) acc += t[j] * bf16_to_f32(bs[j * n + c]);
         outr[c] = f32_to_bf16(bf16_to_f32(outr[c]) + round_to_bf16(acc));
     }
+    if (xf != stack_x) free(xf);
+    return 0;
 }
 
 /* x [rows, in]; out [rows, n] (added to); a [slots, capacity, in]; bt [slots, capacity, n];
  * row_slot [rows]; slot_rank [slots]. Several rows are shared out over `threads` (one row
  * runs on the caller's thread: a parallel region would cost more than it). Returns 1 for
- * sizes it cannot hold, else 0. */
+ * a capacity it cannot hold, 2 when out of memory, else 0. */
 int tessera_lora_rows_bf16(const uint16_t *x, uint16_t *out, const int32_t *row_slot,
                            const int32_t *slot_rank, const uint16_t *a, const uint16_t *bt,
                            int64_t rows, int64_t in, int64_t n, int64_t capacity, int threads) {
-    if (capacity > MAX_CAPACITY || in > MAX_IN) return 1;
+    if (capacity > MAX_CAPACITY) return 1;
+    int status = 0;
     if (rows == 1 || threads <= 1) {
         for (int64_t r = 0; r < rows; r++)
-            if (row_slot[r] >= 0) lora_row(x + r * in, out + r * n, row_slot[r], slot_rank, a, bt, in, n, capacity);
-        return 0;
+            if (row_slot[r] >= 0 && lora_row(x + r * in, out + r * n, row_slot[r], slot_rank, a, bt, in, n, capacity))
+                status = 2;
+        return status;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max:status)
     for (int64_t r = 0; r < rows; r++)
-        if (row_slot[r] >= 0) lora_row(x + r * in, out + r * n, row_slot[r], slot_rank, a, bt, in, n, capacity);
-    return 0;
+        if (row_slot[r] >= 0 && lora_row(x + r * in, out + r * n, row_slot[r], slot_rank, a, bt, in, n, capacity))
+            status = 2;
+    return status;
 }
