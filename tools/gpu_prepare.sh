@@ -16,7 +16,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
 python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
     -d .gpu/whl fastapi uvicorn prometheus-client httpx
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-    -d .gpu/whl gguf
+    -d .gpu/whl gguf peft accelerate  # peft (+ accelerate, which it imports): the GPU LoRA test
 # the GPU image has these already (torch, numpy, ...): carrying them would shadow its builds
 rm -f .gpu/whl/{numpy,torch,typing_extensions,packaging,idna,certifi,pyyaml,PyYAML,pytest,pluggy,iniconfig}-*.whl
 python - <<'PY'

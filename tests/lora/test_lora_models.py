@@ -130,3 +130,20 @@ def test_tensor_parallel_ranks_take_the_drivers_factors(tmp_path_factory, tiny_t
         shutil.rmtree(copy)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request="a")]
     assert got == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_adapters_equal_pefts_with_base_steps_in_cuda_graphs(tmp_path_factory, tiny_tokenizer_dir):
+    """On the GPU: adapter rows (eager steps, torch's lora_rows and segment GEMMs) equal
+    PEFT's float32 greedy tokens in a batch with base-model rows; steps of base rows only
+    still replay CUDA graphs."""
+    folder, hf, adapter, peft_model = _make("qwen2-biased-qkv", tmp_path_factory, tiny_tokenizer_dir)
+    loras = [LoRARequest("a", 1, str(adapter)), None, LoRARequest("a", 1, str(adapter))]
+    with LLM(folder, dtype="float32", device="cuda", num_kv_blocks=64, show_progress=False,
+             enable_lora=True) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)]
+        assert llm.engine.runner.graphs is not None
+        base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got[0] == hf_generate(peft_model, PROMPTS[0], NEW_TOKENS)
+    assert got[2] == hf_generate(peft_model, PROMPTS[2], NEW_TOKENS)
+    assert got[1] == base[1] == hf_generate(hf, PROMPTS[1], NEW_TOKENS)
