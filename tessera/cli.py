@@ -78,6 +78,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="PEFT adapter folders to load at start-up, as NAME=PATH or vLLM's JSON "
                         '\'{"name": ..., "path": ...}\' (implies --enable-lora); clients pick one by '
                         "name (OpenAI `model`, TGI `adapter_id`)")
+    p.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS"), metavar="NAME=PATH,...",
+                   help="TGI's launcher flag (or LORA_ADAPTERS): comma-separated NAME=PATH adapters, "
+                        "as --lora-modules (no hub here: give local folders)")
     p.add_argument("--max-loras", type=int, default=4,
                    help="distinct adapters one step can run (device slots per layer; default 4)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
@@ -121,7 +124,8 @@ def _engine_config(args: argparse.Namespace):
 
 def _lora_args(args: argparse.Namespace) -> dict:
     modules: dict[str, str] = {}
-    for item in args.lora_modules or ():
+    tgi = [item.strip() for item in (args.lora_adapters or "").split(",") if item.strip()]
+    for item in [*(args.lora_modules or ()), *tgi]:
         if item.lstrip().startswith("{"):
             try:
                 spec = json.loads(item)
@@ -133,7 +137,8 @@ def _lora_args(args: argparse.Namespace) -> dict:
         else:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
-                raise SystemExit(f"--lora-modules {item!r}: expected NAME=PATH")
+                raise SystemExit(f"LoRA adapter {item!r}: expected NAME=PATH (a local PEFT folder; "
+                                 "nothing is downloaded)")
         if name in modules:
             raise SystemExit(f"--lora-modules names {name!r} twice")
         modules[name] = path

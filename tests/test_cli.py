@@ -212,15 +212,17 @@ def test_generate_with_a_lora_module_gives_the_adapters_output(tiny, tmp_path, m
              lora_modules={"sql": path}) as llm:
         expected = llm.generate("The quick brown fox", params, lora_request="sql")[0].outputs[0].text
         assert expected != llm.generate("The quick brown fox", params)[0].outputs[0].text
-    for spec in (f"sql={path}", json.dumps({"name": "sql", "path": path})):
+    for flags in (["--lora-modules", f"sql={path}"], ["--lora-modules", json.dumps({"name": "sql", "path": path})],
+                  ["--lora-adapters", f"other={path}, sql={path}"]):  # TGI's comma-separated form
         code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--max-new-tokens", "12", "--ignore-eos",
-                     "--lora-modules", spec, "--lora", "sql", "The quick brown fox"])
+                     *flags, "--lora", "sql", "The quick brown fox"])
         assert code == 0
         assert capsys.readouterr().out == expected + "\n"
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--lora-modules", "sql"], "expected NAME=PATH"),
+    (["--lora-adapters", "predibase/dbpedia"], "expected NAME=PATH"),
     (["--lora-modules", '{"name": "sql"}'], "JSON form"),
     (["--lora-modules", "a=/x", "a=/y"], "names 'a' twice"),
 ])
