@@ -78,9 +78,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="PEFT adapter folders to load at start-up, as NAME=PATH or vLLM's JSON "
                         '\'{"name": ..., "path": ...}\' (implies --enable-lora); clients pick one by '
                         "name (OpenAI `model`, TGI `adapter_id`)")
-    p.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS"), metavar="NAME=PATH,...",
-                   help="TGI's launcher flag (or LORA_ADAPTERS): comma-separated NAME=PATH adapters, "
-                        "as --lora-modules (no hub here: give local folders)")
+    p.add_argument("--lora-adapters", default=None, metavar="NAME=PATH,...",
+                   help="TGI's launcher flag (`serve` also reads LORA_ADAPTERS): comma-separated "
+                        "NAME=PATH adapters, as --lora-modules (no hub here: give local folders)")
     p.add_argument("--max-loras", type=int, default=4,
                    help="distinct adapters one step can run (device slots per layer; default 4)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
@@ -136,6 +136,7 @@ def _lora_args(args: argparse.Namespace) -> dict:
             name, path = spec["name"], spec["path"]
         else:
             name, sep, path = item.partition("=")
+            name, path = name.strip(), path.strip()
             if not sep or not name or not path:
                 raise SystemExit(f"LoRA adapter {item!r}: expected NAME=PATH (a local PEFT folder; "
                                  "nothing is downloaded)")
@@ -188,6 +189,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or resolve_model_source(args.model).name
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY")
+    if args.lora_adapters is None:  # TGI's launcher variable, for the server only
+        args.lora_adapters = os.environ.get("LORA_ADAPTERS")
     if not args.no_chunked_prefill:  # smaller prefill chunks: running streams wait less
         args.batch_size, args.max_num_batched_tokens = scheduler_defaults(
             args.device, args.batch_size, args.max_num_batched_tokens, serving=True)

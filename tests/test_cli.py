@@ -237,8 +237,11 @@ def test_an_unknown_lora_name_exits_2(tiny, capsys):
     assert "unknown LoRA adapter 'nope'" in capsys.readouterr().err
 
 
-def test_runtime_lora_updating_enables_lora():
+def test_runtime_lora_updating_enables_lora(monkeypatch):
     from tessera.cli import _lora_args, build_parser
+
+    monkeypatch.setenv("LORA_ADAPTERS", "a=/x")  # TGI's variable: read by `serve` alone
+    assert _lora_args(build_parser().parse_args(["generate", "hi"]))["enable_lora"] is False
 
     args = build_parser().parse_args(["serve", "--allow-runtime-lora-updating"])
     assert _lora_args(args)["enable_lora"] is True

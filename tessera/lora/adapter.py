@@ -68,6 +68,7 @@ class LoRAAdapter:
     rank: int
     weights: dict[str, dict[Hashable, LoRAPair]]
     key: int = field(default_factory=lambda: next(_key_ids))
+    wire: bytes | None = field(default=None, repr=False)  # adapter_to_bytes, once (TP)
 
     @property
     def num_bytes(self) -> int:
@@ -78,11 +79,13 @@ class LoRAAdapter:
 def adapter_to_bytes(adapter: LoRAAdapter) -> bytes:
     """The adapter as it is loaded (safetensors bytes), for other tensor-parallel ranks:
     they take exactly the driver's factors instead of reading the folder again."""
-    tensors = {json.dumps([layer, shard, half]): getattr(pair, half)
-               for layer, shards in adapter.weights.items() for shard, pair in shards.items()
-               for half in ("a", "b")}
-    return save_bytes(tensors, metadata={"name": adapter.name, "path": adapter.path, "rank": str(adapter.rank),
-                                         "key": str(adapter.key)})
+    if adapter.wire is None:  # every slot load sends it again: serialise once
+        tensors = {json.dumps([layer, shard, half]): getattr(pair, half)
+                   for layer, shards in adapter.weights.items() for shard, pair in shards.items()
+                   for half in ("a", "b")}
+        adapter.wire = save_bytes(tensors, metadata={"name": adapter.name, "path": adapter.path,
+                                                     "rank": str(adapter.rank), "key": str(adapter.key)})
+    return adapter.wire
 
 
 def adapter_from_bytes(data: bytes) -> LoRAAdapter:
@@ -131,6 +134,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
         if b.shape[1] != rank:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: {module_name} lora_B has shape "
                                    f"{tuple(b.shape)}, expected [out, {rank}]")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {module_name} holds NaN or infinite values")
         in_features, out_features = full_shape(layer, shard)
         if a.shape[1] != in_features or b.shape[0] != out_features:
             raise LoRAAdapterError(

@@ -96,7 +96,9 @@ class LayerLoRA:
 
     @property
     def num_bytes(self) -> int:
-        copies = sum(t.numel() for pair in self._prepared for t in pair) if self._prepare is not None else 0
+        slot_memory = {self.a.untyped_storage().data_ptr(), self.b_t.untyped_storage().data_ptr()}
+        copies = sum(t.numel() for pair in self._prepared for t in pair
+                     if t.untyped_storage().data_ptr() not in slot_memory)
         return (self.a.numel() + self.b_t.numel() + copies) * self.a.element_size()
 
     def load(self, slot: int, shards: dict[Hashable, LoRAPair] | None) -> None:

@@ -24,5 +24,7 @@ def lora_rows_ref(x: torch.Tensor, out: torch.Tensor, row_slots: torch.Tensor, s
     rows = x.shape[0]
     t = (x @ a.reshape(slots * capacity, -1).t()).view(rows, slots, capacity)
     own = row_slots.unsqueeze(1) == torch.arange(slots, device=row_slots.device)  # -1: no slot
-    t = t * own.unsqueeze(2).to(t.dtype)
+    # selected, not multiplied: another slot's overflow (inf x 0 = NaN) must not leak in;
+    # B holds only finite values (load_adapter refuses others), so the expansion is clean
+    t = torch.where(own.unsqueeze(2), t, torch.zeros((), dtype=t.dtype, device=t.device))
     out += t.reshape(rows, slots * capacity) @ b_t.reshape(slots * capacity, -1)

@@ -390,6 +390,20 @@ def _bin_weights(folder: Path, tmp: Path) -> Path:
     return out
 
 
+def _poisoned(folder: Path, tmp: Path) -> Path:
+    """A copy whose first lora_B holds a NaN (it would turn every row of a batch into NaN
+    on paths that run rows through all slots)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp / "poisoned"
+    shutil.copytree(folder, out)
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out
+
+
 def _edit_config(folder: Path, tmp: Path, **changes) -> Path:
     out = tmp / "edited"
     shutil.copytree(folder, out)
@@ -421,6 +435,7 @@ REFUSED = {
                 "lm_head is a LMHead; adapters can target the attention and MLP projections only"),
     "bias": (lambda make, tiny, tmp: make(bias="lora_only").path, "bias='lora_only' is not supported"),
     "not_lora": (lambda make, tiny, tmp: _edit_config(make().path, tmp, peft_type="IA3"), "is not LoRA"),
+    "not_finite": (lambda make, tiny, tmp: _poisoned(make().path, tmp), "NaN or infinite values"),
 }
 
 

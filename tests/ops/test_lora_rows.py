@@ -59,3 +59,16 @@ def test_a_graph_replays_it_with_new_slots():
     lora_rows_ref(x, want, row_slots, ranks, a, b_t)
     torch.testing.assert_close(out.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(out[1], start[1]) and torch.equal(out[3], start[3])
+
+
+def test_the_reference_keeps_each_slot_to_its_own_rows():
+    """The reference runs every row through every slot's A: an overflow in one slot (inf,
+    whose product with a zero mask would be NaN) must not reach other slots' rows or the
+    base model's."""
+    a, b_t, ranks = factors(3, 16, 32, 24, [16, 16, 16])
+    a = a.float()
+    a[2, 0, 0] = float("inf")
+    x, out = torch.randn(4, 32), torch.zeros(4, 24)
+    row_slots = torch.tensor([0, -1, 1, 2], dtype=torch.int32)
+    lora_rows_ref(x, out, row_slots, ranks, a, b_t.float())
+    assert torch.isfinite(out[:3]).all() and torch.equal(out[1], torch.zeros(24))
