@@ -68,9 +68,9 @@ class Engine:
         if tp > 1 and sched.async_scheduling:
             raise ConfigError("async scheduling runs one rank: the other ranks would need the "
                               "sampled tokens before the driver has them")
-        if config.lora.enable_lora and self.router.implementation != "native":
-            raise ConfigError(f"LoRA adapters need a tessera model folder; {self.router.config.model_type} "
-                              "runs on the transformers fallback (`tessera models` lists the folders)")
+        if config.lora.enable_lora and not type(self.router).features()["supports_lora"]:
+            raise ConfigError(f"{type(self.router).__name__} ({self.router.config.model_type}) does not "
+                              "support LoRA adapters; `tessera models` lists the types that do")
         if tp > 1 and not type(self.router).features()["supports_tensor_parallel"]:
             raise ConfigError(f"{type(self.router).__name__} ({self.router.config.model_type}) does not "
                               "support tensor parallelism; `tessera models` lists the types that do")

@@ -39,11 +39,12 @@ class BaseRouter:
     supports_sliding_window: ClassVar[bool] = False  # sliding-window attention in the paged cache
     is_moe: ClassVar[bool] = False                   # mixture-of-experts MLP
     supports_tensor_parallel: ClassVar[bool] = False  # not built yet for any model
+    supports_lora: ClassVar[bool] = False            # LoRA adapters (tested against PEFT)
 
     implementation: ClassVar[str] = "native"       # "native" folder or "transformers" fallback
 
     FEATURES: ClassVar[tuple[str, ...]] = ("supports_gguf", "supports_sliding_window", "is_moe",
-                                           "supports_tensor_parallel")
+                                           "supports_tensor_parallel", "supports_lora")
 
     @classmethod
     def features(cls) -> dict[str, bool]:

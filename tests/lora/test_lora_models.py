@@ -1,5 +1,6 @@
-"""LoRA adapters on the other model folders, against PEFT on transformers' model: Phi-3,
-whose checkpoints (and so its adapters) target the fused qkv_proj / gate_up_proj; Qwen2
+"""LoRA adapters on the other model folders, against PEFT on transformers' model: Gemma 2,
+Mistral (sliding window), Phi-3, whose checkpoints (and so its adapters) target the fused
+qkv_proj / gate_up_proj; Qwen2
 (Q/K/V biases, which adapters leave alone) and Qwen3 (Q/K norms after the adapted
 projection); Mixtral's attention, with adapters on its experts refused; and tensor
 parallelism, where every kind of target is split over two ranks."""
@@ -12,7 +13,7 @@ from tessera import LLM, SamplingParams
 from tessera.engine.engine import RequestError
 from tessera.lora import LoRARequest
 from tests.lora.peft_adapters import save_peft_adapter
-from tests.models.parity import hf_generate, prompt_ids
+from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen_parity import make_tiny_qwen
@@ -23,12 +24,30 @@ NEW_TOKENS = 16
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 PROMPTS = [prompt_ids(n, seed=5) for n in (4, 19, 37)]
 
+def make_tiny_gemma2(folder, tokenizer_dir, seed: int = 0):
+    """Gemma 2 (softcaps, sliding window, sandwich norms), as its parity test makes it."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tests.models.test_gemma2_parity import BASE as GEMMA2
+    return make_tiny(folder, tokenizer_dir, Gemma2Config, Gemma2ForCausalLM, seed=seed, base=GEMMA2,
+                     attn_implementation="eager")
+
+
+def make_tiny_mistral(folder, tokenizer_dir, seed: int = 0):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return make_tiny(folder, tokenizer_dir, MistralConfig, MistralForCausalLM, seed=seed, sliding_window=8)
+
+
 # name -> (model maker, its kind argument or None, adapter target modules)
 FAMILIES = {
     "phi3-fused": (make_tiny_phi3, None, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     "qwen2-biased-qkv": (make_tiny_qwen, "qwen2", ["q_proj", "k_proj", "v_proj", "up_proj"]),
     "qwen3-qk-norm": (make_tiny_qwen, "qwen3", ["q_proj", "k_proj", "o_proj", "down_proj"]),
     "mixtral-attention": (make_tiny_moe, "mixtral", ["q_proj", "v_proj", "o_proj"]),
+    "qwen3-moe-attention": (make_tiny_moe, "qwen3_moe", ["q_proj", "k_proj", "o_proj"]),
+    "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
+    "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
 }
 
 
@@ -147,3 +166,18 @@ def test_gpu_adapters_equal_pefts_with_base_steps_in_cuda_graphs(tmp_path_factor
     assert got[0] == hf_generate(peft_model, PROMPTS[0], NEW_TOKENS)
     assert got[2] == hf_generate(peft_model, PROMPTS[2], NEW_TOKENS)
     assert got[1] == base[1] == hf_generate(hf, PROMPTS[1], NEW_TOKENS)
+
+
+
+def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tiny_llama):
+    """`tessera models` says LORA for exactly the folders tested here and in
+    test_lora_engine.py (llama); the transformers fallback refuses it at start-up."""
+    from tessera.config import ConfigError
+    from tessera.models.registry import router_classes
+
+    tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "mistral"}
+    assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
+    folder, _ = make_tiny_llama()
+    with pytest.raises(ConfigError, match="does not support LoRA adapters"):
+        LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False, enable_lora=True,
+            model_impl="transformers")

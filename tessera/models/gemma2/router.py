@@ -7,3 +7,4 @@ class Gemma2Router(BaseRouter):
     model_cls = Gemma2ForCausalLM
     supports_sliding_window = True  # tests/models/test_gemma2_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py

@@ -8,3 +8,4 @@ class LlamaRouter(BaseRouter):
     gguf_permute_qk = True
     supports_gguf = True  # tests/weights/test_gguf.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_engine.py

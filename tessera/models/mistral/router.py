@@ -8,3 +8,4 @@ class MistralRouter(BaseRouter):
     gguf_permute_qk = True  # llama.cpp converts mistral as llama: Q/K rows permuted
     supports_sliding_window = True  # tests/models/test_mistral_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py

@@ -11,6 +11,7 @@ class Phi3Router(BaseRouter):
     model_cls = Phi3ForCausalLM
     supports_sliding_window = True  # tests/models/test_phi3_parity.py "sliding-window"
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.source.is_gguf:  # llama.cpp's fused phi3 tensor names are not mapped yet

@@ -8,3 +8,4 @@ class Qwen3Router(BaseRouter):
     gguf_permute_qk = False  # llama.cpp's converter does not permute qwen3's Q/K
     supports_gguf = True  # tests/models/test_qwen_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py

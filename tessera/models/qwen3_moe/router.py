@@ -7,3 +7,4 @@ class Qwen3MoeRouter(BaseRouter):
     model_cls = Qwen3MoeForCausalLM
     is_moe = True  # tests/models/test_moe_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py (attention; experts refused)
