@@ -27,7 +27,7 @@ from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.stats import EngineStats
 from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError
-from tessera.lora.registry import LoRARegistry
+from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
 from tessera.ops.registry import OpTarget
@@ -35,7 +35,7 @@ from tessera.platform import resolve_dtype
 from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.launched_step import LaunchedStep, StepResult
 from tessera.runner.model_runner import ModelRunner
-from tessera.runner.warmup import plan_kv_cache
+from tessera.runner.warmup import max_decode_rows, size_kv_cache
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.sampler import Sampler
 from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, StructuredOutputsParams
@@ -110,8 +110,8 @@ class Engine:
             self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
             for name, path in lora.lora_modules.items():
                 self.loras.add(LoRARequest(name, len(self.loras.adapters()) + 1, path))
-        self.num_blocks = self._size_kv_cache()
-        self.runner.graph_limits = GraphLimits(self._max_decode_rows(), self.max_model_len)
+        self.num_blocks, self.max_model_len = size_kv_cache(self.runner, config, self.max_model_len)
+        self.runner.graph_limits = GraphLimits(max_decode_rows(config), self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
@@ -127,44 +127,10 @@ class Engine:
         self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
         self._spec_counts = [0, 0, 0]  # steps of a sequence with drafts, drafts, accepted drafts
 
-    def _max_decode_rows(self) -> int:
-        """The most rows a decode step can have, each sampled: one per sequence, and one
-        per verified draft with speculative decoding (while at most disable_by_batch_size
-        sequences run, within the step's token budget). Warm-up profiles the LM head and
-        sampler for this many rows; decode graphs cover it."""
-        sched, spec = self.config.scheduler, self.config.speculative
-        speculating = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
-        rows = max(sched.max_num_seqs, speculating * (1 + spec.num_speculative_tokens))
-        return min(rows, max(sched.max_num_batched_tokens, sched.max_num_seqs))
-
     def _decode_graphs(self, config: EngineConfig) -> bool:
         """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay
         cannot join a collective), not with --enforce-eager."""
         return not config.model.enforce_eager and self.tp_group is None
-
-    def _size_kv_cache(self) -> int:
-        cache, sched = self.config.cache, self.config.scheduler
-        num_blocks = cache.num_blocks
-        if num_blocks is None:
-            plan = plan_kv_cache(self.runner, memory_fraction=cache.fraction_for(self.config.device),
-                                 max_num_batched_tokens=sched.max_num_batched_tokens,
-                                 max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
-                                 max_sampled_rows=self._max_decode_rows())
-            num_blocks = plan.num_blocks
-        capacity = num_blocks * cache.block_size
-        if capacity < cache.block_size:
-            raise ConfigError("not enough memory for even one KV cache block; "
-                              "free memory or raise memory_fraction")
-        if capacity < self.max_model_len:
-            logger.warning("KV cache holds %d tokens, less than max_model_len %d: "
-                           "clamping max_model_len to %d", capacity, self.max_model_len, capacity)
-            self.max_model_len = capacity
-        per_token = self.runner.kv_bytes_per_block() / cache.block_size
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %.0f KiB per token); "
-                    "max_model_len %d", num_blocks, cache.block_size, capacity,
-                    num_blocks * per_token * cache.block_size / 2**20, per_token / 1024,
-                    self.max_model_len)
-        return num_blocks
 
     # --- requests -------------------------------------------------------------------------
 
@@ -237,17 +203,10 @@ class Engine:
     def _resolve_lora(self, request: LoRARequest | str | None) -> LoRAAdapter | None:
         if request is None:
             return None
-        registry = self._require_lora()
-        if isinstance(request, LoRARequest):
-            try:
-                return registry.add(request)
-            except LoRAAdapterError as exc:
-                raise RequestError(str(exc)) from exc
-        adapter = registry.get(request)
-        if adapter is None:
-            known = sorted(a.name for a in registry.adapters())
-            raise RequestError(f"unknown LoRA adapter {request!r}; loaded: {known}")
-        return adapter
+        try:
+            return self._require_lora().resolve(request)
+        except LoRAAdapterError as exc:
+            raise RequestError(str(exc)) from exc
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Compile a structured-output constraint (cached); any thread may call this, so a
@@ -303,8 +262,8 @@ class Engine:
             spec_accepted_tokens=self._spec_counts[2],
             # stats() runs on the server's thread while the engine thread changes the queues:
             # copies made in C (list(...)) never see them half-changed
-            lora_running=_adapter_names(list(sched.running)) if self.loras is not None else (),
-            lora_waiting=_adapter_names(list(sched.waiting)) if self.loras is not None else (),
+            lora_running=adapter_names(list(sched.running)) if self.loras is not None else (),
+            lora_waiting=adapter_names(list(sched.waiting)) if self.loras is not None else (),
             max_loras=self.config.lora.max_loras if self.loras is not None else 0)
 
     # --- the loop ---------------------------------------------------------------------------
@@ -477,7 +436,3 @@ class Engine:
                     if out.finished and remaining is not None:
                         remaining.discard(out.request_id)
                     yield out
-
-
-def _adapter_names(seqs) -> tuple[str, ...]:
-    return tuple(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))

@@ -39,6 +39,16 @@ class LoRARegistry:
                                    f"from {existing.path}")
         return existing
 
+    def resolve(self, request: LoRARequest | str) -> LoRAAdapter:
+        """A request's adapter: a LoRARequest is loaded unless it is already, a name must be."""
+        if isinstance(request, LoRARequest):
+            return self.add(request)
+        adapter = self.get(request)
+        if adapter is None:
+            known = sorted(a.name for a in self.adapters())
+            raise LoRAAdapterError(f"unknown LoRA adapter {request!r}; loaded: {known}")
+        return adapter
+
     def get(self, name: str) -> LoRAAdapter | None:
         with self._lock:
             return self._adapters.get(name)
@@ -51,3 +61,8 @@ class LoRARegistry:
     def adapters(self) -> list[LoRAAdapter]:
         with self._lock:
             return list(self._adapters.values())
+
+
+def adapter_names(seqs) -> tuple[str, ...]:
+    """The distinct adapters of `seqs`, by name (what /metrics reports)."""
+    return tuple(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))

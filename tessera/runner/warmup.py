@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from tessera.config import ConfigError, EngineConfig
 from tessera.ops.attention import AttentionMetadata
 from tessera.platform import available_memory_bytes
 from tessera.runner.inputs import ModelInputs
@@ -108,3 +109,40 @@ def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batche
                 "%.0f%% of it for the KV cache", num_tokens, activation / 2**20,
                 available / 2**30, memory_fraction * 100)
     return KVCachePlan(num_blocks, activation, available, per_block)
+
+
+def max_decode_rows(config: EngineConfig) -> int:
+    """The most rows a decode step can have, each sampled: one per sequence, and one
+    per verified draft with speculative decoding (while at most disable_by_batch_size
+    sequences run, within the step's token budget). Warm-up profiles the LM head and
+    sampler for this many rows; decode graphs cover it."""
+    sched, spec = config.scheduler, config.speculative
+    speculating = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
+    rows = max(sched.max_num_seqs, speculating * (1 + spec.num_speculative_tokens))
+    return min(rows, max(sched.max_num_batched_tokens, sched.max_num_seqs))
+
+
+def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> tuple[int, int]:
+    """(KV blocks, max_model_len): the configured block count or warm-up's plan; a cache
+    that cannot hold max_model_len tokens clamps it."""
+    cache, sched = config.cache, config.scheduler
+    num_blocks = cache.num_blocks
+    if num_blocks is None:
+        plan = plan_kv_cache(runner, memory_fraction=cache.fraction_for(config.device),
+                             max_num_batched_tokens=sched.max_num_batched_tokens,
+                             max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len,
+                             max_sampled_rows=max_decode_rows(config))
+        num_blocks = plan.num_blocks
+    capacity = num_blocks * cache.block_size
+    if capacity < cache.block_size:
+        raise ConfigError("not enough memory for even one KV cache block; "
+                          "free memory or raise memory_fraction")
+    if capacity < max_model_len:
+        logger.warning("KV cache holds %d tokens, less than max_model_len %d: "
+                       "clamping max_model_len to %d", capacity, max_model_len, capacity)
+        max_model_len = capacity
+    per_token = runner.kv_bytes_per_block() / cache.block_size
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %.0f KiB per token); "
+                "max_model_len %d", num_blocks, cache.block_size, capacity,
+                num_blocks * per_token * cache.block_size / 2**20, per_token / 1024, max_model_len)
+    return num_blocks, max_model_len

@@ -2,154 +2,19 @@
 logprobs (attention, MLP, all projections, one shard of a packed layer, rsLoRA, alpha and
 rank patterns, one layer only); adapters and the base model share batches (chunked prefill,
 async scheduling, preemption, more adapters than slots, tensor parallelism, speculative
-decoding) without changing any output; the prefix cache never hands KV across adapters;
-adapters are added and removed by name; what cannot be served is refused with the reason
-and nothing queued. Every engine ends with all KV blocks free."""
+decoding) without changing any output, and no adapter starves; the prefix cache never hands
+KV across adapters. Every engine ends with all KV blocks free. (Adding, removing and
+refusing adapters: test_lora_registry.py.)"""
 from __future__ import annotations
-
-import copy
-import json
-import os
-import random
-import shutil
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model  # a test dependency (pyproject's test extras)
 
 from tessera import LLM, SamplingParams
-from tessera.engine.engine import RequestError
-from tessera.lora import LoRARequest
-from tessera.lora.adapter import LoRAAdapterError, load_adapter
-from tests.models.parity import hf_generate
+from tests.lora.engine_cases import (ATTENTION, FP32_ATOL, MLP, NEW_TOKENS, PROMPTS, base_reference,
+                                     check_idle, hf_logprobs, mixed_requests, prompt_ids, run)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
-
-NEW_TOKENS = 16
-GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
-# float32 on both sides; measured differences are ~1e-6 (see tests/models/parity.py)
-FP32_ATOL = 1e-4
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-# lengths: a few tokens, one block and a bit, several blocks (block_size 16)
-PROMPTS = [prompt_ids(n, seed=i) for i, n in enumerate((5, 17, 40))]
-
-
-@dataclass
-class Adapter:
-    """A PEFT adapter saved to `path`, and the PEFT model (base + adapter) it came from."""
-
-    path: Path
-    model: torch.nn.Module
-    _refs: dict = field(default_factory=dict)
-
-    def request(self, name: str, int_id: int = 1) -> LoRARequest:
-        return LoRARequest(name, int_id, str(self.path))
-
-    def reference(self, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-        """PEFT's greedy tokens (cached)."""
-        key = (tuple(prompt), n)
-        if key not in self._refs:
-            self._refs[key] = hf_greedy(self.model, prompt, n)
-        return self._refs[key]
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    return hf_generate(model, prompt, n)
-
-
-def hf_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """[len, vocab] log-softmax of one forward over the whole sequence (row i predicts i + 1)."""
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
-
-
-@pytest.fixture(scope="module")
-def base(make_tiny_llama):
-    """(folder, transformers model) of the base every adapter here is trained on."""
-    return make_tiny_llama(seed=3)
-
-
-@pytest.fixture(scope="module")
-def make_adapter(base, tmp_path_factory):
-    """make_adapter(seed, std, hf=None, **LoraConfig kwargs) -> Adapter, on a copy of `hf`
-    (the base model by default). lora_B starts at zero in PEFT: it is drawn here with
-    standard deviation `std`, so the adapter changes the model's outputs."""
-    built: dict = {}
-
-    def make(seed: int = 1, std: float = 0.05, hf: torch.nn.Module | None = None,
-             save_kwargs: dict | None = None, **config) -> Adapter:
-        key = (seed, std, id(hf), json.dumps(save_kwargs, sort_keys=True),
-               json.dumps(config, sort_keys=True))
-        if key in built:
-            return built[key]
-        config.setdefault("r", 8)
-        config.setdefault("lora_alpha", 16)
-        config.setdefault("target_modules", ["q_proj", "v_proj", "down_proj", "gate_proj"])
-        torch.manual_seed(seed)
-        model = get_peft_model(copy.deepcopy(base[1] if hf is None else hf),
-                               LoraConfig(lora_dropout=0.0, **config))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name or "lora_embedding_B" in name:
-                    torch.nn.init.normal_(p, std=std)
-        model.eval()
-        folder = tmp_path_factory.mktemp("adapter")
-        model.save_pretrained(folder, **(save_kwargs or {}))
-        built[key] = Adapter(folder, model)
-        return built[key]
-
-    return make
-
-
-@pytest.fixture(scope="module")
-def trio(make_adapter):
-    """Three different adapters: A (the recipe's targets), B (every projection), C (attention
-    only, another rank)."""
-    return (make_adapter(seed=1),
-            make_adapter(seed=2, target_modules=ATTENTION + MLP),
-            make_adapter(seed=3, r=4, lora_alpha=4, std=0.1, target_modules=ATTENTION))
-
-
-@pytest.fixture
-def make_llm(base):
-    built: list[LLM] = []
-
-    def make(**kwargs) -> LLM:
-        kwargs.setdefault("num_kv_blocks", 64)
-        kwargs.setdefault("enable_lora", True)
-        llm = LLM(base[0], dtype="float32", show_progress=False, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield make
-    for llm in built:
-        check_idle(llm)
-
-
-def check_idle(llm: LLM) -> None:
-    engine = llm.engine
-    assert not engine.has_unfinished()
-    assert engine.requests == {}
-    assert engine.block_manager.all_free(), "idle engine holds blocks"
-
-
-def run(llm: LLM, prompts: list[list[int]], loras=None, params: SamplingParams = GREEDY) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
-
-
-def base_reference(base, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    return hf_greedy(base[1], prompt, n)
-
 
 # --- parity with PEFT ----------------------------------------------------------------------
 
@@ -242,12 +107,7 @@ def test_more_adapters_than_slots(num_kv_blocks, base, trio, make_llm):
     turns; with 6 blocks (of 16) sequences are also preempted and recomputed."""
     llm = make_llm(max_loras=1, num_kv_blocks=num_kv_blocks)
     steps = spy_on_adapters_per_step(llm)
-    requests = [t.request(name, i + 1) for i, (name, t) in enumerate(zip("abc", trio))]
-    prompts = [PROMPTS[i % 3] for i in range(8)]
-    picks = [0, 1, None, 2, 0, None, 1, 2]
-    loras = [None if k is None else requests[k] for k in picks]
-    expected = [base_reference(base, p) if k is None else trio[k].reference(p)
-                for p, k in zip(prompts, picks)]
+    prompts, loras, expected = mixed_requests(base, trio, "abc", [0, 1, None, 2, 0, None, 1, 2])
     assert run(llm, prompts, loras) == expected
     assert all(len(set(step) - {None}) <= 1 for step in steps)
     assert {name for step in steps for name in step} == {"a", "b", "c", None}
@@ -312,173 +172,12 @@ def test_prefix_cache_is_never_shared_across_adapters(base, trio, make_llm):
     assert hits() == before
 
 
-# --- adding and removing adapters by name ---------------------------------------------------
-
-def test_adapters_are_added_and_removed_by_name(base, trio, make_llm):
-    a, b, _ = trio
-    llm = make_llm(max_loras=2, lora_modules={"a": str(a.path)})
-    engine = llm.engine
-    assert [x.name for x in engine.list_loras()] == ["a"]
-    prompt = PROMPTS[1]
-
-    def by_name(request_id: str, name: str | None) -> list[int]:
-        engine.add_request(request_id, prompt, GREEDY, lora_request=name)
-        finished = [o for o in engine.iter_outputs([request_id], stream=False) if o.finished]
-        return finished[0].outputs[0].token_ids
-
-    assert by_name("r0", "a") == a.reference(prompt)
-    # a name given to LLM.generate names the adapter of every prompt
-    assert run(llm, PROMPTS, "a") == [a.reference(p) for p in PROMPTS]
-    with pytest.raises(LoRAAdapterError, match="already loaded"):
-        engine.add_lora(b.request("a"))
-    with pytest.raises(RequestError, match="already loaded"):
-        llm.generate([prompt], GREEDY, lora_request=b.request("a"))
-    assert engine.remove_lora("a") is True
-    assert engine.remove_lora("a") is False
-    assert engine.list_loras() == []
-    with pytest.raises(RequestError, match="unknown LoRA adapter 'a'"):
-        engine.add_request("r1", prompt, GREEDY, lora_request="a")
-    assert not engine.has_unfinished() and "r1" not in engine.requests
-    assert run(llm, [prompt], a.request("a", 5)) == [a.reference(prompt)]  # added again
-    assert by_name("r2", "a") == a.reference(prompt)
-    # the same name from the same folder is the same adapter (a no-op), however the folder
-    # is spelled
-    same = [str(a.path), os.path.relpath(a.path), f"{a.path}/../{a.path.name}", f"{a.path}/"]
-    assert all(engine.add_lora(LoRARequest("a", 5, p)) is engine.loras.get("a") for p in same)
-    assert [x.name for x in engine.list_loras()] == ["a"]
-
-
-def test_removing_an_adapter_lets_its_running_requests_finish(trio, make_llm):
-    a, b, _ = trio
-    llm = make_llm(max_loras=2)
-    engine = llm.engine
-    engine.add_lora(a.request("a"))
-    engine.add_request("r", PROMPTS[2], GREEDY, lora_request="a")
-    engine.add_request("w", PROMPTS[0], GREEDY, lora_request=b.request("b", 2))
-    for _ in range(3):
-        engine.step()
-    assert "a" in engine.stats().lora_running
-    assert engine.remove_lora("a")
-    finished = {o.request_id: o for o in engine.iter_outputs(["r", "w"], stream=False) if o.finished}
-    assert finished["r"].outputs[0].token_ids == a.reference(PROMPTS[2])
-    assert finished["w"].outputs[0].token_ids == b.reference(PROMPTS[0])
-    assert engine.stats().lora_running == ()
-
-
-# --- what is refused -------------------------------------------------------------------------
-
-def test_lora_requests_need_enable_lora(trio, make_llm):
-    llm = make_llm(enable_lora=False)
-    with pytest.raises(RequestError, match="enable-lora"):
-        llm.generate(PROMPTS, GREEDY, lora_request=trio[0].request("a"))
-    with pytest.raises(RequestError, match="enable-lora"):
-        llm.engine.add_lora(trio[0].request("a"))
-    assert not llm.engine.has_unfinished()
-    assert run(llm, PROMPTS[:1]) == run(llm, PROMPTS[:1], [None])  # None is the base model
-
-
-def _no_weights(folder: Path, tmp: Path) -> Path:
-    out = tmp / "no-weights"
-    out.mkdir()
-    shutil.copy(folder / "adapter_config.json", out)
-    return out
-
-
-def _bin_weights(folder: Path, tmp: Path) -> Path:
-    out = _no_weights(folder, tmp)
-    (out / "adapter_model.bin").write_bytes(b"")
-    return out
-
-
-def _poisoned(folder: Path, tmp: Path) -> Path:
-    """A copy whose first lora_B holds a NaN (it would turn every row of a batch into NaN
-    on paths that run rows through all slots)."""
-    from safetensors.torch import load_file, save_file
-
-    out = tmp / "poisoned"
-    shutil.copytree(folder, out)
-    tensors = load_file(str(out / "adapter_model.safetensors"))
-    key = next(k for k in sorted(tensors) if "lora_B" in k)
-    tensors[key][0, 0] = float("nan")
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    return out
-
-
-def _edit_config(folder: Path, tmp: Path, **changes) -> Path:
-    out = tmp / "edited"
-    shutil.copytree(folder, out)
-    config = json.loads((out / "adapter_config.json").read_text())
-    config.update(changes)
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    return out
-
-
-# name -> (how to make the folder from (make_adapter, make_tiny_llama, tmp_path), message)
-REFUSED = {
-    "rank_over_max": (lambda make, tiny, tmp: make(r=32, lora_alpha=32).path, "max_lora_rank 16"),
-    "another_base": (lambda make, tiny, tmp: make(hf=tiny(seed=5, hidden_size=32)[1]).path,
-                     "trained for another base model"),
-    "missing_folder": (lambda make, tiny, tmp: tmp / "nowhere", "is not a directory"),
-    "no_safetensors": (lambda make, tiny, tmp: _no_weights(make().path, tmp), "no adapter_model.safetensors"),
-    "bin_only": (lambda make, tiny, tmp: _bin_weights(make().path, tmp), "convert it to safetensors"),
-    "no_config": (lambda make, tiny, tmp: tmp, "no adapter_config.json"),
-    "dora": (lambda make, tiny, tmp: make(use_dora=True).path, "use_dora=True is not supported"),
-    "modules_to_save": (lambda make, tiny, tmp: make(modules_to_save=["lm_head"]).path,
-                        "modules_to_save=.* is not supported"),
-    "embed_tokens": (lambda make, tiny, tmp: make(target_modules=["embed_tokens"]).path,
-                     "embedding adapters"),
-    "embed_tokens_only_lora": (lambda make, tiny, tmp: make(target_modules=["embed_tokens"],
-                                                           save_kwargs=dict(save_embedding_layers=False)).path,
-                               "lora_embedding_A.* is not a lora_A/lora_B weight"),
-    "lm_head": (lambda make, tiny, tmp: make(target_modules=["q_proj", "lm_head"],
-                                            save_kwargs=dict(save_embedding_layers=False)).path,
-                "lm_head is a LMHead; adapters can target the attention and MLP projections only"),
-    "bias": (lambda make, tiny, tmp: make(bias="lora_only").path, "bias='lora_only' is not supported"),
-    "not_lora": (lambda make, tiny, tmp: _edit_config(make().path, tmp, peft_type="IA3"), "is not LoRA"),
-    "not_finite": (lambda make, tiny, tmp: _poisoned(make().path, tmp), "NaN or infinite values"),
-}
-
-
-@pytest.mark.parametrize("case", list(REFUSED))
-def test_unservable_adapters_are_refused_with_the_reason(case, make_adapter, make_tiny_llama, make_llm,
-                                                         tmp_path):
-    build, message = REFUSED[case]
-    folder = build(make_adapter, make_tiny_llama, tmp_path)
-    llm = make_llm(max_loras=2, max_lora_rank=16)
-    with pytest.raises(LoRAAdapterError, match=message):
-        load_adapter(case, folder, llm.engine.model, max_rank=16)
-    # through the offline API: a RequestError (a ValueError), and none of the prompts queued
-    good = make_adapter().request("good")
-    with pytest.raises(RequestError, match=message) as info:
-        llm.generate(PROMPTS[:2], GREEDY, lora_request=[good, LoRARequest(case, 2, str(folder))])
-    assert isinstance(info.value, ValueError)
-    assert not llm.engine.has_unfinished() and llm.engine.requests == {}
-    assert llm.engine.loras.get(case) is None
-    assert llm.engine.stats().lora_waiting == ()
-
-
-def test_request_argument_errors(trio, make_llm):
-    llm = make_llm()
-    with pytest.raises(ValueError, match="2 LoRA requests for 3 prompts"):
-        llm.generate(PROMPTS, GREEDY, lora_request=[None, trio[0].request("a")])
-    with pytest.raises(ValueError, match="lora_int_id"):
-        LoRARequest("a", 0, str(trio[0].path))
-    with pytest.raises(ValueError, match="lora_name"):
-        LoRARequest("", 1, str(trio[0].path))
-    assert not llm.engine.has_unfinished()
-
-
 # --- with other features -------------------------------------------------------------------
 
 def test_tensor_parallel_mixed_batch_equals_one_process(base, trio, make_adapter):
     k_only = make_adapter(seed=11, **PARITY_CASES["k_only"])
     adapters = [*trio, k_only]
-    requests = [t.request(name, i + 1) for i, (name, t) in enumerate(zip("abck", adapters))]
-    prompts = [PROMPTS[i % 3] for i in range(8)]
-    picks = [0, 1, None, 2, 3, None, 1, 0]
-    loras = [None if k is None else requests[k] for k in picks]
-    expected = [base_reference(base, p) if k is None else adapters[k].reference(p)
-                for p, k in zip(prompts, picks)]
+    prompts, loras, expected = mixed_requests(base, adapters, "abck", [0, 1, None, 2, 3, None, 1, 0])
     # two slots for four adapters: ranks other than the driver reload slots too
     with LLM(base[0], dtype="float32", num_kv_blocks=64, show_progress=False, tensor_parallel_size=2,
              enable_lora=True, max_loras=2) as llm:
