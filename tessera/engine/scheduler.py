@@ -110,7 +110,7 @@ class Scheduler:
         if out.preempted:
             self._drop_drafts()
             return out  # no admissions (nor drafts) in a step that had to give blocks back
-        adapters = {seq.lora.key for seq in self.running if seq.lora is not None}
+        adapters = {seq.lora.key for seq in self.running if seq.lora is not None} if self.max_loras else set()
         passed = 0  # waiting sequences passed over: their adapter cannot join this batch
         while passed < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[passed]

@@ -39,6 +39,7 @@ class StaticDecodeInputs:
         self.lens = torch.ones(size, dtype=torch.int32, device=device)
         self.starts = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device)  # -1: base model
+        self._lora_slots_set = False  # whether rows may hold slots from an adapter step
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
         """The bucket a step runs in, or None when no graph can run it (prefill rows, more
@@ -59,8 +60,10 @@ class StaticDecodeInputs:
         self.lens[:rows].copy_(meta.seq_lens)
         if inputs.lora_row_slots is not None:
             self.lora_slots[:rows].copy_(inputs.lora_row_slots)
-        else:
-            self.lora_slots[:rows] = -1
+            self._lora_slots_set = True
+        elif self._lora_slots_set:  # (without adapters, or after base steps, nothing to reset)
+            self.lora_slots.fill_(-1)
+            self._lora_slots_set = False
         if bucket > rows:  # rows left over from a larger step
             self.pad(rows, bucket)
 
@@ -70,7 +73,8 @@ class StaticDecodeInputs:
         self.slots[start:end] = -1
         self.tables[start:end, 0] = 0
         self.lens[start:end] = 1
-        self.lora_slots[start:end] = -1
+        if self._lora_slots_set:
+            self.lora_slots[start:end] = -1
 
     def metadata(self, bucket: int, seq_lens_list: list[int]) -> AttentionMetadata:
         """Metadata over the buffers' first `bucket` rows. `seq_lens_list` is what host-side

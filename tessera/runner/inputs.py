@@ -69,7 +69,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         return -1 if item.seq.lora is None else lora_slots[item.seq.lora.key]
 
     # stable: decodes first (a decode with drafts is one decode row per token), then by adapter
-    rows = sorted(scheduled, key=lambda s: (s.num_real_tokens != 1, slot_of(s) if lora_slots else -1))
+    rows = sorted(scheduled, key=(lambda s: (s.num_real_tokens != 1, slot_of(s))) if lora_slots
+                  else (lambda s: s.num_real_tokens != 1))
     segments: list[tuple[int, int, int]] = []
     num_decodes = sum(s.num_new_tokens for s in rows if s.num_real_tokens == 1)
     tokens: list[int] = []
