@@ -14,6 +14,9 @@ LOAD_FORMATS = ("auto", "dummy")
 # int8: linear weights quantized per output feature after loading (weight-only; activations
 # stay in the model dtype). Halves weight memory and single-stream decode's weight traffic.
 QUANTIZATIONS = (None, "int8")
+# the KV cache's storage: the model dtype, or 8-bit floats (fp8 = fp8_e4m3 = TGI's
+# fp8_e4m3fn; fp8_e5m2), half a bf16 cache (tessera/ops/attention/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2")
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,7 @@ class CacheConfig:
     memory_fraction: float | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def fraction_for(self, device: str) -> float:
         if self.memory_fraction is not None:
@@ -78,6 +82,8 @@ class CacheConfig:
                  f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         _require(self.num_blocks is None or self.num_blocks > 0,
                  f"num_blocks must be positive, got {self.num_blocks}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass

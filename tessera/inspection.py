@@ -20,6 +20,7 @@ from tessera.models.llama.modeling import head_dim_of
 from tessera.models.registry import get_router, router_classes
 from tessera.ops import registry
 from tessera.ops.attention import Attention
+from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.cpu.build import isa_description, unavailable_reason
 from tessera.ops.registry import OpChoice, OpTarget
 from tessera.platform import cpu_bf16_reason, resolve_dtype
@@ -92,6 +93,7 @@ def _op_json(choice: OpChoice) -> dict[str, Any]:
 
 
 def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size: int = 16,
+                  kv_cache_dtype: str = "auto",
                   load: bool = True) -> dict[str, Any]:
     """Everything `tessera inspect` prints, as plain data (the --json output)."""
     router: BaseRouter = get_router(model_config)
@@ -101,7 +103,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     started = time.perf_counter()
     with _recorded_lookups() as lookups:
         model = router.build_model(OpTarget(torch.device(device).type, dtype,
-                                            quant=model_config.quantization)).eval()
+                                            quant=model_config.quantization,
+                                            kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype))).eval()
     # counted as built (checkpoint shapes): after loading, builders may repack or quantize
     # weights and give a tied LM head its own copy
     num_parameters = sum(p.numel() for p in model.parameters())
@@ -110,8 +113,7 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         loaded = router.load_weights(model)
     build_s = time.perf_counter() - started
     attn = [m for m in model.modules() if isinstance(m, Attention)]
-    elem = torch.empty((), dtype=dtype).element_size()
-    per_token = sum(2 * a.num_kv_heads * a.head_size for a in attn) * elem
+    per_token = sum(2 * a.num_kv_heads * a.head_size * a.cache_dtype.itemsize for a in attn)
     heads = cfg.num_attention_heads
     return {
         "source": {"kind": router.source.kind, "path": str(router.source.path), "name": router.source.name},
@@ -138,6 +140,7 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         "build_seconds": round(build_s, 3),
         "ops": [_op_json(c) for c in lookups],
         "kv_cache": {"block_size": block_size, "attention_layers": len(attn),
+                     "dtype": str(attn[0].cache_dtype).removeprefix("torch.") if attn else None,
                      "bytes_per_token": per_token, "bytes_per_block": per_token * block_size},
     }
 
@@ -162,7 +165,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"parameters:   {info['parameters']:,}"
         + (f" ({info['weights_loaded']} tensors loaded)" if info["weights_loaded"] is not None
            else " (weights not loaded)") + f", built in {info['build_seconds']:.2f}s",
-        f"kv cache:     block_size {kv['block_size']}, {kv['attention_layers']} attention layers, "
+        f"kv cache:     {kv['dtype']}, block_size {kv['block_size']}, {kv['attention_layers']} attention layers, "
         f"{kv['bytes_per_token']:,} bytes/token, {kv['bytes_per_block']:,} bytes/block",
         "ops:",
     ]

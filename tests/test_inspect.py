@@ -93,6 +93,17 @@ def test_inspect_json_names_router_model_class_and_chosen_builders(tiny, capsys)
     assert info["kv_cache"]["bytes_per_block"] == 16 * info["kv_cache"]["bytes_per_token"]
 
 
+def test_inspect_shows_the_fp8_kv_cache_and_its_builders(tiny, capsys):
+    info = inspect_json(capsys, "--model", str(tiny), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8")
+    assert info["kv_cache"]["dtype"] == "float8_e4m3fn"
+    assert info["kv_cache"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 1  # one byte per element
+    attention = [op for op in info["ops"] if op["spec"]["kind"] in ("kv_write", "paged_attention")]
+    assert attention and all(op["spec"]["kv_dtype"] == "float8_e4m3fn" for op in attention)
+    # the bf16-cache kernels say why they were passed over
+    reasons = [r for op in attention for r in op["rejected"] if r["builder"] == "cpu_paged_decode_bf16"]
+    assert reasons and "KV cache dtype torch.float8_e4m3fn not supported" in reasons[0]["reasons"]
+
+
 def test_inspect_lists_rejected_candidates_and_their_reasons(tiny, capsys, isolated_registry):
     @register_op("rms_norm", name="test_f64_only_norm", priority=100, dtypes=(torch.float64,))
     def _norm(*args):  # never chosen: no model asks for float64

@@ -14,6 +14,7 @@ from tessera.config import EngineConfig
 from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankInfo, init_rank, launched_rank_info, rank_device
 from tessera.models.registry import get_router
+from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
 from tessera.runner.model_runner import ModelRunner
@@ -27,7 +28,8 @@ def build_rank_model(config: EngineConfig, rank: int, world_size: int):
     router = get_router(config.model)
     dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
                           config.model.quantization)
-    target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization)
+    target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization,
+                      kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
     model = router.build_model(target).eval()
     router.load_weights(model)
     return router, model

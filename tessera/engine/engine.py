@@ -30,6 +30,7 @@ from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError
 from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
+from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
 from tessera.runner.graph_inputs import GraphLimits
@@ -89,7 +90,8 @@ class Engine:
     def _build(self, config: EngineConfig, show_progress: bool) -> None:
         tp = config.parallel.tensor_parallel_size
         target = OpTarget(self.device.type, self.dtype, tp_size=tp, tp_rank=0,
-                          quant=config.model.quantization)
+                          quant=config.model.quantization,
+                          kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
         started = time.perf_counter()
         self.model = self.router.build_model(target).eval()
         self.router.load_weights(self.model, lambda weights: tqdm(

@@ -38,6 +38,8 @@ class OpSpec:
     # attention features a builder may not implement (rejected in its `check`)
     sliding_window: bool = False
     softcap: bool = False
+    # the KV cache's storage type when it is not the model dtype (kv_write, paged_attention)
+    kv_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:
@@ -60,6 +62,7 @@ class OpBuilder:
     dtypes: tuple[torch.dtype, ...] | None = None  # None: any
     phases: tuple[str | None, ...] | None = None  # None: any
     quant: tuple[str | None, ...] = (None,)
+    kv_dtypes: tuple[torch.dtype | None, ...] = (None,)  # quantized KV caches it reads or writes
     check: Callable[[OpSpec], list[str]] | None = None  # extra, builder-specific reasons
     # the layout `impl` wants a loaded weight in (e.g. repacked panels), applied once after
     # loading by the layer that owns the weight; None: used as loaded
@@ -76,6 +79,8 @@ class OpBuilder:
             reasons.append(f"phase {spec.phase} not in {self.phases}")
         if spec.quant not in self.quant:
             reasons.append(f"quantization {spec.quant} not supported")
+        if spec.kv_dtype not in self.kv_dtypes:
+            reasons.append(f"KV cache dtype {spec.kv_dtype} not supported")
         if self.check is not None:
             reasons.extend(self.check(spec))
         return reasons
@@ -151,6 +156,7 @@ class OpTarget:
     tp_size: int = 1
     tp_rank: int = 0   # which slice of each sharded layer this process holds
     quant: str | None = None  # weight quantization of the linear layers (--quantization)
+    kv_cache_dtype: torch.dtype | None = None  # the KV cache's storage type (None: dtype)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

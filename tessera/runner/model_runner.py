@@ -50,6 +50,8 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         if not self.attn_layers:
             raise ValueError(f"{type(model).__name__} has no Attention layers to give a KV cache")
+        # what the cache stores: the model dtype or 8-bit floats (the target the model was built for)
+        self.kv_cache_dtype = self.attn_layers[0].cache_dtype
         self.num_blocks = 0
         if device.type == "cpu":  # decode streams every weight once: fewer TLB misses pay
             move_weights_to_huge_pages(model)
@@ -73,7 +75,7 @@ class ModelRunner:
         self.lora.load(slot, adapter)
 
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         per_token = sum(2 * a.num_kv_heads * a.head_size for a in self.attn_layers)
         return per_token * self.block_size * elem
 
@@ -99,15 +101,15 @@ class ModelRunner:
 
     def _empty_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
-            return empty_huge_like(shape, self.dtype)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+            return empty_huge_like(shape, self.kv_cache_dtype)
+        return torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     def _zero_blocks_up_to(self, end: int) -> None:
         if end <= self._zeroed_blocks:
             return
         for layer in self.attn_layers:
-            for cache in layer.kv_cache:
-                cache[self._zeroed_blocks:end].zero_()
+            for cache in layer.kv_cache:  # as bytes: float8 has no fill kernel everywhere
+                cache[self._zeroed_blocks:end].view(torch.uint8).zero_()
         self._zeroed_blocks = end
 
     def release_kv_cache(self) -> None:

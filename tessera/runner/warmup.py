@@ -142,7 +142,8 @@ def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int)
                        "clamping max_model_len to %d", capacity, max_model_len, capacity)
         max_model_len = capacity
     per_token = runner.kv_bytes_per_block() / cache.block_size
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %.0f KiB per token); "
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.1f MiB, %.0f KiB per token); "
                 "max_model_len %d", num_blocks, cache.block_size, capacity,
+                str(runner.kv_cache_dtype).removeprefix("torch."),
                 num_blocks * per_token * cache.block_size / 2**20, per_token / 1024, max_model_len)
     return num_blocks, max_model_len

@@ -180,6 +180,18 @@ def test_default_model_tp2_equals_tp1(default_gguf):
         assert generate(two, token_prompts) == expected
 
 
+def test_fp8_kv_cache_tp2_equals_tp1(make_tiny_llama):
+    """Every rank builds its layers for, and allocates, the 8-bit cache the driver sized."""
+    folder, _ = make_tiny_llama(seed=9, initializer_range=0.1)
+    prompts = [prompt_ids(n, seed=5) for n in PROMPT_LENGTHS]
+    with LLM(folder, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64, show_progress=False) as one:
+        expected = generate(one, prompts)
+    with LLM(folder, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64, show_progress=False,
+             tensor_parallel_size=2) as two:
+        assert two.engine.runner.kv_cache_dtype == torch.float8_e4m3fn
+        assert generate(two, prompts) == expected
+
+
 # --- failures ----------------------------------------------------------------------------------
 
 def test_killed_rank_fails_the_engine_within_seconds(make_tiny_llama):

@@ -27,12 +27,13 @@ class Attention(OpModule):
         # The spec states which features are needed, so a kernel without them is rejected.
         # The cache keeps every token; freeing blocks that left the window is not done yet.
         features = dict(head_size=head_size, sliding_window=sliding_window is not None,
-                        softcap=softcap is not None)
-        self._write = target.op("kv_write", head_size=head_size)
+                        softcap=softcap is not None, kv_dtype=target.kv_cache_dtype)
+        self._write = target.op("kv_write", head_size=head_size, kv_dtype=target.kv_cache_dtype)
         self._prefill = target.op("paged_attention", phase="prefill", **features)
         self._decode = target.op("paged_attention", phase="decode", **features)
-        # Bound by the runner once the cache is allocated: (k_cache, v_cache).
+        # Bound by the runner once the cache is allocated: (k_cache, v_cache), of this dtype.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.cache_dtype = target.kv_cache_dtype or target.dtype
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]."""

@@ -1,32 +1,44 @@
 """Pure-torch paged attention: the CPU path, the test oracle and the fallback.
 
-KV cache layout per layer: [num_blocks, block_size, num_kv_heads, head_size] for K and V.
+KV cache layout per layer: [num_blocks, block_size, num_kv_heads, head_size] for K and V,
+in the model dtype or an 8-bit float (kv_quant.py): written rounded, read back widened.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from tessera.ops.attention.kv_quant import QUANTIZED_KV, quantize_kv
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
 
+ANY_KV = (None, *QUANTIZED_KV)
 
-@register_op("kv_write", name="torch_kv_write", priority=0)
+
+def _rows_of(cache: torch.Tensor) -> torch.Tensor:
+    """[slots, Hk, D]; 8-bit floats as bytes (CPU index_copy_ has no float8 kernel)."""
+    rows = cache.view(-1, *cache.shape[2:])
+    return rows.view(torch.uint8) if cache.dtype in QUANTIZED_KV else rows
+
+
+@register_op("kv_write", name="torch_kv_write", priority=0, kv_dtypes=ANY_KV)
 def kv_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, has_padding: bool = False) -> None:
     """key/value: [T, Hk, D]. With `has_padding`, rows whose slot is -1 are not written."""
     if has_padding:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    for x, cache in ((key, k_cache), (value, v_cache)):
+        x = quantize_kv(x, cache.dtype)
+        _rows_of(cache).index_copy_(0, slot_mapping, x.view(torch.uint8) if x.dtype in QUANTIZED_KV else x)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence: [length, Hk, D]."""
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence as `dtype`: [length, Hk, D]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length].to(dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -48,7 +60,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
 
 
-@register_op("paged_attention", name="torch_paged_prefill", priority=0, phases=("prefill",))
+@register_op("paged_attention", name="torch_paged_prefill", priority=0, phases=("prefill",),
+             kv_dtypes=ANY_KV)
 def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None = None,
@@ -64,11 +77,12 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     for i in range(meta.num_decodes, meta.num_seqs):
         q_len, ctx_len = meta.query_lens_list[i], meta.seq_lens_list[i]
         q = query[start:start + q_len]
-        if ctx_len == q_len:  # nothing cached before this chunk: use the fresh K/V directly
+        if ctx_len == q_len and k_cache.dtype == key.dtype:
+            # nothing cached before this chunk: the fresh K/V are what the cache holds
             k, v = key[start:start + q_len], value[start:start + q_len]
         else:
-            k = _gather_context(k_cache, meta.block_tables[i], ctx_len)
-            v = _gather_context(v_cache, meta.block_tables[i], ctx_len)
+            k = _gather_context(k_cache, meta.block_tables[i], ctx_len, query.dtype)
+            v = _gather_context(v_cache, meta.block_tables[i], ctx_len, query.dtype)
         # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
         mask = None
         if ctx_len != q_len or sliding_window is not None:
@@ -84,7 +98,8 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out
 
 
-@register_op("paged_attention", name="torch_paged_decode", priority=0, phases=("decode",))
+@register_op("paged_attention", name="torch_paged_decode", priority=0, phases=("decode",),
+             kv_dtypes=ANY_KV)
 def paged_decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                      softcap: float | None = None) -> torch.Tensor:
@@ -98,8 +113,8 @@ def paged_decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     b = meta.num_decodes
     num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
     tables, mask = meta.decode_view(k_cache.shape[1], sliding_window)
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hk, L, D]
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)  # [B, Hk, L, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
     q = query.view(b, num_kv_heads, -1, head_size)
     if softcap is None:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -33,7 +33,7 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 AVX2_FLAGS = ("-mavx2", "-mfma")
 AVX2_CPU_FLAGS = ("avx2", "fma")
-PORTABLE_SOURCES = ("kv_write.c", "embedding.c")
+PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c")
 # Extensions the AVX512 kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
 # /proc/cpuinfo flag -> compiler flag. Many AVX512 CPUs lack AVX512-BF16 (Skylake-X to Ice
 # Lake, and hypervisors that hide it); their kernels widen bf16 to float32 in registers.
@@ -121,14 +121,14 @@ def isa_description() -> str:
     return f"{bf16}; int8 weights via {int8}"
 
 
-def unavailable_reason(source_name: str) -> str | None:
-    """Why the kernel in `source_name` cannot run here (no ISA, no compiler, a failed
-    build), or None: what a registry builder's `check` reports."""
+def unavailable_reason(source_name: str, defines: tuple[str, ...] = ()) -> str | None:
+    """Why the kernel in `source_name` (built with `defines`) cannot run here (no ISA, no
+    compiler, a failed build), or None: what a registry builder's `check` reports."""
     missing = missing_cpu_flags(source_name)
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     try:
-        load_kernel(source_name)
+        load_kernel(source_name, defines=defines)
     except (KernelBuildError, OSError) as exc:
         return f"kernel unavailable: {exc}"
     return None
@@ -139,10 +139,13 @@ def compiler() -> str | None:
 
 
 @lru_cache(maxsize=None)
-def load_kernel(source_name: str, cache_dir: Path = CACHE) -> ctypes.CDLL:
-    """Build (once) and load tessera/ops/cpu/<source_name>; KernelBuildError says why not."""
+def load_kernel(source_name: str, cache_dir: Path = CACHE, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (once) and load tessera/ops/cpu/<source_name>, with `defines` ("NAME VALUE")
+    ahead of its text (one source, several variants); KernelBuildError says why not."""
     source = HERE / source_name
-    return load_source(source.stem, source.read_text(), cache_dir, build_flags(source_name))
+    text = "".join(f"#define {d}\n" for d in defines) + source.read_text()
+    stem = "-".join((source.stem, *(d.replace(" ", "") for d in defines)))
+    return load_source(stem, text, cache_dir, build_flags(source_name))
 
 
 def load_source(stem: str, text: str, cache_dir: Path = CACHE,
@@ -189,6 +192,8 @@ class Kernel:
     restype: Any = None
     # the same symbol built for CPUs that `source` cannot run on (an *_avx2.c file)
     fallback_source: str | None = None
+    # "NAME VALUE" macros defined ahead of the source (a variant of a shared source)
+    defines: tuple[str, ...] = ()
 
     def __call__(self, *args):
         if _recorders:
@@ -204,14 +209,15 @@ class Kernel:
 
     def runnable_source(self) -> str:
         """`source`, or `fallback_source` where only that one can run here."""
-        if self.fallback_source and unavailable_reason(self.source) and not unavailable_reason(self.fallback_source):
+        if (self.fallback_source and unavailable_reason(self.source, self.defines)
+                and not unavailable_reason(self.fallback_source, self.defines)):
             return self.fallback_source
         return self.source
 
     def check(self, spec: object) -> list[str]:
-        reason = unavailable_reason(self.source)
+        reason = unavailable_reason(self.source, self.defines)
         if reason and self.fallback_source:
-            fallback = unavailable_reason(self.fallback_source)
+            fallback = unavailable_reason(self.fallback_source, self.defines)
             if fallback is None:
                 return []
             reason = f"{reason}; {self.fallback_source}: {fallback}"
@@ -220,7 +226,7 @@ class Kernel:
 
 @lru_cache(maxsize=None)
 def _bind(kernel: Kernel):
-    fn = getattr(load_kernel(kernel.runnable_source()), kernel.symbol)
+    fn = getattr(load_kernel(kernel.runnable_source(), defines=kernel.defines), kernel.symbol)
     fn.argtypes = list(kernel.argtypes)
     fn.restype = kernel.restype
     return fn

@@ -1,5 +1,6 @@
 /* paged_decode_bf16.c for CPUs without AVX512 (same symbol, arguments and results up to
- * float32 summation order): one query token per sequence attends over its cache blocks in
+ * float32 summation order), and for a cache of 8-bit floats on any CPU with AVX2 (built
+ * with TESSERA_KV_FP8: kv_rows.h): one query token per sequence attends over its cache blocks in
  * place, GQA without repeating K/V, float32 scores, a two-pass softmax, float32
  * accumulation of V, window and soft-capping as there.
  *
@@ -27,6 +28,7 @@
 
 #include "avx2_math.h"
 #include "bf16.h"
+#include "kv_rows.h"
 #include "paged_slots.h"
 
 #define SCORE_HEADS 3   /* query heads per score tile: 4 keys x 3 heads = 12 accumulators */
@@ -41,7 +43,7 @@
 #define KEYS_AHEAD 16
 
 typedef struct {
-    const uint16_t *k_cache, *v_cache;
+    const kv_t *k_cache, *v_cache;
     const int32_t *table;        /* this sequence's block table */
     int64_t shift, row_stride;   /* log2(block size); elements per cache slot */
 } KvRows;
@@ -51,9 +53,9 @@ static inline int64_t slot_offset(const KvRows *kv, int64_t t) {
     return paged_slot(kv->table, kv->shift, t) * kv->row_stride;
 }
 
-/* `elems` bf16 values from `row` towards L1. */
-static inline void prefetch_row(const uint16_t *row, int64_t elems) {
-    for (int64_t byte = 0; byte < elems * 2; byte += 64) _mm_prefetch((const char *)row + byte, _MM_HINT_T0);
+/* `elems` cache values from `row` towards L1. */
+static inline void prefetch_row(const kv_t *row, int64_t elems) {
+    for (int64_t byte = 0; byte < elems * (int64_t)sizeof(kv_t); byte += 64) _mm_prefetch((const char *)row + byte, _MM_HINT_T0);
 }
 
 /* the totals of a0..a3, in that order */
@@ -65,8 +67,8 @@ static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 /* out[h * n + j] = q_h . k_j for `heads` (constant after inlining, <= SCORE_HEADS) float32
  * query rows q_h = qf + h * d and four bf16 keys k_j. */
 static inline __attribute__((always_inline)) void scores_4keys(
-        const float *qf, int64_t d, const uint16_t *k0, const uint16_t *k1, const uint16_t *k2,
-        const uint16_t *k3, float *out, int64_t n, const int heads) {
+        const float *qf, int64_t d, const kv_t *k0, const kv_t *k1, const kv_t *k2,
+        const kv_t *k3, float *out, int64_t n, const int heads) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
     __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
@@ -77,7 +79,7 @@ static inline __attribute__((always_inline)) void scores_4keys(
         const __m256 q2 = heads > 2 ? _mm256_loadu_ps(qf + 2 * d + i) : q0;
         /* one key's chunk, widened once, into the accumulators of every head */
 #define KEY_FMAS(key, acc0, acc1, acc2) do {                            \
-            const __m256 k = bf16x8_to_f32((key) + i);                  \
+            const __m256 k = kv8_to_f32((key) + i);                     \
             acc0 = _mm256_fmadd_ps(q0, k, acc0);                        \
             if (heads > 1) acc1 = _mm256_fmadd_ps(q1, k, acc1);         \
             if (heads > 2) acc2 = _mm256_fmadd_ps(q2, k, acc2);         \
@@ -96,21 +98,21 @@ static inline __attribute__((always_inline)) void scores_4keys(
         if (i < d) {  /* head sizes that are not a multiple of 8 */
             float t[4];
             _mm_storeu_ps(t, s[h]);
-            const uint16_t *keys[4] = {k0, k1, k2, k3};
+            const kv_t *keys[4] = {k0, k1, k2, k3};
             for (int j = 0; j < 4; j++)
-                for (int64_t e = i; e < d; e++) t[j] += qf[h * d + e] * bf16_to_f32(keys[j][e]);
+                for (int64_t e = i; e < d; e++) t[j] += qf[h * d + e] * kv_to_f32(keys[j][e]);
             s[h] = _mm_loadu_ps(t);
         }
         _mm_storeu_ps(out + h * n, s[h]);
     }
 }
 
-static float dot1(const float *q, const uint16_t *k, int64_t d) {
+static float dot1(const float *q, const kv_t *k, int64_t d) {
     __m256 a = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16x8_to_f32(k + i), a);
+    for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv8_to_f32(k + i), a);
     float s = hsum8(a);
-    for (; i < d; i++) s += q[i] * bf16_to_f32(k[i]);
+    for (; i < d; i++) s += q[i] * kv_to_f32(k[i]);
     return s;
 }
 
@@ -121,9 +123,9 @@ static void scores_pass(const float *qf, int64_t kv_heads, int64_t group, int64_
     const int64_t n = end - start;
     int64_t t = start;
     for (; t + 4 <= end; t += 4) {
-        const uint16_t *r0 = kv->k_cache + slot_offset(kv, t), *r1 = kv->k_cache + slot_offset(kv, t + 1);
-        const uint16_t *r2 = kv->k_cache + slot_offset(kv, t + 2), *r3 = kv->k_cache + slot_offset(kv, t + 3);
-        const uint16_t *ahead[4];  /* rows KEYS_AHEAD keys on (NULL past the end) */
+        const kv_t *r0 = kv->k_cache + slot_offset(kv, t), *r1 = kv->k_cache + slot_offset(kv, t + 1);
+        const kv_t *r2 = kv->k_cache + slot_offset(kv, t + 2), *r3 = kv->k_cache + slot_offset(kv, t + 3);
+        const kv_t *ahead[4];  /* rows KEYS_AHEAD keys on (NULL past the end) */
         for (int64_t u = 0; u < 4; u++)
             ahead[u] = t + KEYS_AHEAD + u < end ? kv->k_cache + slot_offset(kv, t + KEYS_AHEAD + u) : NULL;
         for (int64_t j = 0; j < kv_heads; j++) {
@@ -143,7 +145,7 @@ static void scores_pass(const float *qf, int64_t kv_heads, int64_t group, int64_
         }
     }
     for (; t < end; t++) {
-        const uint16_t *r = kv->k_cache + slot_offset(kv, t);
+        const kv_t *r = kv->k_cache + slot_offset(kv, t);
         for (int64_t h = 0; h < kv_heads * group; h++)
             scores[h * n + (t - start)] = dot1(qf + h * d, r + h / group * d, d);
     }
@@ -184,7 +186,7 @@ static float exp_row(float *row, int64_t n, float scale, float softcap, float *b
 /* acc[h][i..i+16) += sum_j p[h * n + j] * v_j[i..i+16) for `heads` (constant after
  * inlining, <= VALUE_HEADS) rows of acc (stride d) and `keys` value rows. */
 static inline __attribute__((always_inline)) void values_16dims(
-        float *acc, int64_t d, const uint16_t *const *rows, const uint16_t *const *ahead,
+        float *acc, int64_t d, const kv_t *const *rows, const kv_t *const *ahead,
         int64_t keys, int64_t i, const float *p, int64_t n, const int heads) {
     __m256 a00 = _mm256_loadu_ps(acc + i), a01 = _mm256_loadu_ps(acc + i + 8);
     __m256 a10 = a00, a11 = a01, a20 = a00, a21 = a01, a30 = a00, a31 = a01;
@@ -193,7 +195,7 @@ static inline __attribute__((always_inline)) void values_16dims(
     if (heads > 3) { a30 = _mm256_loadu_ps(acc + 3 * d + i); a31 = _mm256_loadu_ps(acc + 3 * d + i + 8); }
     for (int64_t j = 0; j < keys; j++) {
         _mm_prefetch((const char *)(ahead[j] + i), _MM_HINT_T0);
-        const __m256 v0 = bf16x8_to_f32(rows[j] + i), v1 = bf16x8_to_f32(rows[j] + i + 8);
+        const __m256 v0 = kv8_to_f32(rows[j] + i), v1 = kv8_to_f32(rows[j] + i + 8);
         __m256 w = _mm256_broadcast_ss(p + j);
         a00 = _mm256_fmadd_ps(w, v0, a00);
         a01 = _mm256_fmadd_ps(w, v1, a01);
@@ -221,12 +223,12 @@ static inline __attribute__((always_inline)) void values_16dims(
 }
 
 /* As values_16dims for dims [i, d) (fewer than 16), one head at a time. */
-static void values_tail(float *acc, int64_t d, const uint16_t *const *rows, int64_t keys, int64_t i,
+static void values_tail(float *acc, int64_t d, const kv_t *const *rows, int64_t keys, int64_t i,
                         const float *p, int64_t n, int64_t heads) {
     for (int64_t h = 0; h < heads; h++)
         for (int64_t j = 0; j < keys; j++) {
             const float w = p[h * n + j];
-            for (int64_t e = i; e < d; e++) acc[h * d + e] += w * bf16_to_f32(rows[j][e]);
+            for (int64_t e = i; e < d; e++) acc[h * d + e] += w * kv_to_f32(rows[j][e]);
         }
 }
 
@@ -236,7 +238,7 @@ static void values_pass(const float *p, int64_t kv_heads, int64_t group, int64_t
                         const KvRows *kv, int64_t start, int64_t end, float *acc) {
     const int64_t n = end - start, d16 = d / 16 * 16;
     memset(acc, 0, sizeof(float) * kv_heads * group * d);
-    const uint16_t *slots[VALUE_KEYS], *rows[VALUE_KEYS], *ahead_slots[VALUE_KEYS], *ahead[VALUE_KEYS];
+    const kv_t *slots[VALUE_KEYS], *rows[VALUE_KEYS], *ahead_slots[VALUE_KEYS], *ahead[VALUE_KEYS];
     for (int64_t t0 = start; t0 < end; t0 += VALUE_KEYS) {
         const int64_t keys = end - t0 < VALUE_KEYS ? end - t0 : VALUE_KEYS;
         for (int64_t j = 0; j < keys; j++) {
@@ -274,7 +276,7 @@ static inline int64_t first_key(int64_t len, int64_t window) {
 
 /* q, out: [batch, num_heads, d]; block_tables: [batch, table_width]; seq_lens: [batch];
  * block_size a power of two (returns 2 otherwise); 1 if a buffer cannot be allocated. */
-int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t *v_cache,
                               const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out,
                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                               int64_t block_size, int64_t table_width, float scale, int64_t window,

@@ -1,4 +1,5 @@
-/* Paged prefill attention for bf16 on CPUs with AVX2 + FMA (those with AVX512 too): the
+/* Paged prefill attention for bf16 on CPUs with AVX2 + FMA (those with AVX512 too), over a
+ * bf16 cache or, built with TESSERA_KV_FP8, an 8-bit float one (kv_rows.h): the
  * prompt rows of a step (chunks of any length, after any cached prefix) attend causally
  * over their sequence's cache blocks in place, GQA without repeating K/V, sliding windows
  * and soft-capping, float32 scores and accumulation, an online softmax over key tiles.
@@ -31,6 +32,7 @@
 
 #include "avx2_math.h"
 #include "bf16.h"
+#include "kv_rows.h"
 #include "paged_slots.h"
 
 #define TILE_KEYS 64     /* keys per packed K/V tile */
@@ -68,12 +70,12 @@ static int by_cost_desc(const void *a, const void *b) {
     return (ca < cb) - (ca > cb);
 }
 
-/* 8 floats of a bf16 row from dim d0, zeros past its d dims (no read beyond them). */
-static inline __m256 row8(const uint16_t *row, int64_t d0, int64_t d) {
-    if (d0 + 8 <= d) return bf16x8_to_f32(row + d0);
-    uint16_t tmp[8] = {0};
+/* 8 floats of a cache row from dim d0, zeros past its d dims (no read beyond them). */
+static inline __m256 row8(const kv_t *row, int64_t d0, int64_t d) {
+    if (d0 + 8 <= d) return kv8_to_f32(row + d0);
+    kv_t tmp[8] = {0};
     for (int64_t i = d0; i < d; i++) tmp[i - d0] = row[i];
-    return bf16x8_to_f32(tmp);
+    return kv8_to_f32(tmp);
 }
 
 /* Transpose 8 rows of 8 floats; row i of the result goes to out + i * stride. */
@@ -98,12 +100,12 @@ static inline void store_transposed8(__m256 r0, __m256 r1, __m256 r2, __m256 r3,
 }
 
 typedef struct {
-    const uint16_t *k_cache, *v_cache;
+    const kv_t *k_cache, *v_cache;
     const int32_t *table;
     int64_t shift, row_stride, head_offset, d, dp;
 } Tile;
 
-static inline const uint16_t *cache_row(const Tile *t, const uint16_t *cache, int64_t pos) {
+static inline const kv_t *cache_row(const Tile *t, const kv_t *cache, int64_t pos) {
     return cache + paged_slot(t->table, t->shift, pos) * t->row_stride + t->head_offset;
 }
 
@@ -112,7 +114,7 @@ static inline const uint16_t *cache_row(const Tile *t, const uint16_t *cache, in
 static void pack_tile(const Tile *t, int64_t k0, int64_t kn, float *kt, float *v) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t j0 = 0; j0 < TILE_KEYS; j0 += 8) {
-        const uint16_t *rows[8];
+        const kv_t *rows[8];
         for (int j = 0; j < 8; j++) rows[j] = j0 + j < kn ? cache_row(t, t->k_cache, k0 + j0 + j) : NULL;
         for (int64_t d0 = 0; d0 < t->dp; d0 += 8) {
             __m256 r[8];
@@ -123,7 +125,7 @@ static void pack_tile(const Tile *t, int64_t k0, int64_t kn, float *kt, float *v
     for (int64_t j = 0; j < TILE_KEYS; j++) {
         float *dst = v + j * t->dp;
         if (j < kn) {
-            const uint16_t *row = cache_row(t, t->v_cache, k0 + j);
+            const kv_t *row = cache_row(t, t->v_cache, k0 + j);
             for (int64_t d0 = 0; d0 < t->dp; d0 += 8) _mm256_storeu_ps(dst + d0, row8(row, d0, t->d));
         } else {
             for (int64_t d0 = 0; d0 < t->dp; d0 += 8) _mm256_storeu_ps(dst + d0, zero);
@@ -367,7 +369,7 @@ static void merge_split(const Problem *pb, const Split *sp, float *acc) {
  * tables [num_seqs, table_width]; seq_lens: each sequence's length including its rows, whose
  * K/V are already in the cache. window 0: none; softcap 0: none.
  * Returns 0, 1 when scratch could not be allocated, 2 for a block size not a power of two. */
-int tessera_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t *v_cache,
                                const int32_t *tables, const int32_t *seq_lens, const int32_t *query_start,
                                uint16_t *out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
                                int64_t block_size, int64_t table_width, float scale, int64_t window,
