@@ -1,5 +1,6 @@
-"""`tessera bench throughput | latency | prefix | chunked`: tessera beside transformers' `generate`
-or a feature on and off, one process; `tessera bench serve`: a running server over HTTP."""
+"""`tessera bench throughput | latency | prefix | chunked | speculative | lora | kv-cache`: tessera
+beside transformers' `generate` or a feature on and off, one process; `tessera bench serve`: a
+running server over HTTP."""
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,16 @@ from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
     bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "speculative", "lora",
-                                            "serve"),
+                                            "kv-cache", "serve"),
                        help="throughput/latency: beside --baseline; prefix: TTFT of a request "
                             "sharing a long prefix, caching on vs off; chunked: decode ITL while a "
                             "long prompt arrives, chunked prefill on vs off; speculative: n-gram "
                             "speculative decoding on vs off (--speculate N, default 4) on chat prompts "
                             "that quote a passage and ones that do not, per --batch-sizes; lora: the "
                             "base model vs one adapter vs --max-loras adapters in each batch, per "
-                            "--batch-sizes (random adapters of rank --max-lora-rank); serve: "
+                            "--batch-sizes (random adapters of rank --max-lora-rank); kv-cache: the "
+                            "model-dtype KV cache vs --kv-cache-dtype (default fp8): bytes per token, "
+                            "prefill and decode speed per --batch-sizes, logprob drift; serve: "
                             "TTFT, TPOT, ITL and throughput of a running server (--url)")
     bench.add_argument("--num-prompts", type=int, default=32, help="throughput/serve: prompts in the run")
     bench.add_argument("--batch-sizes", default="1", help="latency: comma-separated batch sizes")
@@ -123,6 +126,30 @@ def _lora(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _kv_cache(args: argparse.Namespace) -> int:
+    """One engine per cache: it cannot share the process's usual single LLM."""
+    from tessera.bench.kv_cache import kv_cache_bench
+    from tessera.cli import _make_llm
+
+    quantized = "fp8" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    speed, summary = kv_cache_bench(lambda kv: _make_llm(argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})),
+                                    ["auto", quantized], sizes, args.input_len, args.output_len, args.repeats)
+    meta = {"workload": "kv-cache", "model": args.model or "default", "dtype": args.dtype,
+            "threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
+            "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+    print(f"\nkv-cache: {meta['model']}, {meta['threads']} threads, {args.input_len} in / "
+          f"{args.output_len} out, median of {args.repeats}")
+    print(markdown_table(summary, ["engine", "kv_dtype", "kv_bytes_per_token", "cache_tokens", "nll",
+                                   "mean_abs_logprob_change"]))
+    print()
+    print(markdown_table(speed, ["engine", "decode_tokens_per_s", "batch_size", "prefill_tokens_per_s"],
+                         "tessera, kv auto"))
+    if args.output_json:
+        write_json(Path(args.output_json), meta, [*summary, *speed])
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from tessera.cli import _make_llm
 
@@ -146,6 +173,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.speculate = 4
     if args.workload == "lora":
         args.enable_lora = True
+    if args.workload == "kv-cache":
+        return _kv_cache(args)
     with _make_llm(args) as llm:
         return _bench(args, llm, entries)
 

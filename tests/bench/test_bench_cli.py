@@ -144,6 +144,26 @@ def test_lora_bench_compares_base_one_and_several_adapters(make_tiny_llama, tmp_
     assert "speedup vs tessera, base model" in capsys.readouterr().out
 
 
+def test_kv_cache_bench_compares_the_fp8_cache_with_the_model_dtype_one(make_tiny_llama, tmp_path, capsys):
+    folder, _ = make_tiny_llama()
+    out = tmp_path / "kv.json"
+    code = main(["bench", "kv-cache", "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--kv-cache-dtype", "fp8_e5m2", "--batch-sizes", "1,2", "--input-len", "8",
+                 "--output-len", "4", "--repeats", "1", "--output-json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())["results"]
+    auto, fp8 = results[:2]
+    assert (auto["kv_dtype"], fp8["kv_dtype"]) == ("float32", "float8_e5m2")
+    assert auto["kv_bytes_per_token"] == 4 * fp8["kv_bytes_per_token"]
+    assert auto["cache_tokens"] == fp8["cache_tokens"] == 64 * 16
+    assert auto["mean_abs_logprob_change"] == 0 < fp8["mean_abs_logprob_change"] < 0.5
+    assert abs(auto["nll"] - fp8["nll"]) < 0.5
+    assert [(r["engine"], r["batch_size"]) for r in results[2:]] == [
+        (e, b) for e in ("tessera, kv auto", "tessera, kv fp8_e5m2") for b in (1, 2)]
+    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 for r in results[2:])
+    assert "speedup vs tessera, kv auto" in capsys.readouterr().out
+
+
 def test_random_bench_adapters_target_every_projection(make_tiny_llama, tmp_path):
     from tessera import LLM
     from tessera.bench.lora import write_random_adapter

@@ -52,10 +52,33 @@ def test_float32_and_ampere_kernels_compile():
     _check(compile_all(80, (torch.bfloat16, torch.float32), small), 80, no_spills=False)
 
 
+def test_fp8_cache_kernels_compile_for_hopper():
+    """With an 8-bit float KV cache (e4m3fn) in a bf16 model: every kernel compiles within
+    the SM's shared memory, with no spills for heads up to 128 wide. The decoded K/V tiles
+    pass through registers on their way to tl.dot (the bf16 cache's go to shared memory
+    directly), so gemma-2's 256-wide prefill spills a little (about 124 bytes on triton
+    3.9); only its limits are asserted."""
+    results = compile_all(90, (torch.bfloat16,), TESTED, kv_dtype=torch.float8_e4m3fn)
+    _check(results, 90, no_spills=False)
+    _check([r for r in results if not r.case.startswith("gemma-2")], 90, no_spills=True)
+    # e5m2 differs only in constants
+    _check(compile_all(90, (torch.bfloat16,), TESTED[:1], kv_dtype=torch.float8_e5m2), 90, no_spills=True)
+
+
+def test_fp8_cache_float32_and_ampere_kernels_compile():
+    """float32 models widen an fp8 cache to float32 (their IEEE tl.dot): they compile, as
+    do Ampere's kernels; spills are not asserted (float32 with fp8 spills on Hopper)."""
+    small = tuple(s for s in SHAPES if s.name == "smollm2-135m")
+    _check(compile_all(90, (torch.float32,), small, kv_dtype=torch.float8_e5m2), 90, no_spills=False)
+    _check(compile_all(80, (torch.bfloat16,), small, kv_dtype=torch.float8_e4m3fn), 80, no_spills=False)
+
+
 def test_attention_compiles_once_for_every_step_shape():
     """Lengths, table widths, partition counts and the decode rows before a prefill change
     every step: left unspecialised, one compile serves them all (Triton would otherwise
     compile a variant for each value that is 1 or a multiple of 16: 17 of the decode
     kernel, a second or so each, in the middle of serving)."""
     for shape in (SHAPES[0], SHAPES[4]):  # plain, and windowed with soft-capping
-        assert attention_variants(shape) == {"partial_kernel": 1, "merge_kernel": 1, "prefill_kernel": 1}
+        for kv_dtype in (None, torch.float8_e4m3fn):
+            assert attention_variants(shape, kv_dtype=kv_dtype) == {"partial_kernel": 1, "merge_kernel": 1,
+                                                                    "prefill_kernel": 1}, kv_dtype

@@ -111,9 +111,11 @@ def _meta(num_decodes: int, lens: list[int], q_lens: list[int], block_size: int)
 
 
 def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
-                shapes: tuple[Shape, ...] = SHAPES, block_size: int = 16) -> list[Compiled]:
+                shapes: tuple[Shape, ...] = SHAPES, block_size: int = 16,
+                kv_dtype: torch.dtype | None = None) -> list[Compiled]:
     """Every kernel wrapper at every shape and dtype, as the engine calls them: decode at
-    batch 1 over 8k tokens and batch 64 over 2k, a prefill chunk over a cached prefix."""
+    batch 1 over 8k tokens and batch 64 over 2k, a prefill chunk over a cached prefix.
+    `kv_dtype`: an 8-bit float KV cache (None: the model dtype)."""
     import tessera.ops.triton.activation as activation
     import tessera.ops.triton.kv_write as kv_write
     import tessera.ops.triton.paged_decode as paged_decode
@@ -129,6 +131,8 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
         for dtype in dtypes:
             for shape in shapes:
                 case = f"{shape.name} {str(dtype).removeprefix('torch.')} sm_{arch}"
+                if kv_dtype is not None:
+                    case += f" kv {str(kv_dtype).removeprefix('torch.')}"
                 for module, original in zip(single, originals):
                     module._kernel = lambda original=original, case=case: _Recorder(original(), arch, case, out)
                 paged_decode._kernels = lambda case=case: tuple(_Recorder(k, arch, case, out)
@@ -141,7 +145,7 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 qkv = torch.zeros((2, (h + 2 * hk) * d), dtype=dtype)
                 cos_sin = torch.zeros((2, 1, 2 * d), dtype=dtype)
                 rotary.triton_rotary(qkv[:, :h * d], qkv[:, h * d:(h + hk) * d], cos_sin[..., :d], cos_sin[..., d:], d)
-                k_cache = torch.zeros((4, block_size, hk, d), dtype=dtype)
+                k_cache = torch.zeros((4, block_size, hk, d), dtype=kv_dtype or dtype)
                 v_cache = torch.zeros_like(k_cache)
                 rows = torch.zeros((3, hk, d), dtype=dtype)
                 kv_write.triton_kv_write(rows, rows, k_cache, v_cache, torch.zeros(3, dtype=torch.int64))
@@ -181,9 +185,11 @@ class _KeyRecorder:
         return launch
 
 
-def attention_variants(shape: Shape = SHAPES[0], block_size: int = 16) -> dict[str, int]:
+def attention_variants(shape: Shape = SHAPES[0], block_size: int = 16,
+                       kv_dtype: torch.dtype | None = None) -> dict[str, int]:
     """How many compiles the attention kernels need over eager serving steps of one model:
-    decode batches of 1-64 at lengths up to 4k, prefill chunks after 0-17 decodes."""
+    decode batches of 1-64 at lengths up to 4k, prefill chunks after 0-17 decodes.
+    `kv_dtype`: an 8-bit float KV cache (None: the model dtype, bf16)."""
     import tessera.ops.triton.paged_decode as paged_decode
     import tessera.ops.triton.paged_prefill as paged_prefill
 
@@ -192,7 +198,7 @@ def attention_variants(shape: Shape = SHAPES[0], block_size: int = 16) -> dict[s
     paged_decode._kernels = lambda: tuple(_KeyRecorder(k, keys) for k in original_decode())
     paged_prefill._kernel = lambda: _KeyRecorder(original_prefill(), keys)
     h, hk, d = shape.heads, shape.kv_heads, shape.head_size
-    k_cache = torch.zeros((4, block_size, hk, d), dtype=torch.bfloat16)
+    k_cache = torch.zeros((4, block_size, hk, d), dtype=kv_dtype or torch.bfloat16)
     try:
         for batch in (1, 2, 3, 8, 16, 17, 64):
             for length in range(1, 4096, 61):
@@ -212,6 +218,7 @@ def attention_variants(shape: Shape = SHAPES[0], block_size: int = 16) -> dict[s
 if __name__ == "__main__":
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
     results = compile_all(arch, (torch.bfloat16, torch.float16, torch.float32))
-    print(f"{'kernel':<16} {'case':<34} {'shared':>8} {'regs':>5} {'spill':>6}")
+    results += compile_all(arch, (torch.bfloat16, torch.float32), kv_dtype=torch.float8_e4m3fn)
+    print(f"{'kernel':<16} {'case':<50} {'shared':>8} {'regs':>5} {'spill':>6}")
     for r in results:
-        print(f"{r.kernel:<16} {r.case:<34} {r.shared:>8} {r.registers:>5} {r.spilled:>6}")
+        print(f"{r.kernel:<16} {r.case:<50} {r.shared:>8} {r.registers:>5} {r.spilled:>6}")

@@ -14,6 +14,10 @@ replay most of its partitions are such.
 
 Partitions shrink (down to one tile) while the grid would leave the GPU's SMs idle: batch-1
 decode over a long context still spreads over many programs.
+
+An 8-bit float cache (kv_quant.py, KV_FORMAT 1 e4m3fn / 2 e5m2) is passed as bytes and
+widened in-kernel to the query's dtype (tessera/ops/triton/fp8.py), half the bytes read per
+cached token of a bf16 model; KV_FORMAT 0 (the model dtype) compiles to the plain loads.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from functools import lru_cache
 
 import torch
 
+from tessera.ops.attention.kv_quant import QUANTIZED_KV, kv_format
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
@@ -37,6 +42,9 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global fp8  # a module global: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import fp8
+
     # The lengths, partition and table sizes change from step to step: left unspecialised,
     # one compile serves every step (Triton otherwise compiles a variant per value that is 1
     # or a multiple of 16, each taking a second mid-serving).
@@ -45,7 +53,8 @@ def _kernels():
                        m_ptr, l_ptr, acc_ptr, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width, num_partitions, partition,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-                       TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                       TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                       KV_FORMAT: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         part = tl.program_id(2)
@@ -75,7 +84,7 @@ def _kernels():
                 block = tl.load(tables_ptr + seq * table_width + pos // BLOCK_SIZE, mask=valid, other=0)
                 base = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * row + kv_head * head_size
                 kv_mask = valid[:, None] & d_mask[None, :]
-                k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 if USE_SOFTCAP:
                     s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
@@ -84,7 +93,7 @@ def _kernels():
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
                 alpha = tl.exp(m_i - m_safe)
                 p = tl.exp(s - m_safe[:, None])
-                v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -140,10 +149,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def kv_cache_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The caches as the kernels take them and their KV_FORMAT: as they are in the model
+    dtype (0); an 8-bit float cache as its bytes (1 e4m3fn, 2 e5m2), which the kernels
+    decode themselves, so no fp8 type is needed on the GPU or in the interpreter."""
+    fmt = kv_format(k_cache)
+    if fmt:
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), fmt
+    return k_cache, v_cache, fmt
+
+
 def key_tile(head_size: int, dtype: torch.dtype) -> int:
     """Key tokens per step: TILE_N while a head row is at most 256 bytes (128 wide in
     bf16), then halved per doubling, since wider tiles spill registers
-    (tests/ops/triton_compile.py reports registers and spills per shape)."""
+    (tests/ops/triton_compile.py reports registers and spills per shape). `dtype` is what
+    the tile holds in registers: an 8-bit cache's rows are widened to the query's."""
     row_bytes = head_size * dtype.itemsize
     tile = TILE_N
     while row_bytes > 256 and tile > 16:
@@ -172,11 +192,12 @@ def partition_workspace(batch: int, num_heads: int, num_partitions: int, head_si
 
 
 @register_op("paged_attention", name="triton_paged_decode", priority=20, devices=("cuda",),
-             phases=("decode",), check=triton_missing)
+             phases=("decode",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing)
 def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                         softcap: float | None = None, partition_size: int | None = None) -> torch.Tensor:
-    """query [B, Hq, D] -> [B, Hq, D] for the first `num_decodes` sequences.
+    """query [B, Hq, D] -> [B, Hq, D] for the first `num_decodes` sequences, over caches in
+    the model dtype or an 8-bit float (read widened to the query's dtype).
     `partition_size` (a power of two >= 16) overrides the automatic choice (tests)."""
     b = meta.num_decodes
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -188,6 +209,9 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     num_partitions = -(-max_len // partition_size)
     q = query[:b].contiguous()
+    # an fp8 tile is held widened to the query's dtype
+    held = q.dtype if kv_format(k_cache) else k_cache.dtype
+    k_cache, v_cache, fmt = kv_cache_operands(k_cache, v_cache)
     tables = meta.block_tables[:b].contiguous()
     lens = meta.seq_lens[:b].contiguous()
     m, l, acc = partition_workspace(b, num_heads, num_partitions, head_size, q.device)
@@ -200,8 +224,8 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q, k_cache, v_cache, tables, lens, m, l, acc, scale, softcap or 1.0, window,
         num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions, partition_size,
         BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_next_power_of_2(max(group, 16)),
-        TILE=min(key_tile(head_size, k_cache.dtype), partition_size),
-        USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype))
+        TILE=min(key_tile(head_size, held), partition_size),
+        USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt)
     merge_kernel[(b, num_heads)](m, l, acc, out, lens, window, num_heads, head_size, num_partitions,
                                  partition_size, BLOCK_D=block_d, BLOCK_P=MERGE_CHUNK)
     return out

@@ -4,24 +4,27 @@ queries of one prefill sequence and one head and walks that sequence's cached ke
 runs) in tiles of TILE_N tokens with an online softmax, looking each token's block up in the
 table, so any power-of-two block size works. Causal by absolute position (key tiles past a
 query tile's last position are never read), with sliding windows and soft-capping; GQA reads
-the shared KV head."""
+the shared KV head. An 8-bit float cache (kv_quant.py) is read as bytes and widened to the
+query's dtype in-kernel (tessera/ops/triton/fp8.py, as in paged_decode.py)."""
 from __future__ import annotations
 
 from functools import lru_cache
 
 import torch
 
+from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
-from tessera.ops.triton.paged_decode import NO_WINDOW, _next_power_of_2, dot_precision
+from tessera.ops.triton.paged_decode import NO_WINDOW, _next_power_of_2, dot_precision, kv_cache_operands
 
 
 def prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int]:
     """(query rows, key tokens) per step: 64 x 64 while a head row is at most 256 bytes
     (128 wide in bf16), smaller tiles for wider rows, which would spill registers. float32
     counts double: its IEEE tl.dot runs on FMAs, not tensor cores, and holds more live
-    values (tests/ops/triton_compile.py reports registers and spills per shape)."""
+    values (tests/ops/triton_compile.py reports registers and spills per shape). `dtype` is
+    the query's, which an 8-bit cache's rows are widened to in registers."""
     row_bytes = head_size * dtype.itemsize * (2 if dtype == torch.float32 else 1)
     if row_bytes <= 256:
         return 64, 64
@@ -33,6 +36,9 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    global fp8  # a module global: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import fp8
+
     # which rows are decodes and how wide the tables are change every step: unspecialised
     # (see paged_decode.py)
     @triton.jit(do_not_specialize=["first_seq", "first_row", "table_width"])
@@ -40,7 +46,8 @@ def _kernel():
                        first_seq, first_row, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                       TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                       KV_FORMAT: tl.constexpr):
         seq = first_seq + tl.program_id(0)
         head = tl.program_id(1)
         tile = tl.program_id(2)
@@ -70,7 +77,7 @@ def _kernel():
                 block = tl.load(tables_ptr + seq * table_width + k_pos // BLOCK_SIZE, mask=in_ctx, other=0)
                 base = (block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE) * row + kv_head * head_size
                 kv_mask = in_ctx[:, None] & d_mask[None, :]
-                k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 if USE_SOFTCAP:
                     s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
@@ -81,7 +88,7 @@ def _kernel():
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing yet
                 alpha = tl.exp(m_i - m_safe)
                 p = tl.exp(s - m_safe[:, None])
-                v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -93,13 +100,14 @@ def _kernel():
 
 
 @register_op("paged_attention", name="triton_paged_prefill", priority=20, devices=("cuda",),
-             phases=("prefill",), check=triton_missing)
+             phases=("prefill",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing)
 def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, sliding_window: int | None = None,
                          softcap: float | None = None) -> torch.Tensor:
     """query [T, Hq, D]: the prefill rows (after the decodes), whose K/V are already in the
-    cache -> [T, Hq, D]. `key` / `value` are not read (the cache holds them)."""
+    cache -> [T, Hq, D]. `key` / `value` are not read (the cache holds them, in the model
+    dtype or an 8-bit float, read widened to the query's dtype)."""
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     first = meta.num_decodes
@@ -110,10 +118,12 @@ def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     max_q = max(meta.query_lens_list[first:])
     block_m, tile = prefill_tiles(head_size, query.dtype)
     grid = (num_prefills, num_heads, -(-max_q // block_m))
+    k_cache, v_cache, fmt = kv_cache_operands(k_cache, v_cache)
     _kernel()[grid](
         query.contiguous(), k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
         meta.query_start_loc, first, meta.num_decode_tokens, scale, softcap or 1.0,
         sliding_window or NO_WINDOW, num_heads, num_kv_heads, head_size, meta.block_tables.shape[1],
         BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=block_m,
-        TILE=tile, USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(query.dtype))
+        TILE=tile, USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(query.dtype),
+        KV_FORMAT=fmt)
     return out

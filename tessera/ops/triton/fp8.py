@@ -1,0 +1,79 @@
+"""8-bit float KV cache values in Triton (tessera/ops/attention/kv_quant.py): fp8 bytes <->
+float32 with integer ops and bitcasts only, so no fp8 hardware type is needed (any GPU, and
+the interpreter). The same algorithm as tessera/ops/cpu/fp8.h, for a constexpr format code
+FMT (kv_quant.FP8_FORMATS): 1 = e4m3fn (bias 7, 3 mantissa bits, largest 448), 2 = e5m2
+(bias 15, 2 bits, largest 57344). No step relies on float denormals, which a GPU may
+flush: fp8 subnormals are whole multiples of a step, made from or counted as integers.
+
+Imports triton: only the kernel factories import this module (when a kernel is first
+built), so CPU installs never need triton. The kernels reach it as a module global (`fp8`),
+not through the factory's closure, which Triton's interpreter does not see: it runs a
+kernel's source against its module's globals alone.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def fp8_to_f32(byte, FMT: tl.constexpr):
+    """fp8 codes (uint8, any shape) -> float32, exactly. Masked loads with other=0 give 0.0."""
+    MANT: tl.constexpr = 3 if FMT == 1 else 2
+    BIAS: tl.constexpr = 7 if FMT == 1 else 15
+    STEP: tl.constexpr = 0.001953125 if FMT == 1 else 0.0000152587890625  # 2^(1 - bias - mant)
+    x = byte.to(tl.int32)
+    mag = x & 0x7F
+    # normal: exponent and mantissa shifted into float32's places, the exponent rebased
+    normal = ((mag << (23 - MANT)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    # subnormal (or zero): a whole number of steps, exact as an integer times the step
+    small = mag.to(tl.float32) * STEP
+    f = tl.where(mag < (1 << MANT), small, normal)
+    return (f.to(tl.int32, bitcast=True) | ((x & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_fp8(x, FMT: tl.constexpr):
+    """float32 -> fp8 codes (uint8): nearest, ties to even, saturating at the largest finite
+    value (inf included); NaN stays NaN. Bit for bit what kv_quant.quantize_kv stores."""
+    MANT: tl.constexpr = 3 if FMT == 1 else 2
+    BIAS: tl.constexpr = 7 if FMT == 1 else 15
+    MAX_CODE: tl.constexpr = 0x7E if FMT == 1 else 0x7B
+    SHIFT: tl.constexpr = 23 - MANT
+    # step * 2^23: adding it to |x| < 2^mant steps rounds |x| to whole steps (its ulp is
+    # the step), nearest even, and leaves the count of steps in its low mantissa bits
+    ROUNDER: tl.constexpr = 16384.0 if FMT == 1 else 128.0
+    ROUNDER_BITS: tl.constexpr = (127 + 24 - BIAS - MANT) << 23
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal: round the dropped bits to nearest even on the integer, rebase the exponent;
+    # inf (and NaN, replaced below) capped first so the sum cannot overflow
+    a_cap = tl.minimum(a, 0x7F800000)
+    rounded = (a_cap + ((1 << (SHIFT - 1)) - 1) + ((a_cap >> SHIFT) & 1)) >> SHIFT
+    code = tl.minimum(rounded - ((127 - BIAS) << MANT), MAX_CODE)
+    # below the smallest normal: a round up to 2^mant steps is the smallest normal's code
+    small = (a.to(tl.float32, bitcast=True) + ROUNDER).to(tl.int32, bitcast=True) - ROUNDER_BITS
+    code = tl.where(a < ((128 - BIAS) << 23), small, code)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return (sign | code).to(tl.uint8)
+
+
+@triton.jit
+def load_kv(ptrs, mask, like, KV_FORMAT: tl.constexpr):
+    """Cached K or V values at `ptrs`: as stored (KV_FORMAT 0, the model dtype) or fp8
+    bytes widened to `like`'s dtype (the query's, for tl.dot). Masked lanes are 0."""
+    if KV_FORMAT == 0:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return fp8_to_f32(tl.load(ptrs, mask=mask, other=0), KV_FORMAT).to(like.dtype)
+
+
+@triton.jit
+def store_kv(ptrs, values, mask, KV_FORMAT: tl.constexpr):
+    """K or V values into the cache at `ptrs`: as they are (KV_FORMAT 0, the model dtype)
+    or rounded from float32 to fp8 bytes."""
+    if KV_FORMAT == 0:
+        tl.store(ptrs, values, mask=mask)
+    else:
+        tl.store(ptrs, f32_to_fp8(values.to(tl.float32), KV_FORMAT), mask=mask)
