@@ -1,11 +1,13 @@
 """The CPU paged decode attention kernel (paged_decode_bf16.c, or its AVX2 twin) at the
-default model's shapes: 9 query / 3 KV heads of 64, a bf16 cache of blocks of 16 per layer,
+default model's shapes: 9 query / 3 KV heads of 64, a bf16 (or, with --kv-cache-dtypes,
+fp8) cache of blocks of 16 per layer,
 blocks scattered as a serving engine leaves them. One pass is one call per layer over 30
 layers with separate caches (as the engine's), so the cache is read from memory as in a
 real decode step, not from the CPU's caches. Milliseconds per pass (medians) and the KV
 bytes read per second.
 
     python tools/bench_cpu_attention.py --rows 1,32 --context 256,1000,4000 --repeats 9
+    python tools/bench_cpu_attention.py --kv-cache-dtypes auto,fp8,fp8_e5m2   # side by side
 
 To time another checkout's kernel, run it with PYTHONPATH pointing there (as a script, or
 with `python -m` from outside both checkouts: the current directory comes before PYTHONPATH).
@@ -19,14 +21,16 @@ import time
 import torch
 
 from tessera.ops.attention import AttentionMetadata
+from tessera.ops.attention.kv_quant import kv_cache_torch_dtype, quantize_kv
 from tessera.ops.cpu import paged_decode as cpu_paged_decode
-from tessera.ops.cpu.paged_decode import paged_decode_bf16
+from tessera.ops.cpu.paged_decode import paged_decode_bf16, paged_decode_fp8
 from tessera.runner.huge_pages import empty_huge_like
 
 LAYERS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 30, 9, 3, 64, 16
 
 
-def _case(rows: int, context: int, generator: torch.Generator, contiguous: bool = False):
+def _case(rows: int, context: int, generator: torch.Generator, contiguous: bool = False,
+          kv_dtype: torch.dtype = torch.bfloat16):
     blocks_per_seq = -(-context // BLOCK)
     num_blocks = rows * blocks_per_seq
     # scattered: decode steps grow every sequence a block at a time, and freed blocks come
@@ -41,10 +45,13 @@ def _case(rows: int, context: int, generator: torch.Generator, contiguous: bool 
     caches = []
     for _ in range(LAYERS):
         shape = (num_blocks, BLOCK, KV_HEADS, HEAD_SIZE)
-        k, v = empty_huge_like(shape, torch.bfloat16), empty_huge_like(shape, torch.bfloat16)
-        k.normal_(generator=generator)
-        v.normal_(generator=generator)
-        caches.append((k, v))
+        pair = []
+        for _ in range(2):
+            x = torch.empty(shape, dtype=torch.bfloat16).normal_(generator=generator)
+            cache = empty_huge_like(shape, kv_dtype)
+            cache.copy_(quantize_kv(x, kv_dtype)) if kv_dtype != torch.bfloat16 else cache.copy_(x)
+            pair.append(cache)
+        caches.append(tuple(pair))
     query = torch.randn(rows, HEADS, HEAD_SIZE, generator=generator).bfloat16()
     return query, caches, meta
 
@@ -56,6 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated: auto (bf16), fp8, fp8_e5m2")
     args = parser.parse_args()
     problems = cpu_paged_decode._KERNEL.check(None)
     if problems:
@@ -67,18 +75,21 @@ def main() -> None:
     scale = HEAD_SIZE ** -0.5
     for rows in (int(r) for r in args.rows.split(",")):
         for context in (int(c) for c in args.context.split(",")):
-            query, caches, meta = _case(rows, context, g, args.layout == "contiguous")
-            times = []
-            for _ in range(args.repeats + 1):  # the first builds and warms
-                start = time.perf_counter()
-                for k, v in caches:
-                    paged_decode_bf16(query, k, v, meta, scale)
-                times.append(time.perf_counter() - start)
-            ms = statistics.median(times[1:]) * 1e3
-            kv_bytes = LAYERS * rows * context * KV_HEADS * HEAD_SIZE * 2 * 2
-            print(f"rows {rows:4d}  context {context:6d}  {ms:9.2f} ms/pass  "
-                  f"{kv_bytes / ms / 1e6:6.1f} GB/s")
-            del caches
+            for name in args.kv_cache_dtypes.split(","):
+                kv_dtype = kv_cache_torch_dtype(name) or torch.bfloat16
+                kernel = paged_decode_bf16 if kv_dtype == torch.bfloat16 else paged_decode_fp8
+                query, caches, meta = _case(rows, context, g, args.layout == "contiguous", kv_dtype)
+                times = []
+                for _ in range(args.repeats + 1):  # the first builds and warms
+                    start = time.perf_counter()
+                    for k, v in caches:
+                        kernel(query, k, v, meta, scale)
+                    times.append(time.perf_counter() - start)
+                ms = statistics.median(times[1:]) * 1e3
+                kv_bytes = LAYERS * rows * context * KV_HEADS * HEAD_SIZE * 2 * kv_dtype.itemsize
+                print(f"rows {rows:4d}  context {context:6d}  kv {name:8s} {ms:9.2f} ms/pass  "
+                      f"{kv_bytes / ms / 1e6:6.1f} GB/s")
+                del caches
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 # byte copies) for any CPU.
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
-AVX2_FLAGS = ("-mavx2", "-mfma")
-AVX2_CPU_FLAGS = ("avx2", "fma")
+AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # F16C: every AVX2 CPU has it (kv_rows.h)
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c")
 # Extensions the AVX512 kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
 # /proc/cpuinfo flag -> compiler flag. Many AVX512 CPUs lack AVX512-BF16 (Skylake-X to Ice

@@ -1,6 +1,13 @@
 /* The element of the paged KV cache as the AVX2 attention kernels read it: bfloat16 by
- * default, or an 8-bit float when built with TESSERA_KV_FP8 (fp8.h). kv8_to_f32 widens 8
- * consecutive elements, kv_to_f32 one. */
+ * default, or an 8-bit float when built with TESSERA_KV_FP8 (fp8.h).
+ *
+ * kv8_widened gives 8 consecutive elements as float32 divided by KV_WIDEN_SCALE (a power of
+ * two, so exactly), the cheapest widening each format has: bf16 is the top half of a
+ * float32; e5m2 is the top byte of a float16 and e4m3 becomes one by moving its fields
+ * (then its exponent bias is 8 short: the value / 2^8), and F16C widens float16 in one
+ * instruction, subnormals included (kv16_widened: 16 from one load). The decode kernel scales its query up and its output
+ * back by KV_WIDEN_SCALE instead of every element (exact: powers of two). kv8_to_f32 and
+ * kv_to_f32 give the values themselves. */
 #ifndef TESSERA_KV_ROWS_H
 #define TESSERA_KV_ROWS_H
 #include <immintrin.h>
@@ -13,24 +20,55 @@
 #include "fp8.h"
 typedef uint8_t kv_t;
 
-static inline float kv_to_f32(kv_t x) { return fp8_to_f32(x); }
+#if TESSERA_KV_FP8 == 1
+#define KV_WIDEN_SCALE 256.0f
+#else
+#define KV_WIDEN_SCALE 1.0f
+#endif
 
-/* fp8_to_f32 on 8 lanes: normal magnitudes by moving their fields into float32's places,
- * subnormals as integer multiples of the step, then the sign */
+static inline float kv_to_f32(kv_t x) { return fp8_to_f32(x); }
+static inline float kv_widened(kv_t x) { return fp8_to_f32(x) * (1.0f / KV_WIDEN_SCALE); }
+
+static inline __m256 kv8_widened(const kv_t *p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+#if TESSERA_KV_FP8 == 1
+    /* s eeee mmm -> float16 s 0eeee mmm0000000: shifted to the top byte, the sign copied
+     * one place down by the arithmetic shift and that copy cleared */
+    const __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), _mm_set1_epi16((short)0xbfff));
+#else
+    const __m128i half = _mm_slli_epi16(x, 8);
+#endif
+    return _mm256_cvtph_ps(half);
+}
+
 static inline __m256 kv8_to_f32(const kv_t *p) {
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
-    const __m256 normal = _mm256_castsi256_ps(
-        _mm256_add_epi32(_mm256_slli_epi32(mag, FP8_SHIFT), _mm256_set1_epi32(FP8_REBASE)));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(FP8_SUB_UNIT));
-    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(1 << FP8_MANT), mag));
-    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24));
-    return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), sign);
+    return _mm256_mul_ps(kv8_widened(p), _mm256_set1_ps(KV_WIDEN_SCALE));
+}
+
+/* kv8_widened of p and p + 8, from one load and one set of shifts */
+static inline void kv16_widened(const kv_t *p, __m256 *lo, __m256 *hi) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+#if TESSERA_KV_FP8 == 1
+    const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                          _mm256_set1_epi16((short)0xbfff));
+#else
+    const __m256i half = _mm256_slli_epi16(x, 8);
+#endif
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
 }
 #else
 typedef uint16_t kv_t;
+#define KV_WIDEN_SCALE 1.0f
 
 static inline float kv_to_f32(kv_t x) { return bf16_to_f32(x); }
+static inline float kv_widened(kv_t x) { return bf16_to_f32(x); }
+static inline __m256 kv8_widened(const kv_t *p) { return bf16x8_to_f32(p); }
 static inline __m256 kv8_to_f32(const kv_t *p) { return bf16x8_to_f32(p); }
+
+static inline void kv16_widened(const kv_t *p, __m256 *lo, __m256 *hi) {
+    *lo = bf16x8_to_f32(p);
+    *hi = bf16x8_to_f32(p + 8);
+}
 #endif
 #endif

@@ -79,7 +79,7 @@ static inline __attribute__((always_inline)) void scores_4keys(
         const __m256 q2 = heads > 2 ? _mm256_loadu_ps(qf + 2 * d + i) : q0;
         /* one key's chunk, widened once, into the accumulators of every head */
 #define KEY_FMAS(key, acc0, acc1, acc2) do {                            \
-            const __m256 k = kv8_to_f32((key) + i);                     \
+            const __m256 k = kv8_widened((key) + i);                    \
             acc0 = _mm256_fmadd_ps(q0, k, acc0);                        \
             if (heads > 1) acc1 = _mm256_fmadd_ps(q1, k, acc1);         \
             if (heads > 2) acc2 = _mm256_fmadd_ps(q2, k, acc2);         \
@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void scores_4keys(
             _mm_storeu_ps(t, s[h]);
             const kv_t *keys[4] = {k0, k1, k2, k3};
             for (int j = 0; j < 4; j++)
-                for (int64_t e = i; e < d; e++) t[j] += qf[h * d + e] * kv_to_f32(keys[j][e]);
+                for (int64_t e = i; e < d; e++) t[j] += qf[h * d + e] * kv_widened(keys[j][e]);
             s[h] = _mm_loadu_ps(t);
         }
         _mm_storeu_ps(out + h * n, s[h]);
@@ -110,9 +110,9 @@ static inline __attribute__((always_inline)) void scores_4keys(
 static float dot1(const float *q, const kv_t *k, int64_t d) {
     __m256 a = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv8_to_f32(k + i), a);
+    for (; i + 8 <= d; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), kv8_widened(k + i), a);
     float s = hsum8(a);
-    for (; i < d; i++) s += q[i] * kv_to_f32(k[i]);
+    for (; i < d; i++) s += q[i] * kv_widened(k[i]);
     return s;
 }
 
@@ -195,7 +195,8 @@ static inline __attribute__((always_inline)) void values_16dims(
     if (heads > 3) { a30 = _mm256_loadu_ps(acc + 3 * d + i); a31 = _mm256_loadu_ps(acc + 3 * d + i + 8); }
     for (int64_t j = 0; j < keys; j++) {
         _mm_prefetch((const char *)(ahead[j] + i), _MM_HINT_T0);
-        const __m256 v0 = kv8_to_f32(rows[j] + i), v1 = kv8_to_f32(rows[j] + i + 8);
+        __m256 v0, v1;
+        kv16_widened(rows[j] + i, &v0, &v1);
         __m256 w = _mm256_broadcast_ss(p + j);
         a00 = _mm256_fmadd_ps(w, v0, a00);
         a01 = _mm256_fmadd_ps(w, v1, a01);
@@ -228,7 +229,7 @@ static void values_tail(float *acc, int64_t d, const kv_t *const *rows, int64_t 
     for (int64_t h = 0; h < heads; h++)
         for (int64_t j = 0; j < keys; j++) {
             const float w = p[h * n + j];
-            for (int64_t e = i; e < d; e++) acc[h * d + e] += w * kv_to_f32(rows[j][e]);
+            for (int64_t e = i; e < d; e++) acc[h * d + e] += w * kv_widened(rows[j][e]);
         }
 }
 
@@ -346,14 +347,16 @@ int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t
             const int64_t start = first + p * part, end = start + part < len ? start + part : len;
             const int64_t n = end - start;
             const KvRows kv = {k_cache, v_cache, block_tables + b * table_width, shift, row_stride};
-            for (int64_t i = 0; i < num_heads * d; i++) qf[i] = bf16_to_f32(q[b * num_heads * d + i]);
+            /* keys and values are read widened (kv_rows.h): the query scaled up for the
+             * scores, the output back below, by the same power of two */
+            for (int64_t i = 0; i < num_heads * d; i++) qf[i] = bf16_to_f32(q[b * num_heads * d + i]) * KV_WIDEN_SCALE;
             scores_pass(qf, num_kv_heads, group, d, &kv, start, end, scores);
             for (int64_t h = 0; h < num_heads; h++) sums[h] = exp_row(scores + h * n, n, scale, softcap, &best[h]);
             values_pass(scores, num_kv_heads, group, d, &kv, start, end, acc);
             for (int64_t h = 0; h < num_heads; h++) {
                 const int64_t row = b * num_heads + h;
                 if (parts == 1) {
-                    const float inv = 1.0f / sums[h];
+                    const float inv = KV_WIDEN_SCALE / sums[h];
                     for (int64_t i = 0; i < d; i++) out[row * d + i] = f32_to_bf16(acc[h * d + i] * inv);
                 } else {
                     const int64_t at = row * max_parts + p;
@@ -380,7 +383,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t
                     const float *a = part_acc + (at + i) * d;
                     for (int64_t e = 0; e < d; e++) acc[e] += w * a[e];
                 }
-                for (int64_t e = 0; e < d; e++) out[row * d + e] = f32_to_bf16(acc[e] / total);
+                for (int64_t e = 0; e < d; e++) out[row * d + e] = f32_to_bf16(acc[e] * KV_WIDEN_SCALE / total);
             }
         }
         free(scores);
