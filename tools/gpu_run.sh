@@ -13,6 +13,10 @@
 #   tools/gpu_run.sh baseline    BASELINE_PROMPTS (default 16) x 1000/1000, tessera beside
 #                                transformers' generate on the GPU; the engine takes half the
 #                                free memory so the 16 GB transformers model fits beside it
+#   tools/gpu_run.sh kv-cache    the bf16 KV cache vs fp8 (`tessera bench kv-cache`): capacity,
+#                                prefill and decode speed at 2000-token contexts (the logprob
+#                                figures mean nothing on dummy weights); `throughput
+#                                --kv-cache-dtype fp8` then shows what the capacity buys
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -30,14 +34,15 @@ case "${1:-}" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_kernels.py tests/runner/test_cuda_graphs.py \
         tests/models/test_gpu_parity.py tests/engine/test_async_scheduling.py tests/engine/test_speculative.py \
-        tests/lora/test_lora_models.py \
-        -k "gpu" 2>&1 | tee "$out/tests.log" ;;
+        tests/lora/test_lora_models.py tests/ops/test_triton_fp8_kv.py \
+        -k "gpu or cuda" 2>&1 | tee "$out/tests.log" ;;
   latency)
     tessera bench latency "${dummy[@]}" --batch-sizes 1,8,64 --input-len 128 --output-len 256 \
         --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log"
     grep -h "captured\|capture" "$out/latency.log" ;;
   throughput)
     name=throughput; [[ " ${*:2} " == *" --async-scheduling "* ]] && name=throughput-async
+    [[ " ${*:2} " == *" --kv-cache-dtype fp8"* ]] && name=$name-fp8
     tessera bench throughput "${dummy[@]}" --num-prompts "${THROUGHPUT_PROMPTS:-1000}" \
         --input-len 1000 --output-len 1000 --repeats 1 "${@:2}" \
         --output-json "$out/$name.json" 2>&1 | tee "$out/$name.log" ;;
@@ -45,7 +50,10 @@ case "${1:-}" in
     tessera bench throughput "${dummy[@]}" --memory-fraction 0.5 --num-prompts "${BASELINE_PROMPTS:-16}" \
         --input-len 1000 --output-len 1000 --repeats 1 --baseline transformers \
         --output-json "$out/baseline.json" 2>&1 | tee "$out/baseline.log" ;;
+  kv-cache)
+    tessera bench kv-cache "${dummy[@]}" --batch-sizes 1,64 --input-len 2000 --output-len 128 --repeats 1 \
+        --output-json "$out/kv-cache.json" 2>&1 | tee "$out/kv-cache.log" ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline" >&2
+    echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache" >&2
     exit 2 ;;
 esac

@@ -140,8 +140,8 @@ def _kv_cache(args: argparse.Namespace) -> int:
             "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
     print(f"\nkv-cache: {meta['model']}, {meta['threads']} threads, {args.input_len} in / "
           f"{args.output_len} out, median of {args.repeats}")
-    print(markdown_table(summary, ["engine", "kv_dtype", "kv_bytes_per_token", "cache_tokens", "nll",
-                                   "mean_abs_logprob_change"]))
+    print(markdown_table(summary, ["engine", "kv_dtype", "kv_bytes_per_token", "cache_tokens", "cache_capped",
+                                   "nll", "mean_abs_logprob_change"]))
     print()
     print(markdown_table(speed, ["engine", "decode_tokens_per_s", "batch_size", "prefill_tokens_per_s"],
                          "tessera, kv auto"))
@@ -242,7 +242,7 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
                else ["engine", "tpot_ms", "batch_size", "ttft_ms", "roofline_ms", "roofline_pct"])
     quant = engine.config.model.quantization
     meta = {"workload": args.workload, "model": engine.router.source.name, "dtype": str(engine.dtype),
-            "quantization": quant,
+            "quantization": quant, "kv_cache_dtype": str(engine.runner.kv_cache_dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "input_len": None if args.dataset else args.input_len,
             "output_len": args.output_len, "dataset": args.dataset,
             "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}

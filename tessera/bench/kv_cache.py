@@ -12,10 +12,14 @@ The cache's dtype is fixed when an engine is built, so the run builds one engine
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from tessera.bench.workload import Workload, median
 from tessera.engine.engine import Engine
@@ -31,7 +35,7 @@ TEXT_TOKENS = 1024  # per file
 class KVSpeedResult:
     engine: str                 # "tessera, kv auto" / "tessera, kv fp8"
     batch_size: int
-    decode_tokens_per_s: float  # output tokens after each request's first, over the time they took
+    decode_tokens_per_s: float  # tokens made after every request had its first, over that time
     prefill_tokens_per_s: float
 
 
@@ -41,6 +45,7 @@ class KVCacheSummary:
     kv_dtype: str
     kv_bytes_per_token: int
     cache_tokens: int           # what the sized cache holds
+    cache_capped: bool          # sized to max_num_seqs x max_model_len, not by memory
     nll: float                  # mean over the text's tokens, nats
     mean_abs_logprob_change: float  # against the first (model-dtype) cache, per token
 
@@ -62,43 +67,78 @@ def teacher_forced_logprobs(engine: Engine, prompts: list[list[int]]) -> list[fl
             for t, lp in zip(p[1:], outputs[i].prompt_logprobs[1:])]
 
 
-def timed_batch(engine: Engine, prefix: str, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-    """(seconds until every request has its first token, seconds after that to the end)."""
+def timed_batch(engine: Engine, prefix: str, prompts: list[list[int]], output_len: int) -> tuple[float, float, int]:
+    """(seconds until every request has its first token, seconds after that to the end,
+    tokens made in that second stretch). Prompts longer than a step's budget prefill over
+    several steps, and requests already prefilled decode meanwhile: those tokens belong to
+    the first stretch."""
     engine.reset_prefix_cache()
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{prefix}-{i}", prompt, params)
     waiting = {f"{prefix}-{i}" for i in range(len(prompts))}
-    first = None
+    first, made = None, 0
     while engine.has_unfinished():
         for out in engine.step():
             waiting.discard(out.request_id)
+            made += len(out.outputs[0].delta_token_ids) if first is None else 0
         if first is None and not waiting:
             first = time.perf_counter()
-    return first - started, time.perf_counter() - first
+    return first - started, time.perf_counter() - first, len(prompts) * output_len - made
 
 
 def kv_cache_bench(make_llm: Callable[[str], LLM], kv_dtypes: list[str], batch_sizes: list[int],
                    input_len: int, output_len: int, repeats: int) -> tuple[list[KVSpeedResult], list[KVCacheSummary]]:
     """`make_llm(kv_dtype)` builds the engine for one cache; the first of `kv_dtypes` is the
-    baseline the logprob changes are measured against."""
+    baseline the logprob changes are measured against. One engine at a time: each is gone
+    (weights and cache) before the next sizes its cache from the memory left."""
     speed, summary, reference = [], [], None
     for kv in kv_dtypes:
-        label = f"tessera, kv {kv}"
-        with make_llm(kv) as llm:
-            engine = llm.engine
-            logprobs = teacher_forced_logprobs(engine, text_prompts(engine))
-            reference = reference or logprobs
-            change = sum(abs(a - b) for a, b in zip(logprobs, reference)) / len(logprobs)
-            per_token = engine.runner.kv_bytes_per_block() // engine.config.cache.block_size
-            summary.append(KVCacheSummary(label, str(engine.runner.kv_cache_dtype).removeprefix("torch."),
-                                          per_token, engine.num_blocks * engine.config.cache.block_size,
-                                          -sum(logprobs) / len(logprobs), change))
-            for size in batch_sizes:
-                prompts = Workload(size, input_len, output_len).prompts(engine.router.config.vocab_size,
-                                                                        engine.router.eos_token_ids)
-                runs = [timed_batch(engine, f"kv-{size}-{r}", prompts, output_len) for r in range(repeats + 1)][1:]
-                prefill, decode = median([r[0] for r in runs]), median([r[1] for r in runs])
-                speed.append(KVSpeedResult(label, size, size * (output_len - 1) / decode, size * input_len / prefill))
+        row, rows, logprobs = _measure(make_llm(kv), f"tessera, kv {kv}", batch_sizes, input_len,
+                                       output_len, repeats)
+        _return_freed_memory()
+        reference = reference or logprobs
+        if len(logprobs) != len(reference):
+            raise RuntimeError(f"kv {kv} scored {len(logprobs)} text tokens, the baseline {len(reference)}")
+        row.mean_abs_logprob_change = sum(abs(a - b) for a, b in zip(logprobs, reference)) / len(logprobs)
+        summary.append(row)
+        speed.extend(rows)
     return speed, summary
+
+
+def _return_freed_memory() -> None:
+    """What the engine just measured held, back to the device and the OS: glibc keeps freed
+    heap (the large prefill activations) in its arenas unless asked to trim them, and warm-up
+    sizes the next cache from the memory the OS reports available."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _measure(llm: LLM, label: str, batch_sizes: list[int], input_len: int, output_len: int,
+             repeats: int) -> tuple[KVCacheSummary, list[KVSpeedResult], list[float]]:
+    with llm:
+        engine = llm.engine
+        logprobs = teacher_forced_logprobs(engine, text_prompts(engine))
+        cache = engine.config.cache
+        useful = engine.config.scheduler.max_num_seqs * -(-engine.max_model_len // cache.block_size)
+        row = KVCacheSummary(label, str(engine.runner.kv_cache_dtype).removeprefix("torch."),
+                             engine.runner.kv_bytes_per_block() // cache.block_size,
+                             engine.num_blocks * cache.block_size,
+                             cache.num_blocks is None and engine.num_blocks >= useful,
+                             -sum(logprobs) / len(logprobs), 0.0)
+        rows = []
+        for size in batch_sizes:
+            prompts = Workload(size, input_len, output_len).prompts(engine.router.config.vocab_size,
+                                                                    engine.router.eos_token_ids)
+            runs = [timed_batch(engine, f"kv-{size}-{r}", prompts, output_len) for r in range(repeats + 1)][1:]
+            prefill = median([r[0] for r in runs])
+            decode = median([r[2] / r[1] for r in runs])
+            rows.append(KVSpeedResult(label, size, decode, size * input_len / prefill))
+        engine.runner.release_kv_cache()  # the caller's next engine sizes its cache from what is left
+    return row, rows, logprobs

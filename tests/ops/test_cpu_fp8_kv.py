@@ -72,6 +72,22 @@ def test_write_refuses_a_slot_outside_the_cache(kv_dtype):
     assert not k_cache.view(torch.uint8).any()  # nothing written, not even the good rows
 
 
+@FORMATS
+def test_a_nan_written_reads_back_as_nan(kv_dtype):
+    """A model that produces NaN keeps producing NaN, as the torch ops do: the cache does
+    not turn it into a finite value."""
+    case, k8, v8 = _fp8_case([(30, 1), (9, 1)], kv_dtype, num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    nan_row = torch.full((1, 2, 64), float("nan"), dtype=torch.bfloat16)
+    # a token of the first sequence, in a block no other row uses as table padding
+    slot = case.meta.block_tables[0, 1].long() * 16 + 3
+    cpu_kv_write.kv_write_cpu_fp8(nan_row, nan_row, k8, v8, slot.view(1))
+    q16 = case.query.bfloat16()
+    got = cpu_paged_decode.paged_decode_fp8(q16, k8, v8, case.meta, case.scale)
+    want = paged_decode_ref(q16.float(), k8, v8, case.meta, case.scale)
+    assert got[0].isnan().all() and not got[1].isnan().any()
+    assert torch.equal(got.isnan(), want.isnan())
+
+
 def _fp8_case(specs, kv_dtype, *, num_heads, num_kv_heads, head_size, block_size):
     case = make_case(specs, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                      head_size=head_size, seed=head_size + block_size + len(specs))

@@ -94,8 +94,8 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
 
 def check_decode_codes(device: str) -> None:
     """All 256 codes of each format widened as load_kv does (float32 and bf16) equal
-    torch's conversion bit for bit (-0 included), NaN and inf codes apart (never written
-    from finite values; they widen as fp8.h's do); masked lanes read 0."""
+    torch's conversion bit for bit (-0 included), inf and NaN as inf and NaN; masked lanes
+    read 0."""
     import triton
     import triton.language as tl
 
@@ -120,6 +120,8 @@ def check_decode_codes(device: str) -> None:
             finite = want.isfinite()
             bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
             assert torch.equal(got[:256][finite].view(bits), want[finite].view(bits)), (fp8_dtype, dtype)
+            assert torch.equal(got[:256].isnan(), want.isnan()), (fp8_dtype, dtype, "NaN codes")
+            assert torch.equal(got[:256][want.isinf()], want[want.isinf()]), (fp8_dtype, dtype, "inf codes")
             assert torch.equal(got[256:], torch.zeros(256, dtype=dtype)), (fp8_dtype, dtype, "masked lanes")
 
 

@@ -44,3 +44,16 @@ def test_warm_up_profiles_the_sampler_without_touching_the_engines_generator(mak
         llm = LLM(folder, dtype="float32", seed=5, show_progress=False, **sizing)
         outputs.append(llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0].token_ids)
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_warm_up_is_not_charged_an_earlier_peak_of_the_process(make_tiny_llama):
+    """A second engine in one process (a notebook, `bench kv-cache`) measures its own step:
+    memory touched and freed before it is not counted as what the step needs."""
+    from tessera.runner.warmup import profile_peak_step
+
+    folder, _ = make_tiny_llama()
+    llm = LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False)
+    big = torch.ones(2**28)  # 1 GiB, resident, then freed: the process's peak RSS stays
+    del big
+    peak = profile_peak_step(llm.engine.runner, num_tokens=64, num_logit_rows=64)
+    assert peak < 2**28, peak  # the tiny model's step needs a few MiB

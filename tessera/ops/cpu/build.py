@@ -31,8 +31,8 @@ BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 # byte copies) for any CPU.
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
-AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")  # F16C: every AVX2 CPU has it (kv_rows.h)
-AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
+AVX2_FLAGS = ("-mavx2", "-mfma")
+AVX2_CPU_FLAGS = ("avx2", "fma")
 PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c")
 # Extensions the AVX512 kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
 # /proc/cpuinfo flag -> compiler flag. Many AVX512 CPUs lack AVX512-BF16 (Skylake-X to Ice
@@ -97,6 +97,13 @@ def extensions_used() -> tuple[str, ...]:
         return ()
     flags = cpu_flags() or frozenset()
     return tuple(ext for ext in OPTIONAL_EXTENSIONS if ext in flags)
+
+
+def f16c_missing() -> list[str]:
+    """The fp8 KV cache kernels widen through F16C (kv_rows.h enables it for their builds
+    alone): why they cannot run here, if the CPU lacks it."""
+    flags = cpu_flags()
+    return [] if flags is None or "f16c" in flags else ["this CPU lacks f16c (fp8 KV cache widening)"]
 
 
 def build_flags(source_name: str = "") -> tuple[str, ...]:

@@ -15,12 +15,14 @@
 #define FP8_BIAS 7
 #define FP8_MAX_CODE 0x7e      /* 448 */
 #define FP8_NAN_CODE 0x7f
+#define FP8_SPECIAL 0x7f       /* the first magnitude that is not a finite value */
 #define FP8_SUB_UNIT 0x1p-9f   /* 2^(1 - bias - mantissa bits): the subnormal step */
 #elif TESSERA_KV_FP8 == 2
 #define FP8_MANT 2
 #define FP8_BIAS 15
 #define FP8_MAX_CODE 0x7b      /* 57344 */
 #define FP8_NAN_CODE 0x7f
+#define FP8_SPECIAL 0x7c       /* inf; 0x7d-0x7f NaN */
 #define FP8_SUB_UNIT 0x1p-16f
 #else
 #error "fp8.h needs TESSERA_KV_FP8 = 1 (e4m3fn) or 2 (e5m2)"
@@ -33,7 +35,9 @@
 static inline float fp8_to_f32(uint8_t x) {
     const uint32_t mag = x & 0x7fu;
     float f;
-    if (mag < (1u << FP8_MANT)) {  /* subnormal (or zero): mantissa steps of FP8_SUB_UNIT */
+    if (mag >= FP8_SPECIAL) {  /* e4m3fn: NaN; e5m2: inf and NaN, as float16's */
+        f = mag == FP8_SPECIAL && TESSERA_KV_FP8 == 2 ? INFINITY : NAN;
+    } else if (mag < (1u << FP8_MANT)) {  /* subnormal (or zero): mantissa steps of FP8_SUB_UNIT */
         f = (float)mag * FP8_SUB_UNIT;
     } else {
         const uint32_t bits = (mag << FP8_SHIFT) + FP8_REBASE;

@@ -18,6 +18,8 @@
 
 #if defined(TESSERA_KV_FP8) && TESSERA_KV_FP8
 #include "fp8.h"
+/* F16C for the functions from here on (the fp8 builds only; their builders check the CPU) */
+#pragma GCC target("f16c")
 typedef uint8_t kv_t;
 
 #if TESSERA_KV_FP8 == 1
@@ -33,8 +35,11 @@ static inline __m256 kv8_widened(const kv_t *p) {
     const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
 #if TESSERA_KV_FP8 == 1
     /* s eeee mmm -> float16 s 0eeee mmm0000000: shifted to the top byte, the sign copied
-     * one place down by the arithmetic shift and that copy cleared */
-    const __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), _mm_set1_epi16((short)0xbfff));
+     * one place down by the arithmetic shift and that copy cleared; e4m3's NaN (magnitude
+     * 0x7f) gets float16's all-ones exponent, staying NaN */
+    __m128i half = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), _mm_set1_epi16((short)0xbfff));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+    half = _mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
 #else
     const __m128i half = _mm_slli_epi16(x, 8);
 #endif
@@ -49,8 +54,10 @@ static inline __m256 kv8_to_f32(const kv_t *p) {
 static inline void kv16_widened(const kv_t *p, __m256 *lo, __m256 *hi) {
     const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
 #if TESSERA_KV_FP8 == 1
-    const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
-                                          _mm256_set1_epi16((short)0xbfff));
+    __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                    _mm256_set1_epi16((short)0xbfff));
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
 #else
     const __m256i half = _mm256_slli_epi16(x, 8);
 #endif

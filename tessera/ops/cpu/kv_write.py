@@ -47,7 +47,7 @@ def kv_write_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
 
 @register_op("kv_write", name="cpu_kv_write_fp8", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16, torch.float32), kv_dtypes=QUANTIZED_KV,
-             check=lambda spec: _FP8_KERNELS[spec.kv_dtype].check(spec) if spec.kv_dtype else [])
+             check=lambda spec: _FP8_KERNELS.get(spec.kv_dtype, _KERNEL).check(spec))
 def kv_write_cpu_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, has_padding: bool = False) -> None:
     row = k_cache.shape[2] * k_cache.shape[3]

@@ -14,7 +14,7 @@ import torch
 from tessera.ops.attention.kv_quant import FP8_FORMATS, QUANTIZED_KV
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.attention.torch_paged import paged_decode_ref
-from tessera.ops.cpu.build import Kernel
+from tessera.ops.cpu.build import Kernel, f16c_missing
 from tessera.ops.registry import register_op
 
 
@@ -60,7 +60,8 @@ def paged_decode_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @register_op("paged_attention", name="cpu_paged_decode_fp8", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16,), phases=("decode",), kv_dtypes=QUANTIZED_KV,
-             check=lambda spec: _FP8_KERNELS[spec.kv_dtype].check(spec) if spec.kv_dtype else [])
+             # (the registry asks every builder for its reasons: kv_dtype may be None here)
+             check=lambda spec: f16c_missing() or _FP8_KERNELS.get(spec.kv_dtype, _KERNEL).check(spec))
 def paged_decode_fp8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                      softcap: float | None = None) -> torch.Tensor:

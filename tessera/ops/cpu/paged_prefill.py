@@ -15,8 +15,8 @@ import torch
 from tessera.ops.attention.kv_quant import FP8_FORMATS, QUANTIZED_KV
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.attention.torch_paged import paged_prefill_ref
-from tessera.ops.cpu.build import Kernel, cpu_flags
-from tessera.ops.registry import register_op
+from tessera.ops.cpu.build import Kernel, cpu_flags, f16c_missing
+from tessera.ops.registry import OpSpec, register_op
 
 _ARGS = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int)
 _KERNEL = Kernel("paged_prefill_avx2.c", "tessera_paged_prefill_bf16", _ARGS, ctypes.c_int)
@@ -26,12 +26,22 @@ _FP8_KERNELS = {dtype: Kernel("paged_prefill_avx2.c", "tessera_paged_prefill_bf1
                 for dtype, code in FP8_FORMATS.items()}
 
 
-def _check(spec: object) -> list[str]:
+def _amx(spec: object) -> list[str]:
     # Prefill is compute-bound: with AMX tiles torch's flash attention multiplies bf16 natively,
-    # far past what float32 FMAs on 8 lanes reach (measured only where there is no AMX).
+    # far past what float32 FMAs on 8 lanes reach (measured only where there is no AMX). The
+    # fp8 cache too: the torch op widens it to bf16 first.
     if "amx_bf16" in (cpu_flags() or ()):
         return ["this CPU has AMX, which torch's SDPA uses for bf16 prefill"]
-    return _KERNEL.check(spec)
+    return []
+
+
+def _check(spec: object) -> list[str]:
+    return _amx(spec) or _KERNEL.check(spec)
+
+
+def _check_fp8(spec: OpSpec) -> list[str]:
+    # (the registry asks every builder for its reasons: kv_dtype may be None here)
+    return _amx(spec) or f16c_missing() or _FP8_KERNELS.get(spec.kv_dtype, _KERNEL).check(spec)
 
 
 def _prefill(kernel: Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,10 +73,9 @@ def paged_prefill_bf16(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return _prefill(_KERNEL, query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
 
-# No AMX exception here: torch's SDPA would first need the cache gathered and widened.
 @register_op("paged_attention", name="cpu_paged_prefill_fp8", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16,), phases=("prefill",), kv_dtypes=QUANTIZED_KV,
-             check=lambda spec: _FP8_KERNELS[spec.kv_dtype].check(spec) if spec.kv_dtype else [])
+             check=_check_fp8)
 def paged_prefill_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None = None,

@@ -29,6 +29,9 @@ def fp8_to_f32(byte, FMT: tl.constexpr):
     # subnormal (or zero): a whole number of steps, exact as an integer times the step
     small = mag.to(tl.float32) * STEP
     f = tl.where(mag < (1 << MANT), small, normal)
+    # not finite: e4m3fn's NaN (0x7f); e5m2's inf (0x7c) and NaNs, as float16's
+    SPECIAL: tl.constexpr = 0x7F if FMT == 1 else 0x7C
+    f = tl.where(mag >= SPECIAL, tl.where((mag == SPECIAL) & (FMT == 2), float("inf"), float("nan")), f)
     return (f.to(tl.int32, bitcast=True) | ((x & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
