@@ -86,6 +86,12 @@ def test_a_nan_written_reads_back_as_nan(kv_dtype):
     want = paged_decode_ref(q16.float(), k8, v8, case.meta, case.scale)
     assert got[0].isnan().all() and not got[1].isnan().any()
     assert torch.equal(got.isnan(), want.isnan())
+    # prefill: a 5-token chunk of the first sequence after 25 cached (the NaN at position 19)
+    prefill = make_case([(30, 5)], block_size=16, num_heads=4, num_kv_heads=2, head_size=64, seed=1)
+    prefill.meta.block_tables[:] = case.meta.block_tables[:1]
+    q = prefill.query.bfloat16()
+    got = cpu_paged_prefill.paged_prefill_fp8(q, q[:, :2], q[:, :2], k8, v8, prefill.meta, prefill.scale)
+    assert got.isnan().all()
 
 
 def _fp8_case(specs, kv_dtype, *, num_heads, num_kv_heads, head_size, block_size):
