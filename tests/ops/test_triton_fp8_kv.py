@@ -106,7 +106,7 @@ def check_decode_codes(device: str) -> None:
     def widen(src_ptr, like_ptr, out_ptr, KV_FORMAT: tl.constexpr):
         i = tl.arange(0, 512)
         like = tl.load(like_ptr + i * 0)
-        x = fp8.load_kv(src_ptr + i, i < 256, like, KV_FORMAT)
+        x = fp8.load_kv(src_ptr + i, i < 256, like, KV_FORMAT, True)
         tl.store(out_ptr + i, x)
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)

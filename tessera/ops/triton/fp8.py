@@ -17,21 +17,26 @@ import triton.language as tl
 
 
 @triton.jit
-def fp8_to_f32(byte, FMT: tl.constexpr):
-    """fp8 codes (uint8, any shape) -> float32, exactly. Masked loads with other=0 give 0.0."""
+def fp8_to_f32(byte, FMT: tl.constexpr, KEEP_SPECIAL: tl.constexpr):
+    """fp8 codes (uint8, any shape) -> float32, exactly. Masked loads with other=0 give 0.0.
+    Without KEEP_SPECIAL, inf and NaN codes read as large finite values (the decode
+    kernel's keys, whose registers are tight on sm_90; the row's values keep NaN)."""
     MANT: tl.constexpr = 3 if FMT == 1 else 2
     BIAS: tl.constexpr = 7 if FMT == 1 else 15
     STEP: tl.constexpr = 0.001953125 if FMT == 1 else 0.0000152587890625  # 2^(1 - bias - mant)
     x = byte.to(tl.int32)
     mag = x & 0x7F
     # normal: exponent and mantissa shifted into float32's places, the exponent rebased
-    normal = ((mag << (23 - MANT)) + ((127 - BIAS) << 23)).to(tl.float32, bitcast=True)
+    normal_bits = (mag << (23 - MANT)) + ((127 - BIAS) << 23)
+    if KEEP_SPECIAL:
+        # not finite (e4m3fn's NaN 0x7f; e5m2's inf 0x7c and NaNs, as float16's): float32's
+        # all-ones exponent over the same mantissa, by arithmetic rather than a select
+        SPECIAL: tl.constexpr = 0x7F if FMT == 1 else 0x7C
+        normal_bits = normal_bits | (((mag + (128 - SPECIAL)) >> 7) * 0x7F800000)
+    normal = normal_bits.to(tl.float32, bitcast=True)
     # subnormal (or zero): a whole number of steps, exact as an integer times the step
     small = mag.to(tl.float32) * STEP
     f = tl.where(mag < (1 << MANT), small, normal)
-    # not finite: e4m3fn's NaN (0x7f); e5m2's inf (0x7c) and NaNs, as float16's
-    SPECIAL: tl.constexpr = 0x7F if FMT == 1 else 0x7C
-    f = tl.where(mag >= SPECIAL, tl.where((mag == SPECIAL) & (FMT == 2), float("inf"), float("nan")), f)
     return (f.to(tl.int32, bitcast=True) | ((x & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
@@ -63,13 +68,14 @@ def f32_to_fp8(x, FMT: tl.constexpr):
 
 
 @triton.jit
-def load_kv(ptrs, mask, like, KV_FORMAT: tl.constexpr):
+def load_kv(ptrs, mask, like, KV_FORMAT: tl.constexpr, KEEP_SPECIAL: tl.constexpr):
     """Cached K or V values at `ptrs`: as stored (KV_FORMAT 0, the model dtype) or fp8
-    bytes widened to `like`'s dtype (the query's, for tl.dot). Masked lanes are 0."""
+    bytes widened to `like`'s dtype (the query's, for tl.dot). Masked lanes are 0.
+    KEEP_SPECIAL: see fp8_to_f32."""
     if KV_FORMAT == 0:
         return tl.load(ptrs, mask=mask, other=0.0)
     else:
-        return fp8_to_f32(tl.load(ptrs, mask=mask, other=0), KV_FORMAT).to(like.dtype)
+        return fp8_to_f32(tl.load(ptrs, mask=mask, other=0), KV_FORMAT, KEEP_SPECIAL).to(like.dtype)
 
 
 @triton.jit

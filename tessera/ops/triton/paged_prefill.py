@@ -77,7 +77,7 @@ def _kernel():
                 block = tl.load(tables_ptr + seq * table_width + k_pos // BLOCK_SIZE, mask=in_ctx, other=0)
                 base = (block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE) * row + kv_head * head_size
                 kv_mask = in_ctx[:, None] & d_mask[None, :]
-                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT)
+                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 if USE_SOFTCAP:
                     s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
@@ -88,7 +88,7 @@ def _kernel():
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing yet
                 alpha = tl.exp(m_i - m_safe)
                 p = tl.exp(s - m_safe[:, None])
-                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT)
+                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
