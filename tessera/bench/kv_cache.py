@@ -24,6 +24,7 @@ import torch
 from tessera.bench.workload import Workload, median
 from tessera.engine.engine import Engine
 from tessera.llm import LLM
+from tessera.runner.warmup import useful_blocks
 from tessera.sampling.params import SamplingParams
 
 # tessera's own source: natural-enough text that ships with every install
@@ -126,7 +127,7 @@ def _measure(llm: LLM, label: str, batch_sizes: list[int], input_len: int, outpu
         engine = llm.engine
         logprobs = teacher_forced_logprobs(engine, text_prompts(engine))
         cache = engine.config.cache
-        useful = engine.config.scheduler.max_num_seqs * -(-engine.max_model_len // cache.block_size)
+        useful = useful_blocks(engine.config.scheduler.max_num_seqs, engine.max_model_len, cache.block_size)
         row = KVCacheSummary(label, str(engine.runner.kv_cache_dtype).removeprefix("torch."),
                              engine.runner.kv_bytes_per_block() // cache.block_size,
                              engine.num_blocks * cache.block_size,

@@ -115,13 +115,17 @@ def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batche
     per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
     budget = int(available * memory_fraction) - activation * runner.ranks_sharing_memory
     num_blocks = max(budget // per_block, 0)
-    # More blocks than every sequence at full length could use is memory held for nothing.
-    useful = max_num_seqs * ((max_model_len + runner.block_size - 1) // runner.block_size)
-    num_blocks = min(num_blocks, useful)
+    num_blocks = min(num_blocks, useful_blocks(max_num_seqs, max_model_len, runner.block_size))
     logger.info("warm-up: peak step of %d tokens needed %.1f MiB; %.1f GiB available, "
                 "%.0f%% of it for the KV cache", num_tokens, activation / 2**20,
                 available / 2**30, memory_fraction * 100)
     return KVCachePlan(num_blocks, activation, available, per_block)
+
+
+def useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most blocks sizing gives: more than every sequence at full length could use is
+    memory held for nothing."""
+    return max_num_seqs * -(-max_model_len // block_size)
 
 
 def max_decode_rows(config: EngineConfig) -> int:

@@ -15,10 +15,9 @@ from tessera.ops.registry import register_op
 ANY_KV = (None, *QUANTIZED_KV)
 
 
-def _rows_of(cache: torch.Tensor) -> torch.Tensor:
-    """[slots, Hk, D]; 8-bit floats as bytes (CPU index_copy_ has no float8 kernel)."""
-    rows = cache.view(-1, *cache.shape[2:])
-    return rows.view(torch.uint8) if cache.dtype in QUANTIZED_KV else rows
+def _as_stored(x: torch.Tensor) -> torch.Tensor:
+    """8-bit floats as bytes (CPU index_copy_ has no float8 kernel); others as they are."""
+    return x.view(torch.uint8) if x.dtype in QUANTIZED_KV else x
 
 
 @register_op("kv_write", name="torch_kv_write", priority=0, kv_dtypes=ANY_KV)
@@ -29,8 +28,8 @@ def kv_write_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     for x, cache in ((key, k_cache), (value, v_cache)):
-        x = quantize_kv(x, cache.dtype)
-        _rows_of(cache).index_copy_(0, slot_mapping, x.view(torch.uint8) if x.dtype in QUANTIZED_KV else x)
+        rows = cache.view(-1, *cache.shape[2:])  # [slots, Hk, D]
+        _as_stored(rows).index_copy_(0, slot_mapping, _as_stored(quantize_kv(x, cache.dtype)))
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int,

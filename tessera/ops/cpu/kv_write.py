@@ -8,19 +8,19 @@ import ctypes
 
 import torch
 
-from tessera.ops.attention.kv_quant import FP8_FORMATS, QUANTIZED_KV
+from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.attention.torch_paged import kv_write_ref
 from tessera.ops.cpu.build import Kernel
+from tessera.ops.cpu.fp8_builds import fp8_builds, fp8_check
 from tessera.ops.registry import register_op
 
 
 _KERNEL = Kernel("kv_write.c", "tessera_kv_write",
                  (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3,
                  ctypes.c_int)
-_FP8_KERNELS = {dtype: Kernel("kv_write_fp8.c", "tessera_kv_write_fp8",
-                              (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3
-                              + (ctypes.c_int,), ctypes.c_int, defines=(f"TESSERA_KV_FP8 {code}",))
-                for dtype, code in FP8_FORMATS.items()}
+_FP8_KERNELS = fp8_builds(Kernel("kv_write_fp8.c", "tessera_kv_write_fp8",
+                                 (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 3
+                                 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int))
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -28,14 +28,21 @@ def _rows(x: torch.Tensor) -> bool:
     return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
+def _kernel_layout(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether the C writers can take these as they are (dtypes are each writer's own)."""
+    return (_rows(key) and _rows(value) and value.shape == key.shape
+            and key.shape[1] * key.shape[2] == k_cache.shape[2] * k_cache.shape[3]
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous())
+
+
 @register_op("kv_write", name="cpu_kv_write", priority=10, devices=("cpu",), check=_KERNEL.check)
 def kv_write_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, has_padding: bool = False) -> None:
     row = k_cache.shape[2] * k_cache.shape[3]
-    if (not (_rows(key) and _rows(value)) or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype
-            or key.shape[1] * key.shape[2] != row or value.shape != key.shape
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+    if (key.dtype != k_cache.dtype or value.dtype != v_cache.dtype
+            or not _kernel_layout(key, value, k_cache, v_cache, slot_mapping)):
         return kv_write_ref(key, value, k_cache, v_cache, slot_mapping, has_padding)
     elem = key.element_size()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
@@ -47,15 +54,13 @@ def kv_write_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
 
 @register_op("kv_write", name="cpu_kv_write_fp8", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16, torch.float32), kv_dtypes=QUANTIZED_KV,
-             check=lambda spec: _FP8_KERNELS.get(spec.kv_dtype, _KERNEL).check(spec))
+             check=fp8_check(_FP8_KERNELS, needs_f16c=False))
 def kv_write_cpu_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, has_padding: bool = False) -> None:
     row = k_cache.shape[2] * k_cache.shape[3]
-    if (not (_rows(key) and _rows(value)) or key.dtype not in (torch.bfloat16, torch.float32)
-            or value.dtype != key.dtype or key.shape[1] * key.shape[2] != row or value.shape != key.shape
+    if (key.dtype not in (torch.bfloat16, torch.float32) or value.dtype != key.dtype
             or k_cache.dtype not in _FP8_KERNELS or v_cache.dtype != k_cache.dtype
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
+            or not _kernel_layout(key, value, k_cache, v_cache, slot_mapping)):
         return kv_write_ref(key, value, k_cache, v_cache, slot_mapping, has_padding)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if _FP8_KERNELS[k_cache.dtype](

@@ -11,10 +11,11 @@ import ctypes
 
 import torch
 
-from tessera.ops.attention.kv_quant import FP8_FORMATS, QUANTIZED_KV
+from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.attention.torch_paged import paged_decode_ref
-from tessera.ops.cpu.build import Kernel, f16c_missing
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.cpu.fp8_builds import fp8_builds, fp8_check
 from tessera.ops.registry import register_op
 
 
@@ -22,9 +23,7 @@ _ARGS = (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes
 _KERNEL = Kernel("paged_decode_bf16.c", "tessera_paged_decode_bf16", _ARGS, ctypes.c_int,
                  fallback_source="paged_decode_avx2.c")
 # an 8-bit float cache: the AVX2 kernel built per format (kv_rows.h), on any CPU with AVX2
-_FP8_KERNELS = {dtype: Kernel("paged_decode_avx2.c", "tessera_paged_decode_bf16", _ARGS, ctypes.c_int,
-                              defines=(f"TESSERA_KV_FP8 {code}",))
-                for dtype, code in FP8_FORMATS.items()}
+_FP8_KERNELS = fp8_builds(Kernel("paged_decode_avx2.c", "tessera_paged_decode_bf16", _ARGS, ctypes.c_int))
 
 
 def _decode(kernel: Kernel, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,8 +59,7 @@ def paged_decode_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @register_op("paged_attention", name="cpu_paged_decode_fp8", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16,), phases=("decode",), kv_dtypes=QUANTIZED_KV,
-             # (the registry asks every builder for its reasons: kv_dtype may be None here)
-             check=lambda spec: f16c_missing() or _FP8_KERNELS.get(spec.kv_dtype, _KERNEL).check(spec))
+             check=fp8_check(_FP8_KERNELS, needs_f16c=True))
 def paged_decode_fp8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                      softcap: float | None = None) -> torch.Tensor:

@@ -12,18 +12,18 @@ import ctypes
 
 import torch
 
-from tessera.ops.attention.kv_quant import FP8_FORMATS, QUANTIZED_KV
+from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.attention.torch_paged import paged_prefill_ref
-from tessera.ops.cpu.build import Kernel, cpu_flags, f16c_missing
+from tessera.ops.cpu.build import Kernel, cpu_flags
+from tessera.ops.cpu.fp8_builds import fp8_builds, fp8_check
 from tessera.ops.registry import OpSpec, register_op
 
 _ARGS = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int)
 _KERNEL = Kernel("paged_prefill_avx2.c", "tessera_paged_prefill_bf16", _ARGS, ctypes.c_int)
 # an 8-bit float cache: the same kernel built per format (kv_rows.h)
-_FP8_KERNELS = {dtype: Kernel("paged_prefill_avx2.c", "tessera_paged_prefill_bf16", _ARGS, ctypes.c_int,
-                              defines=(f"TESSERA_KV_FP8 {code}",))
-                for dtype, code in FP8_FORMATS.items()}
+_FP8_KERNELS = fp8_builds(_KERNEL)
+_FP8_CHECK = fp8_check(_FP8_KERNELS, needs_f16c=True)
 
 
 def _amx(spec: object) -> list[str]:
@@ -40,8 +40,7 @@ def _check(spec: object) -> list[str]:
 
 
 def _check_fp8(spec: OpSpec) -> list[str]:
-    # (the registry asks every builder for its reasons: kv_dtype may be None here)
-    return _amx(spec) or f16c_missing() or _FP8_KERNELS.get(spec.kv_dtype, _KERNEL).check(spec)
+    return _amx(spec) or _FP8_CHECK(spec)
 
 
 def _prefill(kernel: Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
