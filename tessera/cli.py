@@ -1,4 +1,4 @@
-"""`tessera generate | serve | bench | models | inspect`. The only place that reads environment variables."""
+"""`tessera generate | serve | bench | detect-watermark | models | inspect`. The only place that reads environment variables."""
 from __future__ import annotations
 
 import argparse
@@ -76,6 +76,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rendezvous port (default: a free one; MASTER_PORT when launched by torchrun)")
     p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
                    help="logprobs from the model's distribution (raw) or the one sampled from (processed)")
+    add_watermark_args(p)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters on top of the model (several in one batch)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -88,6 +89,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=4,
                    help="distinct adapters one step can run (device slots per layer; default 4)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
+
+
+def add_watermark_args(p: argparse.ArgumentParser) -> None:
+    """The watermark's settings, defaulting to TGI's variables and TESSERA_WATERMARK_KEY
+    (a key in the environment stays out of the process list)."""
+    env = os.environ
+    p.add_argument("--watermark-gamma", type=float, default=env.get("WATERMARK_GAMMA", "0.5"),
+                   help="share of the vocabulary that is green at each step (default 0.5 or WATERMARK_GAMMA)")
+    p.add_argument("--watermark-delta", type=float, default=env.get("WATERMARK_DELTA", "2.0"),
+                   help="bias added to green tokens' logits (default 2.0 or WATERMARK_DELTA)")
+    p.add_argument("--watermark-key", type=int, default=env.get("TESSERA_WATERMARK_KEY", "15485863"),
+                   help="secret seeding the green lists (default TESSERA_WATERMARK_KEY, else the "
+                        "public 15485863 that TGI and transformers use: set your own to deploy)")
+
+
+def watermark_config(args: argparse.Namespace):
+    from tessera.config import WatermarkConfig
+
+    return WatermarkConfig(gamma=args.watermark_gamma, delta=args.watermark_delta, key=args.watermark_key)
 
 
 def _parallel_config(args: argparse.Namespace):
@@ -123,7 +143,7 @@ def _engine_config(args: argparse.Namespace):
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
                async_scheduling=args.async_scheduling, speculative_config=_speculative_config(args),
-               parallel=_parallel_config(args), **_lora_args(args))
+               parallel=_parallel_config(args), watermark=watermark_config(args), **_lora_args(args))
 
 
 def _lora_args(args: argparse.Namespace) -> dict:
@@ -253,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tessera.bench.cli import add_bench_parser
     add_bench_parser(sub, _add_engine_args)
+
+    from tessera.watermark_cli import add_detect_parser
+    add_detect_parser(sub, add_watermark_args)
 
     serve = sub.add_parser("serve", help="serve the TGI and OpenAI APIs on one port")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")

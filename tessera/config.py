@@ -253,6 +253,28 @@ class LoRAConfig:
         _require(not self.lora_modules or self.enable_lora, "lora_modules need enable_lora")
 
 
+@dataclass(frozen=True)
+class WatermarkConfig:
+    """The engine's watermark (tessera/sampling/watermark.py), for requests that ask for one:
+    `gamma`, the vocabulary share that is green at each step; `delta`, the bias added to
+    green logits; `key`, the secret that seeds the lists (deploy with your own: whoever
+    knows it can detect the watermark, and scrub it). Defaults are TGI's
+    (WATERMARK_GAMMA, WATERMARK_DELTA) and the paper's key, the millionth prime."""
+
+    gamma: float = 0.5
+    delta: float = 2.0
+    key: int = 15485863
+
+    def __post_init__(self) -> None:
+        number = isinstance(self.gamma, (int, float)) and not isinstance(self.gamma, bool)
+        _require(number and 0.0 < self.gamma < 1.0, f"watermark gamma must be in (0, 1), got {self.gamma!r}")
+        number = isinstance(self.delta, (int, float)) and not isinstance(self.delta, bool)
+        _require(number and 0.0 < self.delta < float("inf"),
+                 f"watermark delta must be a finite number > 0, got {self.delta!r}")
+        _require(isinstance(self.key, int) and not isinstance(self.key, bool) and self.key >= 1,
+                 f"watermark key must be an integer >= 1, got {self.key!r}")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -266,6 +288,7 @@ class EngineConfig:
     # where returned logprobs come from: "raw" (the model's distribution, vLLM's default)
     # or "processed" (after penalties, temperature and filters, as TGI reports them)
     logprobs_mode: str = "raw"
+    watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
 
     def __post_init__(self) -> None:
         _require(self.device.split(":")[0] in ("cpu", "cuda"),

@@ -43,6 +43,9 @@ def add_generate_parser(sub: argparse._SubParsersAction, add_engine_args) -> Non
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
                      help="logprobs of the prompt tokens (in --output-file)")
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    gen.add_argument("--watermark", action="store_true",
+                     help="watermark the output (the engine's --watermark-* settings; "
+                          "`tessera detect-watermark` tests a text)")
     gen.add_argument("--lora", default=None, metavar="NAME",
                      help="run every prompt with this adapter (one of --lora-modules)")
     shape = gen.add_mutually_exclusive_group()
@@ -119,7 +122,7 @@ def _sampling_params(args: argparse.Namespace):
         presence_penalty=args.presence_penalty, logit_bias=bias or None, seed=args.sample_seed,
         ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_id,
         include_stop_str_in_output=args.include_stop_str, n=args.n, best_of=args.best_of,
-        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, watermark=args.watermark)
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict | None:
@@ -161,7 +164,7 @@ def _record(prompt, out) -> dict:
             fields["logprobs"] = _logprobs_json(c.logprobs)
         return fields
 
-    record = {"prompt": prompt, **completion(out.outputs[0])}
+    record = {"prompt": prompt, "prompt_token_ids": out.prompt_token_ids, **completion(out.outputs[0])}
     if len(out.outputs) > 1:
         record["completions"] = [dict(index=c.index, **completion(c)) for c in out.outputs]
     if out.prompt_logprobs is not None:

@@ -8,11 +8,13 @@ from typing import Iterator, Sequence as Seq
 from tqdm.auto import tqdm
 
 from tessera.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                            SchedulerConfig, SpeculativeConfig, scheduler_defaults, speculative_config_from)
+                            SchedulerConfig, SpeculativeConfig, WatermarkConfig, scheduler_defaults,
+                            speculative_config_from)
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.lora.request import LoRARequest
 from tessera.sampling.params import SamplingParams
+from tessera.sampling.watermark import DEFAULT_Z_THRESHOLD, WatermarkScore, detect_watermark_in_output
 
 # a text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}
 Prompt = str | list[int] | dict
@@ -60,7 +62,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   tensor_parallel_size: int = 1,
                   parallel: ParallelConfig | None = None,
                   enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
-                  lora_modules: dict[str, str] | None = None) -> EngineConfig:
+                  lora_modules: dict[str, str] | None = None,
+                  watermark: WatermarkConfig | dict | None = None) -> EngineConfig:
     """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments).
     `max_num_seqs` / `max_num_batched_tokens` left None take the device's defaults
     (config.scheduler_defaults)."""
@@ -85,7 +88,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
         speculative=speculative_config_from(speculative_config, device),
         lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
                         lora_modules=dict(lora_modules or {})),
-        device=device, seed=seed, logprobs_mode=logprobs_mode)
+        device=device, seed=seed, logprobs_mode=logprobs_mode,
+        watermark=watermark if isinstance(watermark, WatermarkConfig) else WatermarkConfig(**(watermark or {})))
 
 
 class LLM:
@@ -110,6 +114,17 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         """Forget cached prompt prefixes (e.g. between benchmark repeats of the same prompts)."""
         return self.engine.reset_prefix_cache()
+
+    def detect_watermark(self, output: str | Seq[int], *, prompt: str | Seq[int] | None = None,
+                         z_threshold: float = DEFAULT_Z_THRESHOLD,
+                         ignore_repeated_bigrams: bool = False) -> WatermarkScore:
+        """Whether a generated output (its text, or better its token_ids) carries this
+        engine's watermark: a z-test of its green tokens. Pass the `prompt` it answered
+        (text, or a RequestOutput's prompt_token_ids) to score its first token too."""
+        return detect_watermark_in_output(self.tokenizer, self.engine.router.config.vocab_size,
+                                          self.engine.config.watermark, output, prompt=prompt,
+                                          z_threshold=z_threshold,
+                                          ignore_repeated_bigrams=ignore_repeated_bigrams)
 
     def __enter__(self) -> LLM:
         return self

@@ -100,7 +100,8 @@ class Engine:
                     type(self.model).__name__, self.dtype, time.perf_counter() - started)
         # a GPU sorts a whole vocabulary fast; the CPU's top-p first tries the best 256 tokens
         sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode,
-                          top_p_prefix=None if self.device.type == "cuda" else 256)
+                          top_p_prefix=None if self.device.type == "cuda" else 256,
+                          watermark=config.watermark)
         channel = StepChannel(self.device) if self.tp_group is not None else None
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device, self.dtype,
                                   sampler, channel=channel,

@@ -101,7 +101,8 @@ def _run_step(runner: ModelRunner, inputs: ModelInputs) -> None:
 
 # every processor and logprobs: the sampler's largest footprint per row
 WORST_CASE_SAMPLING = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, typical_p=0.9,
-                                     repetition_penalty=1.1, frequency_penalty=0.1, logprobs=20)
+                                     repetition_penalty=1.1, frequency_penalty=0.1, logprobs=20,
+                                     watermark=True)
 
 
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,

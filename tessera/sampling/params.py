@@ -71,6 +71,9 @@ class SamplingParams:
     # JSON schema / regex / choice / grammar the output must follow (sampling/structured.py);
     # a dict of StructuredOutputsParams' fields is taken too
     structured_outputs: StructuredOutputsParams | None = None
+    # TGI: bias each step's green list, the engine's WatermarkConfig (sampling/watermark.py)
+    watermark: bool = False
+
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:
             return SamplingParamsError(f"`{name}` {rule}, got {getattr(self, name)!r}")
@@ -116,7 +119,7 @@ class SamplingParams:
             name = "best_of" if self.num_sequences > self.n else "n"
             raise bad(name, "must be 1 when decoding is greedy (set temperature > 0 or do_sample)")
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "watermark"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         self.stop = self._check_stop()
@@ -188,9 +191,10 @@ class SamplingParams:
     @property
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens sampled so far (penalties count them; min_tokens
-        counts the output; a grammar advances with each), so a step cannot be launched
-        before the last one's reach the host."""
-        return self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+        counts the output; a grammar advances with each; the last seeds the watermark), so a
+        step cannot be launched before the last one's reach the host."""
+        return (self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+                or self.watermark)
 
     @property
     def num_sequences(self) -> int:

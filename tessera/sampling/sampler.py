@@ -4,8 +4,9 @@ One step, for a [B, V] float32 logits tensor:
 
 1. structured-output masks (tokens a row's grammar does not allow next at -inf), then
    logit_bias, then min_tokens (EOS and stop token ids at -inf while a row is short of its
-   minimum), then penalties: repetition (HF: prompt and output tokens), frequency and
-   presence (OpenAI: output tokens). These apply to greedy rows too.
+   minimum), then the watermark's green-list bias (before penalties, as TGI), then
+   penalties: repetition (HF: prompt and output tokens), frequency and presence (OpenAI:
+   output tokens). These apply to greedy rows too.
 2. Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p, min-p
    and typical-p (HF's order) and draw by inverting their CDF at one uniform from the
    row's own generator (seeded requests) or the engine's, so a seeded request samples the
@@ -33,6 +34,7 @@ from tessera.platform import to_device
 from tessera.sampling import processors as P
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.structured import mask_logits
+from tessera.sampling.watermark import GreenLists, WatermarkConfig, apply_watermark
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -130,13 +132,16 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
-                 logprobs_mode: str = "raw", top_p_prefix: int | None = 256):
+                 logprobs_mode: str = "raw", top_p_prefix: int | None = 256,
+                 watermark: WatermarkConfig | None = None):
         """`top_p_prefix`: how many best tokens top-p sorts before falling back to the whole
         vocabulary (see processors.apply_top_p); None sorts everything without a check that
-        waits for the device."""
+        waits for the device. `watermark`: the green lists of rows that ask for one."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.top_p_prefix = top_p_prefix
+        self.watermark = watermark or WatermarkConfig()
+        self._green: GreenLists | None = None  # made for the logits' vocabulary on first use
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = sorted(eos_token_ids)
         self.logprobs_mode = logprobs_mode
@@ -182,6 +187,11 @@ class Sampler:
                     ids.extend(stops)
             if rows:
                 x = P.suppress_tokens(x, rows, ids)
+        marked = [i for i, p in enumerate(params) if p.watermark]
+        if marked:
+            x = x.clone() if x is logits else x
+            x = apply_watermark(x, marked, [batch.all_ids(i)[-1] for i in marked],
+                                self._green_lists(x.shape[1]))
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
             x = x.clone() if x is logits else x
@@ -191,6 +201,11 @@ class Sampler:
             # constraint wins: its output is complete (no host sync: a where over rows)
             x = torch.where(torch.isinf(x).all(dim=1, keepdim=True), constrained, x)
         return x
+
+    def _green_lists(self, vocab_size: int) -> GreenLists:
+        if self._green is None or self._green.vocab_size != vocab_size:
+            self._green = GreenLists(self.watermark, vocab_size)
+        return self._green
 
     def _penalise(self, x: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
         params = [batch.params[i] for i in rows]

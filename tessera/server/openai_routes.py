@@ -96,7 +96,7 @@ def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
             # a tool-call parser reads tags that some tokenizers mark special (as vLLM does)
             skip_special_tokens=body.skip_special_tokens and (tools is None or tools.parser is None),
-            logprobs=logprobs,
+            logprobs=logprobs, watermark=body.watermark,
             prompt_logprobs=prompt_logprobs)
     except SamplingParamsError as exc:
         raise ValidationFailed(str(exc)) from exc

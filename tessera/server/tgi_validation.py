@@ -67,8 +67,6 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
                    f"Given: {p.truncate}")
     structured = grammar_constraint(p.grammar) if p.grammar is not None else None
     adapter_of(p, state)
-    if p.watermark:
-        raise fail("`watermark` is not supported by this server")
 
     ids = list(state.tokenizer(inputs).input_ids)
     if p.truncate is not None:
@@ -96,7 +94,7 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
             n=best_of, best_of=best_of,
             logprobs=top_n,  # TGI reports every token's logprob (details and stream events)
             prompt_logprobs=0 if p.decoder_input_details else None,
-            skip_special_tokens=True, structured_outputs=structured)
+            skip_special_tokens=True, structured_outputs=structured, watermark=p.watermark)
     except SamplingParamsError as exc:
         raise fail(str(exc)) from exc
     return ids, params

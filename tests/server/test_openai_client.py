@@ -218,3 +218,18 @@ def test_continuous_usage_stats_count_up_in_every_chunk(client, route):
     assert completion == sorted(completion) and completion[-1] == MAX_TOKENS
     assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
     assert chunks[-1].choices == []  # the include_usage chunk still ends the stream
+
+
+def test_watermark_extra_marks_completions(client, url):
+    """`watermark` (TGI's and MindIE's parameter) as an extra body field on the OpenAI
+    routes: the text is TGI's watermarked text for the same seed, not the plain one."""
+    def text(watermark: bool) -> str:
+        out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=1.0,
+                                        seed=5, extra_body={"ignore_eos": True, "watermark": watermark})
+        return out.choices[0].text
+
+    tgi = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 24, "do_sample": True, "seed": 5, "watermark": True}}).json()
+    assert text(True) == tgi["generated_text"] != text(False)
+    with pytest.raises(openai.BadRequestError, match="watermark"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body={"watermark": "maybe"})

@@ -151,3 +151,20 @@ def test_return_full_text_stream(tgi):
     plain = tgi.generate(PROMPT, max_new_tokens=4).generated_text
     events = list(tgi.generate_stream(PROMPT, max_new_tokens=4, return_full_text=True))
     assert events[-1].generated_text == PROMPT + plain
+
+
+def test_watermark_parameter_marks_the_tokens(tgi, url):
+    """TGI's `watermark`: the tokens carry the engine's green-list watermark (the default
+    gamma 0.5, delta 2), which a plain request's do not."""
+    from tessera.config import WatermarkConfig
+    from tessera.sampling.watermark import detect_watermark
+
+    seed = _prompt_ids(url, PROMPT)[-1:]
+    scores = {}
+    for flag in (True, False):
+        out = tgi.generate(PROMPT, max_new_tokens=40, watermark=flag, do_sample=True, seed=3)
+        ids = [t.id for t in out.details.tokens]
+        assert len(ids) == 40 or out.details.finish_reason.value == "eos_token"
+        scores[flag] = detect_watermark(seed + ids, 512, WatermarkConfig())
+    assert scores[True].prediction, scores[True]
+    assert not scores[False].prediction, scores[False]
