@@ -99,9 +99,17 @@ def add_watermark_args(p: argparse.ArgumentParser) -> None:
                    help="share of the vocabulary that is green at each step (default 0.5 or WATERMARK_GAMMA)")
     p.add_argument("--watermark-delta", type=float, default=env.get("WATERMARK_DELTA", "2.0"),
                    help="bias added to green tokens' logits (default 2.0 or WATERMARK_DELTA)")
-    p.add_argument("--watermark-key", type=int, default=env.get("TESSERA_WATERMARK_KEY", "15485863"),
+    p.add_argument("--watermark-key", type=_secret_int, default=env.get("TESSERA_WATERMARK_KEY", "15485863"),
                    help="secret seeding the green lists (default TESSERA_WATERMARK_KEY, else the "
                         "public 15485863 that TGI and transformers use: set your own to deploy)")
+
+
+def _secret_int(text: str) -> int:
+    """int(text), with an error that does not print the text (a key)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be an integer (the value is not shown: it is a key)") from None
 
 
 def watermark_config(args: argparse.Namespace):

@@ -253,6 +253,11 @@ class LoRAConfig:
         _require(not self.lora_modules or self.enable_lora, "lora_modules need enable_lora")
 
 
+# the watermark test's default verdict line: the paper's, a false positive about once in
+# 30,000 unmarked texts
+DEFAULT_WATERMARK_Z_THRESHOLD = 4.0
+
+
 @dataclass(frozen=True)
 class WatermarkConfig:
     """The engine's watermark (tessera/sampling/watermark.py), for requests that ask for one:
@@ -271,8 +276,9 @@ class WatermarkConfig:
         number = isinstance(self.delta, (int, float)) and not isinstance(self.delta, bool)
         _require(number and 0.0 < self.delta < float("inf"),
                  f"watermark delta must be a finite number > 0, got {self.delta!r}")
-        _require(isinstance(self.key, int) and not isinstance(self.key, bool) and self.key >= 1,
-                 f"watermark key must be an integer >= 1, got {self.key!r}")
+        # keys are reduced mod 2**64 - 1 into a seed: a multiple of it would make every list one
+        _require(isinstance(self.key, int) and not isinstance(self.key, bool) and 1 <= self.key < 2**64 - 1,
+                 "watermark key must be an integer in [1, 2**64 - 1)")
 
 
 @dataclass

@@ -7,9 +7,9 @@ from typing import Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from tessera.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                            SchedulerConfig, SpeculativeConfig, WatermarkConfig, scheduler_defaults,
-                            speculative_config_from)
+from tessera.config import (CacheConfig, ConfigError, EngineConfig, LoRAConfig, ModelConfig,
+                            ParallelConfig, SchedulerConfig, SpeculativeConfig, WatermarkConfig,
+                            scheduler_defaults, speculative_config_from)
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.lora.request import LoRARequest
@@ -89,7 +89,16 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
         lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
                         lora_modules=dict(lora_modules or {})),
         device=device, seed=seed, logprobs_mode=logprobs_mode,
-        watermark=watermark if isinstance(watermark, WatermarkConfig) else WatermarkConfig(**(watermark or {})))
+        watermark=_watermark_config(watermark))
+
+
+def _watermark_config(watermark: WatermarkConfig | dict | None) -> WatermarkConfig:
+    if isinstance(watermark, WatermarkConfig):
+        return watermark
+    if watermark is not None and (not isinstance(watermark, dict) or not set(watermark) <= {"gamma", "delta", "key"}):
+        got = sorted(watermark) if isinstance(watermark, dict) else type(watermark).__name__  # not the key
+        raise ConfigError(f"watermark takes a WatermarkConfig or a dict of gamma, delta and key; got {got}")
+    return WatermarkConfig(**(watermark or {}))
 
 
 class LLM:

@@ -8,14 +8,14 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from tessera.config import MODEL_IMPLS
+from tessera.config import DEFAULT_WATERMARK_Z_THRESHOLD, MODEL_IMPLS
 
 
 def add_detect_parser(sub: argparse._SubParsersAction, add_watermark_args) -> None:
     det = sub.add_parser("detect-watermark",
                          help="test texts for the watermark that `--watermark` / TGI's `watermark` adds")
     det.add_argument("texts", nargs="*", help="texts to test (default: --input-file, else standard input)")
-    det.add_argument("--input-file", help="a text file tested whole, or JSONL: strings, or objects "
+    det.add_argument("--input-file", metavar="FILE", help="a text file tested whole, or JSONL: strings, or objects "
                                           "with \"text\" or \"token_ids\" and an optional \"prompt\" "
                                           "(`tessera generate --output-file` writes these)")
     det.add_argument("--prompt", default=None,
@@ -25,7 +25,7 @@ def add_detect_parser(sub: argparse._SubParsersAction, add_watermark_args) -> No
                           "the embedded SmolLM2-135M-Instruct)")
     det.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
     det.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS)
-    det.add_argument("--z-threshold", type=float, default=4.0,
+    det.add_argument("--z-threshold", type=float, default=DEFAULT_WATERMARK_Z_THRESHOLD,
                      help="z-score above which a text is called watermarked (default 4: about one "
                           "false positive in 30,000 texts)")
     det.add_argument("--ignore-repeated-bigrams", action="store_true",
@@ -40,21 +40,22 @@ Test = tuple[str | list[int], str | list[int] | None]  # (text or token ids, pro
 
 def _tests(args: argparse.Namespace) -> list[Test]:
     """(output, prompt) pairs from the arguments, the input file or standard input."""
+    if args.texts and args.input_file is not None:
+        raise ValueError("give texts or --input-file, not both")
     if args.texts:
         return [(text, args.prompt) for text in args.texts]
     if args.input_file is None:
         return [(sys.stdin.read(), args.prompt)]
     path = Path(args.input_file)
-    if path.suffix != ".jsonl":
-        return [(path.read_text(encoding="utf-8"), args.prompt)]
+    content = path.read_text(encoding="utf-8")
+    items = _json_lines(content)
+    if items is None:
+        if path.suffix == ".jsonl":
+            items = [_json_line(path, number, line) for number, line in _lines(content)]
+        else:  # a text, tested whole
+            return [(content, args.prompt)]
     tests: list[Test] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+    for number, item in items:
         if isinstance(item, str):
             tests.append((item, args.prompt))
             continue
@@ -65,6 +66,32 @@ def _tests(args: argparse.Namespace) -> list[Test]:
                              "\"token_ids\" (as `tessera generate --output-file` writes)")
         tests += [(output, _prompt(item, args.prompt)) for output in found]
     return tests
+
+
+def _lines(content: str) -> list[tuple[int, str]]:
+    return [(number, line) for number, line in enumerate(content.splitlines(), 1) if line.strip()]
+
+
+def _json_line(path: Path, number: int, line: str):
+    try:
+        return number, json.loads(line)
+    except ValueError as exc:
+        raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
+
+
+def _json_lines(content: str) -> list[tuple[int, object]] | None:
+    """The lines as JSON strings and objects, when every line is one (JSONL whatever the
+    file is called: `generate --output-file` takes any name); else None (a text)."""
+    items = []
+    for number, line in _lines(content):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            return None
+        if not isinstance(item, (str, dict)):
+            return None
+        items.append((number, item))
+    return items or None
 
 
 def _output(record: dict) -> str | list[int] | None:

@@ -3,6 +3,7 @@ watermark settings (flags and TGI's variables) reach the engine, the generated J
 read back exactly (token ids, chat prompts' ids), and the detector's verdicts and errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from tessera import LLM, SamplingParams
 from tessera.cli import build_parser, main
 from tessera.config import WatermarkConfig
+from tessera.sampling.watermark import detect_watermark
 
 ENGINE_ARGS = ["--num-kv-blocks", "64", "--dtype", "float32"]
 PROMPTS = ["The quick brown fox", "Paged attention stores"]
@@ -43,21 +45,26 @@ def test_generated_jsonl_is_detected_and_plain_output_is_not(tiny, tmp_path, mon
     common = ["--model", str(tiny), *ENGINE_ARGS, "--input-file", str(prompts), "--max-new-tokens", "48",
               "--ignore-eos", "--temperature", "1", "--sample-seed", "1", "--chat", *flags]
     assert main(["generate", *common, "--watermark", "--output-file", str(tmp_path / "marked.jsonl")]) == 0
-    assert main(["generate", *common, "--output-file", str(tmp_path / "plain.jsonl")]) == 0
+    # any file name: the detector tells JSONL by its lines, not its suffix
+    assert main(["generate", *common, "--output-file", str(tmp_path / "plain.json")]) == 0
     records = [json.loads(line) for line in (tmp_path / "marked.jsonl").read_text().splitlines()]
     with LLM(tiny, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
         chat_ids = llm.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
     assert records[0]["prompt_token_ids"] == chat_ids  # the template's ids, not the user text's
     capsys.readouterr()
 
-    for name, expected in (("marked", True), ("plain", False)):
+    for name, expected in (("marked.jsonl", True), ("plain.json", False)):
         assert main(["detect-watermark", "--model", str(tiny), *flags, "--json",
-                     "--input-file", str(tmp_path / f"{name}.jsonl")]) == 0
+                     "--input-file", str(tmp_path / name)]) == 0
         scores = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert len(scores) == 2
-        for score in scores:
+        records = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        for score, record in zip(scores, records):
             assert score["prediction"] is expected, score
-            assert score["num_tokens_scored"] == 48  # every token, the first seeded by the prompt
+            # every token, the first seeded by the chat prompt's last id
+            exact = detect_watermark(record["prompt_token_ids"][-1:] + record["token_ids"], 512,
+                                     WatermarkConfig(delta=5.0, key=4242))
+            assert score == dataclasses.asdict(exact) and exact.num_tokens_scored == 48
     # another key sees no watermark
     assert main(["detect-watermark", "--model", str(tiny), "--watermark-key", "1", "--json",
                  "--input-file", str(tmp_path / "marked.jsonl")]) == 0
@@ -83,8 +90,14 @@ def test_texts_files_and_errors(tiny, tmp_path, capsys):
     bad.write_text('{"text": "ok text"}\n{"other": 1}\n')
     assert main(["detect-watermark", "--model", str(tiny), "--input-file", str(bad)]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+    assert main(["detect-watermark", "--model", str(tiny), "--input-file", str(text), "more text"]) == 2
+    assert "not both" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["detect-watermark", "--watermark-gamma", "x", "hi"])
+    with pytest.raises(SystemExit):
+        main(["detect-watermark", "--watermark-key", "my-secret-key", "hi"])
+    err = capsys.readouterr().err
+    assert "--watermark-key: must be an integer" in err and "my-secret-key" not in err
     assert main(["detect-watermark", "--model", str(tiny), "--watermark-gamma", "1.5", "hi there"]) == 2
     assert "gamma" in capsys.readouterr().err
 

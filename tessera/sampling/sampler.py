@@ -64,6 +64,11 @@ class SamplingBatch:
         drafts = self._drafts(row)
         return self.token_ids[row] + drafts if drafts else self.token_ids[row]
 
+    def last_id(self, row: int) -> int:
+        """The token this row's next one follows (its last draft, when it verifies one)."""
+        drafts = self._drafts(row)
+        return drafts[-1] if drafts else self.token_ids[row][-1]
+
     def _drafts(self, row: int) -> list[int]:
         return [] if self.draft_token_ids is None else self.draft_token_ids[row]
 
@@ -190,7 +195,7 @@ class Sampler:
         marked = [i for i, p in enumerate(params) if p.watermark]
         if marked:
             x = x.clone() if x is logits else x
-            x = apply_watermark(x, marked, [batch.all_ids(i)[-1] for i in marked],
+            x = apply_watermark(x, marked, [batch.last_id(i) for i in marked],
                                 self._green_lists(x.shape[1]))
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:

@@ -16,61 +16,90 @@ lists differ).
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from tessera.config import WatermarkConfig
+from tessera.config import DEFAULT_WATERMARK_Z_THRESHOLD as DEFAULT_Z_THRESHOLD, WatermarkConfig
 from tessera.platform import to_device
 
 __all__ = ["DEFAULT_Z_THRESHOLD", "GreenLists", "WatermarkConfig", "WatermarkScore",
            "apply_watermark", "detect_watermark", "detect_watermark_in_output"]
 
-DEFAULT_Z_THRESHOLD = 4.0       # the paper's: a false positive about once in 30,000 texts
-_CACHE_BYTES = 32 * 2**20       # green masks kept, one byte per vocabulary entry each
+_CACHE_BYTES = 64 * 2**20       # green lists kept, bit-packed: ~11k of a 49k vocabulary
+_BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # bit 7 of a byte is its first entry
 
 
 class GreenLists:
-    """Green masks ([V] bool, on the host) by previous token, the most recent kept: one
-    permutation of a 49k vocabulary takes ~0.5 ms, and text revisits its common tokens."""
+    """Green lists by previous token, bit-packed ([ceil(V / 8)] uint8, on the host), the
+    most recently used kept. A list is one CPU `randperm(V)` (~1 ms at 49k entries, ~2.3 ms
+    at 152k), and text keeps revisiting its common tokens; the lists a step misses are drawn
+    on several threads (torch releases the GIL)."""
 
     def __init__(self, config: WatermarkConfig, vocab_size: int, cache_bytes: int = _CACHE_BYTES):
         self.config = config
         self.vocab_size = vocab_size
         self.size = int(vocab_size * config.gamma)
-        self.capacity = max(16, cache_bytes // max(vocab_size, 1))
-        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._generator = torch.Generator()
+        self.row_bytes = -(-vocab_size // 8)
+        self.capacity = max(64, cache_bytes // self.row_bytes)
+        self._lists: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def packed(self, previous_tokens: Sequence[int]) -> torch.Tensor:
+        """[R, ceil(V / 8)] uint8: row r holds the list after previous_tokens[r], bit-packed."""
+        missing = sorted({t for t in previous_tokens if t not in self._lists})
+        if len(missing) > 1:
+            with ThreadPoolExecutor(min(len(missing), os.cpu_count() or 1)) as pool:
+                drawn = list(pool.map(self._draw, missing))
+        else:
+            drawn = [self._draw(t) for t in missing]
+        self._lists.update(zip(missing, drawn))
+        for token in previous_tokens:
+            self._lists.move_to_end(token)
+        out = torch.stack([self._lists[t] for t in previous_tokens])
+        while len(self._lists) > max(self.capacity, len(set(previous_tokens))):
+            self._lists.popitem(last=False)
+        return out
+
+    def _draw(self, previous_token: int) -> torch.Tensor:
+        # transformers' reduction; TGI's seed is the same for every key * token below 2**64
+        generator = torch.Generator().manual_seed(self.config.key * previous_token % (2**64 - 1))
+        green = torch.randperm(self.vocab_size, generator=generator)[:self.size]
+        mask = torch.zeros(self.row_bytes * 8, dtype=torch.uint8)
+        mask[green] = 1
+        return (mask.view(-1, 8) << _BIT_SHIFTS).sum(dim=1, dtype=torch.uint8)
 
     def mask(self, previous_token: int) -> torch.Tensor:
-        """The tokens that are green right after `previous_token`."""
-        mask = self._masks.get(previous_token)
-        if mask is not None:
-            self._masks.move_to_end(previous_token)
-            return mask
-        # transformers' reduction; TGI's seed is the same for every key * token below 2**64
-        self._generator.manual_seed(self.config.key * previous_token % (2**64 - 1))
-        green = torch.randperm(self.vocab_size, generator=self._generator)[:self.size]
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        mask[green] = True
-        self._masks[previous_token] = mask
-        if len(self._masks) > self.capacity:
-            self._masks.popitem(last=False)
-        return mask
+        """[V] bool: the tokens that are green right after `previous_token` (a new tensor)."""
+        return unpack(self.packed([previous_token]), self.vocab_size)[0].bool()
 
     def is_green(self, previous_token: int, token: int) -> bool:
-        return 0 <= token < self.vocab_size and bool(self.mask(previous_token)[token])
+        if not 0 <= token < self.vocab_size:
+            return False
+        byte = int(self.packed([previous_token])[0, token >> 3])
+        return bool(byte >> (7 - (token & 7)) & 1)
+
+
+def unpack(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, ceil(V / 8)] uint8 -> [R, V] uint8 of 0 / 1, on the packed tensor's device."""
+    shifts = _BIT_SHIFTS.to(packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size]
 
 
 def apply_watermark(logits: torch.Tensor, rows: list[int], previous_tokens: list[int],
                     green: GreenLists) -> torch.Tensor:
     """Add delta to the green logits of `rows` (each after its `previous_tokens` entry), in
-    place on `logits` [B, V]; one [R, V] mask crosses to the device."""
-    masks = torch.stack([green.mask(token) for token in previous_tokens])
-    bias = to_device(masks, logits.device).to(logits.dtype).mul_(green.config.delta)
-    return logits.index_add_(0, to_device(torch.tensor(rows), logits.device), bias)
+    place on `logits` [B, V]. The lists cross to the device bit-packed (V / 8 bytes a row)
+    and become the bias by one lookup of each byte's 8 values (1.5-2.5x faster on a CPU than
+    shifting the bits out and scaling them)."""
+    device = logits.device
+    packed = to_device(green.packed(previous_tokens), device).long()
+    table = ((torch.arange(256, dtype=torch.uint8).unsqueeze(1) >> _BIT_SHIFTS) & 1) * green.config.delta
+    bias = torch.nn.functional.embedding(packed, to_device(table.to(logits.dtype), device))
+    return logits.index_add_(0, to_device(torch.tensor(rows), device), bias.flatten(1)[:, :green.vocab_size])
 
 
 @dataclass
@@ -99,7 +128,7 @@ def detect_watermark(token_ids: Sequence[int], vocab_size: int, config: Watermar
                              f"second's green list); got {len(ids)}")
     green = GreenLists(config, vocab_size)
     pairs = Counter(zip(ids, ids[1:]))
-    hits = {pair: green.is_green(*pair) for pair in pairs}
+    hits = {pair: green.is_green(*pair) for pair in sorted(pairs)}  # a previous token's pairs together
     if ignore_repeated_bigrams:
         scored, greens = len(pairs), sum(hits.values())
     else:

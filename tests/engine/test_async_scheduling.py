@@ -123,8 +123,8 @@ def test_preemption_chunking_and_cache_settings_match(make_pair, settings):
 
 
 def test_history_dependent_sampling_and_logprobs_match(make_pair):
-    """Penalties, min_tokens and the watermark make a step wait for the last one's
-    tokens; logprobs, prompt logprobs and n / best_of ride along."""
+    """Penalties and min_tokens make a step wait for the last one's tokens; logprobs,
+    prompt logprobs and n / best_of ride along."""
     sync, async_ = make_pair()
     eos = sorted(sync.engine.router.eos_token_ids)[0]
     params = [
@@ -135,12 +135,20 @@ def test_history_dependent_sampling_and_logprobs_match(make_pair):
         SamplingParams(temperature=0.8, seed=9, n=2, best_of=3, max_new_tokens=10, ignore_eos=True),
         SamplingParams(temperature=0.0, max_new_tokens=6, prompt_logprobs=2, logprobs=1, ignore_eos=True),
         SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, watermark=True),
-        SamplingParams(temperature=0.9, seed=4, max_new_tokens=12, ignore_eos=True, watermark=True),
     ]
     prompts = TEXTS[:len(params)]
     expected = sync.generate(prompts, params)
     assert summary(async_.generate(prompts, params)) == summary(expected)
+
+
+def test_watermark_alone_waits_for_the_last_token(make_pair):
+    """The watermark's list is seeded by the last token, so even without penalties in the
+    batch, a step waits for the one before it."""
+    sync, async_ = make_pair()
+    params = [SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, watermark=True),
+              SamplingParams(temperature=0.9, seed=4, max_new_tokens=12, ignore_eos=True, watermark=True)]
+    expected = sync.generate(TEXTS[:2], params)
+    assert summary(async_.generate(TEXTS[:2], params)) == summary(expected)
 
 
 def test_streamed_deltas_match_step_for_step(make_pair):

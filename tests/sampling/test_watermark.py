@@ -11,8 +11,9 @@ from transformers import LlamaConfig, WatermarkDetector, WatermarkingConfig
 from transformers.generation.logits_process import WatermarkLogitsProcessor
 
 from tessera.config import ConfigError, WatermarkConfig
+from tessera.llm import engine_config
 from tessera.sampling import Sampler, SamplingBatch, SamplingParams
-from tessera.sampling.watermark import GreenLists, apply_watermark, detect_watermark
+from tessera.sampling.watermark import GreenLists, apply_watermark, detect_watermark, unpack
 
 VOCAB = 1000
 
@@ -22,16 +23,18 @@ def hf_processor(config: WatermarkConfig, vocab: int = VOCAB) -> WatermarkLogits
                                     bias=config.delta, hashing_key=config.key)
 
 
-CONFIGS = [WatermarkConfig(), WatermarkConfig(gamma=0.25, delta=1.5, key=987654321)]
+CONFIGS = [WatermarkConfig(), WatermarkConfig(gamma=0.25, delta=1.5, key=987654321),
+           WatermarkConfig(key=2**62 + 12345)]  # key x token beyond 2**64: the reduction matters
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_green_lists_are_transformers_lefthash_lists(config):
-    green, hf = GreenLists(config, VOCAB), hf_processor(config)
-    for previous in (0, 1, 7, 499, VOCAB - 1):
+@pytest.mark.parametrize("vocab", [VOCAB, 1003])  # 1003: the packed lists' last byte is partial
+def test_green_lists_are_transformers_lefthash_lists(config, vocab):
+    green, hf = GreenLists(config, vocab), hf_processor(config, vocab)
+    for previous in (0, 1, 7, 499, vocab - 1):
         expected = hf._get_greenlist_ids(torch.tensor([5, previous]))
         mask = green.mask(previous)
-        assert mask.sum() == int(VOCAB * config.gamma) == expected.numel()
+        assert mask.shape == (vocab,) and mask.sum() == int(vocab * config.gamma) == expected.numel()
         assert torch.equal(mask.nonzero().flatten(), expected.sort().values)
     assert not torch.equal(green.mask(3), green.mask(4)), "each previous token seeds its own list"
 
@@ -49,15 +52,25 @@ def test_biased_logits_equal_transformers(config):
     assert torch.equal(some[[0, 2]], logits[[0, 2]]) and torch.equal(some[1], expected[1])
 
 
-def test_the_mask_cache_is_bounded_and_evictions_recompute_the_same_list():
+def test_the_list_cache_is_bounded_and_evictions_recompute_the_same_list():
     config = WatermarkConfig()
-    green = GreenLists(config, VOCAB, cache_bytes=16 * VOCAB)
-    first = green.mask(5).clone()
-    for previous in range(100, 140):
-        green.mask(previous)
-    assert len(green._masks) == green.capacity == 16
-    assert 5 not in green._masks
-    assert torch.equal(green.mask(5), first)
+    green = GreenLists(config, VOCAB, cache_bytes=0)  # the smallest cache: 64 lists
+    first = green.mask(5)
+    first[:] = False  # a copy: the cache is not the caller's to change
+    assert torch.equal(green.mask(5), GreenLists(config, VOCAB).mask(5))
+    expected = {t: GreenLists(config, VOCAB).mask(t) for t in (5, 300, 301)}
+    for previous in range(100, 200):
+        green.packed([previous])
+    assert len(green._lists) == green.capacity == 64 and 5 not in green._lists
+    assert torch.equal(green.mask(5), expected[5])
+    # one step needing more lists than the cache holds keeps them all for that step
+    tokens = list(range(400, 480)) + [300, 301, 300]
+    packed = green.packed(tokens)
+    assert packed.shape == (83, -(-VOCAB // 8)) and len(green._lists) == 82
+    rows = unpack(packed, VOCAB).bool()
+    assert torch.equal(rows[80], expected[300]) and torch.equal(rows[81], expected[301])
+    assert torch.equal(rows[82], expected[300])
+    assert [green.is_green(300, t) for t in range(VOCAB)] == expected[300].tolist()
 
 
 def hf_detector(config: WatermarkConfig, vocab: int = VOCAB, ignore_repeated_ngrams: bool = False):
@@ -116,6 +129,12 @@ def test_too_short_texts_and_bad_settings_are_errors():
             WatermarkConfig(**kwargs)
     with pytest.raises(ValueError, match="watermark"):
         SamplingParams(watermark="yes")
+    with pytest.raises(ConfigError, match=r"got \['bad'\]"):
+        engine_config(watermark={"bad": 1})
+    assert engine_config(watermark={"delta": 3.0}).watermark == WatermarkConfig(delta=3.0)
+    with pytest.raises(ConfigError, match=r"\[1, 2\*\*64 - 1\)") as caught:
+        WatermarkConfig(key=2**64 - 1)  # every list would be the same
+    assert str(2**64 - 1) not in str(caught.value)  # a key is not echoed
 
 
 def test_sampler_biases_only_watermarked_rows_after_their_last_token():
@@ -148,3 +167,24 @@ def test_watermark_applies_before_the_repetition_penalty_as_in_tgi():
     expected[[5, previous]] /= 2.0  # (logit + delta) / penalty, not logit / penalty + delta
     assert torch.equal(processed, expected)
     assert processed[5] == 1.5
+
+
+def test_watermark_applies_before_temperature_and_top_k_as_in_tgi():
+    """TGI biases the raw logits, then warps: the sampled distribution is
+    top_k((logits + delta * green) / T), not (top_k(logits / T) + delta * green)."""
+    config = WatermarkConfig(delta=2.0)
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 3
+    params = SamplingParams(temperature=0.5, top_k=40, watermark=True, logprobs=0, seed=1)
+    batch = SamplingBatch([params], [torch.Generator().manual_seed(1)], token_ids=[[9, 21]],
+                          num_prompt_tokens=[1])
+    out = Sampler(watermark=config, logprobs_mode="processed").sample(logits.clone(), batch)
+    green = GreenLists(config, VOCAB).mask(21)
+    warped = (logits[0] + config.delta * green) / 0.5
+    kept = warped.topk(40).indices
+    expected = torch.full_like(warped, float("-inf"))
+    expected[kept] = warped[kept]
+    chosen = int(out.token_ids[0])
+    assert chosen in kept.tolist()
+    assert out.logprobs[0].logprob == pytest.approx(float(expected.log_softmax(-1)[chosen]), abs=1e-5)
+    other = (logits[0] / 0.5).topk(40).indices
+    assert set(kept.tolist()) != set(other.tolist()), "test setup: the order changes the kept set"

@@ -153,18 +153,20 @@ def test_return_full_text_stream(tgi):
     assert events[-1].generated_text == PROMPT + plain
 
 
-def test_watermark_parameter_marks_the_tokens(tgi, url):
-    """TGI's `watermark`: the tokens carry the engine's green-list watermark (the default
-    gamma 0.5, delta 2), which a plain request's do not."""
-    from tessera.config import WatermarkConfig
-    from tessera.sampling.watermark import detect_watermark
+def test_watermark_parameter_marks_the_tokens(tgi, url, tiny_model_dir):
+    """TGI's `watermark` reaches the sampler: the tokens are those the engine writes with
+    its watermark on (the default gamma 0.5, delta 2) for the same seed, not the plain
+    ones. (What the watermark does is tested in tests/sampling and tests/engine.)"""
+    from tessera import LLM, SamplingParams
 
-    seed = _prompt_ids(url, PROMPT)[-1:]
-    scores = {}
-    for flag in (True, False):
-        out = tgi.generate(PROMPT, max_new_tokens=40, watermark=flag, do_sample=True, seed=3)
-        ids = [t.id for t in out.details.tokens]
-        assert len(ids) == 40 or out.details.finish_reason.value == "eos_token"
-        scores[flag] = detect_watermark(seed + ids, 512, WatermarkConfig())
-    assert scores[True].prediction, scores[True]
-    assert not scores[False].prediction, scores[False]
+    prompt = _prompt_ids(url, PROMPT)
+    with LLM(tiny_model_dir, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
+        def engine_tokens(watermark: bool) -> list[int]:
+            params = SamplingParams(do_sample=True, seed=3, max_new_tokens=24, watermark=watermark)
+            return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+        marked, plain = engine_tokens(True), engine_tokens(False)
+    for flag, expected in ((True, marked), (False, plain)):
+        out = tgi.generate(PROMPT, max_new_tokens=24, watermark=flag, do_sample=True, seed=3)
+        assert [t.id for t in out.details.tokens] == expected
+    assert marked != plain
