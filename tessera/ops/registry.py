@@ -81,7 +81,7 @@ class OpBuilder:
             reasons.append(f"quantization {spec.quant} not supported")
         if spec.kv_dtype not in self.kv_dtypes:
             reasons.append(f"KV cache dtype {spec.kv_dtype} not supported")
-        if self.check is not None:
+        if self.check is not None and not reasons:  # a check may build a kernel: only when it could serve
             reasons.extend(self.check(spec))
         return reasons
 

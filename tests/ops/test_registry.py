@@ -74,7 +74,7 @@ def test_registering_a_better_builder_invalidates_cached_lookups(isolated_regist
 def test_failed_lookup_names_every_candidate_and_its_reasons(isolated_registry):
     register_op("rms_norm", name="test_cuda_only", priority=30, devices=("cuda",), dtypes=(F64,))(fake("a"))
     register_op("rms_norm", name="test_wrong_dtype", priority=20, dtypes=(torch.bfloat16,))(fake("b"))
-    register_op("rms_norm", name="test_custom_check", priority=10, dtypes=(F64,),
+    register_op("rms_norm", name="test_custom_check", priority=10, dtypes=(F64,), quant=("gptq",),
                 check=lambda spec: [f"head_size {spec.head_size} is not 128"])(fake("c"))
     spec = OpSpec("rms_norm", "cpu", F64, quant="gptq", head_size=64)
     with pytest.raises(OpLookupError) as info:
@@ -86,11 +86,23 @@ def test_failed_lookup_names_every_candidate_and_its_reasons(isolated_registry):
     assert "device cpu not in ('cuda',)" in message
     assert "dtype torch.float64 not supported" in message
     assert "head_size 64 is not 128" in message
-    # Every candidate also fails on the quantization it cannot serve.
-    assert message.count("quantization gptq not supported") == len(registry.builders("rms_norm"))
+    # Every other candidate also fails on the quantization it cannot serve.
+    assert message.count("quantization gptq not supported") == len(registry.builders("rms_norm")) - 1
     # Reasons sit next to the builder they belong to.
     section = message.split("test_wrong_dtype:")[1].split(";")[0]
     assert "dtype" in section and "device" not in section
+
+
+def test_a_builders_check_runs_only_when_its_declared_conditions_pass(isolated_registry):
+    """Checks may compile a kernel (the CPU builders' do): one the declared conditions
+    already rule out is not asked, so no unused kernel is built."""
+    asked = []
+    register_op("rms_norm", name="test_checked", priority=99, dtypes=(torch.bfloat16,),
+                check=lambda spec: asked.append(spec.dtype) or [])(fake("a"))
+    assert select_op(OpSpec("rms_norm", "cpu", F64)).builder.name != "test_checked"
+    assert asked == []
+    assert select_op(OpSpec("rms_norm", "cpu", torch.bfloat16)).builder.name == "test_checked"
+    assert asked == [torch.bfloat16]
 
 
 def test_lookup_with_no_builders_says_so(isolated_registry):
