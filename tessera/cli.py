@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from tessera.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS, scheduler_defaults
+from tessera.config import (DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS, SCHEDULING_POLICIES,
+                            scheduler_defaults)
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -76,6 +77,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rendezvous port (default: a free one; MASTER_PORT when launched by torchrun)")
     p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
                    help="logprobs from the model's distribution (raw) or the one sampled from (processed)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="fcfs: first come, first served; priority: requests' `priority` first (lower "
+                        "sooner), then arrival, and preemption takes the least urgent (vLLM's)")
     add_watermark_args(p)
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters on top of the model (several in one batch)")
@@ -150,7 +154,8 @@ def _engine_config(args: argparse.Namespace):
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
-               async_scheduling=args.async_scheduling, speculative_config=_speculative_config(args),
+               async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
+               speculative_config=_speculative_config(args),
                parallel=_parallel_config(args), watermark=watermark_config(args), **_lora_args(args))
 
 

@@ -17,6 +17,7 @@ QUANTIZATIONS = (None, "int8")
 # the KV cache's storage: the model dtype, or 8-bit floats (fp8 = fp8_e4m3 = TGI's
 # fp8_e4m3fn; fp8_e5m2), half a bf16 cache (tessera/ops/attention/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class ConfigError(ValueError):
@@ -97,9 +98,14 @@ class SchedulerConfig:
     # work (outputs, detokenization, scheduling, inputs) overlaps the device's; only a
     # device that runs asynchronously (CUDA) gains (Engine._step_async)
     async_scheduling: bool = False
+    # "fcfs": arrival order; "priority": each request's `priority` first (lower sooner, vLLM's
+    # rule), then arrival; preemption then takes the lowest priority's latest arrival
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        _require(self.scheduling_policy in SCHEDULING_POLICIES,
+                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
                  "max_num_batched_tokens must be >= max_num_seqs "
                  f"({self.max_num_batched_tokens} < {self.max_num_seqs})")

@@ -58,6 +58,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
                   enforce_eager: bool = False, async_scheduling: bool = False,
+                  scheduling_policy: str = "fcfs",
                   speculative_config: SpeculativeConfig | dict | None = None,
                   tensor_parallel_size: int = 1,
                   parallel: ParallelConfig | None = None,
@@ -83,7 +84,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill,
-                                  async_scheduling=async_scheduling),
+                                  async_scheduling=async_scheduling,
+                                  scheduling_policy=scheduling_policy),
         parallel=parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         speculative=speculative_config_from(speculative_config, device),
         lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
@@ -147,23 +149,28 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, lora_request: LoRAArg = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, lora_request: LoRAArg = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids,
         or vLLM's dict forms {"prompt": text} and {"prompt_token_ids": ids};
         `sampling_params` is one SamplingParams for all prompts or one per prompt, and so is
-        `lora_request` (the adapter to run with; needs enable_lora)."""
+        `lora_request` (the adapter to run with; needs enable_lora). `priority`: one per
+        prompt, lower sooner (needs scheduling_policy="priority")."""
         prompts, params_list = self._pair(prompts, sampling_params)
-        return self._run(prompts, params_list, use_tqdm, self._loras(lora_request, len(prompts)))
+        return self._run(prompts, params_list, use_tqdm, self._loras(lora_request, len(prompts)),
+                         self._priorities(priority, len(prompts)))
 
     def generate_stream(self, prompts: Prompt | Seq[Prompt],
                         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                        lora_request: LoRAArg = None) -> Iterator[tuple[int, RequestOutput]]:
+                        lora_request: LoRAArg = None,
+                        priority: Seq[int] | None = None) -> Iterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, RequestOutput) as the engine produces them: each carries
         the text, token ids and logprobs its step added (`outputs[j].delta_text`, ...),
         and the last one of a prompt has `finished=True`. Stopping the iteration early
         aborts the requests still running."""
         prompts, params_list = self._pair(prompts, sampling_params)
-        ids = self._add(prompts, params_list, self._loras(lora_request, len(prompts)))
+        ids = self._add(prompts, params_list, self._loras(lora_request, len(prompts)),
+                        self._priorities(priority, len(prompts)))
         index = {request_id: i for i, request_id in enumerate(ids)}
         try:
             for out in self.engine.iter_outputs(ids):
@@ -195,14 +202,22 @@ class LLM:
             raise ValueError(f"{len(loras)} LoRA requests for {num_prompts} prompts")
         return loras
 
+    @staticmethod
+    def _priorities(priority: Seq[int] | None, num_prompts: int) -> list[int]:
+        if priority is None:
+            return [0] * num_prompts
+        if isinstance(priority, int) or len(priority) != num_prompts:
+            raise ValueError(f"priority takes one integer per prompt ({num_prompts}), got {priority!r}")
+        return list(priority)
+
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool | None = None,
-             lora_request: LoRAArg = None) -> list[RequestOutput]:
+             lora_request: LoRAArg = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or the --chat-template override) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         template = self.engine.router.chat_template
@@ -215,23 +230,23 @@ class LLM:
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _add(self, prompts: list[Prompt], params: list[SamplingParams],
-             loras: list[LoRARequest | str | None]) -> list[str]:
+             loras: list[LoRARequest | str | None], priorities: list[int]) -> list[str]:
         """Queue every prompt, or none of them (a bad one aborts those already queued)."""
         engine = self.engine
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
-                engine.add_request(request_id, prompt, p, lora)
+            for request_id, prompt, p, lora, priority in zip(ids, prompts, params, loras, priorities):
+                engine.add_request(request_id, prompt, p, lora, priority)
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)
             raise
         return ids
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams],
-             use_tqdm: bool | None, loras: list[LoRARequest | str | None]) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool | None,
+             loras: list[LoRARequest | str | None], priorities: list[int]) -> list[RequestOutput]:
         engine = self.engine
-        ids = self._add(prompts, params, loras)
+        ids = self._add(prompts, params, loras, priorities)
         finished: dict[str, RequestOutput] = {}
         show = self.show_progress if use_tqdm is None else use_tqdm
         try:

@@ -142,10 +142,11 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None,
-                    lora_request: LoRARequest | str | None = None) -> Sequence:
+                    lora_request: LoRARequest | str | None = None, priority: int = 0) -> Sequence:
         """Queue a request; returns its first sequence (all of them: `seq.group.seqs`).
         `lora_request`: the adapter to run it with, a LoRARequest (loaded on first use) or
-        the name of a loaded one.
+        the name of a loaded one. `priority`: under the "priority" scheduling policy, lower
+        runs sooner (any other value than 0 needs that policy).
 
         With n / best_of > 1 the request runs as that many independent sequences (seeds
         seed, seed + 1, ... when a seed is given). The first one is scheduled at once; the
@@ -154,6 +155,11 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and not self.scheduler.by_priority:
+            raise RequestError(f"priority {priority} needs the priority scheduling policy "
+                               "(--scheduling-policy priority); this engine schedules first come, first served")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -180,6 +186,7 @@ class Engine:
         for seq in seqs:
             seq.group = group
             seq.arrival_time = seqs[0].arrival_time
+            seq.priority = priority
         self.requests[request_id] = seqs[0]
         self.scheduler.add(seqs[0])
         return seqs[0]
@@ -367,7 +374,7 @@ class Engine:
                 self.scheduler.finish(seq)
             if group.pending:  # the first sequence has computed the prompt: fan out
                 for child in reversed(group.pending):
-                    self.scheduler.waiting.appendleft(child)  # ahead of newer requests
+                    self.scheduler.requeue(child)  # ahead of newer requests
                 group.pending.clear()
         if self.proposer is not None:
             self._propose(progressed)

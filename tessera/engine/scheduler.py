@@ -5,6 +5,12 @@ prompt gets its next chunk), then waiting sequences in arrival order fill what i
 the budget and of `max_num_seqs`. When blocks run out, the most recently arrived running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
 
+Under the "priority" policy (vLLM's), "arrival order" is (priority, arrival) order, lower
+priority values first, for the queue and the running batch alike: the batch's budget goes
+to the most urgent first, and preemption takes the least urgent, latest arrival. A waiting
+request is never admitted by preempting a running one (as in vLLM): a more urgent arrival
+takes the next free room.
+
 With async scheduling a running sequence may have a token sampled by a launched step that
 the host has not read yet (`num_pending_tokens`): it counts as a token to compute, and a
 sequence that token will bring to its length limit is not scheduled again.
@@ -75,7 +81,31 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
+    @property
+    def by_priority(self) -> bool:
+        return self.config.scheduling_policy == "priority"
+
     def add(self, seq: Sequence) -> None:
+        """Queue a new request's sequence (behind every earlier one of its priority)."""
+        if self.by_priority:
+            self._insert(seq)
+        else:
+            self.waiting.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Queue a sequence ahead of newer requests: a preempted one, or a request's later
+        sequences (n / best_of) once the first has computed the prompt."""
+        if self.by_priority:
+            self._insert(seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def _insert(self, seq: Sequence) -> None:
+        key = _urgency(seq)
+        for i, other in enumerate(self.waiting):
+            if key < _urgency(other):
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -84,6 +114,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.by_priority:  # the most urgent get the budget first; the least urgent is last, preempted first
+            self.running.sort(key=_urgency)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -191,7 +223,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.requeue(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence wherever it is and free its blocks."""
@@ -201,3 +233,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _urgency(seq: Sequence) -> tuple[int, float, int]:
+    """The priority policy's order: priority, then arrival, then the request's sequence index."""
+    return seq.priority, seq.arrival_time, seq.index

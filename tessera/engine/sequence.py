@@ -39,6 +39,7 @@ class Sequence:
     max_total_tokens: int  # prompt + output never exceeds this (max_model_len)
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # under the "priority" policy: lower is scheduled sooner
     first_scheduled_time: float | None = None  # first admission to the running batch
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -42,6 +42,7 @@ class _Add:
     params: SamplingParams
     sink: "_Sink"
     lora: str | None = None  # a loaded adapter's name
+    priority: int = 0
 
 
 @dataclass
@@ -110,9 +111,10 @@ class AsyncEngine:
     # --- requests ----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                       lora: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; the last has finished=True.
-        Closing the iterator early aborts the request. `lora`: a loaded adapter's name."""
+        Closing the iterator early aborts the request. `lora`: a loaded adapter's name;
+        `priority`: Engine.add_request's."""
         if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self.dead_reason or "the server is shutting down")
         with self._lock:
@@ -127,7 +129,7 @@ class AsyncEngine:
                 # the engine's own compile then hits xgrammar's cache
                 await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
             self._commands.put(_Add(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                                    params, sink, lora))
+                                    params, sink, lora, priority))
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
@@ -176,7 +178,7 @@ class AsyncEngine:
                 self.engine.abort(cmd.request_id)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.lora)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.lora, cmd.priority)
         except Exception as exc:  # validation the engine does itself (length, ids ...)
             cmd.sink.put(exc)
             return

@@ -102,6 +102,14 @@ def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
         raise ValidationFailed(str(exc)) from exc
 
 
+def _priority(state: ServerState, body: _OpenAISampling) -> int:
+    """vLLM's `priority` (lower sooner), which needs `--scheduling-policy priority`."""
+    if body.priority != 0 and not state.engine.engine.scheduler.by_priority:
+        raise ValidationFailed("`priority` needs the server started with --scheduling-policy priority "
+                               "(it schedules first come, first served)", param="priority")
+    return body.priority
+
+
 def _check_length(state: ServerState, n_prompt: int, max_tokens: int) -> None:
     limit = state.limits.max_total_tokens
     if n_prompt + max_tokens > limit:
@@ -259,7 +267,8 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                      best_of=body.best_of)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    streams = [run_request(state, f"{rid}-{i}", ids, params, lora) for i, (_, ids) in enumerate(prompts)]
+    priority = _priority(state, body)
+    streams = [run_request(state, f"{rid}-{i}", ids, params, lora, priority) for i, (_, ids) in enumerate(prompts)]
     if body.stream:
         admitted = []
         try:
@@ -386,7 +395,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     params = _params(body, max_tokens, top if body.logprobs else None, tools=tools)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = run_request(state, rid, ids, params, lora)
+    stream = run_request(state, rid, ids, params, lora, _priority(state, body))
 
     if body.stream:
         stream = await _admitted(stream)

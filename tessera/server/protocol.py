@@ -89,6 +89,7 @@ class _OpenAISampling(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0  # vLLM's: lower is scheduled sooner (--scheduling-policy priority)
     # TGI's and MindIE's green-list watermark, on the OpenAI routes too (a tessera extra)
     watermark: bool = False
     # vLLM's structured outputs: one of json / regex / choice / grammar / json_object, and

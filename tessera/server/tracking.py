@@ -17,7 +17,8 @@ from tessera.server.state import ServerState
 
 
 async def run_request(state: ServerState, request_id: str, prompt_ids: list[int],
-                      params: SamplingParams, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                      params: SamplingParams, lora: str | None = None,
+                      priority: int = 0) -> AsyncIterator[RequestOutput]:
     """The request's outputs (with the loaded adapter named `lora`, if any); metrics
     recorded on the way; errors raised as APIError."""
     m = state.metrics
@@ -26,7 +27,7 @@ async def run_request(state: ServerState, request_id: str, prompt_ids: list[int]
     tokens = 0
     outcome = "aborted"  # unless it ends otherwise (a client that went away)
     try:
-        async for out in state.engine.generate(request_id, prompt_ids, params, lora):
+        async for out in state.engine.generate(request_id, prompt_ids, params, lora, priority):
             now = time.monotonic()
             new = sum(len(c.delta_token_ids) for c in out.outputs)
             if new:

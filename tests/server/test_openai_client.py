@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import CHAT, MODEL_NAME, PROMPT
+from tests.server.conftest import CHAT, MODEL_NAME, PROMPT, start_server
 
 MAX_TOKENS = 12
 
@@ -233,3 +233,24 @@ def test_watermark_extra_marks_completions(client, url):
     assert text(True) == tgi["generated_text"] != text(False)
     with pytest.raises(openai.BadRequestError, match="watermark"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body={"watermark": "maybe"})
+
+
+def test_priority_needs_the_priority_policy(client, tiny_model_dir):
+    """vLLM's `priority` extra: refused (400, param "priority") by a first-come-first-served
+    server, taken by one started with --scheduling-policy priority."""
+    with pytest.raises(openai.BadRequestError, match="scheduling-policy priority") as caught:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"priority": 3})
+    assert caught.value.body["param"] == "priority"
+    running = start_server(tiny_model_dir, llm_kwargs={"scheduling_policy": "priority"})
+    core, seen = running.engine.engine, []
+    add_request = core.add_request
+    core.add_request = lambda *args, **kwargs: seen.append(args[3:]) or add_request(*args, **kwargs)
+    try:
+        with openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=30) as urgent:
+            out = urgent.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4,
+                                                 extra_body={"priority": -10})
+            assert out.choices[0].finish_reason in ("length", "stop")
+        assert seen == [(None, -10)]  # (adapter, priority) as the engine got them
+        running.assert_idle()
+    finally:
+        running.stop()
