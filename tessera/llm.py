@@ -206,9 +206,10 @@ class LLM:
     def _priorities(priority: Seq[int] | None, num_prompts: int) -> list[int]:
         if priority is None:
             return [0] * num_prompts
-        if isinstance(priority, int) or len(priority) != num_prompts:
+        priorities = [priority] if isinstance(priority, int) else list(priority)
+        if len(priorities) != num_prompts:
             raise ValueError(f"priority takes one integer per prompt ({num_prompts}), got {priority!r}")
-        return list(priority)
+        return priorities
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

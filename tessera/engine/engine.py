@@ -374,7 +374,7 @@ class Engine:
                 self.scheduler.finish(seq)
             if group.pending:  # the first sequence has computed the prompt: fan out
                 for child in reversed(group.pending):
-                    self.scheduler.requeue(child)  # ahead of newer requests
+                    self.scheduler.requeue(child)  # ahead of newer requests (of its priority)
                 group.pending.clear()
         if self.proposer is not None:
             self._propose(progressed)

@@ -5,11 +5,12 @@ prompt gets its next chunk), then waiting sequences in arrival order fill what i
 the budget and of `max_num_seqs`. When blocks run out, the most recently arrived running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
 
-Under the "priority" policy (vLLM's), "arrival order" is (priority, arrival) order, lower
-priority values first, for the queue and the running batch alike: the batch's budget goes
-to the most urgent first, and preemption takes the least urgent, latest arrival. A waiting
-request is never admitted by preempting a running one (as in vLLM): a more urgent arrival
-takes the next free room.
+Under the "priority" policy (vLLM's), the queue is in (priority, arrival) order, lower
+priority values first, and preemption takes the running sequence that is least urgent,
+then latest to arrive (if it was already given tokens this step, they are taken back). The
+running batch keeps its admission order, so its decodes still come before a newly admitted
+urgent prompt's chunks. A waiting request is never admitted by preempting a running one
+(as in vLLM): a more urgent arrival takes the next free room.
 
 With async scheduling a running sequence may have a token sampled by a launched step that
 the host has not read yet (`num_pending_tokens`): it counts as a token to compute, and a
@@ -29,6 +30,7 @@ passed-over one forever; held back, the running adapters drain and free a slot.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -101,12 +103,12 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def _insert(self, seq: Sequence) -> None:
-        key = _urgency(seq)
-        for i, other in enumerate(self.waiting):
-            if key < _urgency(other):
-                self.waiting.insert(i, seq)
-                return
-        self.waiting.append(seq)
+        """Behind every waiting sequence at least as urgent (the queue stays sorted)."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, _urgency(seq), key=_urgency), seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the latest admitted, or the least urgent."""
+        return max(self.running, key=_urgency) if self.by_priority else self.running[-1]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,8 +116,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.by_priority:  # the most urgent get the budget first; the least urgent is last, preempted first
-            self.running.sort(key=_urgency)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -128,13 +128,20 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and n < remaining:
                 break
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
-                victim = self.running.pop()
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:  # given its tokens earlier in this step: take them back
+                    i -= 1
+                    given = next(item for item in out.scheduled if item.seq is victim)
+                    out.scheduled.remove(given)
+                    budget += given.num_new_tokens
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break  # `seq` itself was the last one and got preempted
+                continue  # `seq` itself went (the one at `i` is now the next)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -22,9 +22,13 @@ def make_scheduler(num_blocks: int, max_num_seqs: int = 4, policy: str = "priori
     return Scheduler(config, BlockManager(num_blocks, 4))
 
 
+_clock = iter(range(1, 10**6))
+
+
 def with_priority(name: str, priority: int, prompt_len: int = 4, max_new_tokens: int = 8):
+    """A sequence arriving after every one made before (an explicit clock: no ties)."""
     seq = make_seq(prompt_len, max_new_tokens=max_new_tokens, name=name)
-    seq.priority = priority
+    seq.priority, seq.arrival_time = priority, float(next(_clock))
     return seq
 
 
@@ -82,6 +86,52 @@ def test_an_urgent_sequence_admitted_later_is_served_first_and_preempted_last():
     run_step(sched, out)
     out = sched.schedule()  # both decode; room for one: the urgent one runs
     assert summary(out) == [("urgent", 1)] and out.preempted == [low]
+
+
+def test_a_least_urgent_sequence_that_cannot_grow_steps_aside_for_those_after_it():
+    """"low" (admitted first) needs a block when none is free: it is the victim itself, and
+    the urgent sequence after it in the batch still runs this step."""
+    sched = make_scheduler(num_blocks=3, max_num_seqs=2)
+    low = with_priority("low", 9, prompt_len=1, max_new_tokens=30)
+    urgent = with_priority("urgent", 0, prompt_len=3, max_new_tokens=30)
+    sched.add(low)
+    run_step(sched, sched.schedule())
+    sched.add(urgent)
+    for _ in range(3):
+        out = sched.schedule()
+        assert not out.preempted
+        run_step(sched, out)
+    assert sched.running == [low, urgent] and len(low.block_table) * 4 == low.num_computed_tokens  # full: its next token needs a block
+    out = sched.schedule()
+    assert out.preempted == [low] and summary(out) == [("urgent", 1)]
+
+
+def test_an_urgent_prompt_never_stalls_running_decodes():
+    """The running batch keeps admission order: decodes first, then the urgent prompt's
+    chunks from what is left of the budget (as under fcfs, and as in vLLM)."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority")
+    sched = Scheduler(config, BlockManager(256, 4))
+    sched.add(with_priority("low", 5, max_new_tokens=50))
+    run_step(sched, sched.schedule())
+    sched.add(with_priority("urgent", 0, prompt_len=300))
+    for _ in range(3):
+        out = sched.schedule()
+        assert summary(out) == [("low", 1), ("urgent", 63)]
+        run_step(sched, out)
+
+
+def test_a_requests_later_sequences_queue_ahead_of_newer_requests_of_their_priority():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=1)
+    first = with_priority("n3", 2)
+    children = [with_priority("n3", 2) for _ in range(2)]
+    for index, child in enumerate(children, 1):  # as Engine.add_request makes them
+        child.index, child.arrival_time = index, first.arrival_time
+    urgent, newer = with_priority("urgent", 1), with_priority("newer", 2)
+    for seq in (urgent, newer):
+        sched.add(seq)
+    for child in reversed(children):  # what the engine does once the first has its prompt
+        sched.requeue(child)
+    assert list(sched.waiting) == [urgent, *children, newer]
 
 
 def test_bad_policies_and_priorities_are_errors(tiny):
