@@ -13,6 +13,8 @@ from tessera.config import (DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS, 
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# tessera/server/reasoning.py's REASONING_PARSERS (likewise)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -238,6 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       model_name=name, host=args.host, port=args.port, api_key=api_key,
                       max_concurrent_requests=args.max_concurrent_requests,
                       max_input_tokens=args.max_input_tokens, tool_call_parser=args.tool_call_parser,
+                      reasoning_parser=args.reasoning_parser,
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
@@ -306,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "llama3_json: a {\"name\", \"parameters\"} object, as Llama 3.1-3.3 write; "
                             "mistral: [TOOL_CALLS] and a JSON list or name[ARGS]{...}; pythonic: "
                             "[f(x=1), g()], as Llama 3.2 and 4 write)")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split chat answers into reasoning_content (the <think>...</think> part) and "
+                            "content: deepseek_r1 (DeepSeek-R1 and its distills, whose template opens "
+                            "<think>) or qwen3 (Qwen3, which writes <think> itself)")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read "
                             "folders on this machine: only for trusted clients)")

@@ -16,6 +16,7 @@ from tessera.engine.outputs import PositionLogprobs, RequestOutput
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
+from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from tessera.server.state import ServerState
 from tessera.server.tgi_validation import grammar_constraint
 from tessera.server.tool_calls import ToolCallStream, ToolPlan, plan_tool_calls, tool_calls
@@ -393,6 +394,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         raise ValidationFailed("`top_logprobs` must be in [0, 20]", param="top_logprobs")
     top = body.top_logprobs or 0
     params = _params(body, max_tokens, top if body.logprobs else None, tools=tools)
+    reasoning = REASONING_PARSERS[state.reasoning_parser] if state.reasoning_parser else None
+    if reasoning is not None and reasoning.opened_by_template and params.structured_outputs is not None:
+        reasoning = None  # a constrained output (a schema, a tool) starts with it, not inside a <think>
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = run_request(state, rid, ids, params, lora, _priority(state, body))
@@ -408,6 +412,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             n_out = 0
             ended: set[int] = set()
             calls = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
+            thinking = {i: ReasoningStream(reasoning) for i in range(body.n)} if reasoning else {}
             async for out in stream:
                 for c in out.outputs:
                     if c.index in ended or (not c.delta_token_ids and c.finish_reason is None):
@@ -421,12 +426,17 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                     if body.logprobs and c.delta_logprobs is not None:
                         logprobs = _chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top)
                     finish = FINISH.get(c.finish_reason) if c.finish_reason else None
+                    thought, text = "", c.delta_text
+                    if reasoning:
+                        thought, text = thinking[c.index].delta(c.delta_text, final=finish is not None)
                     if tools is not None:
-                        delta, finish = calls[c.index].delta(c.delta_text, finish)
-                        if not delta and finish is None and logprobs is None:
-                            continue  # a list of calls shows once complete
+                        delta, finish = calls[c.index].delta(text, finish)
                     else:
-                        delta = {"content": c.delta_text} if c.delta_text else {}
+                        delta = {"content": text} if text else {}
+                    if thought:
+                        delta = {"reasoning_content": thought, **delta}
+                    if not delta and finish is None and logprobs is None:
+                        continue  # held back: a list of calls shows once complete, a tag once whole
                     if usage:
                         usage = {"usage": _usage(len(ids), n_out)}
                     yield {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
@@ -441,11 +451,14 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     for c in out.outputs:
         n_out += len(c.token_ids)
         logprobs = _chat_logprobs(state, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
-        message, finish = {"role": "assistant", "content": c.text}, FINISH.get(c.finish_reason)
-        content, made = tool_calls(tools, c.text) if tools is not None else (c.text, None)
+        thought, text = split_reasoning(reasoning, c.text) if reasoning else (None, c.text)
+        message, finish = {"role": "assistant", "content": text}, FINISH.get(c.finish_reason)
+        content, made = tool_calls(tools, text or "") if tools is not None else (text, None)
         if made is not None:
             message = {"role": "assistant", "content": content, "tool_calls": made}
             finish = tools.finish_reason if finish == "stop" else finish
+        if reasoning:
+            message["reasoning_content"] = thought
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": served,

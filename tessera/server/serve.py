@@ -33,10 +33,11 @@ class _Server(uvicorn.Server):
 def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str = "127.0.0.1",
                port: int = 8080, api_key: str | None = None, max_concurrent_requests: int = 128,
                max_input_tokens: int | None = None, drain_timeout_s: float = 30.0,
-               tool_call_parser: str | None = None, allow_runtime_lora_updating: bool = False) -> int:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               allow_runtime_lora_updating: bool = False) -> int:
     state = ServerState(model_name, ServerLimits(max_concurrent_requests=max_concurrent_requests,
                                                  max_input_tokens=max_input_tokens or 0), api_key,
-                        tool_call_parser=tool_call_parser,
+                        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         allow_runtime_lora_updating=allow_runtime_lora_updating)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None

@@ -35,6 +35,7 @@ class ServerState:
     tokenizer: PreTrainedTokenizerBase | None = None
     chat_template: str | None = None
     tool_call_parser: str | None = None  # "auto" tool choice reads the model's calls with it
+    reasoning_parser: str | None = None  # chat answers split into reasoning_content and content
     allow_runtime_lora_updating: bool = False  # mount /v1/load_lora_adapter and unload
     ready: bool = False
     special_ids: frozenset[int] = frozenset()
