@@ -172,6 +172,17 @@ def test_serve_tool_call_parser_choices_are_the_servers_parsers():
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
 
 
+def test_serve_reasoning_parser_choices_are_the_servers_parsers(monkeypatch):
+    from tessera import cli
+    from tessera.server import reasoning
+
+    assert set(cli.REASONING_PARSERS) == set(reasoning.REASONING_PARSERS)
+    seen = {}
+    monkeypatch.setattr("tessera.server.serve.run_server", lambda make, **kwargs: seen.update(kwargs) or 0)
+    assert cli.main(["serve", "--reasoning-parser", "qwen3"]) == 0
+    assert seen["reasoning_parser"] == "qwen3"
+
+
 def test_generate_with_speculative_decoding_gives_the_plain_output(tiny, reference, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
