@@ -16,7 +16,7 @@ from tessera.engine.outputs import PositionLogprobs, RequestOutput
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
-from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
+from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_opens_reasoning, split_reasoning
 from tessera.server.state import ServerState
 from tessera.server.tgi_validation import grammar_constraint
 from tessera.server.tool_calls import ToolCallStream, ToolPlan, plan_tool_calls, tool_calls
@@ -354,7 +354,8 @@ def _chat_logprobs(state: ServerState, ids: list[int], lps: list[PositionLogprob
     return {"content": content}
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], str]:
+    """The prompt's token ids and its rendered text."""
     if not state.chat_template:
         raise ValidationFailed("this model has no chat template; start the server with "
                                "--chat-template FILE", param="messages")
@@ -376,7 +377,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
             **(body.chat_template_kwargs or {}))
     except Exception as exc:  # a template error names what the template disliked
         raise ValidationFailed(f"chat template error: {exc}", param="messages") from exc
-    return list(state.tokenizer(text, add_special_tokens=False).input_ids)
+    return list(state.tokenizer(text, add_special_tokens=False).input_ids), text
 
 
 @router.post("/chat/completions")
@@ -384,7 +385,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     state = _state(request)
     served, lora = _resolve_model(state, body.model)
     tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
-    ids = _chat_prompt(state, body)
+    ids, prompt_text = _chat_prompt(state, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = requested if requested is not None else max(state.limits.max_total_tokens - len(ids), 1)
     _check_length(state, len(ids), max_tokens)
@@ -394,9 +395,12 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         raise ValidationFailed("`top_logprobs` must be in [0, 20]", param="top_logprobs")
     top = body.top_logprobs or 0
     params = _params(body, max_tokens, top if body.logprobs else None, tools=tools)
-    reasoning = REASONING_PARSERS[state.reasoning_parser] if state.reasoning_parser else None
-    if reasoning is not None and reasoning.opened_by_template and params.structured_outputs is not None:
-        reasoning = None  # a constrained output (a schema, a tool) starts with it, not inside a <think>
+    thinks = state.reasoning_parser is not None  # the reply has reasoning fields (null or not)
+    opened = thinks and (REASONING_PARSERS[state.reasoning_parser].always_opened
+                         or prompt_opens_reasoning(prompt_text))
+    # a constrained output (a schema, a tool) is the constraint's from its first token: no
+    # reasoning to open inside it (one that opens <think> itself is still split)
+    opened = opened and params.structured_outputs is None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = run_request(state, rid, ids, params, lora, _priority(state, body))
@@ -412,7 +416,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             n_out = 0
             ended: set[int] = set()
             calls = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
-            thinking = {i: ReasoningStream(reasoning) for i in range(body.n)} if reasoning else {}
+            thinking = {i: ReasoningStream(opened) for i in range(body.n)} if thinks else {}
             async for out in stream:
                 for c in out.outputs:
                     if c.index in ended or (not c.delta_token_ids and c.finish_reason is None):
@@ -427,14 +431,14 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                         logprobs = _chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top)
                     finish = FINISH.get(c.finish_reason) if c.finish_reason else None
                     thought, text = "", c.delta_text
-                    if reasoning:
+                    if thinks:
                         thought, text = thinking[c.index].delta(c.delta_text, final=finish is not None)
                     if tools is not None:
                         delta, finish = calls[c.index].delta(text, finish)
                     else:
                         delta = {"content": text} if text else {}
                     if thought:
-                        delta = {"reasoning_content": thought, **delta}
+                        delta = {"reasoning_content": thought, "reasoning": thought, **delta}
                     if not delta and finish is None and logprobs is None:
                         continue  # held back: a list of calls shows once complete, a tag once whole
                     if usage:
@@ -451,14 +455,14 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     for c in out.outputs:
         n_out += len(c.token_ids)
         logprobs = _chat_logprobs(state, c.token_ids, c.logprobs, top) if body.logprobs and c.logprobs else None
-        thought, text = split_reasoning(reasoning, c.text) if reasoning else (None, c.text)
+        thought, text = split_reasoning(c.text, opened) if thinks else (None, c.text)
         message, finish = {"role": "assistant", "content": text}, FINISH.get(c.finish_reason)
         content, made = tool_calls(tools, text or "") if tools is not None else (text, None)
         if made is not None:
             message = {"role": "assistant", "content": content, "tool_calls": made}
             finish = tools.finish_reason if finish == "stop" else finish
-        if reasoning:
-            message["reasoning_content"] = thought
+        if thinks:
+            message.update(reasoning_content=thought, reasoning=thought)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": served,

@@ -1,14 +1,18 @@
 """Reasoning parsers (`tessera serve --reasoning-parser NAME`): a reasoning model's chat
-answer split into `reasoning_content` (its `<think>...</think>` part) and `content` (what
-follows), as vLLM, SGLang and DeepSeek's API return them.
+answer split into its reasoning (the `<think>...</think>` part) and its content (what
+follows). The reasoning goes out as `reasoning_content` (DeepSeek's API, SGLang, older
+vLLM) and as `reasoning` (vLLM since late 2025), so clients of either find it.
 
-- `deepseek_r1`: DeepSeek-R1 and its distills, whose chat template ends the prompt with
-  `<think>`: the output starts inside the reasoning (a `<think>` it writes anyway is
-  dropped) and `</think>` ends it; an output that never writes `</think>` (cut by
-  max_tokens) is all reasoning.
-- `qwen3`: Qwen3 writes `<think>` itself; an output that does not start with it is all
-  content (e.g. `chat_template_kwargs: {"enable_thinking": false}`, whose template closes
-  the reasoning in the prompt); one that opens it and never closes it is all reasoning.
+Where the reasoning starts: an output that starts with `<think>` opens it itself. A prompt
+whose rendered chat template ends inside `<think>` (DeepSeek-R1's, QwQ's, Qwen3 Thinking
+2507's) has opened it already, so the output starts inside the reasoning; a template that
+closes it in the prompt (Qwen3 with `enable_thinking: false`) leaves an output that is all
+content. `</think>` ends the reasoning; an output that never writes it (cut by max_tokens)
+is all reasoning.
+
+- `qwen3`: as above (Qwen3, QwQ, Qwen3 Thinking 2507).
+- `deepseek_r1`: as above, and an output is taken to start inside the reasoning whatever
+  the prompt says (vLLM's rule for R1, which may leave out the opening tag).
 
 Tool calls (`--tool-call-parser`) are read from the content only.
 """
@@ -21,11 +25,16 @@ START, END = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class ReasoningSyntax:
-    opened_by_template: bool  # the prompt already holds `<think>`
+    always_opened: bool  # the output starts inside the reasoning whatever the prompt says
 
 
-REASONING_PARSERS = {"deepseek_r1": ReasoningSyntax(opened_by_template=True),
-                     "qwen3": ReasoningSyntax(opened_by_template=False)}
+REASONING_PARSERS = {"deepseek_r1": ReasoningSyntax(always_opened=True),
+                     "qwen3": ReasoningSyntax(always_opened=False)}
+
+
+def prompt_opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered chat prompt ends inside `<think>` (the generation prompt opened it)."""
+    return prompt.rstrip().endswith(START)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -36,41 +45,52 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_reasoning(syntax: ReasoningSyntax, text: str,
-                    final: bool = True) -> tuple[str | None, str | None]:
-    """(reasoning, content) of an output; None for a part that is empty. With
-    `final=False` (a stream) text that may still turn out to be part of a tag is held back
-    from both, so each part only grows as the output does."""
+def split_reasoning(text: str, opened: bool) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a finished output; None for a part that is empty. `opened`:
+    the output starts inside the reasoning (the prompt opened it)."""
     body = text.lstrip()
-    if not final and START.startswith(body):  # nothing yet, or maybe the start of `<think>`: wait
-        return None, None
     if body.startswith(START):
         text = body[len(START):]
-    elif not syntax.opened_by_template:
+    elif not opened:
         return None, text or None
     end = text.find(END)
-    if end >= 0:
-        return text[:end] or None, text[end + len(END):] or None
-    if not final:
-        text = text[:len(text) - _partial_suffix(text, END)]
-    return text or None, None
+    if end < 0:
+        return text or None, None
+    return text[:end] or None, text[end + len(END):] or None
 
 
 class ReasoningStream:
-    """One streamed choice: each call takes the text generated so far and returns what of
-    the reasoning and of the content is new (never what a later token may take back)."""
+    """One streamed choice: each call takes the next piece of text and returns what of the
+    reasoning and of the content is new. Text that may still become a tag is held back, so
+    the pieces add up to split_reasoning's parts; each piece is looked at once (a long
+    reasoning costs no more per token at its end than at its start)."""
 
-    def __init__(self, syntax: ReasoningSyntax):
-        self.syntax = syntax
-        self.text = ""
-        self.sent_reasoning = 0
-        self.sent_content = 0
+    def __init__(self, opened: bool):
+        self.opened = opened
+        self.phase = "start"  # then "reasoning", then "content"
+        self.held = ""        # text not yet placed
 
     def delta(self, text: str, final: bool) -> tuple[str, str]:
-        """(new reasoning, new content) once `text` is appended."""
-        self.text += text
-        reasoning, content = split_reasoning(self.syntax, self.text, final)
-        reasoning, content = reasoning or "", content or ""
-        new = reasoning[self.sent_reasoning:], content[self.sent_content:]
-        self.sent_reasoning, self.sent_content = len(reasoning), len(content)
-        return new
+        """(new reasoning, new content) once `text` is appended; `final`: the output ended."""
+        held = self.held + text
+        self.held = ""
+        if self.phase == "start":
+            body = held.lstrip()
+            if not final and START.startswith(body):  # nothing yet, or maybe `<think>`: wait
+                self.held = held
+                return "", ""
+            if body.startswith(START):
+                held = body[len(START):]
+            elif not self.opened:
+                self.phase = "content"
+                return "", held
+            self.phase = "reasoning"
+        if self.phase == "content":
+            return "", held
+        end = held.find(END)
+        if end >= 0:
+            self.phase = "content"
+            return held[:end], held[end + len(END):]
+        keep = 0 if final else _partial_suffix(held, END)
+        self.held = held[len(held) - keep:]
+        return held[:len(held) - keep], ""

@@ -10,45 +10,53 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
-from tests.server.conftest import CHAT, MODEL_NAME
+from tessera.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+from tests.server.conftest import CHAT, MODEL_NAME, start_server
 
-R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
-
-
-@pytest.mark.parametrize("syntax, text, expected", [
-    (R1, "let me see</think>The answer", ("let me see", "The answer")),
-    (R1, "<think>\nlet me see\n</think>\n\nThe answer", ("\nlet me see\n", "\n\nThe answer")),
-    (R1, "still thinking when cut", ("still thinking when cut", None)),
-    (R1, "</think>only an answer", (None, "only an answer")),
-    (R1, "thought</think>", ("thought", None)),
-    (QWEN3, "<think>\nhmm\n</think>\n\nParis.", ("\nhmm\n", "\n\nParis.")),
-    (QWEN3, "Paris, without thinking.", (None, "Paris, without thinking.")),
-    (QWEN3, "  <think>cut before the end", ("cut before the end", None)),
-    (QWEN3, "a </think> not opened", (None, "a </think> not opened")),
-    (QWEN3, "", (None, None)),
+@pytest.mark.parametrize("opened, text, expected", [
+    (True, "let me see</think>The answer", ("let me see", "The answer")),
+    (True, "<think>\nlet me see\n</think>\n\nThe answer", ("\nlet me see\n", "\n\nThe answer")),
+    (True, "still thinking when cut", ("still thinking when cut", None)),
+    (True, "</think>only an answer", (None, "only an answer")),
+    (True, "thought</think>", ("thought", None)),
+    (False, "<think>\nhmm\n</think>\n\nParis.", ("\nhmm\n", "\n\nParis.")),
+    (False, "Paris, without thinking.", (None, "Paris, without thinking.")),
+    (False, "  <think>cut before the end", ("cut before the end", None)),
+    (False, "a </think> not opened", (None, "a </think> not opened")),
+    (False, "", (None, None)),
 ])
-def test_split(syntax, text, expected):
-    assert split_reasoning(syntax, text) == expected
+def test_split(opened, text, expected):
+    assert split_reasoning(text, opened) == expected
+
+
+@pytest.mark.parametrize("prompt, opened", [
+    ("<|im_start|>assistant\n<think>\n", True),                 # QwQ, Qwen3 Thinking 2507
+    ("<｜Assistant｜><think>\n", True),                            # DeepSeek-R1
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # Qwen3, enable_thinking false
+    ("<|im_start|>assistant\n", False),                          # Qwen3: the model opens it
+    ("system: use <think> tags\n<|im_start|>assistant\n", False),
+])
+def test_the_prompt_says_whether_the_output_starts_inside_the_reasoning(prompt, opened):
+    assert prompt_opens_reasoning(prompt) is opened
 
 
 PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "th", "ink>", "\n", " ", "a", "b c",
                           "<thi", "</th", "é"])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(pieces=st.lists(PIECES, max_size=12), cuts=st.lists(st.integers(0, 60), max_size=6),
-       syntax=st.sampled_from([R1, QWEN3]))
-def test_streamed_deltas_add_up_to_the_split(pieces, cuts, syntax):
+       opened=st.booleans())
+def test_streamed_deltas_add_up_to_the_split(pieces, cuts, opened):
     text = "".join(pieces)
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    stream, reasoning, content = ReasoningStream(syntax), "", ""
+    stream, reasoning, content = ReasoningStream(opened), "", ""
     for start, end in zip(bounds, bounds[1:]):
         thought, said = stream.delta(text[start:end], final=False)
         reasoning, content = reasoning + thought, content + said
     thought, said = stream.delta("", final=True)
     reasoning, content = reasoning + thought, content + said
-    assert (reasoning or None, content or None) == split_reasoning(syntax, text)
+    assert (reasoning or None, content or None) == split_reasoning(text, opened)
 
 
 THINK = "<think>[a-z]{2,6}</think>[a-z]{2,6}"  # the tiny random model thinks when told to
@@ -63,30 +71,76 @@ def chat(server, monkeypatch):
     return post
 
 
+def streamed(response: httpx.Response) -> tuple[str, str, list[dict]]:
+    """(reasoning, content, deltas) of a streamed chat answer's first choice."""
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: {")]
+    chunks = [json.loads(line)["choices"][0]["delta"] for line in lines]
+    for c in chunks:
+        assert c.get("reasoning") == c.get("reasoning_content")  # both names, the same text
+    return ("".join(c.get("reasoning_content") or "" for c in chunks),
+            "".join(c.get("content") or "" for c in chunks), chunks)
+
+
 def test_chat_answer_is_split_and_the_stream_says_the_same(chat):
     plain = chat(None, structured_outputs={"regex": THINK}).json()["choices"][0]["message"]
     assert plain["content"].startswith("<think>") and "reasoning_content" not in plain
     message = chat("qwen3", structured_outputs={"regex": THINK}).json()["choices"][0]["message"]
     thought, answer = plain["content"].removeprefix("<think>").split("</think>")
-    assert message["reasoning_content"] == thought and message["content"] == answer
+    assert message["reasoning_content"] == message["reasoning"] == thought and message["content"] == answer
+    reasoning, content, chunks = streamed(chat("qwen3", structured_outputs={"regex": THINK}, stream=True))
+    assert (reasoning, content) == (thought, answer)
+    assert not any("think>" in (c.get("content") or "") + (c.get("reasoning_content") or "") for c in chunks)
 
-    response = chat("qwen3", structured_outputs={"regex": THINK}, stream=True)
-    deltas = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: {")]
-    chunks = [json.loads(d)["choices"][0]["delta"] for d in deltas]
-    assert "".join(c.get("reasoning_content") or "" for c in chunks) == thought
-    assert "".join(c.get("content") or "" for c in chunks) == answer
-    assert not any("<think>" in (c.get("content") or "") + (c.get("reasoning_content") or "") for c in chunks)
+
+def test_a_tag_cut_short_by_the_end_is_flushed_as_reasoning(chat):
+    forced = {"guided_choice": ["<think>abc</thi"]}
+    message = chat("qwen3", **forced).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("abc</thi", None)
+    assert streamed(chat("qwen3", stream=True, **forced))[:2] == ("abc</thi", "")
 
 
 def test_deepseek_r1_output_is_reasoning_until_it_closes_and_constraints_are_content(chat):
-    """The R1 template opens <think> in the prompt: an unconstrained answer of the random
-    model (no </think>) is all reasoning; a constrained one is all content (it is the
-    schema's, not a thought)."""
+    """R1's output starts inside the reasoning: an unconstrained answer of the random model
+    (no </think>) is all reasoning, streamed or not; a constrained one is all content (it
+    is the schema's, not a thought), the reasoning fields still present, null."""
     raw = chat(None).json()["choices"][0]["message"]["content"]
     message = chat("deepseek_r1").json()["choices"][0]["message"]
-    assert "</think>" not in raw and message == {"role": "assistant", "content": None, "reasoning_content": raw}
+    assert "</think>" not in raw
+    assert message == {"role": "assistant", "content": None, "reasoning_content": raw, "reasoning": raw}
+    assert streamed(chat("deepseek_r1", stream=True))[:2] == (raw, "")
     constrained = chat("deepseek_r1", structured_outputs={"regex": "[a-z]{3,8}"}).json()["choices"][0]["message"]
-    assert constrained["content"] and "reasoning_content" not in constrained
+    assert constrained["content"] and constrained["reasoning_content"] is None and constrained["reasoning"] is None
+
+
+def test_a_template_that_opens_the_reasoning_makes_qwen3_output_start_inside_it(tiny_model_dir):
+    """QwQ / Qwen3 Thinking 2507 end the prompt with <think>: the output is reasoning until
+    </think> (the random model never writes it: all reasoning), streamed or not. The same
+    request to the plain template's server is all content."""
+    opening = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m.get('reasoning_content', '') }}"
+               "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<s>assistant:<think>\n{% endif %}")
+    running = start_server(tiny_model_dir, llm_kwargs={"chat_template": opening})
+    try:
+        running.state.reasoning_parser = "qwen3"
+        request = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+        message = httpx.post(running.url + "/v1/chat/completions", json=request, timeout=30).json()
+        message = message["choices"][0]["message"]
+        assert message["reasoning_content"] and message["content"] is None
+        stream = httpx.post(running.url + "/v1/chat/completions", json={**request, "stream": True}, timeout=30)
+        assert streamed(stream)[:2] == (message["reasoning_content"], "")
+        # an earlier turn's `reasoning` (vLLM's newer name) reaches the template as
+        # reasoning_content (transformers' apply_chat_template maps it)
+        turns = [{"role": "assistant", "content": "Paris."}, *CHAT]
+        sizes = [httpx.post(running.url + "/v1/chat/completions", timeout=30, json={
+            **request, "max_tokens": 1, "messages": [{**turns[0], **extra}, *turns[1:]]}).json()["usage"]["prompt_tokens"]
+            for extra in ({}, {"reasoning": "the capital of France"}, {"reasoning_content": "the capital of France"})]
+        assert sizes[0] < sizes[1] == sizes[2]
+    finally:
+        running.stop()
+
+
+def test_qwen3_output_of_a_template_that_does_not_open_it_is_content(chat):
+    message = chat("qwen3").json()["choices"][0]["message"]
+    assert message["content"] and message["reasoning_content"] is None
 
 
 def test_tool_calls_are_read_from_the_content_after_the_reasoning(chat, server, monkeypatch):
@@ -99,3 +153,8 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(chat, server, 
     assert choice["finish_reason"] == "tool_calls" and message["reasoning_content"] == "which city?"
     assert message["content"] == "Let me check."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == HERMES_CALLS
+    reasoning, content, chunks = streamed(chat("qwen3", tools=[WEATHER, TIME], max_tokens=400, stream=True, **forced))
+    assert (reasoning, content) == ("which city?", "Let me check.")
+    calls = {c["index"]: (c["function"]["name"], c["function"]["arguments"])
+             for chunk in chunks for c in chunk.get("tool_calls") or []}
+    assert list(calls.values()) == HERMES_CALLS
