@@ -13,13 +13,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera.engine.outputs import PositionLogprobs, RequestOutput
-from tessera.sampling.params import SamplingParams, SamplingParamsError
-from tessera.server.errors import APIError, ModelNotFound, ValidationFailed, openai_error_body
+from tessera.server.errors import APIError, ValidationFailed, openai_error_body
+from tessera.server.openai_validation import check_length, priority_of, resolve_model, sampling_params
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
 from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_opens_reasoning, split_reasoning
 from tessera.server.state import ServerState
-from tessera.server.tgi_validation import grammar_constraint
-from tessera.server.tool_calls import ToolCallStream, ToolPlan, plan_tool_calls, tool_calls
+from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter(prefix="/v1")
@@ -30,94 +29,6 @@ FINISH = {"eos_token": "stop", "stop_sequence": "stop", "length": "length", "abo
 
 def _state(request: Request) -> ServerState:
     return request.app.state.tessera
-
-
-def _resolve_model(state: ServerState, name: str | None) -> tuple[str, str | None]:
-    """(the name responses carry, the LoRA adapter to run with) for a request's `model`:
-    the served model (or none given) runs the base model, a loaded adapter's name runs it."""
-    if name is None or name == state.model_name:
-        return state.model_name, None
-    if name in state.lora_names():
-        return name, name
-    served = ", ".join(f"`{n}`" for n in [state.model_name, *state.lora_names()])
-    raise ModelNotFound(f"The model `{name}` does not exist. This server serves {served}.", param="model")
-
-
-def _structured_outputs(body: _OpenAISampling) -> dict | None:
-    """The one output constraint a request gives: vLLM's `structured_outputs` or a
-    `guided_*` field, or (chat) OpenAI's `response_format`."""
-    given: list[tuple[str, dict]] = []
-    if body.structured_outputs is not None:
-        given.append(("structured_outputs", body.structured_outputs))
-    for kind in ("json", "regex", "choice", "grammar"):
-        value = getattr(body, f"guided_{kind}")
-        if value is not None:
-            given.append((f"guided_{kind}", {kind: value}))
-    response_format = getattr(body, "response_format", None)
-    if response_format is not None and response_format.type != "text":
-        if response_format.type in ("json", "regex") or (
-                response_format.type == "json_schema" and response_format.json_schema is None):
-            given.append(("response_format", grammar_constraint(
-                {"type": response_format.type, "value": response_format.value}, "response_format")))
-        elif response_format.type == "json_object":
-            given.append(("response_format", {"json_object": True}))
-        else:
-            spec = response_format.json_schema
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise ValidationFailed("`response_format` of type 'json_schema' needs `json_schema` with "
-                                       "a `schema` object", param="response_format")
-            given.append(("response_format", {"json": spec["schema"]} if "schema" in spec
-                          else {"json_object": True}))
-    if len(given) > 1:
-        raise ValidationFailed(f"give one output constraint, not {' and '.join(n for n, _ in given)}",
-                               param=given[1][0])
-    return given[0][1] if given else None
-
-
-def _params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
-            prompt_logprobs: int | None = None, best_of: int | None = None,
-            tools: ToolPlan | None = None) -> SamplingParams:
-    if body.stream_options is not None and not body.stream:
-        raise ValidationFailed("`stream_options` is only for `stream: true`", param="stream_options")
-    structured = _structured_outputs(body)
-    if tools is not None and tools.constraint is not None:
-        if structured is not None:
-            raise ValidationFailed("give one output constraint: a `tool_choice` that calls tools "
-                                   "already constrains the output", param="tool_choice")
-        structured = tools.constraint
-    try:
-        return SamplingParams(
-            structured_outputs=structured,
-            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
-            frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-            logit_bias=body.logit_bias, seed=body.seed, n=body.n, best_of=best_of,
-            stop=body.stop, stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-            # a tool-call parser reads tags that some tokenizers mark special (as vLLM does)
-            skip_special_tokens=body.skip_special_tokens and (tools is None or tools.parser is None),
-            logprobs=logprobs, watermark=body.watermark,
-            prompt_logprobs=prompt_logprobs)
-    except SamplingParamsError as exc:
-        raise ValidationFailed(str(exc)) from exc
-
-
-def _priority(state: ServerState, body: _OpenAISampling) -> int:
-    """vLLM's `priority` (lower sooner), which needs `--scheduling-policy priority`."""
-    if body.priority != 0 and not state.engine.engine.scheduler.by_priority:
-        raise ValidationFailed("`priority` needs the server started with --scheduling-policy priority "
-                               "(it schedules first come, first served)", param="priority")
-    return body.priority
-
-
-def _check_length(state: ServerState, n_prompt: int, max_tokens: int) -> None:
-    limit = state.limits.max_total_tokens
-    if n_prompt + max_tokens > limit:
-        raise ValidationFailed(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.", param="max_tokens")
 
 
 def _usage(n_prompt: int, n_completion: int) -> dict:
@@ -254,7 +165,7 @@ def _prompts(state: ServerState, prompt) -> list[tuple[str | None, list[int]]]:
 @router.post("/completions")
 async def completions(request: Request, body: CompletionRequest) -> Response:
     state = _state(request)
-    served, lora = _resolve_model(state, body.model)
+    served, lora = resolve_model(state, body.model)
     if body.suffix is not None:
         raise ValidationFailed("`suffix` is not supported", param="suffix")
     if body.stream and body.best_of not in (None, body.n):
@@ -262,13 +173,13 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     prompts = _prompts(state, body.prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     for _, ids in prompts:
-        _check_length(state, len(ids), max_tokens)
-    params = _params(body, max_tokens, body.logprobs,
-                     prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-                     best_of=body.best_of)
+        check_length(state, len(ids), max_tokens)
+    params = sampling_params(body, max_tokens, body.logprobs,
+                             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+                             best_of=body.best_of)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    priority = _priority(state, body)
+    priority = priority_of(state, body)
     streams = [run_request(state, f"{rid}-{i}", ids, params, lora, priority) for i, (_, ids) in enumerate(prompts)]
     if body.stream:
         admitted = []
@@ -383,18 +294,18 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     state = _state(request)
-    served, lora = _resolve_model(state, body.model)
+    served, lora = resolve_model(state, body.model)
     tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
     ids, prompt_text = _chat_prompt(state, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = requested if requested is not None else max(state.limits.max_total_tokens - len(ids), 1)
-    _check_length(state, len(ids), max_tokens)
+    check_length(state, len(ids), max_tokens)
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationFailed("`top_logprobs` needs `logprobs` to be true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise ValidationFailed("`top_logprobs` must be in [0, 20]", param="top_logprobs")
     top = body.top_logprobs or 0
-    params = _params(body, max_tokens, top if body.logprobs else None, tools=tools)
+    params = sampling_params(body, max_tokens, top if body.logprobs else None, tools=tools)
     thinks = state.reasoning_parser is not None  # the reply has reasoning fields (null or not)
     opened = thinks and (REASONING_PARSERS[state.reasoning_parser].always_opened
                          or prompt_opens_reasoning(prompt_text))
@@ -403,7 +314,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     opened = opened and params.structured_outputs is None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = run_request(state, rid, ids, params, lora, _priority(state, body))
+    stream = run_request(state, rid, ids, params, lora, priority_of(state, body))
 
     if body.stream:
         stream = await _admitted(stream)

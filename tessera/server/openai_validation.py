@@ -1,0 +1,99 @@
+"""An OpenAI request body as the engine's inputs: the model (or LoRA adapter) it names, its
+SamplingParams with its one output constraint, its priority and its length, each refused
+with vLLM's message and the field it came in (`param`)."""
+from __future__ import annotations
+
+from tessera.sampling.params import SamplingParams, SamplingParamsError
+from tessera.server.errors import ModelNotFound, ValidationFailed
+from tessera.server.protocol import _OpenAISampling
+from tessera.server.state import ServerState
+from tessera.server.tgi_validation import grammar_constraint
+from tessera.server.tool_calls import ToolPlan
+
+
+def resolve_model(state: ServerState, name: str | None) -> tuple[str, str | None]:
+    """(the name responses carry, the LoRA adapter to run with) for a request's `model`:
+    the served model (or none given) runs the base model, a loaded adapter's name runs it."""
+    if name is None or name == state.model_name:
+        return state.model_name, None
+    if name in state.lora_names():
+        return name, name
+    served = ", ".join(f"`{n}`" for n in [state.model_name, *state.lora_names()])
+    raise ModelNotFound(f"The model `{name}` does not exist. This server serves {served}.", param="model")
+
+
+def structured_outputs(body: _OpenAISampling) -> dict | None:
+    """The one output constraint a request gives: vLLM's `structured_outputs` or a
+    `guided_*` field, or (chat) OpenAI's `response_format`."""
+    given: list[tuple[str, dict]] = []
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", body.structured_outputs))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            given.append((f"guided_{kind}", {kind: value}))
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        if response_format.type in ("json", "regex") or (
+                response_format.type == "json_schema" and response_format.json_schema is None):
+            given.append(("response_format", grammar_constraint(
+                {"type": response_format.type, "value": response_format.value}, "response_format")))
+        elif response_format.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        else:
+            spec = response_format.json_schema
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValidationFailed("`response_format` of type 'json_schema' needs `json_schema` with "
+                                       "a `schema` object", param="response_format")
+            given.append(("response_format", {"json": spec["schema"]} if "schema" in spec
+                          else {"json_object": True}))
+    if len(given) > 1:
+        raise ValidationFailed(f"give one output constraint, not {' and '.join(n for n, _ in given)}",
+                               param=given[1][0])
+    return given[0][1] if given else None
+
+
+def sampling_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None, best_of: int | None = None,
+                    tools: ToolPlan | None = None) -> SamplingParams:
+    if body.stream_options is not None and not body.stream:
+        raise ValidationFailed("`stream_options` is only for `stream: true`", param="stream_options")
+    structured = structured_outputs(body)
+    if tools is not None and tools.constraint is not None:
+        if structured is not None:
+            raise ValidationFailed("give one output constraint: a `tool_choice` that calls tools "
+                                   "already constrains the output", param="tool_choice")
+        structured = tools.constraint
+    try:
+        return SamplingParams(
+            structured_outputs=structured,
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+            frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+            logit_bias=body.logit_bias, seed=body.seed, n=body.n, best_of=best_of,
+            stop=body.stop, stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+            # a tool-call parser reads tags that some tokenizers mark special (as vLLM does)
+            skip_special_tokens=body.skip_special_tokens and (tools is None or tools.parser is None),
+            logprobs=logprobs, watermark=body.watermark,
+            prompt_logprobs=prompt_logprobs)
+    except SamplingParamsError as exc:
+        raise ValidationFailed(str(exc)) from exc
+
+
+def priority_of(state: ServerState, body: _OpenAISampling) -> int:
+    """vLLM's `priority` (lower sooner), which needs `--scheduling-policy priority`."""
+    if body.priority != 0 and not state.engine.engine.scheduler.by_priority:
+        raise ValidationFailed("`priority` needs the server started with --scheduling-policy priority "
+                               "(it schedules first come, first served)", param="priority")
+    return body.priority
+
+
+def check_length(state: ServerState, n_prompt: int, max_tokens: int) -> None:
+    limit = state.limits.max_total_tokens
+    if n_prompt + max_tokens > limit:
+        raise ValidationFailed(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.", param="max_tokens")
