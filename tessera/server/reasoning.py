@@ -48,22 +48,15 @@ def _partial_suffix(text: str, tag: str) -> int:
 def split_reasoning(text: str, opened: bool) -> tuple[str | None, str | None]:
     """(reasoning, content) of a finished output; None for a part that is empty. `opened`:
     the output starts inside the reasoning (the prompt opened it)."""
-    body = text.lstrip()
-    if body.startswith(START):
-        text = body[len(START):]
-    elif not opened:
-        return None, text or None
-    end = text.find(END)
-    if end < 0:
-        return text or None, None
-    return text[:end] or None, text[end + len(END):] or None
+    reasoning, content = ReasoningStream(opened).delta(text, final=True)
+    return reasoning or None, content or None
 
 
 class ReasoningStream:
-    """One streamed choice: each call takes the next piece of text and returns what of the
-    reasoning and of the content is new. Text that may still become a tag is held back, so
-    the pieces add up to split_reasoning's parts; each piece is looked at once (a long
-    reasoning costs no more per token at its end than at its start)."""
+    """One choice's text, a piece at a time (a stream), or whole (split_reasoning): each
+    call returns what of the reasoning and of the content is new. Text that may still become
+    a tag is held back until it is one or the output ends; each piece is looked at once (a
+    long reasoning costs no more per token at its end than at its start)."""
 
     def __init__(self, opened: bool):
         self.opened = opened

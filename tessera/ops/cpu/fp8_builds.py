@@ -19,11 +19,8 @@ def fp8_builds(kernel: Kernel) -> dict[torch.dtype, Kernel]:
 
 
 def fp8_check(builds: dict[torch.dtype, Kernel], *, needs_f16c: bool) -> Callable[[OpSpec], list[str]]:
-    """Why the build for a spec's cache format cannot run here. The registry asks every
-    builder for its reasons, a spec without an fp8 cache too (`kv_dtypes` already rejects
-    that one): it gets none from here."""
+    """Why the build for a spec's cache format cannot run here (the registry asks only
+    for specs the builder's `kv_dtypes` admits: an fp8 cache)."""
     def check(spec: OpSpec) -> list[str]:
-        if spec.kv_dtype not in builds:
-            return []
         return (f16c_missing() if needs_f16c else []) or builds[spec.kv_dtype].check(spec)
     return check
