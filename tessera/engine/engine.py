@@ -45,7 +45,12 @@ logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A request the engine cannot take (empty, too long, duplicate id ...); nothing queued."""
+    """A request the engine cannot take (empty, too long, duplicate id ...); nothing queued.
+    `param`: the request field at fault, when one is (the OpenAI error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Engine:
@@ -156,10 +161,11 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestError(f"priority must be an integer, got {priority!r}")
+            raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
         if priority != 0 and not self.scheduler.by_priority:
             raise RequestError(f"priority {priority} needs the priority scheduling policy "
-                               "(--scheduling-policy priority); this engine schedules first come, first served")
+                               "(--scheduling-policy priority); this engine schedules first come, first served",
+                               param="priority")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera.engine.outputs import PositionLogprobs, RequestOutput
 from tessera.server.errors import APIError, ValidationFailed, openai_error_body
-from tessera.server.openai_validation import check_length, priority_of, resolve_model, sampling_params
+from tessera.server.openai_validation import check_length, resolve_model, sampling_params
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
 from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_opens_reasoning, split_reasoning
 from tessera.server.state import ServerState
@@ -179,8 +179,8 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                              best_of=body.best_of)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    priority = priority_of(state, body)
-    streams = [run_request(state, f"{rid}-{i}", ids, params, lora, priority) for i, (_, ids) in enumerate(prompts)]
+    streams = [run_request(state, f"{rid}-{i}", ids, params, lora, body.priority)
+               for i, (_, ids) in enumerate(prompts)]
     if body.stream:
         admitted = []
         try:
@@ -314,7 +314,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     opened = opened and params.structured_outputs is None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = run_request(state, rid, ids, params, lora, priority_of(state, body))
+    stream = run_request(state, rid, ids, params, lora, body.priority)
 
     if body.stream:
         stream = await _admitted(stream)

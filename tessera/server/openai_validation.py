@@ -1,5 +1,5 @@
 """An OpenAI request body as the engine's inputs: the model (or LoRA adapter) it names, its
-SamplingParams with its one output constraint, its priority and its length, each refused
+SamplingParams with its one output constraint and its length, each refused
 with vLLM's message and the field it came in (`param`)."""
 from __future__ import annotations
 
@@ -80,14 +80,6 @@ def sampling_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None
             prompt_logprobs=prompt_logprobs)
     except SamplingParamsError as exc:
         raise ValidationFailed(str(exc)) from exc
-
-
-def priority_of(state: ServerState, body: _OpenAISampling) -> int:
-    """vLLM's `priority` (lower sooner), which needs `--scheduling-policy priority`."""
-    if body.priority != 0 and not state.engine.engine.scheduler.by_priority:
-        raise ValidationFailed("`priority` needs the server started with --scheduling-policy priority "
-                               "(it schedules first come, first served)", param="priority")
-    return body.priority
 
 
 def check_length(state: ServerState, n_prompt: int, max_tokens: int) -> None:

@@ -50,7 +50,7 @@ async def run_request(state: ServerState, request_id: str, prompt_ids: list[int]
         raise Overloaded(str(exc)) from exc
     except (RequestError, SamplingParamsError) as exc:
         outcome = "validation_error"
-        raise ValidationFailed(str(exc)) from exc
+        raise ValidationFailed(str(exc), param=getattr(exc, "param", None)) from exc
     except GenerationError as exc:
         outcome = "generation_error"
         raise GenerationFailed(str(exc)) from exc
