@@ -88,10 +88,7 @@ class GreenLists:
         return unpack(self.packed([previous_token]), self.vocab_size)[0].bool()
 
     def is_green(self, previous_token: int, token: int) -> bool:
-        if not 0 <= token < self.vocab_size:
-            return False
-        byte = int(self.packed([previous_token])[0, token >> 3])
-        return bool(byte >> (7 - (token & 7)) & 1)
+        return _green_pairs(self, [(previous_token, token)])[previous_token, token]
 
 
 def unpack(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -135,9 +132,8 @@ def detect_watermark(token_ids: Sequence[int], vocab_size: int, config: Watermar
     if len(ids) < 2:
         raise ValueError(f"a watermark test needs at least 2 tokens (the first only seeds the "
                              f"second's green list); got {len(ids)}")
-    green = GreenLists(config, vocab_size)
     pairs = Counter(zip(ids, ids[1:]))
-    hits = {pair: green.is_green(*pair) for pair in sorted(pairs)}  # a previous token's pairs together
+    hits = _green_pairs(GreenLists(config, vocab_size), list(pairs))
     if ignore_repeated_bigrams:
         scored, greens = len(pairs), sum(hits.values())
     else:
@@ -148,6 +144,23 @@ def detect_watermark(token_ids: Sequence[int], vocab_size: int, config: Watermar
                           green_fraction=greens / scored, z_score=z,
                           p_value=0.5 * math.erfc(z / math.sqrt(2)),
                           prediction=z > z_threshold, z_threshold=z_threshold)
+
+
+def _green_pairs(green: GreenLists, pairs: list[tuple[int, int]]) -> dict[tuple[int, int], bool]:
+    """Whether each (previous, token) pair's token is green: the lists of a cache's worth of
+    previous tokens drawn at once (on the pool), each then read for all its pairs."""
+    following: dict[int, list[int]] = {}
+    for previous, token in pairs:
+        following.setdefault(previous, []).append(token)
+    previous_tokens = sorted(following)
+    hits = {}
+    for start in range(0, len(previous_tokens), green.capacity):
+        chunk = previous_tokens[start:start + green.capacity]
+        for previous, row in zip(chunk, green.packed(chunk).numpy()):
+            for token in following[previous]:
+                hits[previous, token] = (0 <= token < green.vocab_size
+                                         and bool(row[token >> 3] >> (7 - (token & 7)) & 1))
+    return hits
 
 
 def detect_watermark_in_output(tokenizer, vocab_size: int, config: WatermarkConfig,
