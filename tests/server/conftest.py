@@ -107,6 +107,14 @@ def start_server(folder: Path | None, *, max_concurrent_requests: int = 128, api
     return running
 
 
+@pytest.fixture(autouse=True)
+def hub_client_on_loopback(monkeypatch):
+    """huggingface_hub's clients refuse every request, even to a server on loopback, when
+    HF_HUB_OFFLINE is set (as it may be on a machine without a hub); these tests only talk
+    to their own server."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(make_tiny_llama) -> Path:
     folder, _ = make_tiny_llama()
