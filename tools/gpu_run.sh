@@ -17,11 +17,13 @@
 #                                prefill and decode speed at 2000-token contexts (the logprob
 #                                figures mean nothing on dummy weights); `throughput
 #                                --kv-cache-dtype fp8` then shows what the capacity buys
+#   tools/gpu_run.sh profile     the kernel table of eager decode steps at batch 1, 64, 256
+#                                over 1000-token prompts (tools/gpu_profile.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
 # nothing can be downloaded there: a stray hub lookup should fail at once, not time out
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 tessera() { python3 -c 'import sys; from tessera.cli import main; sys.exit(main())' "$@"; }
@@ -29,7 +31,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' \
     | tee "$out/versions.txt"
 preset=.gpu/presets/llama-3-8b
-dummy=(--model $preset --load-format dummy --dtype bfloat16)
+dummy=(--model $preset --load-format dummy --dtype bfloat16 --device cuda)
 case "${1:-}" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/ops/test_triton_kernels.py tests/runner/test_cuda_graphs.py \
@@ -53,7 +55,10 @@ case "${1:-}" in
   kv-cache)
     tessera bench kv-cache "${dummy[@]}" --batch-sizes 1,64 --input-len 2000 --output-len 128 --repeats 1 \
         --output-json "$out/kv-cache.json" 2>&1 | tee "$out/kv-cache.log" ;;
+  profile)
+    python3 tools/gpu_profile.py --model $preset --batch-sizes 1,64,256 --input-len 1000 \
+        2>&1 | tee "$out/profile.log" ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache" >&2
+    echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache|profile" >&2
     exit 2 ;;
 esac

@@ -174,7 +174,9 @@ def check_kv_write(device: str) -> None:
                 keep = slots >= 0
                 want[slots[keep]] = quantize_kv(rows[keep], fp8_dtype).view(torch.uint8)
                 got = got.cpu().view(torch.uint8).view(-1, heads, size)
-                bad = (got != want).nonzero()
+                # a NaN's sign is not kept: a GPU's half -> float conversion makes -NaN +NaN
+                both_nan = got.view(fp8_dtype).float().isnan() & want.view(fp8_dtype).float().isnan()
+                bad = ((got != want) & ~both_nan).nonzero()
                 assert bad.numel() == 0, (fp8_dtype, dtype, bad[:5].tolist(), got[tuple(bad[0])].item(),
                                           want[tuple(bad[0])].item())
 

@@ -1,7 +1,10 @@
 """Rotary embedding (rotate-half layout) of q and k in one Triton kernel: one program per
 (token, head) over q's heads then k's, reading q and k where the QKV projection left them
 (strided views, no copy). torch's builder is ~12 kernels per layer. Rounds each product and
-the sum to the model dtype, as the torch op does, so results match it exactly."""
+the sum to the model dtype, as the torch op does, so results match it exactly. In bf16 (the
+GPU default) the roundings are integer operations: on an H100 the compiler folded
+`.to(bf16).to(float32)` away and the kernel rounded once, one bf16 step off torch in a
+quarter of the values; the interpreter's own conversion rounds toward zero (rounding.py)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -17,10 +20,13 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    global rounding  # a module global: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import rounding
+
     @triton.jit
     def rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                       q_stride, k_stride, cos_stride, sin_stride, num_q_heads, head_size,
-                      BLOCK_H: tl.constexpr):
+                      BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = head_size // 2
@@ -42,10 +48,10 @@ def _kernel():
         dt = x1.dtype
         a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
         # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product rounded
-        o1 = (a1 * c1).to(dt).to(tl.float32) + (-a2 * s1).to(dt).to(tl.float32)
-        o2 = (a2 * c2).to(dt).to(tl.float32) + (a1 * s2).to(dt).to(tl.float32)
-        tl.store(dst + i, o1.to(dt), mask=mask)
-        tl.store(dst + half + i, o2.to(dt), mask=mask)
+        o1 = rounding.rounded(a1 * c1, ROUND_BF16, dt) + rounding.rounded(-a2 * s1, ROUND_BF16, dt)
+        o2 = rounding.rounded(a2 * c2, ROUND_BF16, dt) + rounding.rounded(a1 * s2, ROUND_BF16, dt)
+        tl.store(dst + i, rounding.rounded(o1, ROUND_BF16, dt).to(dt), mask=mask)
+        tl.store(dst + half + i, rounding.rounded(o2, ROUND_BF16, dt).to(dt), mask=mask)
 
     return rotary_kernel
 
@@ -70,5 +76,6 @@ def triton_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if tokens:
         _kernel()[(tokens, num_q + num_k)](
             q, k, cos, sin, q_out, k_out, q.stride(0), k.stride(0), cos.stride(0), sin.stride(0),
-            num_q, head_size, BLOCK_H=1 << max(0, (head_size // 2 - 1).bit_length()), num_warps=1)
+            num_q, head_size, BLOCK_H=1 << max(0, (head_size // 2 - 1).bit_length()),
+            ROUND_BF16=q.dtype == torch.bfloat16, num_warps=1)
     return q_out, k_out

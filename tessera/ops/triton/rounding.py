@@ -1,0 +1,21 @@
+"""Rounding float32 to a narrower model dtype inside Triton kernels, kept in float32, for
+kernels that must round each intermediate as torch's ops do. bf16 is rounded on the bits:
+on an H100 the compiler folded `.to(bf16).to(float32)` away (so a kernel meant to round
+twice rounded once), and Triton's interpreter converts toward zero rather than to nearest.
+
+Imports triton: only kernel factories import it, as a module global (see fp8.py)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rounded(x, ROUND_BF16: tl.constexpr, dt: tl.constexpr):
+    """float32 x rounded to `dt` (nearest, ties to even), as float32."""
+    if ROUND_BF16:  # inf and NaN keep their bits' meaning; overflow rounds to inf
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
