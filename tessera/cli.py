@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tessera.config import (DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS, SCHEDULING_POLICIES,
                             scheduler_defaults)
+from tessera.platform import resolve_device
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
@@ -27,7 +28,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto: bfloat16 on GPUs, on CPUs with native bf16 and on AVX512 / AVX2 CPUs "
                         "where tessera's kernels build; else float32")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="auto",
+                   help="auto (default: the GPU when torch sees one, else the CPU), cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None,
                    help="most sequences decoded together (max_num_seqs; default 64 on CPU, 256 on CUDA)")
@@ -58,10 +60,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every decode step op by op instead of replaying captured graphs "
                         "(kernel graphs on CPU, CUDA graphs on GPU)")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the last one's tokens reach the host, so scheduling "
-                        "and output processing overlap the GPU (one rank; no gain on CPU, where a "
-                        "step's outputs then come a step later)")
+                        "and output processing overlap the GPU. Default: on for CUDA (one rank, no "
+                        "speculation), off on CPU (no gain there: a step's outputs come a step later)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\' '
@@ -333,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tessera's paged attention; auto: native when a folder serves the type")
     insp.add_argument("--quantization", "-q", default=None, choices=("int8",),
                       help="show the builders chosen for int8 weight-only linear layers")
-    insp.add_argument("--device", default="cpu", help="the device the ops are chosen for (cpu or cuda)")
+    insp.add_argument("--device", default="auto",
+                      help="the device the ops are chosen for: auto (the GPU when torch sees one), cpu or cuda")
     insp.add_argument("--max-model-len", type=int, default=None)
     insp.add_argument("--block-size", type=int, default=16)
     insp.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -351,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:  # per-request and per-plot INFO lines from libraries drown the results
         for noisy in ("httpx", "matplotlib"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    if hasattr(args, "device"):  # "auto" made concrete once: defaults below depend on it
+        args.device = resolve_device(args.device)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -13,6 +13,7 @@ from tessera.config import (CacheConfig, ConfigError, EngineConfig, LoRAConfig, 
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.lora.request import LoRARequest
+from tessera.platform import async_scheduling_default, resolve_device
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.watermark import DEFAULT_Z_THRESHOLD, WatermarkScore, detect_watermark_in_output
 
@@ -54,10 +55,10 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                   block_size: int = 16, kv_cache_dtype: str = "auto",
                   num_kv_blocks: int | None = None, memory_fraction: float | None = None,
-                  device: str = "cpu", seed: int = 0, chat_template: str | None = None,
+                  device: str = "auto", seed: int = 0, chat_template: str | None = None,
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
-                  enforce_eager: bool = False, async_scheduling: bool = False,
+                  enforce_eager: bool = False, async_scheduling: bool | None = None,
                   scheduling_policy: str = "fcfs",
                   speculative_config: SpeculativeConfig | dict | None = None,
                   tensor_parallel_size: int = 1,
@@ -67,8 +68,14 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   watermark: WatermarkConfig | dict | None = None) -> EngineConfig:
     """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments).
     `max_num_seqs` / `max_num_batched_tokens` left None take the device's defaults
-    (config.scheduler_defaults)."""
+    (config.scheduler_defaults); `device` "auto" is the GPU when torch sees one, and
+    `async_scheduling` left None is on there (platform.async_scheduling_default)."""
+    device = resolve_device(device)
     max_num_seqs, max_num_batched_tokens = scheduler_defaults(device, max_num_seqs, max_num_batched_tokens)
+    parallel = parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    speculative = speculative_config_from(speculative_config, device)
+    if async_scheduling is None:
+        async_scheduling = async_scheduling_default(device, speculative.enabled, parallel.tensor_parallel_size)
     model_config = ModelConfig(model=None if model is None else str(model), tokenizer=tokenizer,
                                dtype=dtype, max_model_len=max_model_len,
                                chat_template=chat_template, model_impl=model_impl,
@@ -86,8 +93,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   async_scheduling=async_scheduling,
                                   scheduling_policy=scheduling_policy),
-        parallel=parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-        speculative=speculative_config_from(speculative_config, device),
+        parallel=parallel, speculative=speculative,
         lora=LoRAConfig(enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
                         lora_modules=dict(lora_modules or {})),
         device=device, seed=seed, logprobs_mode=logprobs_mode,

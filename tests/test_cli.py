@@ -165,6 +165,27 @@ def test_serve_takes_the_serving_token_budget_unless_told(monkeypatch):
     assert seen == [(64, 256, False), (64, 1024, False), (None, None, True)]
 
 
+def test_device_auto_is_resolved_before_the_devices_defaults(monkeypatch):
+    """On a machine where torch sees a GPU, a plain `tessera serve` runs on it with CUDA's
+    scheduler limits; `--[no-]async-scheduling` left out is None (the device decides)."""
+    import torch
+
+    from tessera import cli
+    from tessera.server import serve
+    from tessera.weights import source
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(serve, "run_server", lambda make_engine, **kwargs: 0)
+    monkeypatch.setattr(cli, "_engine_config", lambda args: seen.append(
+        (args.device, args.batch_size, args.max_num_batched_tokens, args.async_scheduling)))
+    monkeypatch.setattr(cli, "_serve_rank_if_not_driver", lambda config: False)
+    monkeypatch.setattr(source, "resolve_model_source", lambda model: type("Source", (), {"name": "m"}))
+    for extra in ([], ["--device", "cpu", "--no-async-scheduling"], ["--async-scheduling"]):
+        assert cli.main(["serve", *extra]) == 0
+    assert seen == [("cuda", 256, 8192, None), ("cpu", 64, 256, False), ("cuda", 256, 8192, True)]
+
+
 def test_serve_tool_call_parser_choices_are_the_servers_parsers():
     from tessera.cli import TOOL_CALL_PARSERS
     from tessera.server.tool_parsers import PARSERS

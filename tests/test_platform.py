@@ -66,3 +66,32 @@ def test_without_a_compiler_auto_keeps_float32(monkeypatch, fresh_reason):
         assert platform.resolve_dtype("auto", "cpu") == torch.float32
     finally:
         build.load_kernel.cache_clear()
+
+
+def test_auto_device_is_the_gpu_when_torch_sees_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert platform.resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert platform.resolve_device("auto") == "cuda"
+    assert platform.resolve_device("cpu") == "cpu" and platform.resolve_device("cuda:1") == "cuda:1"
+
+
+def test_async_scheduling_is_on_by_default_on_cuda_unless_ruled_out(monkeypatch):
+    """Configs only (no engine is built, so no GPU is needed): on for a CUDA device left to
+    the default, off on CPU, off where speculation or several ranks rule it out, and an
+    explicit choice always wins."""
+    from tessera.llm import engine_config
+
+    def chosen(**kwargs) -> bool:
+        return engine_config(None, **kwargs).scheduler.async_scheduling
+
+    assert chosen(device="cuda") and chosen(device="cuda:0")
+    assert not chosen(device="cpu")
+    assert not chosen(device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert not chosen(device="cuda", tensor_parallel_size=2)
+    assert not chosen(device="cuda", async_scheduling=False)
+    assert chosen(device="cpu", async_scheduling=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = engine_config(None)  # device "auto" on a machine with a GPU
+    assert config.device == "cuda" and config.scheduler.async_scheduling
+    assert config.scheduler.max_num_seqs == 256  # CUDA's scheduler defaults follow the device
