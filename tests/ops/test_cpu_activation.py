@@ -34,8 +34,8 @@ def test_extremes_saturate_like_torch():
 
 def test_every_bf16_gate_value_like_torch():
     """All 65536 bf16 patterns as gates (denormals, the exp's clamps, infinities, NaNs), with
-    unit and random up values: within one bf16 step of torch, nearly always its bits, and
-    the same non-finite results."""
+    unit and random up values: within one bf16 step of torch, nearly always its bits (denormal
+    results may flush to zero), and the same non-finite results."""
     gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     for up in (torch.ones_like(gate), (3 * torch.randn(gate.shape, generator=g)).bfloat16()):
@@ -46,7 +46,13 @@ def test_every_bf16_gate_value_like_torch():
         assert torch.equal(got[torch.isinf(want)], want[torch.isinf(want)])
         diff = (got[finite] - want[finite]).abs()
         assert (diff <= want[finite].abs() * 2.0 ** -7 + 1e-30).all(), diff.max()
-        assert (diff == 0).float().mean() > 0.999
+        # a denormal silu(gate) (~ gate / 2) or product: exact, or flushed to zero where the
+        # CPU's own bf16 conversion runs (vcvtneps2bf16, AVX512-BF16, treats denormals as zero)
+        smallest = torch.finfo(torch.float32).tiny
+        tiny = finite & ((gate.float().abs() < 2 * smallest) | (want.abs() < smallest))
+        assert ((got[tiny] == want[tiny]) | (got[tiny] == 0)).all()
+        normal = finite & ~tiny
+        assert (got[normal] == want[normal]).float().mean() > 0.999
 
 
 def test_other_dtypes_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():
