@@ -11,6 +11,7 @@ process may already have built them for a GPU target (tests/ops/test_triton_kern
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -82,6 +83,13 @@ def _fp8_case(specs, fp8: torch.dtype, *, block_size: int, num_heads: int, num_k
     return case
 
 
+def _widenings(device: str) -> tuple[bool | None, ...]:
+    """How the kernels widen fp8 under test: by integer ops (False) and by the fp8 type's
+    conversions (the GPU's own from sm_89 on; the interpreter's, exact for finite codes),
+    which on a GPU is the automatic choice (None) so that an older GPU keeps integer ops."""
+    return (False, True) if device == "cpu" else (False, None)
+
+
 def _assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
     """Both read the same cache, widened exactly. float32: equal up to float32 rounding.
     bf16: up to bf16 roundings of the probabilities and outputs (the interpreter rounds
@@ -93,9 +101,10 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what) -> None:
 
 
 def check_decode_codes(device: str) -> None:
-    """All 256 codes of each format widened as load_kv does (float32 and bf16) equal
-    torch's conversion bit for bit (-0 included), inf and NaN as inf and NaN; masked lanes
-    read 0."""
+    """All 256 codes of each format widened as load_kv does (float32 and bf16), by integer
+    ops and by the fp8 type's conversions, equal torch's conversion bit for bit (-0
+    included), inf and NaN as inf and NaN (the interpreter's fp8 type reads those as finite:
+    not asserted there); masked lanes read 0."""
     import triton
     import triton.language as tl
 
@@ -103,26 +112,30 @@ def check_decode_codes(device: str) -> None:
     from tessera.ops.triton import fp8
 
     @triton.jit
-    def widen(src_ptr, like_ptr, out_ptr, KV_FORMAT: tl.constexpr):
+    def widen(src_ptr, like_ptr, out_ptr, KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
         i = tl.arange(0, 512)
         like = tl.load(like_ptr + i * 0)
-        x = fp8.load_kv(src_ptr + i, i < 256, like, KV_FORMAT, True)
+        x = fp8.load_kv(src_ptr + i, i < 256, like, KV_FORMAT, True, HW_FP8)
         tl.store(out_ptr + i, x)
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    for fp8_dtype, fmt in FP8_FORMATS.items():
-        for dtype in (torch.float32, torch.bfloat16):
-            want = codes.view(fp8_dtype).to(dtype)
-            out = torch.full((512,), 7.0, dtype=dtype, device=device)
-            src = torch.cat([codes, codes]).to(device)  # past 256: masked, must read 0
-            widen[(1,)](src, torch.zeros(1, dtype=dtype, device=device), out, KV_FORMAT=fmt)
-            got = out.cpu()
-            finite = want.isfinite()
-            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-            assert torch.equal(got[:256][finite].view(bits), want[finite].view(bits)), (fp8_dtype, dtype)
-            assert torch.equal(got[:256].isnan(), want.isnan()), (fp8_dtype, dtype, "NaN codes")
-            assert torch.equal(got[:256][want.isinf()], want[want.isinf()]), (fp8_dtype, dtype, "inf codes")
-            assert torch.equal(got[256:], torch.zeros(256, dtype=dtype)), (fp8_dtype, dtype, "masked lanes")
+    for hw in (False, True):
+        for fp8_dtype, fmt in FP8_FORMATS.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                what = (fp8_dtype, dtype, "fp8 type" if hw else "integer ops")
+                want = codes.view(fp8_dtype).to(dtype)
+                out = torch.full((512,), 7.0, dtype=dtype, device=device)
+                src = torch.cat([codes, codes]).to(device)  # past 256: masked, must read 0
+                widen[(1,)](src, torch.zeros(1, dtype=dtype, device=device), out, KV_FORMAT=fmt, HW_FP8=hw)
+                got = out.cpu()
+                finite = want.isfinite()
+                bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                assert torch.equal(got[:256][finite].view(bits), want[finite].view(bits)), what
+                assert torch.equal(got[256:], torch.zeros(256, dtype=dtype)), (*what, "masked lanes")
+                if hw and device == "cpu":
+                    continue
+                assert torch.equal(got[:256].isnan(), want.isnan()), (*what, "NaN codes")
+                assert torch.equal(got[:256][want.isinf()], want[want.isinf()]), (*what, "inf codes")
 
 
 def _encode_values(fp8: torch.dtype) -> torch.Tensor:
@@ -183,11 +196,12 @@ def check_kv_write(device: str) -> None:
 
 def check_paged_decode(device: str) -> None:
     """GQA (groups of 3), block sizes 4 and 16, a sliding window, soft-capping, and a
-    context split over partitions of 16 (forced) and merged, per format and query dtype."""
+    context split over partitions of 16 (forced) and merged, per format and query dtype,
+    both widenings (_widenings)."""
     from tessera.ops.attention.torch_paged import paged_decode_ref
     from tessera.ops.triton.paged_decode import triton_paged_decode
 
-    for fp8_dtype in QUANTIZED_KV:
+    for hw, fp8_dtype in itertools.product(_widenings(device), QUANTIZED_KV):
         for dtype in (torch.float32, torch.bfloat16):
             for block_size, window, softcap, partition in ((4, None, None, None), (16, 5, None, 16),
                                                            (16, None, 2.0, 16), (4, 20, 1.5, None)):
@@ -197,18 +211,18 @@ def check_paged_decode(device: str) -> None:
                 want = paged_decode_ref(query, case.k_cache, case.v_cache, case.meta, case.scale, window, softcap)
                 got = triton_paged_decode(query.to(device), case.k_cache.to(device), case.v_cache.to(device),
                                           _meta_to(case.meta, device), case.scale, window, softcap,
-                                          partition_size=partition)
-                _assert_close(got, want, (fp8_dtype, dtype, block_size, window, softcap, partition))
+                                          partition_size=partition, hardware_fp8=hw)
+                _assert_close(got, want, (fp8_dtype, dtype, block_size, window, softcap, partition, hw))
 
 
 def check_paged_prefill(device: str) -> None:
     """A decode, then a 24-token chunk over 16 cached tokens and a fresh 17-token prompt,
     all read from the fp8 cache (the fresh prompt's too, as the reference does); a window
-    and soft-capping once each."""
+    and soft-capping once each; both widenings (_widenings)."""
     from tessera.ops.attention.torch_paged import paged_prefill_ref
     from tessera.ops.triton.paged_prefill import triton_paged_prefill
 
-    for fp8_dtype in QUANTIZED_KV:
+    for hw, fp8_dtype in itertools.product(_widenings(device), QUANTIZED_KV):
         for dtype in (torch.float32, torch.bfloat16):
             for block_size, window, softcap in ((4, None, None), (16, 6, 2.0)):
                 case = _fp8_case([(20, 1), (40, 24), (17, 17)], fp8_dtype, block_size=block_size, num_heads=4,
@@ -219,8 +233,9 @@ def check_paged_prefill(device: str) -> None:
                                          window, softcap)
                 got = triton_paged_prefill(query.to(device), key.to(device), value.to(device),
                                            case.k_cache.to(device), case.v_cache.to(device),
-                                           _meta_to(case.meta, device), case.scale, window, softcap)
-                _assert_close(got, want, (fp8_dtype, dtype, block_size, window, softcap))
+                                           _meta_to(case.meta, device), case.scale, window, softcap,
+                                           hardware_fp8=hw)
+                _assert_close(got, want, (fp8_dtype, dtype, block_size, window, softcap, hw))
 
 
 CHECKS = {f.__name__: f for f in (check_decode_codes, check_kv_write, check_paged_decode, check_paged_prefill)}
@@ -236,6 +251,22 @@ def test_fp8_cache_kernel_matches_torch(check, device):
     quantize_kv; check_paged_decode / check_paged_prefill: attention over the fp8 cache
     equals the torch reference's on the same bytes."""
     _run_check(check, device)
+
+
+def test_the_gpus_fp8_conversions_are_used_from_compute_capability_8_9(monkeypatch):
+    """Ada and Hopper convert fp8 themselves; Ampere and the CPU (interpreter) decode the
+    bytes with integer ops; tests may force either."""
+    from types import SimpleNamespace
+
+    from tessera.ops.triton.paged_decode import fp8_in_hardware
+
+    gpu = SimpleNamespace(is_cuda=True, device="cuda:0")
+    for capability, expected in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert fp8_in_hardware(gpu) is expected, capability
+    cpu = torch.zeros(1, dtype=torch.uint8)
+    assert fp8_in_hardware(cpu) is False
+    assert fp8_in_hardware(cpu, forced=True) is True and fp8_in_hardware(gpu, forced=False) is False
 
 
 @pytest.mark.parametrize("fp8_dtype", QUANTIZED_KV)

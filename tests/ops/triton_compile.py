@@ -56,6 +56,7 @@ class Compiled:
     shared: int
     registers: int
     spilled: int  # bytes of spill stores + loads
+    fp8_conversions: int  # the GPU's fp8 -> f16 conversions in the PTX (cvt ... e4m3x2 / e5m2x2)
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -91,7 +92,9 @@ class _Recorder:
             options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
             kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
             registers, spilled = _ptxas_report(kernel.asm["ptx"], self.arch)
-            self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled))
+            ptx = kernel.asm["ptx"]
+            conversions = len(re.findall(r"cvt\.rn\.f16x2\.e(?:4m3|5m2)x2", ptx))
+            self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled, conversions))
 
         return launch
 
@@ -112,10 +115,12 @@ def _meta(num_decodes: int, lens: list[int], q_lens: list[int], block_size: int)
 
 def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 shapes: tuple[Shape, ...] = SHAPES, block_size: int = 16,
-                kv_dtype: torch.dtype | None = None) -> list[Compiled]:
+                kv_dtype: torch.dtype | None = None, hardware_fp8: bool | None = None) -> list[Compiled]:
     """Every kernel wrapper at every shape and dtype, as the engine calls them: decode at
     batch 1 over 8k tokens and batch 64 over 2k, a prefill chunk over a cached prefix.
-    `kv_dtype`: an 8-bit float KV cache (None: the model dtype)."""
+    `kv_dtype`: an 8-bit float KV cache (None: the model dtype), widened by the GPU's fp8
+    conversions where `arch` has them (sm_89+) unless `hardware_fp8` says otherwise."""
+    hardware_fp8 = arch >= 89 if hardware_fp8 is None else hardware_fp8
     import tessera.ops.triton.activation as activation
     import tessera.ops.triton.kv_write as kv_write
     import tessera.ops.triton.paged_decode as paged_decode
@@ -152,10 +157,12 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 for batch, length in ((1, 8192), (64, 2048)):
                     meta = _meta(batch, [length] * batch, [1] * batch, block_size)
                     paged_decode.triton_paged_decode(torch.zeros((batch, h, d), dtype=dtype), k_cache,
-                                                     v_cache, meta, d ** -0.5, shape.window, shape.softcap)
+                                                     v_cache, meta, d ** -0.5, shape.window, shape.softcap,
+                                                     hardware_fp8=hardware_fp8)
                 meta = _meta(1, [300, 1000], [1, 512], block_size)
                 paged_prefill.triton_paged_prefill(torch.zeros((512, h, d), dtype=dtype), None, None, k_cache,
-                                                   v_cache, meta, d ** -0.5, shape.window, shape.softcap)
+                                                   v_cache, meta, d ** -0.5, shape.window, shape.softcap,
+                                                   hardware_fp8=hardware_fp8)
     finally:
         for module, original in zip(single, originals):
             module._kernel = original

@@ -1,6 +1,9 @@
 """8-bit float KV cache values in Triton (tessera/ops/attention/kv_quant.py): fp8 bytes <->
 float32 with integer ops and bitcasts only, so no fp8 hardware type is needed (any GPU, and
-the interpreter). The same algorithm as tessera/ops/cpu/fp8.h, for a constexpr format code
+the interpreter). Where the GPU converts fp8 itself (sm_89+: Ada, Hopper), load_kv's HW_FP8
+widens with its instructions instead: on an H100 the integer decoding (~10 operations an
+element) made fp8-cache decode slower than bf16's, which reads twice the bytes
+(docs/benchmarks.md, session 15). The same algorithm as tessera/ops/cpu/fp8.h, for a constexpr format code
 FMT (kv_quant.FP8_FORMATS): 1 = e4m3fn (bias 7, 3 mantissa bits, largest 448), 2 = e5m2
 (bias 15, 2 bits, largest 57344). No step relies on float denormals, which a GPU may
 flush: fp8 subnormals are whole multiples of a step, made from or counted as integers.
@@ -68,12 +71,20 @@ def f32_to_fp8(x, FMT: tl.constexpr):
 
 
 @triton.jit
-def load_kv(ptrs, mask, like, KV_FORMAT: tl.constexpr, KEEP_SPECIAL: tl.constexpr):
+def load_kv(ptrs, mask, like, KV_FORMAT: tl.constexpr, KEEP_SPECIAL: tl.constexpr,
+            HW_FP8: tl.constexpr):
     """Cached K or V values at `ptrs`: as stored (KV_FORMAT 0, the model dtype) or fp8
     bytes widened to `like`'s dtype (the query's, for tl.dot). Masked lanes are 0.
-    KEEP_SPECIAL: see fp8_to_f32."""
+    KEEP_SPECIAL: see fp8_to_f32. HW_FP8: the GPU's own conversion (finite codes exactly
+    the same; inf and NaN always kept on a GPU, read as finite by the interpreter)."""
     if KV_FORMAT == 0:
         return tl.load(ptrs, mask=mask, other=0.0)
+    elif HW_FP8:
+        raw = tl.load(ptrs, mask=mask, other=0)
+        if KV_FORMAT == 1:
+            return raw.to(tl.float8e4nv, bitcast=True).to(like.dtype)
+        else:
+            return raw.to(tl.float8e5, bitcast=True).to(like.dtype)
     else:
         return fp8_to_f32(tl.load(ptrs, mask=mask, other=0), KV_FORMAT, KEEP_SPECIAL).to(like.dtype)
 

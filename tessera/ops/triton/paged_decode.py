@@ -16,8 +16,9 @@ Partitions shrink (down to one tile) while the grid would leave the GPU's SMs id
 decode over a long context still spreads over many programs.
 
 An 8-bit float cache (kv_quant.py, KV_FORMAT 1 e4m3fn / 2 e5m2) is passed as bytes and
-widened in-kernel to the query's dtype (tessera/ops/triton/fp8.py), half the bytes read per
-cached token of a bf16 model; KV_FORMAT 0 (the model dtype) compiles to the plain loads.
+widened in-kernel to the query's dtype (tessera/ops/triton/fp8.py; by the GPU's own fp8
+conversions from sm_89 on), half the bytes read per cached token of a bf16 model;
+KV_FORMAT 0 (the model dtype) compiles to the plain loads.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def _kernels():
                        num_heads, num_kv_heads, head_size, table_width, num_partitions, partition,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                       KV_FORMAT: tl.constexpr):
+                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         part = tl.program_id(2)
@@ -85,7 +86,7 @@ def _kernels():
                 base = (block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * row + kv_head * head_size
                 kv_mask = valid[:, None] & d_mask[None, :]
                 # keys skip the inf/NaN check (registers: tests/ops/triton_compile.py); values keep it
-                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, False)
+                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, False, HW_FP8)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
                 if USE_SOFTCAP:
                     s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)  # softcap * tanh(s / softcap)
@@ -94,7 +95,7 @@ def _kernels():
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing valid yet
                 alpha = tl.exp(m_i - m_safe)
                 p = tl.exp(s - m_safe[:, None])
-                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True)
+                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True, HW_FP8)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -160,6 +161,15 @@ def kv_cache_operands(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tor
     return k_cache, v_cache, fmt
 
 
+def fp8_in_hardware(cache: torch.Tensor, forced: bool | None = None) -> bool:
+    """Whether the kernels widen an 8-bit cache with the GPU's fp8 conversions (compute
+    capability 8.9 and up) rather than integer ops (fp8.py); `forced` overrides (tests, and
+    the compile checks, which run without a GPU)."""
+    if forced is not None:
+        return forced
+    return cache.is_cuda and torch.cuda.get_device_capability(cache.device) >= (8, 9)
+
+
 def key_tile(head_size: int, dtype: torch.dtype) -> int:
     """Key tokens per step: TILE_N while a head row is at most 256 bytes (128 wide in
     bf16), then halved per doubling, since wider tiles spill registers
@@ -196,10 +206,12 @@ def partition_workspace(batch: int, num_heads: int, num_partitions: int, head_si
              phases=("decode",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing)
 def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                        softcap: float | None = None, partition_size: int | None = None) -> torch.Tensor:
+                        softcap: float | None = None, partition_size: int | None = None,
+                        hardware_fp8: bool | None = None) -> torch.Tensor:
     """query [B, Hq, D] -> [B, Hq, D] for the first `num_decodes` sequences, over caches in
     the model dtype or an 8-bit float (read widened to the query's dtype).
-    `partition_size` (a power of two >= 16) overrides the automatic choice (tests)."""
+    `partition_size` (a power of two >= 16) overrides the automatic choice, `hardware_fp8`
+    fp8_in_hardware's (tests)."""
     b = meta.num_decodes
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -212,6 +224,7 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q = query[:b].contiguous()
     # an fp8 tile is held widened to the query's dtype
     held = q.dtype if kv_format(k_cache) else k_cache.dtype
+    hw_fp8 = fp8_in_hardware(k_cache, hardware_fp8)
     k_cache, v_cache, fmt = kv_cache_operands(k_cache, v_cache)
     tables = meta.block_tables[:b].contiguous()
     lens = meta.seq_lens[:b].contiguous()
@@ -226,7 +239,7 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions, partition_size,
         BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_next_power_of_2(max(group, 16)),
         TILE=min(key_tile(head_size, held), partition_size),
-        USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt)
+        USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8)
     merge_kernel[(b, num_heads)](m, l, acc, out, lens, window, num_heads, head_size, num_partitions,
                                  partition_size, BLOCK_D=block_d, BLOCK_P=MERGE_CHUNK)
     return out

@@ -16,7 +16,8 @@ from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
-from tessera.ops.triton.paged_decode import NO_WINDOW, _next_power_of_2, dot_precision, kv_cache_operands
+from tessera.ops.triton.paged_decode import (NO_WINDOW, _next_power_of_2, dot_precision, fp8_in_hardware,
+                                             kv_cache_operands)
 
 
 def prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -47,7 +48,7 @@ def _kernel():
                        num_heads, num_kv_heads, head_size, table_width,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                       KV_FORMAT: tl.constexpr):
+                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
         seq = first_seq + tl.program_id(0)
         head = tl.program_id(1)
         tile = tl.program_id(2)
@@ -77,7 +78,7 @@ def _kernel():
                 block = tl.load(tables_ptr + seq * table_width + k_pos // BLOCK_SIZE, mask=in_ctx, other=0)
                 base = (block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE) * row + kv_head * head_size
                 kv_mask = in_ctx[:, None] & d_mask[None, :]
-                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True)
+                k = fp8.load_kv(k_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True, HW_FP8)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 if USE_SOFTCAP:
                     s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
@@ -88,7 +89,7 @@ def _kernel():
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing yet
                 alpha = tl.exp(m_i - m_safe)
                 p = tl.exp(s - m_safe[:, None])
-                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True)
+                v = fp8.load_kv(v_cache_ptr + base[:, None] + d[None, :], kv_mask, q, KV_FORMAT, True, HW_FP8)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
@@ -104,10 +105,11 @@ def _kernel():
 def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, sliding_window: int | None = None,
-                         softcap: float | None = None) -> torch.Tensor:
+                         softcap: float | None = None, hardware_fp8: bool | None = None) -> torch.Tensor:
     """query [T, Hq, D]: the prefill rows (after the decodes), whose K/V are already in the
     cache -> [T, Hq, D]. `key` / `value` are not read (the cache holds them, in the model
-    dtype or an 8-bit float, read widened to the query's dtype)."""
+    dtype or an 8-bit float, read widened to the query's dtype; `hardware_fp8` overrides
+    paged_decode.fp8_in_hardware, for tests)."""
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
     first = meta.num_decodes
@@ -118,6 +120,7 @@ def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     max_q = max(meta.query_lens_list[first:])
     block_m, tile = prefill_tiles(head_size, query.dtype)
     grid = (num_prefills, num_heads, -(-max_q // block_m))
+    hw_fp8 = fp8_in_hardware(k_cache, hardware_fp8)
     k_cache, v_cache, fmt = kv_cache_operands(k_cache, v_cache)
     _kernel()[grid](
         query.contiguous(), k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
@@ -125,5 +128,5 @@ def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         sliding_window or NO_WINDOW, num_heads, num_kv_heads, head_size, meta.block_tables.shape[1],
         BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=block_m,
         TILE=tile, USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(query.dtype),
-        KV_FORMAT=fmt)
+        KV_FORMAT=fmt, HW_FP8=hw_fp8)
     return out
