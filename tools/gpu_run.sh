@@ -8,8 +8,9 @@
 #   tools/gpu_run.sh latency     llama-3-8b (dummy weights, bf16): TPOT at batch 1, 8, 64
 #                                beside the bandwidth roofline; CUDA-graph capture time
 #   tools/gpu_run.sh throughput  THROUGHPUT_PROMPTS (default 1000) x 1000 in / 1000 out;
-#                                arguments after it go to the engine: run it once as is and
-#                                once with --async-scheduling (host work overlapping the GPU)
+#                                arguments after it go to the engine: as is (async scheduling,
+#                                CUDA's default), with --no-async-scheduling (the host's work
+#                                not overlapped), with --kv-cache-dtype fp8
 #   tools/gpu_run.sh baseline    BASELINE_PROMPTS (default 16) x 1000/1000, tessera beside
 #                                transformers' generate on the GPU; the engine takes half the
 #                                free memory so the 16 GB transformers model fits beside it
@@ -43,7 +44,7 @@ case "${1:-}" in
         --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log"
     grep -h "captured\|capture" "$out/latency.log" ;;
   throughput)
-    name=throughput; [[ " ${*:2} " == *" --async-scheduling "* ]] && name=throughput-async
+    name=throughput; [[ " ${*:2} " == *" --no-async-scheduling "* ]] && name=throughput-sync
     [[ " ${*:2} " == *" --kv-cache-dtype fp8"* ]] && name=$name-fp8
     tessera bench throughput "${dummy[@]}" --num-prompts "${THROUGHPUT_PROMPTS:-1000}" \
         --input-len 1000 --output-len 1000 --repeats 1 "${@:2}" \
