@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         for noisy in ("httpx", "matplotlib"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
     if hasattr(args, "device"):  # "auto" made concrete once: defaults below depend on it
-        args.device = resolve_device(args.device)
+        launched = "WORLD_SIZE" in os.environ  # torchrun: each node's ranks on its own GPUs
+        args.device = resolve_device(args.device, 1 if launched else getattr(args, "tensor_parallel_size", 1))
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -70,9 +70,10 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
     `max_num_seqs` / `max_num_batched_tokens` left None take the device's defaults
     (config.scheduler_defaults); `device` "auto" is the GPU when torch sees one, and
     `async_scheduling` left None is on there (platform.async_scheduling_default)."""
-    device = resolve_device(device)
-    max_num_seqs, max_num_batched_tokens = scheduler_defaults(device, max_num_seqs, max_num_batched_tokens)
     parallel = parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+    # ranks launched per node (torchrun) each run on this machine alone
+    device = resolve_device(device, 1 if parallel.launched else parallel.tensor_parallel_size)
+    max_num_seqs, max_num_batched_tokens = scheduler_defaults(device, max_num_seqs, max_num_batched_tokens)
     speculative = speculative_config_from(speculative_config, device)
     if async_scheduling is None:
         async_scheduling = async_scheduling_default(device, speculative.enabled, parallel.tensor_parallel_size)

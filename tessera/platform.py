@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import psutil
@@ -48,12 +49,27 @@ def cpu_bf16_reason(tessera_ops: bool = True, quantization: str | None = None) -
     return None
 
 
-def resolve_device(name: str) -> str:
-    """`name` with "auto" made concrete: the first CUDA GPU when torch sees one (as vLLM and
-    TGI pick the accelerator without being told), else the CPU."""
+# the device "auto" means when set (cpu or cuda); the test suite pins it to cpu
+DEVICE_ENV = "TESSERA_DEVICE"
+
+
+def resolve_device(name: str, ranks: int = 1) -> str:
+    """`name` with "auto" made concrete, as vLLM and TGI pick the accelerator without being
+    told: CUDA when torch sees an NVIDIA GPU for each of this machine's `ranks`
+    (tensor-parallel ranks it runs), all of compute capability 8.0 or later (bf16 and the
+    Triton kernels), else the CPU; $TESSERA_DEVICE, when set, is what "auto" means."""
     if name != "auto":
         return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if os.environ.get(DEVICE_ENV):
+        return os.environ[DEVICE_ENV]
+    return "cuda" if _usable_gpus() >= ranks else "cpu"
+
+
+def _usable_gpus() -> int:
+    if not torch.cuda.is_available() or torch.version.hip is not None:  # ROCm: untested, so asked for only
+        return 0
+    count = torch.cuda.device_count()
+    return count if all(torch.cuda.get_device_capability(i) >= (8, 0) for i in range(count)) else 0
 
 
 def async_scheduling_default(device: str, speculative: bool, tensor_parallel_size: int) -> bool:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
+
+# "auto" is the CPU for the suite on any host: GPU tests ask for "cuda" by name, and the rest
+# compare CPU behaviour (decode-graph buckets, scheduler defaults, sync vs async engines)
+os.environ.setdefault("TESSERA_DEVICE", "cpu")
 
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

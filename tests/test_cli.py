@@ -168,14 +168,13 @@ def test_serve_takes_the_serving_token_budget_unless_told(monkeypatch):
 def test_device_auto_is_resolved_before_the_devices_defaults(monkeypatch):
     """On a machine where torch sees a GPU, a plain `tessera serve` runs on it with CUDA's
     scheduler limits; `--[no-]async-scheduling` left out is None (the device decides)."""
-    import torch
-
     from tessera import cli
     from tessera.server import serve
     from tessera.weights import source
+    from tests.test_platform import fake_gpus
 
     seen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_gpus(monkeypatch, [(9, 0)])
     monkeypatch.setattr(serve, "run_server", lambda make_engine, **kwargs: 0)
     monkeypatch.setattr(cli, "_engine_config", lambda args: seen.append(
         (args.device, args.batch_size, args.max_num_batched_tokens, args.async_scheduling)))

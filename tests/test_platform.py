@@ -68,12 +68,30 @@ def test_without_a_compiler_auto_keeps_float32(monkeypatch, fresh_reason):
         build.load_kernel.cache_clear()
 
 
-def test_auto_device_is_the_gpu_when_torch_sees_one(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def fake_gpus(monkeypatch, capabilities: list[tuple[int, int]], hip: str | None = None) -> None:
+    monkeypatch.delenv(platform.DEVICE_ENV, raising=False)  # the suite pins "auto" to the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(capabilities))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: capabilities[i])
+    monkeypatch.setattr(torch.version, "hip", hip)
+
+
+def test_auto_device_is_the_gpu_when_torch_sees_one_fit_to_run(monkeypatch):
+    fake_gpus(monkeypatch, [])
     assert platform.resolve_device("auto") == "cpu"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_gpus(monkeypatch, [(9, 0)])
     assert platform.resolve_device("auto") == "cuda"
+    assert platform.resolve_device("auto", ranks=2) == "cpu"  # one GPU per tensor-parallel rank
+    fake_gpus(monkeypatch, [(8, 0), (8, 6)])
+    assert platform.resolve_device("auto", ranks=2) == "cuda"
+    fake_gpus(monkeypatch, [(7, 5)])  # no bf16: asked for by name only
+    assert platform.resolve_device("auto") == "cpu"
+    fake_gpus(monkeypatch, [(9, 4)], hip="6.2")  # ROCm: untested, asked for by name only
+    assert platform.resolve_device("auto") == "cpu"
     assert platform.resolve_device("cpu") == "cpu" and platform.resolve_device("cuda:1") == "cuda:1"
+    monkeypatch.setenv(platform.DEVICE_ENV, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert platform.resolve_device("auto") == "cpu"  # what "auto" means, when set
 
 
 def test_async_scheduling_is_on_by_default_on_cuda_unless_ruled_out(monkeypatch):
@@ -91,7 +109,7 @@ def test_async_scheduling_is_on_by_default_on_cuda_unless_ruled_out(monkeypatch)
     assert not chosen(device="cuda", tensor_parallel_size=2)
     assert not chosen(device="cuda", async_scheduling=False)
     assert chosen(device="cpu", async_scheduling=True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_gpus(monkeypatch, [(9, 0)])
     config = engine_config(None)  # device "auto" on a machine with a GPU
     assert config.device == "cuda" and config.scheduler.async_scheduling
     assert config.scheduler.max_num_seqs == 256  # CUDA's scheduler defaults follow the device

@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokens = args.rows * (args.input_len + args.output_len)
-    llm = LLM(None, dtype="bfloat16", show_progress=False, max_num_seqs=args.rows,
+    llm = LLM(None, dtype="bfloat16", device="cpu", show_progress=False, max_num_seqs=args.rows,
               max_num_batched_tokens=max(args.rows * args.input_len, 1024), num_kv_blocks=tokens // 16 + args.rows,
               async_scheduling=args.async_scheduling)
     runner = llm.engine.runner

@@ -101,8 +101,8 @@ class Engine:
         self.model = self.router.build_model(target).eval()
         self.router.load_weights(self.model, lambda weights: tqdm(
             weights, desc="Loading weights", unit=" tensors", disable=not show_progress, leave=False))
-        logger.info("loaded %s (%s, %s) in %.1fs", self.router.source.name,
-                    type(self.model).__name__, self.dtype, time.perf_counter() - started)
+        logger.info("loaded %s (%s, %s on %s) in %.1fs", self.router.source.name,
+                    type(self.model).__name__, self.dtype, self.device, time.perf_counter() - started)
         # a GPU sorts a whole vocabulary fast; the CPU's top-p first tries the best 256 tokens
         sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode,
                           top_p_prefix=None if self.device.type == "cuda" else 256,

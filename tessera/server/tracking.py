@@ -73,8 +73,8 @@ async def collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> Re
 
     task = asyncio.ensure_future(consume())
     try:
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
+        while not task.done():  # polled: a step of a small model is well under a millisecond
+            done, _ = await asyncio.wait({task}, timeout=0.1)
             if not done and await request.is_disconnected():
                 task.cancel()
                 break

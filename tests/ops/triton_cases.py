@@ -146,10 +146,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def check_pointwise(device: str) -> None:
     """RMSNorm (+ residual), the gated activations and rotary against the torch ops, in
-    float32 and bf16, on strided inputs like the layers pass (q/k/gate-up views); rotary
-    bit for bit."""
+    float32, bf16 and fp16, on strided inputs like the layers pass (q/k/gate-up views);
+    rotary bit for bit."""
     g = torch.Generator().manual_seed(3)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for hidden in (64, 200, 5000):  # one chunk, a ragged one, several (MAX_BLOCK 4096)
             x = (torch.randn(7, hidden, generator=g) * 3).to(dtype)
             res = torch.randn(7, hidden, generator=g).to(dtype)
@@ -179,6 +179,42 @@ def check_pointwise(device: str) -> None:
                 assert diff == 0, f"rotary {which} {dtype} {head_size}: {diff} of {want.numel()} values differ"
 
 
+def check_bf16_rounding(device: str) -> None:
+    """rounding.rounded to bf16 equals torch's float32 -> bf16 conversion bit for bit: ties,
+    the largest values (to inf), denormals, inf, and NaN whatever its payload (a GPU's
+    canonical NaN 0x7fffffff must not carry into the sign)."""
+    import triton
+    import triton.language as tl
+
+    global rounding  # a module global: the interpreter does not see this function's locals
+    from tessera.ops.triton import rounding
+
+    @triton.jit
+    def round_all(src_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(src_ptr + i, mask=i < n)
+        tl.store(out_ptr + i, rounding.rounded(x, True, tl.bfloat16), mask=i < n)
+
+    g = torch.Generator().manual_seed(11)
+    special = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800001, 0x7FC00000, 0x7F800000,
+                            0xFF800000, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00000001, 0x80000001,
+                            0x00008000, 0x00018000, 0x3F808000, 0x3F818000, 0x3F807FFF, 0],
+                           dtype=torch.int64).to(torch.int32)
+    ties = (torch.randint(-2 ** 31, 2 ** 31 - 1, (4096,), generator=g, dtype=torch.int64).to(torch.int32)
+            & -65536) | 0x8000  # exactly halfway between two bf16 values
+    anything = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([special, ties, anything]).view(torch.float32)
+    out = torch.empty_like(x, device=device)
+    round_all[(triton.cdiv(x.numel(), 1024),)](x.to(device), out, x.numel(), BLOCK=1024)
+    want = x.to(torch.bfloat16).float()
+    got = out.cpu()
+    assert torch.equal(got.isnan(), want.isnan()), "NaN"
+    ok = want.isnan() | (got.view(torch.int32) == want.view(torch.int32))
+    bad = (~ok).nonzero().flatten()
+    assert bad.numel() == 0, [(hex(x[i].view(torch.int32).item() & 0xFFFFFFFF), got[i].item(), want[i].item())
+                              for i in bad[:5].tolist()]
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     check_kv_write(dev)
@@ -186,4 +222,5 @@ if __name__ == "__main__":
     check_paged_decode_skips_dead_partitions(dev)
     check_paged_prefill(dev)
     check_pointwise(dev)
+    check_bf16_rounding(dev)
     print("triton kernels OK")

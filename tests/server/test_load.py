@@ -107,7 +107,7 @@ def test_disconnect_mid_stream_frees_the_kv_cache(busy, route, body):
 
 def test_client_timeout_on_generate_aborts(busy):
     engine = busy.engine
-    steps, n = engine.num_steps, 1200
+    steps, n = engine.num_steps, LONG
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(busy.url + "/generate", json={"inputs": LONG_PROMPT, "parameters": {"max_new_tokens": n}},

@@ -75,8 +75,10 @@ def load_kv(ptrs, mask, like, KV_FORMAT: tl.constexpr, KEEP_SPECIAL: tl.constexp
             HW_FP8: tl.constexpr):
     """Cached K or V values at `ptrs`: as stored (KV_FORMAT 0, the model dtype) or fp8
     bytes widened to `like`'s dtype (the query's, for tl.dot). Masked lanes are 0.
-    KEEP_SPECIAL: see fp8_to_f32. HW_FP8: the GPU's own conversion (finite codes exactly
-    the same; inf and NaN always kept on a GPU, read as finite by the interpreter)."""
+    KEEP_SPECIAL: see fp8_to_f32. HW_FP8: the GPU's own conversion for e4m3fn (finite codes
+    exactly the same; NaN kept on a GPU, read as 480 by the interpreter). e5m2 is float16's
+    top byte, widened through float16 by a shift (every code exact, inf and NaN kept):
+    Triton's e5m2 -> bf16 conversion scales the bits and reads inf and NaN as finite."""
     if KV_FORMAT == 0:
         return tl.load(ptrs, mask=mask, other=0.0)
     elif HW_FP8:
@@ -84,7 +86,7 @@ def load_kv(ptrs, mask, like, KV_FORMAT: tl.constexpr, KEEP_SPECIAL: tl.constexp
         if KV_FORMAT == 1:
             return raw.to(tl.float8e4nv, bitcast=True).to(like.dtype)
         else:
-            return raw.to(tl.float8e5, bitcast=True).to(like.dtype)
+            return (raw.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(like.dtype)
     else:
         return fp8_to_f32(tl.load(ptrs, mask=mask, other=0), KV_FORMAT, KEEP_SPECIAL).to(like.dtype)
 

@@ -13,9 +13,11 @@ import triton.language as tl
 @triton.jit
 def rounded(x, ROUND_BF16: tl.constexpr, dt: tl.constexpr):
     """float32 x rounded to `dt` (nearest, ties to even), as float32."""
-    if ROUND_BF16:  # inf and NaN keep their bits' meaning; overflow rounds to inf
+    if ROUND_BF16:  # overflow rounds to inf; a NaN (whose payload the carry could wipe:
+        # a GPU's canonical NaN is 0x7fffffff) becomes the quiet NaN torch gives
         bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True)
+        rounded_bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        rounded_bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, rounded_bits)
+        return rounded_bits.to(tl.float32, bitcast=True)
     else:
         return x.to(dt).to(tl.float32)
