@@ -29,7 +29,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on GPUs, on CPUs with native bf16 and on AVX512 / AVX2 CPUs "
                         "where tessera's kernels build; else float32")
     p.add_argument("--device", default="auto",
-                   help="auto (default: the GPU when torch sees one, else the CPU), cpu or cuda[:N]")
+                   help="auto (default: an NVIDIA GPU of compute capability 8.0+ when torch sees one "
+                        "per tensor-parallel rank, else the CPU; $TESSERA_DEVICE sets what auto means), "
+                        "cpu or cuda[:N]")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None,
                    help="most sequences decoded together (max_num_seqs; default 64 on CPU, 256 on CUDA)")

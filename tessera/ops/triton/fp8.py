@@ -3,10 +3,11 @@ float32 with integer ops and bitcasts only, so no fp8 hardware type is needed (a
 the interpreter). Where the GPU converts fp8 itself (sm_89+: Ada, Hopper), load_kv's HW_FP8
 widens with its instructions instead: on an H100 the integer decoding (~10 operations an
 element) made fp8-cache decode slower than bf16's, which reads twice the bytes
-(docs/benchmarks.md, session 15). The same algorithm as tessera/ops/cpu/fp8.h, for a constexpr format code
-FMT (kv_quant.FP8_FORMATS): 1 = e4m3fn (bias 7, 3 mantissa bits, largest 448), 2 = e5m2
-(bias 15, 2 bits, largest 57344). No step relies on float denormals, which a GPU may
-flush: fp8 subnormals are whole multiples of a step, made from or counted as integers.
+(docs/benchmarks.md, session 15). The integer path is tessera/ops/cpu/fp8.h's algorithm, for
+a constexpr format code FMT (kv_quant.FP8_FORMATS): 1 = e4m3fn (bias 7, 3 mantissa bits,
+largest 448), 2 = e5m2 (bias 15, 2 bits, largest 57344). No step relies on float
+denormals, which a GPU may flush: fp8 subnormals are whole multiples of a step, made from or
+counted as integers.
 
 Imports triton: only the kernel factories import this module (when a kernel is first
 built), so CPU installs never need triton. The kernels reach it as a module global (`fp8`),

@@ -2,9 +2,10 @@
 (token, head) over q's heads then k's, reading q and k where the QKV projection left them
 (strided views, no copy). torch's builder is ~12 kernels per layer. Rounds each product and
 the sum to the model dtype, as the torch op does, so results match it exactly. In bf16 (the
-GPU default) the roundings are integer operations: on an H100 the compiler folded
-`.to(bf16).to(float32)` away and the kernel rounded once, one bf16 step off torch in a
-quarter of the values; the interpreter's own conversion rounds toward zero (rounding.py)."""
+GPU default) the roundings are integer operations: on an H100 the `.to(bf16).to(float32)`
+round trips did not round (folded away, it seems: the kernel was one bf16 step off torch in
+a quarter of the values, as if it rounded once), and the interpreter's own conversion rounds
+toward zero (rounding.py)."""
 from __future__ import annotations
 
 from functools import lru_cache

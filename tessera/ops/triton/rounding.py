@@ -1,7 +1,7 @@
 """Rounding float32 to a narrower model dtype inside Triton kernels, kept in float32, for
 kernels that must round each intermediate as torch's ops do. bf16 is rounded on the bits:
-on an H100 the compiler folded `.to(bf16).to(float32)` away (so a kernel meant to round
-twice rounded once), and Triton's interpreter converts toward zero rather than to nearest.
+on an H100 `.to(bf16).to(float32)` round trips did not round (a kernel meant to round twice
+matched rounding once), and Triton's interpreter converts toward zero rather than to nearest.
 
 Imports triton: only kernel factories import it, as a module global (see fp8.py)."""
 from __future__ import annotations
