@@ -20,11 +20,16 @@
 #                                --kv-cache-dtype fp8` then shows what the capacity buys
 #   tools/gpu_run.sh profile     the kernel table of eager decode steps at batch 1, 64, 256
 #                                over 1000-token prompts (tools/gpu_profile.py)
+#   tools/gpu_run.sh all         tests, latency, profile and fp8 throughput in one call (each
+#                                under its own time limit, ~8 minutes in all): a lent machine
+#                                stays warm only 30 s between calls, so each call pays a start
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
+if [[ -z "${GPU_RUN_READY:-}" ]]; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
+fi
 # nothing can be downloaded there: a stray hub lookup should fail at once, not time out
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 tessera() { python3 -c 'import sys; from tessera.cli import main; sys.exit(main())' "$@"; }
@@ -59,7 +64,15 @@ case "${1:-}" in
   profile)
     python3 tools/gpu_profile.py --model $preset --batch-sizes 1,64,256 --input-len 1000 \
         2>&1 | tee "$out/profile.log" ;;
+  all)
+    export GPU_RUN_READY=1
+    timeout 240 "$0" tests > /dev/null 2>&1
+    timeout 90 "$0" latency > /dev/null 2>&1
+    timeout 90 "$0" profile > /dev/null 2>&1
+    timeout 210 "$0" throughput --kv-cache-dtype fp8 > /dev/null 2>&1
+    tail -n 3 "$out/tests.log"; grep -h "^|\|captured" "$out/latency.log"
+    grep -h -A 8 "^batch" "$out/profile.log"; tail -n 3 "$out/throughput-fp8.log" ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache|profile" >&2
+    echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache|profile|all" >&2
     exit 2 ;;
 esac
