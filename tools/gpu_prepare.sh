@@ -14,9 +14,11 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
 # resolved together, so pinned pairs (pydantic / pydantic-core) match; pytest and
 # pytest-timeout are not carried: the image has them, with the plugins built against them
 python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-    -d .gpu/whl fastapi uvicorn prometheus-client httpx
+    -d .gpu/whl fastapi uvicorn prometheus-client httpx openai
+# peft (+ accelerate, which it imports): the GPU LoRA test; text-generation (TGI's client,
+# whose pins transformers 5 cannot meet, as in the README): the GPU server test
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-    -d .gpu/whl gguf peft accelerate  # peft (+ accelerate, which it imports): the GPU LoRA test
+    -d .gpu/whl gguf peft accelerate text-generation==0.7.0
 # the GPU image has these already (torch, numpy, ...): carrying them would shadow its builds
 rm -f .gpu/whl/{numpy,torch,typing_extensions,packaging,idna,certifi,pyyaml,PyYAML,pytest,pluggy,iniconfig}-*.whl
 python - <<'PY'
