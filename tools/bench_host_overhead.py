@@ -12,6 +12,13 @@ with `--async-scheduling` the host's work hides under the next step, max(host, D
 
     python tools/bench_host_overhead.py --rows 256 --output-len 64 --repeats 3
     python tools/bench_host_overhead.py --rows 256 --device-ms 20 [--async-scheduling]
+
+With `--num-prompts`, `--num-kv-blocks` and `--max-num-batched-tokens` it replays a GPU
+run's scheduling (steps, steps with prefill, preemptions, tokens computed against the
+workload's own), e.g. the H100 throughput run's (27416 blocks of 16 tokens in bf16):
+
+    python tools/bench_host_overhead.py --rows 256 --num-prompts 1000 --input-len 1000 \
+        --output-len 1000 --num-kv-blocks 27416 --max-num-batched-tokens 8192 --repeats 1
 """
 from __future__ import annotations
 
@@ -36,26 +43,39 @@ def main() -> None:
     parser.add_argument("--device-ms", type=float, default=0.0,
                         help="simulated device time per step (0: none, the host time alone)")
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: --rows")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: room for every row's tokens")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: every row's prompt in one step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokens = args.rows * (args.input_len + args.output_len)
     llm = LLM(None, dtype="bfloat16", device="cpu", show_progress=False, max_num_seqs=args.rows,
-              max_num_batched_tokens=max(args.rows * args.input_len, 1024), num_kv_blocks=tokens // 16 + args.rows,
-              async_scheduling=args.async_scheduling)
+              max_num_batched_tokens=args.max_num_batched_tokens or max(args.rows * args.input_len, 1024),
+              num_kv_blocks=args.num_kv_blocks or tokens // 16 + args.rows,
+              max_model_len=args.input_len + args.output_len, async_scheduling=args.async_scheduling)
     runner = llm.engine.runner
     hidden = runner.model.config.hidden_size
     g = torch.Generator().manual_seed(0)
     runner._run_model = lambda inputs: torch.zeros(inputs.input_ids.shape[0], hidden, dtype=torch.bfloat16)
     runner.model.compute_logits = lambda h: h[:, :1].float()
     runner.sampler.sample = lambda logits, batch: SamplerOutput(
-        torch.randint(100, 40000, (logits.shape[0],), generator=g), [None] * logits.shape[0])
+        torch.randint(100, 40000, (logits.shape[0],), generator=g))
     if args.device_ms:
         simulate_device(runner, args.device_ms / 1e3)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(args.rows)]
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)]
+               for _ in range(args.num_prompts or args.rows)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     engine, step = llm.engine, llm.engine.step
     times: list[float] = []
+    launch, computed = runner.launch, []  # (rows, tokens) of each step
+
+    def counted(scheduled, previous=None):
+        computed.append((len(scheduled), sum(item.num_new_tokens for item in scheduled)))
+        return launch(scheduled, previous)
+
+    runner.launch = counted
 
     def timed(*a, **kw):
         start = time.perf_counter()
@@ -66,9 +86,16 @@ def main() -> None:
     engine.step = timed
     for r in range(args.repeats):
         times.clear()
+        computed.clear()
+        preempted = engine.stats().num_preemptions
         llm.generate(prompts, params, use_tqdm=False)
         decode = sorted(times)[:-1]  # the prefill step is the slowest
-        print(f"run {r + 1}: {len(times)} steps, decode step median {statistics.median(decode) * 1e3:.2f} ms")
+        # a workload's own tokens: each prompt's, then every output token but the last
+        own = len(prompts) * (args.input_len + args.output_len - 1)
+        print(f"run {r + 1}: {len(times)} steps, decode step median {statistics.median(decode) * 1e3:.2f} ms; "
+              f"{sum(1 for rows, n in computed if n > rows)} steps with prefill, "
+              f"{engine.stats().num_preemptions - preempted} preemptions, "
+              f"{sum(n for _, n in computed)} tokens computed for the workload's {own}")
 
 
 def simulate_device(runner, step_seconds: float) -> None:
