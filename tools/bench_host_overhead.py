@@ -69,18 +69,21 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     engine, step = llm.engine, llm.engine.step
     times: list[float] = []
-    launch, computed = runner.launch, []  # (rows, tokens) of each step
+    # each launch: (prefills a prompt (or a preempted sequence's tokens), tokens computed)
+    launch, computed = runner.launch, []
 
     def counted(scheduled, previous=None):
-        computed.append((len(scheduled), sum(item.num_new_tokens for item in scheduled)))
+        computed.append((any(item.seq.num_computed_tokens < item.seq.num_tokens - 1 for item in scheduled),
+                         sum(item.num_new_tokens for item in scheduled)))
         return launch(scheduled, previous)
 
     runner.launch = counted
 
     def timed(*a, **kw):
-        start = time.perf_counter()
+        start, launches = time.perf_counter(), len(computed)
         out = step(*a, **kw)
-        times.append(time.perf_counter() - start)
+        # a decode step: it launched only decode rows (or nothing: the last step's drain)
+        times.append((time.perf_counter() - start, any(p for p, _ in computed[launches:])))
         return out
 
     engine.step = timed
@@ -89,11 +92,11 @@ def main() -> None:
         computed.clear()
         preempted = engine.stats().num_preemptions
         llm.generate(prompts, params, use_tqdm=False)
-        decode = sorted(times)[:-1]  # the prefill step is the slowest
+        decode = [t for t, prefill in times if not prefill]
         # a workload's own tokens: each prompt's, then every output token but the last
         own = len(prompts) * (args.input_len + args.output_len - 1)
         print(f"run {r + 1}: {len(times)} steps, decode step median {statistics.median(decode) * 1e3:.2f} ms; "
-              f"{sum(1 for rows, n in computed if n > rows)} steps with prefill, "
+              f"{sum(1 for prefill, _ in computed if prefill)} steps with prefill, "
               f"{engine.stats().num_preemptions - preempted} preemptions, "
               f"{sum(n for _, n in computed)} tokens computed for the workload's {own}")
 

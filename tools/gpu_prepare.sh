@@ -19,8 +19,10 @@ python -m pip download -q --only-binary=:all: --python-version 3.12 --implementa
 # whose pins transformers 5 cannot meet, as in the README): the GPU server test
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
     -d .gpu/whl gguf peft accelerate text-generation==0.7.0
-# the GPU image has these already (torch, numpy, ...): carrying them would shadow its builds
-rm -f .gpu/whl/{numpy,torch,typing_extensions,packaging,idna,certifi,pyyaml,PyYAML,pytest,pluggy,iniconfig}-*.whl
+# the GPU image has these already (torch, numpy, ...): carrying them would shadow its builds.
+# typing_extensions is carried: the carried anyio and pydantic need 4.16+, which the image
+# may not have (pure Python, and torch takes any 4.10+)
+rm -f .gpu/whl/{numpy,torch,packaging,idna,certifi,pyyaml,PyYAML,pytest,pluggy,iniconfig}-*.whl
 python - <<'PY'
 from pathlib import Path
 from tessera.bench.presets import write_preset
