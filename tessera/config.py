@@ -24,6 +24,18 @@ class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent with another."""
 
 
+def async_scheduling_conflict(speculative: bool, tensor_parallel_size: int) -> str | None:
+    """Why async scheduling cannot run with these settings, or None: the engine refuses
+    the combination when asked for it, and leaves async scheduling off by default."""
+    if speculative:
+        return ("async scheduling and speculative decoding do not combine: the next "
+                "step's inputs depend on how many drafts the host accepts")
+    if tensor_parallel_size > 1:
+        return ("async scheduling runs one rank: the other ranks would need the "
+                "sampled tokens before the driver has them")
+    return None
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)

@@ -8,6 +8,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from tessera.config import async_scheduling_conflict
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,7 +78,7 @@ def async_scheduling_default(device: str, speculative: bool, tensor_parallel_siz
     """Whether async scheduling is on when not asked for: on CUDA, where host work overlaps
     the device's (+24% output tok/s on an H100, 1000 x 1000/1000, docs/benchmarks.md), unless
     speculation or several ranks rule it out; off on CPU, where there is nothing to overlap."""
-    return device.startswith("cuda") and not speculative and tensor_parallel_size == 1
+    return device.startswith("cuda") and async_scheduling_conflict(speculative, tensor_parallel_size) is None
 
 
 def resolve_dtype(name: str, device: str, tessera_ops: bool = True,

@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25, help="kernels listed per batch size")
     args = p.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device=args.device, enforce_eager=True,
-              show_progress=False)
+              async_scheduling=False, show_progress=False)
     params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=0.0)
     engine = llm.engine
     sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
@@ -30,8 +30,8 @@ def main() -> None:
         ids = [f"{batch}-{i}" for i in range(batch)]
         for i, request_id in enumerate(ids):
             engine.add_request(request_id, [(7 * i + j) % 1000 + 10 for j in range(args.input_len)], params)
-        budget = engine.config.scheduler.max_num_batched_tokens
-        for _ in range(-(-batch * args.input_len // budget) + 1):  # prefill chunks, then decode only
+        # prefill chunks (and decode rows beside them) until every prompt is in the cache
+        while any(engine.requests[i].num_computed_tokens < args.input_len for i in ids):
             engine.step(stream=False)
         sync()
         with profile(activities=[ProfilerActivity.CUDA if args.device != "cpu" else ProfilerActivity.CPU]) as prof:
@@ -48,6 +48,7 @@ def main() -> None:
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:args.rows]:
             print(f"| {e.key[:80]} | {e.count / args.steps:.0f} | {e.self_device_time_total / args.steps:.0f} | "
                   f"{e.self_device_time_total / max(e.count, 1):.1f} | {e.self_device_time_total / total:.1%} |")
+
 
 if __name__ == "__main__":
     main()

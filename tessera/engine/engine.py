@@ -15,10 +15,11 @@ from tqdm.auto import tqdm
 
 import torch.distributed as dist
 
-from tessera.config import ConfigError, EngineConfig
+from tessera.config import EngineConfig
 from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, rank_device
 from tessera.engine.block_manager import BlockManager
+from tessera.engine.config_checks import check_engine_config
 from tessera.engine.errors import EngineFatalError
 from tessera.engine.ngram_proposer import NgramProposer
 from tessera.engine.output_processor import Delta, OutputProcessor
@@ -62,24 +63,8 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, config.device,
                                    self.router.implementation == "native", config.model.quantization)
         self.max_model_len = self.router.max_model_len
-        sched = config.scheduler
-        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"without chunked prefill, max_num_batched_tokens ({sched.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len})")
+        check_engine_config(config, self.router, self.max_model_len)
         tp = config.parallel.tensor_parallel_size
-        if sched.async_scheduling and config.speculative.enabled:
-            raise ConfigError("async scheduling and speculative decoding do not combine: the next "
-                              "step's inputs depend on how many drafts the host accepts")
-        if tp > 1 and sched.async_scheduling:
-            raise ConfigError("async scheduling runs one rank: the other ranks would need the "
-                              "sampled tokens before the driver has them")
-        if config.lora.enable_lora and not type(self.router).features()["supports_lora"]:
-            raise ConfigError(f"{type(self.router).__name__} ({self.router.config.model_type}) does not "
-                              "support LoRA adapters; `tessera models` lists the types that do")
-        if tp > 1 and not type(self.router).features()["supports_tensor_parallel"]:
-            raise ConfigError(f"{type(self.router).__name__} ({self.router.config.model_type}) does not "
-                              "support tensor parallelism; `tessera models` lists the types that do")
         self._fatal: EngineFatalError | None = None
         # rank 0 of a tensor-parallel group drives; the group spawns (or meets) the others,
         # which build their own shards while this process builds its own

@@ -91,8 +91,8 @@ class _Recorder:
             bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
             options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
             kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-            registers, spilled = _ptxas_report(kernel.asm["ptx"], self.arch)
             ptx = kernel.asm["ptx"]
+            registers, spilled = _ptxas_report(ptx, self.arch)
             conversions = len(re.findall(r"cvt\.rn\.f16x2\.e(?:4m3|5m2)x2", ptx))
             self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled, conversions))
 

@@ -1,0 +1,24 @@
+"""Settings the engine refuses before building anything, with the reason: combinations
+that cannot run together, and features the model type's router does not support."""
+from __future__ import annotations
+
+from tessera.config import ConfigError, EngineConfig, async_scheduling_conflict
+from tessera.models.base import BaseRouter
+
+
+def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len: int) -> None:
+    sched, tp = config.scheduler, config.parallel.tensor_parallel_size
+    if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"without chunked prefill, max_num_batched_tokens ({sched.max_num_batched_tokens}) "
+            f"must be >= max_model_len ({max_model_len})")
+    if sched.async_scheduling:
+        reason = async_scheduling_conflict(config.speculative.enabled, tp)
+        if reason is not None:
+            raise ConfigError(reason)
+    features = type(router).features()
+    name = f"{type(router).__name__} ({router.config.model_type})"
+    if config.lora.enable_lora and not features["supports_lora"]:
+        raise ConfigError(f"{name} does not support LoRA adapters; `tessera models` lists the types that do")
+    if tp > 1 and not features["supports_tensor_parallel"]:
+        raise ConfigError(f"{name} does not support tensor parallelism; `tessera models` lists the types that do")
