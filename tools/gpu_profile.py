@@ -1,7 +1,8 @@
 """Where a decode step's time goes on a GPU: torch.profiler's kernel table for eager decode
 steps of a model (default: the llama-3-8b preset with dummy weights), at the given batch
-sizes. Kernel times are what a captured graph replays; the gap between their sum and the
-graph's step time is launch overhead. Run by tools/gpu_run.sh profile."""
+sizes, after one step that lets the linears choose their kernels at that size as graph
+capture does (the choices are printed). Kernel times are what a captured graph replays;
+the gap between their sum and the graph's step time is launch overhead. Run by tools/gpu_run.sh profile."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tessera import LLM, SamplingParams
+from tessera.ops import kernel_tuning
 
 
 def main() -> None:
@@ -33,6 +35,14 @@ def main() -> None:
         # prefill chunks (and decode rows beside them) until every prompt is in the cache
         while any(engine.requests[i].num_computed_tokens < args.input_len for i in ids):
             engine.step(stream=False)
+        sync()
+        # one decode step with kernel tuning open: the linears at this row count take the
+        # kernels a captured graph would (tessera/ops/kernel_tuning.py); eager otherwise
+        measured = len(kernel_tuning.records())
+        with kernel_tuning.kernel_tuning():
+            engine.step(stream=False)
+        for record in kernel_tuning.records()[measured:]:
+            print(record.describe(), "| rejected:", record.rejected or "none")
         sync()
         with profile(activities=[ProfilerActivity.CUDA if args.device != "cpu" else ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):

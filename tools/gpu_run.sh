@@ -51,7 +51,7 @@ case "${1:-}" in
   latency)
     tessera bench latency "${dummy[@]}" --batch-sizes 1,8,64 --input-len 128 --output-len 256 \
         --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log"
-    grep -h "captured\|capture" "$out/latency.log" ;;
+    grep -h "captured\|capture\|kernel tuning" "$out/latency.log" ;;
   throughput)
     name=throughput; [[ " ${*:2} " == *" --no-async-scheduling "* ]] && name=throughput-sync
     [[ " ${*:2} " == *" --kv-cache-dtype fp8"* ]] && name=$name-fp8
@@ -74,8 +74,8 @@ case "${1:-}" in
     timeout 70 bash "$self" latency > /dev/null 2>&1; echo "latency rc=$?"
     timeout 70 bash "$self" profile > /dev/null 2>&1; echo "profile rc=$?"
     timeout 180 bash "$self" throughput --kv-cache-dtype fp8 > /dev/null 2>&1; echo "fp8 throughput rc=$?"
-    tail -n 3 "$out/tests.log"; grep -h "^|\|captured" "$out/latency.log"
-    grep -h -A 8 "^batch" "$out/profile.log"; tail -n 3 "$out/throughput-fp8.log" ;;
+    tail -n 3 "$out/tests.log"; grep -h "^|\|captured\|kernel tuning" "$out/latency.log"
+    grep -h "^linear" "$out/profile.log"; grep -h -A 8 "^batch" "$out/profile.log"; tail -n 3 "$out/throughput-fp8.log" ;;
   *)
     echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache|profile|all" >&2
     exit 2 ;;

@@ -2,9 +2,11 @@
 
 Captured once per KV cache, at start-up: one graph per bucket (1, 2, 4, 8, then steps of 16,
 beyond 256 of 64, up to the most rows a decode step has: max_num_seqs, times 1 + k with
-k speculative tokens), largest first into one memory pool (a smaller graph reuses the larger
-one's intermediate memory), each after an eager warm-up pass on a side stream (Triton
-compiles, cuBLAS picks its algorithms). Captured with the host-side lengths set to
+k speculative tokens). First one eager pass per bucket with kernel tuning open
+(tessera/ops/kernel_tuning.py: a linear over few rows times its Triton kernels against
+cuBLAS and keeps the fastest). Then the graphs, largest first into one memory pool (a
+smaller graph reuses the larger one's intermediate memory), each after an eager warm-up
+pass on a side stream (Triton compiles, cuBLAS picks its algorithms). Captured with the host-side lengths set to
 max_model_len, so the decode kernel's grid covers any sequence a later step can hold
 (partitions past a sequence's end do nothing). Each graph is then checked once against the
 eager pass on the same inputs; a capture that fails or disagrees turns graphs off with a
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from tessera.ops.attention import attention_context
+from tessera.ops.kernel_tuning import kernel_tuning
 from tessera.runner.graph_inputs import GraphLimits, StaticDecodeInputs
 from tessera.runner.host_syncs import HostSyncRecorder
 from tessera.runner.inputs import ModelInputs
@@ -100,6 +103,15 @@ class CudaDecodeGraphs:
         with attention_context(meta):
             return self.model(self.inputs.ids[:bucket], self.inputs.positions[:bucket])
 
+    def _tune_kernels(self, limits: GraphLimits) -> None:
+        """One eager pass at each bucket's size, and the LM head over its rows, with kernel
+        tuning open: builders that choose their kernel by measurement (skinny_linear.py)
+        do it now, before the graphs fix what each step launches."""
+        with kernel_tuning():
+            for bucket in self.inputs.buckets:
+                self.model.compute_logits(self._forward(bucket, limits))
+        torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def _capture_all(self, limits: GraphLimits) -> None:
         static = self.inputs
@@ -111,6 +123,7 @@ class CudaDecodeGraphs:
         static.slots.fill_(-1)
         static.tables.zero_()
         static.lens.fill_(1)
+        self._tune_kernels(limits)
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         for bucket in reversed(static.buckets):

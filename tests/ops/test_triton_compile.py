@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.ops.triton_compile import SHAPES, SHARED_LIMIT, attention_variants, compile_all
+from tests.ops.triton_compile import SHAPES, SHARED_LIMIT, attention_variants, compile_all, compile_skinny
 
 
 def _nvidia_backend_missing() -> str | None:
@@ -86,3 +86,23 @@ def test_attention_compiles_once_for_every_step_shape():
         for kv_dtype in (None, torch.float8_e4m3fn):
             assert attention_variants(shape, kv_dtype=kv_dtype) == {"partial_kernel": 1, "merge_kernel": 1,
                                                                     "prefill_kernel": 1}, kv_dtype
+
+
+def test_few_row_linear_candidates_compile_for_hopper_on_tensor_cores():
+    """Every tile and split the few-row linear may time on an H100 compiles at Llama-3-8B's
+    and SmolLM2's projections with no spills within the SM's shared memory, streams its
+    weight through cp.async stages, and multiplies on Hopper's wgmma where its tile has the
+    64 rows that needs (mma.sync below): a tile that fell back to scalar FMAs would be
+    timed, lose to cuBLAS and never be chosen, and this says so first."""
+    for shape in (s for s in SHAPES if s.name in ("llama-3-8b", "smollm2-135m")):
+        results = compile_skinny(90, shape)
+        kernels = [r for r in results if r.kernel == "skinny_kernel"]
+        assert {r.case.split()[1] for r in kernels} == {"qkv", "o", "gate_up", "down"}
+        assert any("split1" not in r.case for r in kernels)  # split-K candidates exist
+        for r in results:
+            assert r.shared <= SHARED_LIMIT[90] and r.spilled == 0, r
+        for r in kernels:
+            wide = int(r.case.split()[3].removeprefix("n")) >= 64
+            assert r.matrix_ops == ("wgmma" if wide else "mma.sync"), r
+            assert r.async_copies > 0, r
+        assert {r.kernel for r in results} == {"skinny_kernel", "split_sum_kernel"}

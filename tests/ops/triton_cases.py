@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from tessera.ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
@@ -18,6 +19,7 @@ from tessera.ops.triton.paged_decode import triton_paged_decode
 from tessera.ops.triton.paged_prefill import triton_paged_prefill
 from tessera.ops.triton.rms_norm import triton_rms_norm
 from tessera.ops.triton.rotary import triton_rotary
+from tessera.ops.triton.skinny_linear import SkinnyConfig, skinny_linear
 
 from tests.ops.test_attention import make_case
 
@@ -215,6 +217,89 @@ def check_bf16_rounding(device: str) -> None:
                               for i in bad[:5].tolist()]
 
 
+def check_skinny_linear(device: str) -> None:
+    """The few-row linear against float32 torch: rows 1 to 16, ragged N and K, unsplit and
+    split over K (uneven splits), bias, a strided input, several tiles. float16 (and bf16 on
+    a GPU: the interpreter's tl.dot misreads bf16 operands, its float16 is exact)."""
+    g = torch.Generator().manual_seed(7)
+    configs = (SkinnyConfig(32, 32, 1, 4, 2), SkinnyConfig(64, 64, 3, 4, 2), SkinnyConfig(32, 64, 2),
+               SkinnyConfig(16, 16, 5, 2, 1))
+    dtypes = (torch.float16,) if device == "cpu" else (torch.float16, torch.bfloat16)
+    for dtype in dtypes:
+        for m, n, k in ((1, 64, 256), (3, 40, 48), (16, 96, 200), (7, 128, 512)):
+            wide = torch.randn(m, k + 8, generator=g).to(dtype)
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype)
+            for x in (wide[:, :k].contiguous(), wide[:, 8:]):  # rows k + 8 apart in the second
+                for bias in (None, b):
+                    want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+                    for config in configs:
+                        got = skinny_linear(x.to(device), w.to(device), None if bias is None else bias.to(device),
+                                            config)
+                        assert got.shape == (m, n) and got.dtype == dtype
+                        torch.testing.assert_close(got.cpu().float(), want, rtol=2 ** -7, atol=2e-3,
+                                                   msg=lambda e: f"{dtype} {m}x{n}x{k} {config} bias "
+                                                                 f"{bias is not None}: {e}")
+    x = torch.randn(2, 3, 32, generator=g).to(torch.float16)  # leading dims kept
+    w = torch.randn(24, 32, generator=g).to(torch.float16)
+    got = skinny_linear(x.to(device), w.to(device), None, configs[0])
+    torch.testing.assert_close(got.cpu().float(), F.linear(x.float(), w.float()), rtol=2 ** -7, atol=2e-3)
+    assert skinny_linear(x[:0].to(device), w.to(device), None, configs[0]).shape == (0, 3, 24)
+    try:
+        skinny_linear(torch.zeros(17, 32, dtype=torch.float16, device=device), w.to(device), None, configs[0])
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("17 rows accepted")
+
+
+def check_tuned_linear(device: str) -> None:
+    """The CUDA linear builder: outside a tuning window an unseen shape takes torch's linear
+    and measures nothing; inside one it times the candidates (a stand-in timer here that
+    makes one split-K tile fastest) and keeps the fastest, which later calls at any row
+    count of the same bucket use, windows closed; more than 16 rows are never measured."""
+    from tessera.ops import kernel_tuning as tuning
+    from tessera.ops.triton import skinny_linear as module
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 600, generator=g).to(torch.float16).to(device)
+    w = (torch.randn(80, 600, generator=g) / 25).to(torch.float16).to(device)
+    key = (8, 80, 600, torch.float16, False)
+    module._TABLE.clear()
+    measured = len(tuning.records())
+    assert torch.equal(module.tuned_linear(x, w, None), F.linear(x, w, None))
+    assert module._TABLE.chosen(key) is None and len(tuning.records()) == measured
+
+    favourite = module.candidate_configs(80, 600, 4)[-1]
+    assert favourite.split_k > 1, favourite
+
+    def timer(run) -> float:  # the candidates are partials of (x, weight, bias[, config])
+        return 1e-5 if run.args[-1] == favourite else 2e-5
+
+    original = module._timer, module._num_sms
+    module._timer, module._num_sms = (lambda device: timer), (lambda device: 4)
+    try:
+        with tuning.kernel_tuning():
+            assert tuning.tuning_open()
+            got = module.tuned_linear(x, w, None)
+    finally:
+        module._timer, module._num_sms = original
+    assert not tuning.tuning_open()
+    record = tuning.records()[-1]
+    assert record.key == key and record.chosen == favourite.name, record
+    assert set(record.timings) == {"torch", *(c.name for c in module.candidate_configs(80, 600, 4))}
+    assert torch.equal(got, skinny_linear(x, w, None, favourite))
+    fewer = x[:7 - 2]  # 5 rows again, then 7: bucket 8 both
+    assert torch.equal(module.tuned_linear(fewer, w, None), skinny_linear(fewer, w, None, favourite))
+    seven = torch.cat([x, x[:2]])
+    assert torch.equal(module.tuned_linear(seven, w, None), skinny_linear(seven, w, None, favourite))
+    many = torch.cat([x] * 4)  # 20 rows
+    with tuning.kernel_tuning():
+        assert torch.equal(module.tuned_linear(many, w, None), F.linear(many, w, None))
+    assert tuning.records()[-1] is not None and len(tuning.records()) == measured + 1
+    module._TABLE.clear()
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     check_kv_write(dev)
@@ -223,4 +308,6 @@ if __name__ == "__main__":
     check_paged_prefill(dev)
     check_pointwise(dev)
     check_bf16_rounding(dev)
+    check_skinny_linear(dev)
+    check_tuned_linear(dev)
     print("triton kernels OK")

@@ -57,6 +57,8 @@ class Compiled:
     registers: int
     spilled: int  # bytes of spill stores + loads
     fp8_conversions: int  # the GPU's fp8 -> f16 conversions in the PTX (cvt ... e4m3x2 / e5m2x2)
+    matrix_ops: str = ""   # the PTX's matrix instructions: "wgmma" (Hopper), "mma.sync", or none
+    async_copies: int = 0  # cp.async loads in the PTX: a pipelined global -> shared stream
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -94,7 +96,9 @@ class _Recorder:
             ptx = kernel.asm["ptx"]
             registers, spilled = _ptxas_report(ptx, self.arch)
             conversions = len(re.findall(r"cvt\.rn\.f16x2\.e(?:4m3|5m2)x2", ptx))
-            self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled, conversions))
+            matrix = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else ""
+            self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled,
+                                     conversions, matrix, len(re.findall(r"cp\.async\.c[ag]", ptx))))
 
         return launch
 
@@ -167,6 +171,29 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
         for module, original in zip(single, originals):
             module._kernel = original
         paged_decode._kernels = original_decode
+    return out
+
+
+def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
+                   dtype: torch.dtype = torch.bfloat16) -> list[Compiled]:
+    """Every candidate the few-row linear times (tessera/ops/triton/skinny_linear.py) at
+    the shape's four projections (QKV, o, gate-up, down), one row, on `num_sms` SMs."""
+    import tessera.ops.triton.skinny_linear as skinny
+
+    out: list[Compiled] = []
+    original = skinny._kernels
+    h, hk, d = shape.heads, shape.kv_heads, shape.head_size
+    layers = {"qkv": ((h + 2 * hk) * d, shape.hidden), "o": (shape.hidden, h * d),
+              "gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate)}
+    try:
+        for layer, (n, k) in layers.items():
+            for config in skinny.candidate_configs(n, k, num_sms):
+                case = f"{shape.name} {layer} {config.name} sm_{arch}"
+                skinny._kernels = lambda case=case: tuple(_Recorder(kern, arch, case, out) for kern in original())
+                skinny.skinny_linear(torch.zeros((1, k), dtype=dtype), torch.zeros((n, k), dtype=dtype), None,
+                                     config)
+    finally:
+        skinny._kernels = original
     return out
 
 

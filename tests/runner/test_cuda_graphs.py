@@ -42,3 +42,29 @@ def test_replayed_decode_equals_eager_on_the_gpu(make_tiny_llama):
             assert got.keys() == want.keys()
             for token_id in got:
                 assert abs(got[token_id].logprob - want[token_id].logprob) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_few_row_linears_choose_their_kernel_before_capture(make_tiny_llama):
+    """Start-up measures each linear shape at every bucket of up to 16 rows (Triton tiles
+    against cuBLAS, tessera/ops/kernel_tuning.py) before the graphs are captured, so the
+    graphs replay the chosen kernels; every candidate either ran or says why not."""
+    from tessera.ops import kernel_tuning
+    from tessera.ops.triton import skinny_linear
+
+    folder, _ = make_tiny_llama(seed=3)
+    skinny_linear._TABLE.clear()
+    measured = len(kernel_tuning.records())
+    with LLM(folder, dtype="bfloat16", device="cuda", num_kv_blocks=64, block_size=16, max_num_seqs=4,
+             show_progress=False) as llm:
+        assert llm.engine.runner.graphs.captured_sizes == [1, 2, 4]
+        new = kernel_tuning.records()[measured:]
+        assert {r.key[0] for r in new} == {1, 2, 4}
+        assert {r.op for r in new} == {"linear"}
+        for r in new:
+            assert r.timings[r.chosen] is not None and r.timings["torch"] is not None
+            assert all((t is None) == (name in r.rejected) for name, t in r.timings.items()), r
+            assert len(r.timings) > 1
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8

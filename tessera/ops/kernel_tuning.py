@@ -1,0 +1,123 @@
+"""Kernel choice by measurement, at start-up (TensorRT-LLM's tactic selection, Triton's
+autotuner), for builders whose best kernel depends on the shape and the chip.
+
+A builder with several ways to compute an op (a library call and kernels of its own, say)
+keeps a `TacticTable`. While the runner holds a tuning window open (`kernel_tuning()`:
+the warm-up passes before CUDA graphs are captured), a call whose shape has no choice yet
+times every candidate on its real inputs, drops any that fails or disagrees with the
+reference, and records the fastest; outside a window an unseen shape takes the reference,
+so serving never pauses to measure. Choices are per process and per shape, shared by
+every layer of that shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Tactic = Callable[[], torch.Tensor]  # a candidate bound to the call's inputs
+
+_open_windows = 0
+
+
+@contextlib.contextmanager
+def kernel_tuning() -> Iterator[None]:
+    """While open, builders may measure their candidates for shapes they have not seen."""
+    global _open_windows
+    _open_windows += 1
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        _open_windows -= 1
+        tuned = [r for r in records() if r.finished >= started]
+        if tuned and not _open_windows:
+            faster = sum(r.chosen != r.reference for r in tuned)
+            logger.info("kernel tuning: %d shapes measured in %.1f s, a kernel faster than the "
+                        "reference chosen for %d", len(tuned), time.perf_counter() - started, faster)
+
+
+def tuning_open() -> bool:
+    return _open_windows > 0
+
+
+@dataclass
+class TuningRecord:
+    """What one shape's measurement found (seconds per call; None: failed or disagreed)."""
+
+    op: str
+    key: Hashable
+    reference: str
+    chosen: str
+    timings: dict[str, float | None]
+    rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
+    finished: float = 0.0
+
+    def describe(self) -> str:
+        best = self.timings[self.chosen]
+        ref = self.timings.get(self.reference)
+        gain = f", {ref / best:.2f}x the reference" if ref and best and self.chosen != self.reference else ""
+        return f"{self.op} {self.key}: {self.chosen} ({best * 1e6:.1f} us{gain})"
+
+
+_RECORDS: list[TuningRecord] = []
+
+
+def records() -> list[TuningRecord]:
+    """Every measurement made in this process, in order (for inspection and benchmarks)."""
+    return list(_RECORDS)
+
+
+class TacticTable:
+    """One builder's choices: key -> the name of the chosen candidate."""
+
+    def __init__(self, op: str, reference: str, min_gain: float = 0.03):
+        self.op = op
+        self.reference = reference  # the candidate that is always correct and always there
+        self.min_gain = min_gain    # a candidate must beat the reference by this fraction
+        self._chosen: dict[Hashable, str] = {}
+
+    def chosen(self, key: Hashable) -> str | None:
+        return self._chosen.get(key)
+
+    def clear(self) -> None:
+        self._chosen.clear()
+
+    def tune(self, key: Hashable, candidates: dict[str, Tactic],
+             timer: Callable[[Tactic], float],
+             agrees: Callable[[torch.Tensor, torch.Tensor], bool]) -> str:
+        """Time every candidate (the reference included) with `timer` and record the fastest
+        whose output `agrees` with the reference's; a candidate that raises is dropped."""
+        want = candidates[self.reference]()
+        timings: dict[str, float | None] = {}
+        rejected: dict[str, str] = {}
+        for name, run in candidates.items():
+            try:
+                if name != self.reference and not agrees(run(), want):
+                    rejected[name] = "disagrees with the reference"
+                    timings[name] = None
+                    continue
+                timings[name] = timer(run)
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is no choice
+                rejected[name] = f"{type(exc).__name__}: {exc}"[:300]
+                timings[name] = None
+        if timings.get(self.reference) is None:
+            raise RuntimeError(f"{self.op} {key}: the reference {self.reference!r} failed: "
+                               f"{rejected.get(self.reference)}")
+        chosen = self.reference
+        bar = timings[self.reference] * (1.0 - self.min_gain)
+        for name, seconds in timings.items():
+            if seconds is not None and seconds < bar and seconds < timings[chosen]:
+                chosen = name
+        self._chosen[key] = chosen
+        record = TuningRecord(self.op, key, self.reference, chosen, timings, rejected, time.perf_counter())
+        _RECORDS.append(record)
+        logger.debug("%s%s", record.describe(),
+                     "".join(f"; {n} rejected: {why}" for n, why in rejected.items()))
+        return chosen

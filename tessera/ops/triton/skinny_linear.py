@@ -1,0 +1,198 @@
+"""Linear layers at decode's few rows (1-16), in Triton, chosen over cuBLAS by measurement.
+
+At batch 1 a decode step is a string of matrix-vector products: every weight byte is read
+once and used once, so each linear should run at the memory's copy bandwidth. cuBLAS does
+not always: on the H100 its kernel for Llama-3-8B's o_proj (4096 x 4096) reached 1.6 of
+2.96 TB/s, and its split-K reductions took 0.12 ms of a 6.9 ms step. Here the product is
+computed transposed, W [N, K] @ x^T [K, rows padded to 16], so the weight's rows fill the
+matrix unit's wide side; tiles of the weight stream through a multi-stage pipeline, and
+the K dimension splits across programs when N alone gives too few to fill the chip
+(fp32 partial sums, added by a second small kernel).
+
+Which tile, split and pipeline depth wins depends on the shape and the chip, so nothing is
+guessed: the builder measures the candidates against cuBLAS (tessera/ops/kernel_tuning.py)
+on each shape's first call during the warm-up before CUDA graphs are captured, and keeps
+cuBLAS where no candidate beats it by 3%. Untuned shapes and more rows take cuBLAS.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tessera.ops.kernel_tuning import TacticTable, tuning_open
+from tessera.ops.registry import register_op
+from tessera.ops.triton.availability import triton_missing
+
+MAX_ROWS = 16  # the rows one program covers (the matrix unit's narrow side)
+REDUCE_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int      # weight rows (outputs) per program
+    block_k: int      # input columns per pipeline stage
+    split_k: int = 1  # programs sharing one tile's K range
+    num_warps: int = 4
+    num_stages: int = 4
+
+    @property
+    def name(self) -> str:
+        return (f"triton n{self.block_n} k{self.block_k} split{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}")
+
+
+# (block_n, block_k, num_warps, num_stages): 16-32 KB of weight per stage, 2-4 stages in
+# flight per program; 32-row tiles give a 4096-output layer one program per SM of an H100
+TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4))
+
+
+@lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, x_stride, w_stride,
+                      out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        split = tl.program_id(1)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        n_ok, m_ok = n < N, m < M
+        k_begin = split * k_per_split
+        k_end = tl.minimum(k_begin + k_per_split, K)
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+        x_cols = x_ptr + m[None, :] * x_stride
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:  # whole tiles: the weight loads need no mask
+                w = tl.load(w_rows + k[None, :])
+                x = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
+            else:
+                k_ok = k < k_end
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x = tl.load(x_cols + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(w, x, acc)
+        mask = n_ok[:, None] & m_ok[None, :]
+        if PARTIAL:  # fp32 partial sums [split, M, N]; split_sum_kernel adds them
+            tl.store(out_ptr + (split * M + m[None, :]) * N + n[:, None], acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + m[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+    @triton.jit
+    def split_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, out_stride,
+                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, splits):
+            acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return skinny_kernel, split_sum_kernel
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  config: SkinnyConfig) -> torch.Tensor:
+    """x @ weight.T + bias for at most MAX_ROWS rows of x (any leading shape)."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        per_split = -(-k // config.split_k)
+        k_per_split = -(-per_split // config.block_k) * config.block_k
+        splits = max(-(-k // k_per_split), 1)
+        partial = splits > 1
+        target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else out
+        skinny, split_sum = _kernels()
+        skinny[(-(-n // config.block_n), splits)](
+            rows, weight, bias if bias is not None else weight, target, m, n, k, k_per_split,
+            rows.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, PARTIAL=partial,
+            EVEN=n % config.block_n == 0 and k % config.block_k == 0,
+            BLOCK_N=config.block_n, BLOCK_M=MAX_ROWS, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        if partial:
+            split_sum[(m, -(-n // REDUCE_BLOCK))](target, bias if bias is not None else target, out, m, n,
+                                                 splits, out.stride(0), HAS_BIAS=bias is not None,
+                                                 BLOCK=REDUCE_BLOCK)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def candidate_configs(n: int, k: int, num_sms: int) -> list[SkinnyConfig]:
+    """Each tile unsplit, and split over K while the smaller split left SMs idle and every
+    split keeps at least two stages of work."""
+    configs = []
+    for block_n, block_k, warps, stages in TILES:
+        tiles = -(-n // block_n)
+        split = 1
+        while True:
+            configs.append(SkinnyConfig(block_n, block_k, split, warps, stages))
+            split *= 2
+            if tiles * (split // 2) >= num_sms or -(-k // split) < 2 * block_k:
+                break
+    return configs
+
+
+_TABLE = TacticTable("linear", reference="torch")
+_CONFIGS: dict[str, SkinnyConfig] = {}
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within rounding of the output dtype (a different summation order), not a wrong sum."""
+    got, want = got.float(), want.float()
+    return bool(torch.isfinite(got).all()) and (got - want).norm() <= 1e-2 * want.norm() + 1e-6
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], torch.Tensor]], float]:
+    from tessera.ops.triton.cuda_timer import time_cold
+
+    return functools.partial(time_cold, device=device)
+
+
+def _tune(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+    n, k = weight.shape
+    candidates = {"torch": functools.partial(F.linear, x, weight, bias)}
+    for config in candidate_configs(n, k, _num_sms(x.device)):
+        _CONFIGS[config.name] = config
+        candidates[config.name] = functools.partial(skinny_linear, x, weight, bias, config)
+    return _TABLE.tune(key, candidates, timer=_timer(x.device), agrees=_agrees)
+
+
+@register_op("linear", name="triton_skinny_linear", priority=20, devices=("cuda",),
+             dtypes=(torch.bfloat16, torch.float16), check=triton_missing)
+def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if not 0 < m <= MAX_ROWS or weight.stride(-1) != 1 or weight.dtype != x.dtype:
+        return F.linear(x, weight, bias)
+    key = (1 << (m - 1).bit_length(), weight.shape[0], k, x.dtype, bias is not None)
+    choice = _TABLE.chosen(key)
+    if choice is None:
+        if not tuning_open() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return F.linear(x, weight, bias)  # serving never stops to measure
+        choice = _tune(key, x, weight, bias)
+    config = _CONFIGS.get(choice)
+    return F.linear(x, weight, bias) if config is None else skinny_linear(x, weight, bias, config)
