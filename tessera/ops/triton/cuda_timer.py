@@ -11,19 +11,16 @@ import statistics
 
 import torch
 
-_flush_buffers: dict[torch.device, torch.Tensor] = {}
 
-
-def _flush_buffer(device: torch.device) -> torch.Tensor:
-    if device not in _flush_buffers:
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
-        _flush_buffers[device] = torch.empty(2 * l2, dtype=torch.int8, device=device)
-    return _flush_buffers[device]
+def _l2_bytes(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
 
 
 def time_cold(fn, device: torch.device, reps: int = 9, warmup: int = 2) -> float:
     """Median seconds of `fn()` with a cold L2, over `reps` calls."""
-    flush = _flush_buffer(device)
+    # allocated per call: between tuning calls the caching allocator keeps the block for
+    # whatever needs it next, instead of a buffer held for the process's life
+    flush = torch.empty(2 * _l2_bytes(device), dtype=torch.int8, device=device)
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
