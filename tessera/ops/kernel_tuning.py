@@ -4,10 +4,10 @@ autotuner), for builders whose best kernel depends on the shape and the chip.
 A builder with several ways to compute an op (a library call and kernels of its own, say)
 keeps a `TacticTable`. While the runner holds a tuning window open (`kernel_tuning()`:
 the warm-up passes before CUDA graphs are captured), a call whose shape has no choice yet
-times every candidate on its real inputs, drops any that fails or disagrees with the
-reference, and records the fastest; outside a window an unseen shape takes the reference,
-so serving never pauses to measure. Choices are per process and per shape, shared by
-every layer of that shape.
+runs every candidate on its real inputs, drops any that raises or disagrees with the
+reference, times the rest and records the fastest; outside a window an unseen shape
+takes the reference, so serving never pauses to measure. Choices are per process and per
+shape, shared by every layer of that shape.
 """
 from __future__ import annotations
 
@@ -47,6 +47,21 @@ def tuning_open() -> bool:
     return _open_windows > 0
 
 
+_tuned_rows = 0
+
+
+def tunes_up_to(rows: int) -> None:
+    """A builder declares the most rows it measures at, so a runner opening a window
+    runs passes only at sizes where something is measured."""
+    global _tuned_rows
+    _tuned_rows = max(_tuned_rows, rows)
+
+
+def tuned_row_limit() -> int:
+    """The most rows any registered builder measures at (0: none measures)."""
+    return _tuned_rows
+
+
 @dataclass
 class TuningRecord:
     """What one shape's measurement found (seconds per call; None: failed or disagreed)."""
@@ -61,8 +76,10 @@ class TuningRecord:
 
     def describe(self) -> str:
         best = self.timings[self.chosen]
+        if best is None:
+            return f"{self.op} {self.key}: {self.chosen} (not timed)"
         ref = self.timings.get(self.reference)
-        gain = f", {ref / best:.2f}x the reference" if ref and best and self.chosen != self.reference else ""
+        gain = f", {ref / best:.2f}x the reference" if ref and self.chosen != self.reference else ""
         return f"{self.op} {self.key}: {self.chosen} ({best * 1e6:.1f} us{gain})"
 
 
@@ -90,31 +107,36 @@ class TacticTable:
         self._chosen.clear()
 
     def tune(self, key: Hashable, candidates: dict[str, Tactic],
-             timer: Callable[[Tactic], float],
+             timer: Callable[[dict[str, Tactic]], dict[str, float]],
              agrees: Callable[[torch.Tensor, torch.Tensor], bool]) -> str:
-        """Time every candidate (the reference included) with `timer` and record the fastest
-        whose output `agrees` with the reference's; a candidate that raises is dropped."""
+        """Run every candidate once (compiling it) and drop any that raises or whose output
+        does not `agree` with the reference's; then `timer` times the rest together (it
+        may interleave them, so none is favoured by the clock or the order) and the
+        fastest is recorded. If timing fails the reference is kept. A kernel that faults
+        on the device is not caught here: CUDA reports that later, and for the context."""
         want = candidates[self.reference]()
-        timings: dict[str, float | None] = {}
+        survivors: dict[str, Tactic] = {}
         rejected: dict[str, str] = {}
         for name, run in candidates.items():
             try:
-                if name != self.reference and not agrees(run(), want):
+                if name == self.reference or agrees(run(), want):
+                    survivors[name] = run
+                else:
                     rejected[name] = "disagrees with the reference"
-                    timings[name] = None
-                    continue
-                timings[name] = timer(run)
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is no choice
                 rejected[name] = f"{type(exc).__name__}: {exc}"[:300]
-                timings[name] = None
-        if timings.get(self.reference) is None:
-            raise RuntimeError(f"{self.op} {key}: the reference {self.reference!r} failed: "
-                               f"{rejected.get(self.reference)}")
+        try:
+            measured = timer(survivors)
+        except Exception as exc:  # noqa: BLE001 - measuring failed: the reference is always right
+            logger.warning("%s %s: timing failed, keeping %s: %s", self.op, key, self.reference, exc)
+            measured = {}
+        timings: dict[str, float | None] = {name: measured.get(name) for name in candidates}
         chosen = self.reference
-        bar = timings[self.reference] * (1.0 - self.min_gain)
-        for name, seconds in timings.items():
-            if seconds is not None and seconds < bar and seconds < timings[chosen]:
-                chosen = name
+        if timings[self.reference] is not None:
+            bar = timings[self.reference] * (1.0 - self.min_gain)
+            for name, seconds in timings.items():
+                if seconds is not None and seconds < bar and seconds < timings[chosen]:
+                    chosen = name
         self._chosen[key] = chosen
         record = TuningRecord(self.op, key, self.reference, chosen, timings, rejected, time.perf_counter())
         _RECORDS.append(record)

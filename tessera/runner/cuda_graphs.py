@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tessera.ops.attention import attention_context
-from tessera.ops.kernel_tuning import kernel_tuning
+from tessera.ops.kernel_tuning import kernel_tuning, tuned_row_limit
 from tessera.runner.graph_inputs import GraphLimits, StaticDecodeInputs
 from tessera.runner.host_syncs import HostSyncRecorder
 from tessera.runner.inputs import ModelInputs
@@ -104,12 +104,14 @@ class CudaDecodeGraphs:
             return self.model(self.inputs.ids[:bucket], self.inputs.positions[:bucket])
 
     def _tune_kernels(self, limits: GraphLimits) -> None:
-        """One eager pass at each bucket's size, and the LM head over its rows, with kernel
-        tuning open: builders that choose their kernel by measurement (skinny_linear.py)
-        do it now, before the graphs fix what each step launches."""
+        """One eager pass at each bucket's size where a builder measures (kernel_tuning's
+        row limit), and the LM head over its rows, with kernel tuning open: builders that
+        choose their kernel by measurement (skinny_linear.py) do it now, before the
+        graphs fix what each step launches."""
         with kernel_tuning():
             for bucket in self.inputs.buckets:
-                self.model.compute_logits(self._forward(bucket, limits))
+                if bucket <= tuned_row_limit():
+                    self.model.compute_logits(self._forward(bucket, limits))
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

@@ -25,15 +25,25 @@ def _tune(table: TacticTable, times: dict[str, float], outputs: dict[str, object
 
     def make(name: str):
         def run():
+            run.ran = True
             out = outputs.get(name, WANT)
             if isinstance(out, Exception):
                 raise out
             return out
-        run.label = name
+        run.ran = False
         return run
 
-    return table.tune(key, {name: make(name) for name in times}, timer=lambda run: times[run.label],
-                      agrees=_agrees)
+    def timer(runs: dict) -> dict[str, float]:
+        assert all(run.ran for run in runs.values())  # checked (and compiled) before timing
+        timed.append(sorted(runs))
+        return {name: times[name] for name in runs}
+
+    timed: list[list[str]] = []
+    runs = {name: make(name) for name in times}
+    chosen = table.tune(key, runs, timer=timer, agrees=_agrees)
+    assert len(timed) == 1 and set(timed[0]) == {n for n in times if not isinstance(outputs.get(n), Exception)
+                                                and (n == table.reference or outputs.get(n) is None)}
+    return chosen
 
 
 def test_the_fastest_agreeing_candidate_wins_and_is_remembered():
@@ -69,6 +79,20 @@ def test_candidates_that_fail_or_disagree_are_dropped_with_the_reason():
     assert record.timings["wrong"] is None and record.timings["broken"] is None
 
 
+def test_a_failed_measurement_keeps_the_reference(caplog):
+    table = TacticTable("linear", reference="torch")
+
+    def broken_timer(runs):
+        raise RuntimeError("CUDA events unavailable")
+
+    with caplog.at_level(logging.WARNING, logger="tessera.ops.kernel_tuning"):
+        chosen = table.tune("k", {"torch": lambda: WANT, "a": lambda: WANT}, timer=broken_timer, agrees=_agrees)
+    assert chosen == "torch" and table.chosen("k") == "torch"
+    assert "timing failed, keeping torch" in caplog.text
+    record = kernel_tuning.records()[-1]
+    assert record.timings == {"torch": None, "a": None} and record.describe().endswith("(not timed)")
+
+
 def test_a_failing_reference_is_the_ops_own_error():
     table = TacticTable("linear", reference="torch")
     with pytest.raises(ValueError, match="bad"):
@@ -94,3 +118,13 @@ def test_the_window_nests_and_reports_what_it_measured(caplog):
         with tuning_window():
             raise KeyError("a failed pass")
     assert not tuning_open()
+
+
+def test_the_few_row_linear_check_passes_rounding_and_catches_a_wrong_column():
+    from tessera.ops.triton.skinny_linear import _agrees
+
+    want = torch.randn(4, 50000, generator=torch.Generator().manual_seed(0)) * 3
+    assert _agrees(want.bfloat16(), want) and _agrees(want.half(), want)  # the output's rounding
+    for broken in (want.clone().index_fill_(1, torch.tensor([7]), 0.0), want * 1.05,
+                   want.clone().index_fill_(1, torch.tensor([49999]), float("nan"))):
+        assert not _agrees(broken, want)

@@ -64,7 +64,8 @@ def test_few_row_linears_choose_their_kernel_before_capture(make_tiny_llama):
         for r in new:
             assert r.timings[r.chosen] is not None and r.timings["torch"] is not None
             assert all((t is None) == (name in r.rejected) for name, t in r.timings.items()), r
-            assert len(r.timings) > 1
+            timed = [name for name, t in r.timings.items() if t is not None and name != "torch"]
+            assert timed, f"no Triton candidate ran: {r.rejected}"
         out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 8
