@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from tessera import LLM, SamplingParams
-from tessera.runner.cuda_graphs import cuda_buckets
+from tessera.ops import kernel_tuning
+from tessera.runner.cuda_graphs import CudaDecodeGraphs, cuda_buckets
+from tessera.runner.graph_inputs import GraphLimits, StaticDecodeInputs
 
 
 def test_buckets_double_to_8_then_step_by_16_then_64_until_max_rows_fit():
@@ -20,6 +22,38 @@ def test_buckets_double_to_8_then_step_by_16_then_64_until_max_rows_fit():
     assert cuda_buckets(1280)[19:22] == (256, 320, 384) and cuda_buckets(1280)[-1] == 1280
     assert len(cuda_buckets(1280)) == 36
     assert cuda_buckets(300) == cuda_buckets(256) + (320,)
+
+
+class _RecordingModel(torch.nn.Module):
+    """Records each pass's rows and whether kernel tuning was open for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.passes: list[tuple[str, int, bool]] = []
+
+    def forward(self, ids, positions):
+        self.passes.append(("model", ids.shape[0], kernel_tuning.tuning_open()))
+        return torch.zeros(ids.shape[0], 8)
+
+    def compute_logits(self, hidden):
+        self.passes.append(("lm_head", hidden.shape[0], kernel_tuning.tuning_open()))
+        return torch.zeros(hidden.shape[0], 32)
+
+
+def test_tuning_passes_run_each_bucket_a_builder_measures_with_the_window_open(monkeypatch):
+    """Before capture: one pass per bucket up to the most rows a builder measures at (16,
+    the few-row linear's), each followed by the LM head over its rows, all inside one
+    tuning window; none for larger buckets (checked on CPU, synchronize stubbed)."""
+    model = _RecordingModel()
+    graphs = CudaDecodeGraphs(model, block_size=16, device=torch.device("cpu"))
+    limits = GraphLimits(max_rows=64, max_model_len=256)
+    graphs.inputs = StaticDecodeInputs(cuda_buckets(64), limits, 16, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert kernel_tuning.tuned_row_limit() == 16
+    graphs._tune_kernels(limits)
+    want = [(kind, rows, True) for rows in (1, 2, 4, 8, 16) for kind in ("model", "lm_head")]
+    assert model.passes == want
+    assert not kernel_tuning.tuning_open()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
