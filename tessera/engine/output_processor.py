@@ -60,7 +60,8 @@ class OutputProcessor:
         """Add a sampled token; sets `seq.finish_reason` when it ends the sequence and
         returns the text and token ids to hand out for it."""
         params = seq.params
-        if seq.grammar is not None and not _accepts(seq.grammar, token):
+        grammar = seq.active_grammar
+        if grammar is not None and not _accepts(grammar, token):
             # the constraint reached a state nothing can follow (a grammar with a rule that
             # never ends): this sequence ends, the step and the other requests go on
             logger.warning("request %s: its structured-output constraint allows no next token; "
@@ -68,6 +69,8 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.ABORT
             return "", []
         seq.token_ids.append(token)
+        if seq.grammar_waits and token == params.reasoning_end_token_id:
+            seq.grammar_waits = False  # the reasoning ended: the constraint takes the next token
         if info is not None:
             seq.cumulative_logprob += info.logprob
             if seq.logprobs is not None:
@@ -76,7 +79,7 @@ class OutputProcessor:
         reason: FinishReason | None = None
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             reason = FinishReason.EOS
-        elif seq.grammar is not None and seq.grammar.is_terminated():
+        elif grammar is not None and grammar.is_terminated():
             reason = FinishReason.EOS  # the constraint is complete and took its end token
         elif may_stop and token in params.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, token

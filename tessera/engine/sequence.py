@@ -68,10 +68,17 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None          # when params.logprobs is set
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # the group's first sequence
-    # structured outputs: this sequence's xgrammar matcher (what may come next)
+    # structured outputs: this sequence's xgrammar matcher (what may come next), and
+    # whether it still waits for params.reasoning_end_token_id before it applies
     grammar: Any = None
+    grammar_waits: bool = False
     # the LoRA adapter it runs with (tessera.lora.adapter.LoRAAdapter), None: the base model
     lora: Any = None
+
+    @property
+    def active_grammar(self) -> Any:
+        """The matcher that constrains the next token, or None (none, or still waiting)."""
+        return None if self.grammar_waits else self.grammar
 
     @property
     def cache_salt(self) -> Hashable:

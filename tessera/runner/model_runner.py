@@ -214,7 +214,7 @@ class ModelRunner:
                               generators=[s.generator for s in seqs],
                               token_ids=[s.token_ids for s in seqs],
                               num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
-                              grammars=[s.grammar for s in seqs],
+                              grammars=[s.active_grammar for s in seqs],
                               draft_token_ids=drafts)
         return self.sampler.sample(next(passes), batch)
 

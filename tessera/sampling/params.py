@@ -71,6 +71,9 @@ class SamplingParams:
     # JSON schema / regex / choice / grammar the output must follow (sampling/structured.py);
     # a dict of StructuredOutputsParams' fields is taken too
     structured_outputs: StructuredOutputsParams | None = None
+    # a reasoning model's end-of-thinking token (e.g. </think>): the constraint above
+    # applies only to what follows it, the reasoning before it is free (None: from the start)
+    reasoning_end_token_id: int | None = None
     # TGI: bias each step's green list, the engine's WatermarkConfig (sampling/watermark.py)
     watermark: bool = False
 
@@ -131,6 +134,12 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, "must be null or an integer >= 0 (how many alternatives)")
         self.structured_outputs = self._check_structured_outputs()
+        if self.reasoning_end_token_id is not None:
+            if not _is_int(self.reasoning_end_token_id) or self.reasoning_end_token_id < 0:
+                raise bad("reasoning_end_token_id", "must be null or a token id >= 0")
+            if self.structured_outputs is None:
+                raise bad("reasoning_end_token_id", "applies to structured outputs only: set "
+                          "`structured_outputs` too, or leave it null")
 
     def _check_structured_outputs(self) -> StructuredOutputsParams | None:
         from tessera.sampling.structured import KINDS, StructuredOutputsParams

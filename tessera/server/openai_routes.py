@@ -16,7 +16,8 @@ from tessera.engine.outputs import PositionLogprobs, RequestOutput
 from tessera.server.errors import APIError, ValidationFailed, openai_error_body
 from tessera.server.openai_validation import check_length, resolve_model, sampling_params
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
-from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_opens_reasoning, split_reasoning
+from tessera.server.reasoning import (REASONING_PARSERS, ReasoningStream, prompt_closes_reasoning,
+                                     prompt_opens_reasoning, reasoning_end_token, split_reasoning)
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
@@ -309,9 +310,12 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     thinks = state.reasoning_parser is not None  # the reply has reasoning fields (null or not)
     opened = thinks and (REASONING_PARSERS[state.reasoning_parser].always_opened
                          or prompt_opens_reasoning(prompt_text))
-    # a constrained output (a schema, a tool) is the constraint's from its first token: no
-    # reasoning to open inside it (one that opens <think> itself is still split)
-    opened = opened and params.structured_outputs is None
+    if thinks and params.structured_outputs is not None and not prompt_closes_reasoning(prompt_text):
+        # a constrained output (a schema, a tool) of a reasoning model: the constraint waits
+        # for </think> where that is one token (reasoning.py); else it has no reasoning to
+        # open (one that opens <think> itself is still split)
+        params.reasoning_end_token_id = reasoning_end_token(state.tokenizer)
+    opened = opened and (params.structured_outputs is None or params.reasoning_end_token_id is not None)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = run_request(state, rid, ids, params, lora, body.priority)

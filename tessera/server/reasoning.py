@@ -14,7 +14,11 @@ is all reasoning.
 - `deepseek_r1`: as above, and an output is taken to start inside the reasoning whatever
   the prompt says (vLLM's rule for R1, which may leave out the opening tag).
 
-Tool calls (`--tool-call-parser`) are read from the content only.
+Structured outputs (`response_format`, a required tool call) constrain the content: the
+reasoning before `</think>` is the model's own (vLLM's behaviour), where `</think>` is one
+token of the model's vocabulary (it is for Qwen3, QwQ and DeepSeek-R1); otherwise, and
+when the prompt closes the reasoning itself, the output is the constraint's from its
+first token. Tool calls (`--tool-call-parser`) are read from the content only.
 """
 from __future__ import annotations
 
@@ -35,6 +39,22 @@ REASONING_PARSERS = {"deepseek_r1": ReasoningSyntax(always_opened=True),
 def prompt_opens_reasoning(prompt: str) -> bool:
     """Whether a rendered chat prompt ends inside `<think>` (the generation prompt opened it)."""
     return prompt.rstrip().endswith(START)
+
+
+def prompt_closes_reasoning(prompt: str) -> bool:
+    """Whether a rendered chat prompt ends just after `</think>` (a template that turns
+    thinking off writes an empty reasoning itself): the output is all content."""
+    return prompt.rstrip().endswith(END)
+
+
+def reasoning_end_token(tokenizer) -> int | None:
+    """`</think>` as one token of this tokenizer (Qwen3's, QwQ's, DeepSeek-R1's), or None.
+    A structured-output constraint waits for it; with no such token it applies from the
+    first token (a tag split over tokens could end inside one, mid-way into the answer)."""
+    token_id = tokenizer.convert_tokens_to_ids(END)
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+        return None
+    return token_id if tokenizer.encode(END, add_special_tokens=False) == [token_id] else None
 
 
 def _partial_suffix(text: str, tag: str) -> int:

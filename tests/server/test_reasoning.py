@@ -4,13 +4,16 @@ and the chat route over real HTTP (the tiny model is made to think by a regex)."
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+from tessera.server.reasoning import (ReasoningStream, prompt_closes_reasoning, prompt_opens_reasoning,
+                                     reasoning_end_token, split_reasoning)
 from tests.server.conftest import CHAT, MODEL_NAME, start_server
 
 @pytest.mark.parametrize("opened, text, expected", [
@@ -158,3 +161,59 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(chat, server, 
     calls = {c["index"]: (c["function"]["name"], c["function"]["arguments"])
              for chunk in chunks for c in chunk.get("tool_calls") or []}
     assert list(calls.values()) == HERMES_CALLS
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with `<think>` and `</think>` as tokens of their own, as a reasoning
+    model's vocabulary has them (ids past the trained ones, inside the model's 512)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("thinking")
+    shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_end_tag_counts_only_as_one_token(tiny_model_dir, thinking_model_dir):
+    from transformers import AutoTokenizer
+
+    assert reasoning_end_token(AutoTokenizer.from_pretrained(tiny_model_dir)) is None
+    tokenizer = AutoTokenizer.from_pretrained(thinking_model_dir)
+    assert reasoning_end_token(tokenizer) == tokenizer.convert_tokens_to_ids("</think>") < 512
+    assert prompt_closes_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, thinking off
+    assert not prompt_closes_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_closes_reasoning("<|im_start|>assistant\n")
+
+
+def test_a_constrained_answer_of_a_reasoning_model_follows_its_reasoning(thinking_model_dir):
+    """With `</think>` one token, a response_format constrains only what follows it: made to
+    close its reasoning at once (a logit bias), the answer is the schema's content; kept
+    from closing it, the output is all reasoning, the model's own (the constraint never
+    started), streamed the same."""
+    running = start_server(thinking_model_dir)
+    try:
+        running.state.reasoning_parser = "deepseek_r1"
+        end = str(reasoning_end_token(running.state.tokenizer))
+        regex = "[ab]{2,4}-[0-9]"
+
+        def post(**body) -> httpx.Response:
+            request = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 16, "temperature": 0, **body}
+            return httpx.post(running.url + "/v1/chat/completions", json=request, timeout=30)
+
+        closed = post(logit_bias={end: 100}, structured_outputs={"regex": regex})
+        message = closed.json()["choices"][0]["message"]
+        assert message["reasoning_content"] is None and re.fullmatch(regex, message["content"]), message
+        assert streamed(post(logit_bias={end: 100}, structured_outputs={"regex": regex}, stream=True))[:2] \
+            == ("", message["content"])
+
+        free = post(logit_bias={end: -100}).json()["choices"][0]["message"]
+        kept = post(logit_bias={end: -100}, structured_outputs={"regex": regex}).json()
+        message = kept["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"] == free["reasoning_content"]
+        assert not re.fullmatch(regex, free["reasoning_content"])
+        assert kept["choices"][0]["finish_reason"] == "length"
+    finally:
+        running.stop()
