@@ -173,7 +173,9 @@ class Engine:
             compiled = self.compile_grammar(params.structured_outputs)
             for seq in seqs:
                 seq.grammar = self._grammars.matcher(compiled)
-                seq.grammar_waits = params.reasoning_end_token_id is not None
+                if params.reasoning_end_token_id is not None:  # a reasoning comes first
+                    seq.grammar_may_open = params.reasoning_start_token_id
+                    seq.grammar_waits = seq.grammar_may_open is None  # the output starts in it
         group = SequenceGroup(request_id, seqs, pending=seqs[1:])
         for seq in seqs:
             seq.group = group
@@ -231,9 +233,10 @@ class Engine:
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise RequestError(f"`logit_bias` token ids must be in [0, {vocab}), got {bad[0]}")
-        if params.reasoning_end_token_id is not None and params.reasoning_end_token_id >= vocab:
-            raise RequestError(f"`reasoning_end_token_id` must be in [0, {vocab}), "
-                               f"got {params.reasoning_end_token_id}")
+        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
+            value = getattr(params, name)
+            if value is not None and value >= vocab:
+                raise RequestError(f"`{name}` must be in [0, {vocab}), got {value}")
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (all its sequences) wherever it is; its blocks are freed at once."""

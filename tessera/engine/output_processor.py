@@ -60,7 +60,11 @@ class OutputProcessor:
         """Add a sampled token; sets `seq.finish_reason` when it ends the sequence and
         returns the text and token ids to hand out for it."""
         params = seq.params
-        grammar = seq.active_grammar
+        grammar = None if seq.grammar_waits else seq.grammar  # the matcher this token advances
+        if seq.grammar_may_open is not None:  # the first token: a reasoning, or the answer
+            if token == seq.grammar_may_open:
+                seq.grammar_waits, grammar = True, None
+            seq.grammar_may_open = None
         if grammar is not None and not _accepts(grammar, token):
             # the constraint reached a state nothing can follow (a grammar with a rule that
             # never ends): this sequence ends, the step and the other requests go on

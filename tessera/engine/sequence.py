@@ -15,6 +15,7 @@ import torch
 
 from tessera.engine.outputs import PositionLogprobs
 from tessera.sampling.params import SamplingParams
+from tessera.sampling.structured import AlsoAllowing
 
 
 class SequenceStatus(enum.Enum):
@@ -68,17 +69,24 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None          # when params.logprobs is set
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # the group's first sequence
-    # structured outputs: this sequence's xgrammar matcher (what may come next), and
-    # whether it still waits for params.reasoning_end_token_id before it applies
+    # structured outputs: this sequence's xgrammar matcher (what may come next); whether it
+    # still waits for params.reasoning_end_token_id before it applies; and, until the first
+    # output token, the reasoning's opening token allowed beside the constraint's tokens
     grammar: Any = None
     grammar_waits: bool = False
+    grammar_may_open: int | None = None
     # the LoRA adapter it runs with (tessera.lora.adapter.LoRAAdapter), None: the base model
     lora: Any = None
 
     @property
     def active_grammar(self) -> Any:
-        """The matcher that constrains the next token, or None (none, or still waiting)."""
-        return None if self.grammar_waits else self.grammar
+        """What masks the next token: the matcher, None (none, or still waiting), or at the
+        first token of an output that may open a reasoning, the matcher or that token."""
+        if self.grammar_waits or self.grammar is None:
+            return None
+        if self.grammar_may_open is not None:
+            return AlsoAllowing(self.grammar, self.grammar_may_open)
+        return self.grammar
 
     @property
     def cache_salt(self) -> Hashable:

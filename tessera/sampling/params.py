@@ -74,6 +74,10 @@ class SamplingParams:
     # a reasoning model's end-of-thinking token (e.g. </think>): the constraint above
     # applies only to what follows it, the reasoning before it is free (None: from the start)
     reasoning_end_token_id: int | None = None
+    # its opening token (e.g. <think>) where the output may or may not open the reasoning:
+    # the first token is then that one (the reasoning follows) or the constraint's own
+    # (None: the output starts inside the reasoning)
+    reasoning_start_token_id: int | None = None
     # TGI: bias each step's green list, the engine's WatermarkConfig (sampling/watermark.py)
     watermark: bool = False
 
@@ -134,12 +138,15 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, "must be null or an integer >= 0 (how many alternatives)")
         self.structured_outputs = self._check_structured_outputs()
-        if self.reasoning_end_token_id is not None:
-            if not _is_int(self.reasoning_end_token_id) or self.reasoning_end_token_id < 0:
-                raise bad("reasoning_end_token_id", "must be null or a token id >= 0")
-            if self.structured_outputs is None:
-                raise bad("reasoning_end_token_id", "applies to structured outputs only: set "
-                          "`structured_outputs` too, or leave it null")
+        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise bad(name, "must be null or a token id >= 0")
+        if self.reasoning_end_token_id is not None and self.structured_outputs is None:
+            raise bad("reasoning_end_token_id", "applies to structured outputs only: set "
+                      "`structured_outputs` too, or leave it null")
+        if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
+            raise bad("reasoning_start_token_id", "needs `reasoning_end_token_id` (where the reasoning ends)")
 
     def _check_structured_outputs(self) -> StructuredOutputsParams | None:
         from tessera.sampling.structured import KINDS, StructuredOutputsParams

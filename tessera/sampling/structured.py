@@ -111,6 +111,19 @@ class GrammarCompiler:
         return self._xgr.GrammarMatcher(compiled)
 
 
+class AlsoAllowing:
+    """A matcher's mask with one more token allowed next: a reasoning model's opening tag
+    beside the constraint's first tokens (the output may reason first, or answer at once)."""
+
+    def __init__(self, matcher, token_id: int):
+        self.matcher, self.token_id = matcher, token_id
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        word, bit = divmod(self.token_id, 32)
+        bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 words
+
+
 def mask_logits(logits: torch.Tensor, matchers: list) -> torch.Tensor:
     """A copy of `logits` with every token a row's matcher does not allow next at -inf
     (rows whose matcher is None are left alone)."""

@@ -15,10 +15,11 @@ is all reasoning.
   the prompt says (vLLM's rule for R1, which may leave out the opening tag).
 
 Structured outputs (`response_format`, a required tool call) constrain the content: the
-reasoning before `</think>` is the model's own (vLLM's behaviour), where `</think>` is one
-token of the model's vocabulary (it is for Qwen3, QwQ and DeepSeek-R1); otherwise, and
-when the prompt closes the reasoning itself, the output is the constraint's from its
-first token. Tool calls (`--tool-call-parser`) are read from the content only.
+reasoning before `</think>` is the model's own (vLLM's behaviour), and an output the
+prompt has not opened a reasoning for either opens one with `<think>` or is the answer
+from its first token. That needs the tags to be tokens of their own, kept in the text (they
+are for Qwen3, QwQ and DeepSeek-R1); otherwise, and when the prompt closes the reasoning
+itself, the output is the constraint's from its first token. Tool calls (`--tool-call-parser`) are read from the content only.
 """
 from __future__ import annotations
 
@@ -47,14 +48,18 @@ def prompt_closes_reasoning(prompt: str) -> bool:
     return prompt.rstrip().endswith(END)
 
 
-def reasoning_end_token(tokenizer) -> int | None:
-    """`</think>` as one token of this tokenizer (Qwen3's, QwQ's, DeepSeek-R1's), or None.
-    A structured-output constraint waits for it; with no such token it applies from the
-    first token (a tag split over tokens could end inside one, mid-way into the answer)."""
-    token_id = tokenizer.convert_tokens_to_ids(END)
+def tag_token(tokenizer, tag: str) -> int | None:
+    """`tag` (`<think>`, `</think>`) as one token of this tokenizer that decodes to the tag
+    in the text the client gets (Qwen3's, QwQ's, DeepSeek-R1's are), or None. A
+    structured-output constraint waits for `</think>` only where it is such a token: a tag
+    split over tokens could end inside one, mid-way into the answer, and a special token
+    skipped in the text would leave no tag to split the answer at."""
+    token_id = tokenizer.convert_tokens_to_ids(tag)
     if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
         return None
-    return token_id if tokenizer.encode(END, add_special_tokens=False) == [token_id] else None
+    if tokenizer.encode(tag, add_special_tokens=False) != [token_id]:
+        return None
+    return token_id if tokenizer.decode([token_id], skip_special_tokens=True) == tag else None
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -67,11 +67,48 @@ def test_an_output_that_never_ends_its_reasoning_is_never_constrained(tiny):
         assert not llm.engine.requests
 
 
+def test_an_output_that_may_open_its_reasoning_opens_it_or_answers_at_once(tiny):
+    """With an opening token, the first token may be it (the reasoning follows, free until
+    the end token) or the constraint's (the answer starts at once): here the model's own
+    first token opens it; kept from that token, the model answers under the constraint."""
+    with LLM(tiny, dtype="float32", show_progress=False, num_kv_blocks=256, block_size=4) as llm:
+        free = _free(llm, TEXTS[0], 16)
+        end = _end_token(free, 3)
+        fields = dict(max_new_tokens=40, temperature=0.0, structured_outputs={"regex": REGEX},
+                      reasoning_end_token_id=free[end], reasoning_start_token_id=free[0])
+        c = llm.generate(TEXTS[0], SamplingParams(**fields), use_tqdm=False)[0].outputs[0]
+        assert c.token_ids[:end + 1] == free[:end + 1]
+        assert re.fullmatch(REGEX, llm.engine.tokenizer.decode(c.token_ids[end + 1:], skip_special_tokens=True))
+        c = llm.generate(TEXTS[0], SamplingParams(**fields, logit_bias={free[0]: -100.0}),
+                         use_tqdm=False)[0].outputs[0]
+        assert re.fullmatch(REGEX, c.text) and c.finish_reason == "eos_token", c.text
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(reasoning_end_token_id=5), "applies to structured outputs only"),
     (dict(reasoning_end_token_id=-1, structured_outputs={"regex": "a"}), "token id >= 0"),
     (dict(reasoning_end_token_id="5", structured_outputs={"regex": "a"}), "token id >= 0"),
+    (dict(reasoning_start_token_id=4, structured_outputs={"regex": "a"}), "needs `reasoning_end_token_id`"),
 ])
 def test_a_bad_reasoning_end_token_is_refused(fields, message):
     with pytest.raises(SamplingParamsError, match=message):
         SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("token", [0, 31, 32, 63, 400])
+def test_also_allowing_adds_exactly_its_token_to_the_mask(token):
+    import torch
+    import xgrammar
+
+    from tessera.sampling.structured import AlsoAllowing
+
+    class AllowsNothing:
+        def fill_next_token_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+
+    bitmask = xgrammar.allocate_token_bitmask(2, 512)
+    AlsoAllowing(AllowsNothing(), token).fill_next_token_bitmask(bitmask, 1)
+    logits = torch.zeros(2, 512)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=[1])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [token]  # bit 31: the sign bit
+    assert torch.isfinite(logits[0]).all()

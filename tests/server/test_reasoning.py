@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.server.reasoning import (ReasoningStream, prompt_closes_reasoning, prompt_opens_reasoning,
-                                     reasoning_end_token, split_reasoning)
+from tessera.server.reasoning import (END, START, ReasoningStream, prompt_closes_reasoning, prompt_opens_reasoning,
+                                     split_reasoning, tag_token)
 from tests.server.conftest import CHAT, MODEL_NAME, start_server
 
 @pytest.mark.parametrize("opened, text, expected", [
@@ -163,57 +163,99 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(chat, server, 
     assert list(calls.values()) == HERMES_CALLS
 
 
-@pytest.fixture(scope="module")
-def thinking_model_dir(tiny_model_dir, tmp_path_factory):
+def _with_tags(tiny_model_dir, folder, special: bool):
     """The tiny model with `<think>` and `</think>` as tokens of their own, as a reasoning
     model's vocabulary has them (ids past the trained ones, inside the model's 512)."""
     from transformers import AutoTokenizer
 
-    folder = tmp_path_factory.mktemp("thinking")
     shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.add_tokens([START, END], special_tokens=special)
     tokenizer.save_pretrained(folder)
     return folder
 
 
-def test_the_end_tag_counts_only_as_one_token(tiny_model_dir, thinking_model_dir):
+@pytest.fixture(scope="module")
+def thinking_model_dir(tiny_model_dir, tmp_path_factory):
+    return _with_tags(tiny_model_dir, tmp_path_factory.mktemp("thinking"), special=False)
+
+
+def test_the_tags_count_only_as_tokens_of_their_own_kept_in_the_text(tiny_model_dir, thinking_model_dir,
+                                                                       tmp_path):
     from transformers import AutoTokenizer
 
-    assert reasoning_end_token(AutoTokenizer.from_pretrained(tiny_model_dir)) is None
+    assert tag_token(AutoTokenizer.from_pretrained(tiny_model_dir), END) is None  # several tokens
     tokenizer = AutoTokenizer.from_pretrained(thinking_model_dir)
-    assert reasoning_end_token(tokenizer) == tokenizer.convert_tokens_to_ids("</think>") < 512
+    assert tag_token(tokenizer, END) == tokenizer.convert_tokens_to_ids(END) < 512
+    assert tag_token(tokenizer, START) == tokenizer.convert_tokens_to_ids(START) != tag_token(tokenizer, END)
+    special = AutoTokenizer.from_pretrained(_with_tags(tiny_model_dir, tmp_path / "special", special=True))
+    assert tag_token(special, END) is None  # skipped in the text: nothing to split the answer at
     assert prompt_closes_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, thinking off
     assert not prompt_closes_reasoning("<|im_start|>assistant\n<think>\n")
     assert not prompt_closes_reasoning("<|im_start|>assistant\n")
 
 
-def test_a_constrained_answer_of_a_reasoning_model_follows_its_reasoning(thinking_model_dir):
-    """With `</think>` one token, a response_format constrains only what follows it: made to
-    close its reasoning at once (a logit bias), the answer is the schema's content; kept
-    from closing it, the output is all reasoning, the model's own (the constraint never
-    started), streamed the same."""
+REGEX = "[ab]{2,4}-[0-9]"
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def thinking_server(thinking_model_dir):
     running = start_server(thinking_model_dir)
-    try:
-        running.state.reasoning_parser = "deepseek_r1"
-        end = str(reasoning_end_token(running.state.tokenizer))
-        regex = "[ab]{2,4}-[0-9]"
+    yield running
+    running.stop()
 
-        def post(**body) -> httpx.Response:
-            request = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 16, "temperature": 0, **body}
-            return httpx.post(running.url + "/v1/chat/completions", json=request, timeout=30)
 
-        closed = post(logit_bias={end: 100}, structured_outputs={"regex": regex})
-        message = closed.json()["choices"][0]["message"]
-        assert message["reasoning_content"] is None and re.fullmatch(regex, message["content"]), message
-        assert streamed(post(logit_bias={end: 100}, structured_outputs={"regex": regex}, stream=True))[:2] \
-            == ("", message["content"])
+def _post(running, parser: str, **body) -> httpx.Response:
+    running.state.reasoning_parser = parser
+    request = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 40, "temperature": 0, **body}
+    return httpx.post(running.url + "/v1/chat/completions", json=request, timeout=30)
 
-        free = post(logit_bias={end: -100}).json()["choices"][0]["message"]
-        kept = post(logit_bias={end: -100}, structured_outputs={"regex": regex}).json()
-        message = kept["choices"][0]["message"]
-        assert message["content"] is None and message["reasoning_content"] == free["reasoning_content"]
-        assert not re.fullmatch(regex, free["reasoning_content"])
-        assert kept["choices"][0]["finish_reason"] == "length"
-    finally:
-        running.stop()
+
+def test_a_constrained_answer_of_a_reasoning_model_follows_its_reasoning(thinking_server):
+    """With the tags as tokens, R1's output (inside the reasoning from the start) is free
+    until `</think>`: made to close it at once (a logit bias), the answer after it is the
+    constraint's content; kept from closing it, the output is all reasoning, the model's
+    own (the constraint never started), streamed the same."""
+    tokenizer = thinking_server.state.tokenizer
+    end = str(tag_token(tokenizer, END))
+    closed = _post(thinking_server, "deepseek_r1", logit_bias={end: 100}, structured_outputs={"regex": REGEX})
+    message = closed.json()["choices"][0]["message"]
+    assert message["reasoning_content"] is None and re.fullmatch(REGEX, message["content"]), message
+    stream = _post(thinking_server, "deepseek_r1", logit_bias={end: 100}, structured_outputs={"regex": REGEX},
+                   stream=True)
+    assert streamed(stream)[:2] == ("", message["content"])
+
+    free = _post(thinking_server, "deepseek_r1", max_tokens=16, logit_bias={end: -100}).json()
+    kept = _post(thinking_server, "deepseek_r1", max_tokens=16, logit_bias={end: -100},
+                 structured_outputs={"regex": REGEX}).json()
+    message = kept["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning_content"] == free["choices"][0]["message"]["reasoning_content"]
+    assert kept["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("constraint", [{"structured_outputs": {"regex": REGEX}},
+                                        {"tools": [TOOL], "tool_choice": "required"}], ids=["regex", "tool"])
+def test_qwen3_may_think_first_or_answer_at_once_under_a_constraint(thinking_server, constraint):
+    """Qwen3's prompt leaves the reasoning closed and the model may open it: its first
+    token is `<think>` or the constraint's. Biased to open and at once close it, the
+    answer after `</think>` is the constraint's (a regex's text, a required tool call);
+    kept from opening it, the answer is the constraint's from the first token."""
+    tokenizer = thinking_server.state.tokenizer
+    start, end = str(tag_token(tokenizer, START)), str(tag_token(tokenizer, END))
+    for bias, first in (({start: 50, end: 100}, [START, END]), ({start: -100}, None)):
+        reply = _post(thinking_server, "qwen3", max_tokens=120, logit_bias=bias, logprobs=True,
+                      **constraint).json()["choices"][0]
+        message = reply["message"]
+        tokens = [t["token"] for t in reply["logprobs"]["content"]]
+        if first:  # it thought (briefly): the reasoning is empty, the answer follows the tags
+            assert tokens[:2] == first, tokens
+        else:
+            assert START not in tokens and END not in tokens, tokens
+        assert message["reasoning_content"] is None, message
+        if "tools" in constraint:
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["lookup"], message
+            assert reply["finish_reason"] == "tool_calls"
+        else:
+            assert re.fullmatch(REGEX, message["content"]), message
