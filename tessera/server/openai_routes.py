@@ -16,8 +16,8 @@ from tessera.engine.outputs import PositionLogprobs, RequestOutput
 from tessera.server.errors import APIError, ValidationFailed, openai_error_body
 from tessera.server.openai_validation import check_length, resolve_model, sampling_params
 from tessera.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAISampling, wire_logprob
-from tessera.server.reasoning import (END, REASONING_PARSERS, START, ReasoningStream, prompt_closes_reasoning,
-                                     prompt_opens_reasoning, split_reasoning, tag_token)
+from tessera.server.reasoning import (REASONING_PARSERS, ReasoningStream, prompt_closes_reasoning,
+                                     prompt_opens_reasoning, split_reasoning)
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
@@ -314,7 +314,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         # a constrained output (a schema, a tool) of a reasoning model: the constraint waits
         # for </think>, where the tags are tokens (reasoning.py); an output the prompt has
         # not opened the reasoning for opens it with <think> first, or is the answer at once
-        end, start = tag_token(state.tokenizer, END), tag_token(state.tokenizer, START)
+        start, end = state.think_tokens
         if end is not None and (opened or start is not None):
             params.reasoning_end_token_id = end
             params.reasoning_start_token_id = None if opened else start

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from tessera.engine.stats import EngineStats
 from tessera.server.async_engine import AsyncEngine
 from tessera.server.metrics import ServerMetrics
+from tessera.server.reasoning import END, START, tag_token
 
 
 @dataclass
@@ -39,6 +40,8 @@ class ServerState:
     allow_runtime_lora_updating: bool = False  # mount /v1/load_lora_adapter and unload
     ready: bool = False
     special_ids: frozenset[int] = frozenset()
+    # <think> and </think> as tokens of the model (server/reasoning.py's tag_token), or None
+    think_tokens: tuple[int | None, int | None] = (None, None)
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,9 @@ class ServerState:
         self.tokenizer = core.tokenizer
         self.chat_template = core.router.chat_template
         self.special_ids = frozenset(core.tokenizer.all_special_ids)
+        vocab = core.router.config.vocab_size
+        tags = (tag_token(core.tokenizer, START), tag_token(core.tokenizer, END))
+        self.think_tokens = tuple(t if t is not None and t < vocab else None for t in tags)
         self.limits.max_total_tokens = core.max_model_len
         if not self.limits.max_input_tokens or self.limits.max_input_tokens >= core.max_model_len:
             self.limits.max_input_tokens = core.max_model_len - 1
