@@ -19,7 +19,9 @@ reasoning before `</think>` is the model's own (vLLM's behaviour), and an output
 prompt has not opened a reasoning for either opens one with `<think>` or is the answer
 from its first token. That needs the tags to be tokens of their own, kept in the text (they
 are for Qwen3, QwQ and DeepSeek-R1); otherwise, and when the prompt closes the reasoning
-itself, the output is the constraint's from its first token. Tool calls (`--tool-call-parser`) are read from the content only.
+itself, the output is the constraint's from its first token.
+
+Tool calls (`--tool-call-parser`) are read from the content only.
 """
 from __future__ import annotations
 
