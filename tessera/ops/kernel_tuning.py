@@ -31,12 +31,12 @@ def kernel_tuning() -> Iterator[None]:
     """While open, builders may measure their candidates for shapes they have not seen."""
     global _open_windows
     _open_windows += 1
-    started = time.perf_counter()
+    started, first = time.perf_counter(), len(_RECORDS)
     try:
         yield
     finally:
         _open_windows -= 1
-        tuned = [r for r in records() if r.finished >= started]
+        tuned = _RECORDS[first:]
         if tuned and not _open_windows:
             faster = sum(r.chosen != r.reference for r in tuned)
             logger.info("kernel tuning: %d shapes measured in %.1f s, a kernel faster than the "
@@ -72,7 +72,6 @@ class TuningRecord:
     chosen: str
     timings: dict[str, float | None]
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
-    finished: float = 0.0
 
     def describe(self) -> str:
         best = self.timings[self.chosen]
@@ -138,7 +137,7 @@ class TacticTable:
                 if seconds is not None and seconds < bar and seconds < timings[chosen]:
                     chosen = name
         self._chosen[key] = chosen
-        record = TuningRecord(self.op, key, self.reference, chosen, timings, rejected, time.perf_counter())
+        record = TuningRecord(self.op, key, self.reference, chosen, timings, rejected)
         _RECORDS.append(record)
         logger.debug("%s%s", record.describe(),
                      "".join(f"; {n} rejected: {why}" for n, why in rejected.items()))
