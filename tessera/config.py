@@ -151,7 +151,7 @@ def scheduler_defaults(device: str, max_num_seqs: int | None = None,
     return seqs, tokens if max_num_batched_tokens is None else max_num_batched_tokens
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -162,6 +162,9 @@ class SpeculativeConfig:
     (prompt lookup) proposes what followed the last occurrence of the sequence's final
     n tokens, for n from `prompt_lookup_max` down to `prompt_lookup_min`: free to propose,
     and strong where outputs quote their input (editing, extraction, summaries, code).
+    "draft_model" proposes the greedy continuation of a smaller model of the same
+    vocabulary (`model`: a folder or GGUF, loaded like the target; `quantization` its
+    weight format), which has its own KV cache in the target's blocks.
     0 tokens: off. `disable_by_batch_size`: no drafts while more sequences than this run
     or wait (verifying costs rows; once a step is compute-bound, as a CPU's is at a few rows, they
     cost more than accepted drafts give back; docs/benchmarks.md)."""
@@ -171,6 +174,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    model: str | None = None          # the draft model ("draft_model")
+    quantization: str | None = None   # the draft model's weights
 
     @property
     def enabled(self) -> bool:
@@ -186,6 +191,13 @@ class SpeculativeConfig:
                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         _require(self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
                  f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        drafting = self.method == "draft_model"
+        _require(drafting == (self.model is not None),
+                 "the draft_model method needs `model` (the draft's folder or GGUF)" if drafting
+                 else f"`model` names a draft model: it needs method draft_model, not {self.method}")
+        _require(self.quantization in QUANTIZATIONS,
+                 f"speculative quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _require(drafting or self.quantization is None, "`quantization` applies to a draft model only")
 
 
 # disable_by_batch_size when a speculative config does not say: a CPU step is compute-bound
@@ -198,25 +210,36 @@ SPECULATION_BATCH_LIMITS = {"cpu": 2, "cuda": None}
 def speculative_config_from(value: SpeculativeConfig | dict | None, device: str = "cpu") -> SpeculativeConfig:
     """A SpeculativeConfig from vLLM's `speculative_config` dict ({"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
-    "disable_by_batch_size": 2}); a given max alone also sets the min when that would
-    exceed it; disable_by_batch_size left out takes the device's default (given as null:
-    never disabled)."""
+    "disable_by_batch_size": 2}, or {"model": "path/to/draft", "num_speculative_tokens": 4}:
+    a `model` without a method means "draft_model", as in vLLM); a given max alone also
+    sets the min when that would exceed it; disable_by_batch_size left out takes the
+    device's default (given as null: never disabled)."""
     if value is None:
         return SpeculativeConfig()
     if isinstance(value, SpeculativeConfig):
         return value
     if not isinstance(value, dict):
         raise ConfigError(f"speculative_config must be a dict, got {type(value).__name__}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-             "disable_by_batch_size"}
+    lookup = {"prompt_lookup_max", "prompt_lookup_min"}
+    texts = {"method", "model", "quantization"}
+    known = {"num_speculative_tokens", "disable_by_batch_size"} | lookup | texts
     unknown = sorted(set(value) - known)
     _require(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
     _require("num_speculative_tokens" in value, "speculative_config needs num_speculative_tokens")
-    for key in known - {"method"}:
+    for key in known - texts:
         if value.get(key) is not None:
             _require(isinstance(value[key], int) and not isinstance(value[key], bool),
                      f"speculative_config {key} must be an integer, got {value[key]!r}")
-    args = dict(value)
+    for key in texts:
+        if value.get(key) is not None:
+            _require(isinstance(value[key], str), f"speculative_config {key} must be a string, got {value[key]!r}")
+    args = {key: item for key, item in value.items() if not (key == "method" and item is None)}
+    _require(args.get("model") != "", "speculative_config model (the draft model) is empty")
+    if args.get("model") is not None:
+        args.setdefault("method", "draft_model")
+        if args["method"] == "draft_model":
+            given = sorted(lookup & set(args))
+            _require(not given, f"{given} apply to the ngram method, not to a draft model")
     if "prompt_lookup_max" in args and "prompt_lookup_min" not in args:
         args["prompt_lookup_min"] = min(SpeculativeConfig.prompt_lookup_min, args["prompt_lookup_max"])
     if "disable_by_batch_size" not in args:

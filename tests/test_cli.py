@@ -227,9 +227,17 @@ def test_bad_speculative_flags_exit_with_a_message(tiny, flags, message):
 
 def test_unknown_speculative_config_key_exits_2(tiny, capsys):
     code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--speculative-config",
-                 '{"num_speculative_tokens": 2, "model": "draft"}', "hello"])
+                 '{"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}', "hello"])
     assert code == 2
-    assert "unknown speculative_config keys ['model']" in capsys.readouterr().err
+    assert "unknown speculative_config keys ['draft_tensor_parallel_size']" in capsys.readouterr().err
+
+
+def test_a_missing_draft_model_exits_2_before_any_weights_load(tiny, tmp_path, capsys):
+    code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "--speculative-config",
+                 f'{{"num_speculative_tokens": 2, "model": "{tmp_path / "nowhere"}"}}', "hello"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "Loading weights" not in err
 
 
 def test_generate_with_a_lora_module_gives_the_adapters_output(tiny, tmp_path, monkeypatch, capsys):

@@ -1,7 +1,8 @@
 """`tessera bench speculative`: speculative decoding on vs off, in the same engine and run.
 
-N-gram drafts pay off where the output repeats the input, and cost a little where it
-does not, so two built-in chat workloads are measured: "quote" asks to write out a given
+The engine's own proposer is measured: n-gram drafts or a draft model's. N-gram drafts pay
+off where the output repeats the input, and cost a little where it does not, so two
+built-in chat workloads are measured: "quote" asks to write out a given
 passage again (editing, extraction and code changes look like this), "free" asks for new
 text. Greedy decoding; every prompt runs (in consecutive batches of the batch size); prompts
 cached by a warm-up round; off and on alternating per repeat.
@@ -11,13 +12,13 @@ and flip a near-tie, as a different batch size may.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass
 
 from tessera.bench.workload import median
 from tessera.engine.engine import Engine
-from tessera.engine.ngram_proposer import NgramProposer
 from tessera.sampling.params import SamplingParams
 
 PASSAGES = [
@@ -75,8 +76,9 @@ def speculative_bench(engine: Engine, batch_sizes: list[int], output_len: int,
         raise ValueError("the engine was built without speculative decoding")
     # every batch size speculates here, whatever disable_by_batch_size says: that limit is
     # what this measures
-    proposer = NgramProposer(dataclasses.replace(config, disable_by_batch_size=None))
     saved = engine.proposer
+    proposer = copy.copy(saved)  # (a draft model's proposer keeps its model and cache)
+    proposer.config = dataclasses.replace(config, disable_by_batch_size=None)
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0)
     results = []
     try:
@@ -101,7 +103,8 @@ def speculative_bench(engine: Engine, batch_sizes: list[int], output_len: int,
                     tokens = sum(map(len, outputs))
                     steps, drafts, accepted = runs[on][0][2]
                     same = sum(a == b for a, b in zip(outputs, plain_outputs))
-                    label = f"tessera, ngram k={config.num_speculative_tokens}" if on else "tessera, speculation off"
+                    method = "draft model" if config.method == "draft_model" else config.method
+                    label = f"tessera, {method} k={config.num_speculative_tokens}" if on else "tessera, speculation off"
                     results.append(SpeculativeResult(
                         label, name, size, 1e3 * elapsed * size / tokens, tokens / elapsed,
                         1 + accepted / steps if steps else 0.0, accepted / drafts if drafts else 0.0,

@@ -11,7 +11,6 @@ import time
 from typing import Collection, Iterator, Sequence as Seq
 
 import torch
-from tqdm.auto import tqdm
 
 import torch.distributed as dist
 
@@ -21,11 +20,12 @@ from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, r
 from tessera.engine.block_manager import BlockManager
 from tessera.engine.config_checks import check_engine_config
 from tessera.engine.errors import EngineFatalError
-from tessera.engine.ngram_proposer import NgramProposer
+from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
+from tessera.engine.speculation import find_draft_model, load_draft_model, make_proposer
 from tessera.engine.stats import EngineStats
 from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError
 from tessera.lora.registry import LoRARegistry, adapter_names
@@ -64,6 +64,7 @@ class Engine:
                                    self.router.implementation == "native", config.model.quantization)
         self.max_model_len = self.router.max_model_len
         check_engine_config(config, self.router, self.max_model_len)
+        self.draft = find_draft_model(config, self.router)
         tp = config.parallel.tensor_parallel_size
         self._fatal: EngineFatalError | None = None
         # rank 0 of a tensor-parallel group drives; the group spawns (or meets) the others,
@@ -82,12 +83,7 @@ class Engine:
         target = OpTarget(self.device.type, self.dtype, tp_size=tp, tp_rank=0,
                           quant=config.model.quantization,
                           kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
-        started = time.perf_counter()
-        self.model = self.router.build_model(target).eval()
-        self.router.load_weights(self.model, lambda weights: tqdm(
-            weights, desc="Loading weights", unit=" tensors", disable=not show_progress, leave=False))
-        logger.info("loaded %s (%s, %s on %s) in %.1fs", self.router.source.name,
-                    type(self.model).__name__, self.dtype, self.device, time.perf_counter() - started)
+        self.model = load_model(self.router, target, show_progress)
         # a GPU sorts a whole vocabulary fast; the CPU's top-p first tries the best 256 tokens
         sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode,
                           top_p_prefix=None if self.device.type == "cuda" else 256,
@@ -103,9 +99,14 @@ class Engine:
             self.runner.enable_lora(lora.max_loras, lora.max_lora_rank)
             for name, path in lora.lora_modules.items():
                 self.loras.add(LoRARequest(name, len(self.loras.adapters()) + 1, path))
-        self.num_blocks, self.max_model_len = size_kv_cache(self.runner, config, self.max_model_len)
+        if self.draft is not None:
+            load_draft_model(self.draft, config, self.device, show_progress)
+        self.num_blocks, self.max_model_len = size_kv_cache(
+            self.runner, config, self.max_model_len, None if self.draft is None else self.draft.sizing)
         self.runner.graph_limits = GraphLimits(max_decode_rows(config), self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.proposer = make_proposer(config, self.draft, self.router.config.vocab_size,
+                                      self.num_blocks, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
                                           enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
@@ -117,7 +118,6 @@ class Engine:
         self._undelivered: list[RequestOutput] = []  # processed before a launch that raised
         self._grammars: GrammarCompiler | None = None  # structured outputs, built on first use
         self._grammars_lock = threading.Lock()
-        self.proposer = NgramProposer(config.speculative) if config.speculative.enabled else None
         self._spec_counts = [0, 0, 0]  # steps of a sequence with drafts, drafts, accepted drafts
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
@@ -291,6 +291,8 @@ class Engine:
         if plan.is_empty:
             self._check_progress()
             return []
+        if self.proposer is not None:
+            self.proposer.fill(plan.scheduled)
         result = self._execute(plan.scheduled)
         self.scheduler.step_done(plan, result.num_rejected)
         if result.num_rejected:

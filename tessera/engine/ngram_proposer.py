@@ -16,6 +16,7 @@ import weakref
 import numpy as np
 
 from tessera.config import SpeculativeConfig
+from tessera.engine.scheduler import ScheduledSeq
 from tessera.engine.sequence import Sequence
 
 
@@ -70,6 +71,10 @@ class NgramProposer:
         tokens = self._tokens(seq)
         return propose_ngram(tokens, seq.num_tokens, room,
                              self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def fill(self, scheduled: list[ScheduledSeq]) -> None:
+        """Nothing to do: the drafts the scheduler kept are the proposals themselves (a draft
+        model's proposer writes its tokens here, once the scheduler has given them slots)."""
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
         array, filled = self._arrays.get(seq, (None, 0))

@@ -22,6 +22,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class DraftSizing:
+    """A speculative draft model, as the KV cache plan sees it."""
+
+    runner: ModelRunner
+    max_model_len: int  # its own context: its passes never go beyond it
+
+
+@dataclass
 class KVCachePlan:
     num_blocks: int
     activation_bytes: int
@@ -106,14 +114,22 @@ WORST_CASE_SAMPLING = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p
 
 
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,
-                  max_num_seqs: int, max_model_len: int, max_sampled_rows: int | None = None) -> KVCachePlan:
+                  max_num_seqs: int, max_model_len: int, max_sampled_rows: int | None = None,
+                  draft: DraftSizing | None = None) -> KVCachePlan:
     """`max_sampled_rows`: the most rows a step samples (default max_num_seqs; more with
-    speculative decoding, which samples after every draft)."""
+    speculative decoding, which samples after every draft). `draft`: a draft model, whose
+    cache has as many blocks (a block costs both models' bytes) and whose passes (at most
+    a step's tokens within its own context, a row per sequence) run between the target's."""
     num_tokens = min(max_num_batched_tokens, max_model_len)
     # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
     activation = profile_peak_step(runner, num_tokens, max(max_sampled_rows or max_num_seqs, PROMPT_LOGIT_ROWS))
+    if draft is not None:
+        activation = max(activation, profile_peak_step(
+            draft.runner, min(num_tokens, draft.max_model_len), max_num_seqs))
     available = available_memory_bytes(str(runner.device))
     per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
+    if draft is not None:
+        per_block += draft.runner.kv_bytes_per_block()
     budget = int(available * memory_fraction) - activation * runner.ranks_sharing_memory
     num_blocks = max(budget // per_block, 0)
     num_blocks = min(num_blocks, useful_blocks(max_num_seqs, max_model_len, runner.block_size))
@@ -140,16 +156,18 @@ def max_decode_rows(config: EngineConfig) -> int:
     return min(rows, max(sched.max_num_batched_tokens, sched.max_num_seqs))
 
 
-def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> tuple[int, int]:
+def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int,
+                  draft: DraftSizing | None = None) -> tuple[int, int]:
     """(KV blocks, max_model_len): the configured block count or warm-up's plan; a cache
-    that cannot hold max_model_len tokens clamps it."""
+    that cannot hold max_model_len tokens clamps it. `draft`: a draft model's runner (its
+    cache gets as many blocks)."""
     cache, sched = config.cache, config.scheduler
     num_blocks = cache.num_blocks
     if num_blocks is None:
         plan = plan_kv_cache(runner, memory_fraction=cache.fraction_for(config.device),
                              max_num_batched_tokens=sched.max_num_batched_tokens,
                              max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len,
-                             max_sampled_rows=max_decode_rows(config))
+                             max_sampled_rows=max_decode_rows(config), draft=draft)
         num_blocks = plan.num_blocks
     capacity = num_blocks * cache.block_size
     if capacity < cache.block_size:
@@ -159,9 +177,10 @@ def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int)
         logger.warning("KV cache holds %d tokens, less than max_model_len %d: "
                        "clamping max_model_len to %d", capacity, max_model_len, capacity)
         max_model_len = capacity
-    per_token = runner.kv_bytes_per_block() / cache.block_size
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.1f MiB, %.0f KiB per token); "
+    per_token = (runner.kv_bytes_per_block() + (draft.runner.kv_bytes_per_block() if draft else 0)) / cache.block_size
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.1f MiB, %.0f KiB per token%s); "
                 "max_model_len %d", num_blocks, cache.block_size, capacity,
                 str(runner.kv_cache_dtype).removeprefix("torch."),
-                num_blocks * per_token * cache.block_size / 2**20, per_token / 1024, max_model_len)
+                num_blocks * per_token * cache.block_size / 2**20, per_token / 1024,
+                ", the draft model's included" if draft else "", max_model_len)
     return num_blocks, max_model_len

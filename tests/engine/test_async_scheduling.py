@@ -11,6 +11,7 @@ import torch
 
 from tessera import LLM, SamplingParams
 from tessera.config import ConfigError
+from tessera.engine.outputs import Logprob
 from tessera.runner.model_runner import ModelRunner
 from tests.engine.test_engine import TEXTS, tiny  # noqa: F401 (a fixture)
 
@@ -44,6 +45,23 @@ def summary(outputs) -> list:
              for c in o.outputs] + [o.prompt_logprobs] for o in outputs]
 
 
+def close_to(outputs) -> list:
+    """summary(outputs) with every logprob compared to 1e-5: tokens, text and ranks are
+    exact, but the two engines' steps hold different rows, and on some CPUs (AVX512-FP16 /
+    AMX hosts) a float32 GEMM rounds its last bit differently for another row count."""
+    def near(value: float):
+        return pytest.approx(value, rel=1e-5, abs=1e-5)
+
+    def positions(logprobs):
+        if logprobs is None:
+            return None
+        return [None if p is None else {t: Logprob(near(lp.logprob), lp.rank, lp.decoded_token)
+                                        for t, lp in p.items()} for p in logprobs]
+
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, near(c.cumulative_logprob),
+              positions(c.logprobs)) for c in o.outputs] + [positions(o.prompt_logprobs)] for o in outputs]
+
+
 def greedy_tokens(llm: LLM, prompts, max_new_tokens: int = 24) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -68,7 +86,7 @@ def test_greedy_and_seeded_outputs_with_early_stops_match_the_sync_engine(make_p
             params.append(SamplingParams(temperature=0.0, max_new_tokens=1 + i, ignore_eos=True))
     expected = sync.generate(TEXTS, params)
     assert any(o.outputs[0].finish_reason == "stop_sequence" for o in expected)
-    assert summary(async_.generate(TEXTS, params)) == summary(expected)
+    assert summary(async_.generate(TEXTS, params)) == close_to(expected)
 
 
 def test_no_step_computes_past_a_length_limit(make_pair, monkeypatch):
@@ -90,7 +108,7 @@ def test_no_step_computes_past_a_length_limit(make_pair, monkeypatch):
     params = [SamplingParams(temperature=0.0, max_new_tokens=m, ignore_eos=True) for m in (100, 3, 100, 7)]
     expected = sync.generate(prompts, params)
     assert [len(o.outputs[0].token_ids) for o in expected] == [10, 3, 6, 7]
-    assert summary(async_.generate(prompts, params)) == summary(expected)
+    assert summary(async_.generate(prompts, params)) == close_to(expected)
     assert rows[True] == rows[False]
 
 
@@ -101,7 +119,7 @@ def test_bf16_replayed_decode_graphs_read_the_deferred_tokens(make_pair):
     sync, async_ = make_pair(dtype="bfloat16")
     params = [SamplingParams(temperature=0.0, max_new_tokens=3 + 3 * i, ignore_eos=True) for i in range(len(TEXTS))]
     expected = sync.generate(TEXTS, params)
-    assert summary(async_.generate(TEXTS, params)) == summary(expected)
+    assert summary(async_.generate(TEXTS, params)) == close_to(expected)
     graphs = async_.engine.runner.graphs
     assert graphs is not None and graphs.captured_sizes  # decodes after the first replay
 
@@ -117,7 +135,7 @@ def test_preemption_chunking_and_cache_settings_match(make_pair, settings):
     prompts = TEXTS + [TEXTS[0] + " again", TEXTS[0] + " and once more"]  # shared prefixes
     params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=20, ignore_eos=True)
     expected = sync.generate(prompts, params)
-    assert summary(async_.generate(prompts, params)) == summary(expected)
+    assert summary(async_.generate(prompts, params)) == close_to(expected)
     if settings.get("num_kv_blocks") == 12:
         assert async_.engine.scheduler.num_preemptions > 0
 
@@ -138,7 +156,7 @@ def test_history_dependent_sampling_and_logprobs_match(make_pair):
     ]
     prompts = TEXTS[:len(params)]
     expected = sync.generate(prompts, params)
-    assert summary(async_.generate(prompts, params)) == summary(expected)
+    assert summary(async_.generate(prompts, params)) == close_to(expected)
 
 
 def test_watermark_alone_waits_for_the_last_token(make_pair):
@@ -148,7 +166,7 @@ def test_watermark_alone_waits_for_the_last_token(make_pair):
     params = [SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, watermark=True),
               SamplingParams(temperature=0.9, seed=4, max_new_tokens=12, ignore_eos=True, watermark=True)]
     expected = sync.generate(TEXTS[:2], params)
-    assert summary(async_.generate(TEXTS[:2], params)) == summary(expected)
+    assert summary(async_.generate(TEXTS[:2], params)) == close_to(expected)
 
 
 def test_streamed_deltas_match_step_for_step(make_pair):

@@ -87,7 +87,7 @@ def test_speculative_config_parsing():
     assert speculative_config_from({"num_speculative_tokens": 3}).disable_by_batch_size == 2
     assert speculative_config_from({"num_speculative_tokens": 3}, "cuda:0").disable_by_batch_size is None
     assert speculative_config_from({"num_speculative_tokens": 3, "disable_by_batch_size": None}).disable_by_batch_size is None
-    for bad in ({"num_speculative_tokens": 3, "model": "x"}, {"prompt_lookup_max": 3},
+    for bad in ({"num_speculative_tokens": 3, "model": "x", "method": "ngram"}, {"prompt_lookup_max": 3},
                 {"num_speculative_tokens": 3, "disable_by_batch_size": 0},
                 {"num_speculative_tokens": "3"}, {"num_speculative_tokens": 3, "method": "eagle"},
                 {"num_speculative_tokens": -1}, {"num_speculative_tokens": 2, "prompt_lookup_min": 5},
@@ -165,7 +165,11 @@ def make_pair(tiny):
         return pair
 
     yield make
-    for llm in built:
+    assert_idle_and_free(built)
+
+
+def assert_idle_and_free(llms: list[LLM]) -> None:
+    for llm in llms:
         engine = llm.engine
         assert not engine.has_unfinished()
         assert engine.block_manager.all_free()
@@ -309,6 +313,12 @@ def test_n_and_best_of_and_streamed_deltas(make_pair):
     params = SamplingParams(temperature=0.3, max_new_tokens=24, n=2, best_of=3, seed=7, ignore_eos=True)
     outs = spec.generate(TEXTS[:3], params)
     assert [len(c.token_ids) for o in outs for c in o.outputs] == [24] * 6
+    assert_streamed_deltas_add_up(plain, spec)
+
+
+def assert_streamed_deltas_add_up(plain: LLM, spec: LLM) -> None:
+    """One request stepped by hand: some step hands out several tokens at once, and the
+    deltas add up to the final output, which is plain decoding's."""
     spec.engine.add_request("s", TEXTS[0], greedy(30))
     texts, ids, multi = [], [], False
     while spec.engine.has_unfinished():

@@ -1,6 +1,6 @@
-"""A server speculating with n-gram drafts answers as a plain one does: TGI (its own
-client, streamed token by token although a step may add several) and OpenAI (streamed
-and not), and /metrics counts the drafts."""
+"""A server speculating with n-gram drafts, or with a draft model, answers as a plain one
+does: TGI (its own client, streamed token by token although a step may add several) and
+OpenAI (streamed and not), and /metrics counts the drafts."""
 from __future__ import annotations
 
 import httpx
@@ -15,10 +15,19 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:text_generat
 PROMPT = "Paged attention"  # greedy, the tiny model does not end it (EOS) early
 
 
-@pytest.fixture(scope="module")
-def spec_server(tiny_model_dir):
-    running = start_server(tiny_model_dir, llm_kwargs={"speculative_config": {
-        "num_speculative_tokens": 4, "prompt_lookup_min": 1}})
+SPECULATIVE_CONFIGS = {
+    "ngram": {"num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    # the model drafting for itself: every draft is accepted (float32)
+    "draft_model": {"model": "<self>", "num_speculative_tokens": 3},
+}
+
+
+@pytest.fixture(scope="module", params=list(SPECULATIVE_CONFIGS))
+def spec_server(request, tiny_model_dir):
+    config = dict(SPECULATIVE_CONFIGS[request.param])
+    if "model" in config:
+        config["model"] = str(tiny_model_dir)
+    running = start_server(tiny_model_dir, llm_kwargs={"speculative_config": config})
     yield running
     running.stop()
 
