@@ -114,7 +114,6 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.max_tokens_per_pass = max_tokens_per_pass
         self._drafted: weakref.WeakKeyDictionary[Sequence, _Drafted] = weakref.WeakKeyDictionary()
-        self.num_passes = 0  # draft forward passes run (tests and benchmarks read it)
 
     def propose(self, seq: Sequence) -> list[int]:
         """Room for `seq`'s drafts at its next step: placeholders that `fill` replaces,
@@ -180,7 +179,6 @@ class DraftModelProposer:
         by_row = {id(p.row): p for p, _ in chunk}
         inputs = build_inputs([ScheduledSeq(p.row, n) for p, n in chunk],
                               self.runner.block_size, self.runner.device)
-        self.num_passes += 1
         if self.draft_vocab_size < self.vocab_size:  # a token only the target's vocabulary has
             ids = inputs.input_ids
             inputs.input_ids = torch.where(ids < self.draft_vocab_size, ids, torch.zeros_like(ids))

@@ -159,8 +159,8 @@ def max_decode_rows(config: EngineConfig) -> int:
 def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int,
                   draft: DraftSizing | None = None) -> tuple[int, int]:
     """(KV blocks, max_model_len): the configured block count or warm-up's plan; a cache
-    that cannot hold max_model_len tokens clamps it. `draft`: a draft model's runner (its
-    cache gets as many blocks)."""
+    that cannot hold max_model_len tokens clamps it. `draft`: a speculative draft model
+    (its cache gets as many blocks)."""
     cache, sched = config.cache, config.scheduler
     num_blocks = cache.num_blocks
     if num_blocks is None:
