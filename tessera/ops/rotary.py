@@ -30,6 +30,9 @@ def rope_parameters(config: Any) -> dict:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
     params.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None))
+    factors = getattr(config, "rope_freq_factors", None)  # from a GGUF's rope_freqs (gguf_rope.py)
+    if factors is not None:
+        params["freq_factors"] = list(factors)
     if params.get("original_max_position_embeddings") is None:
         original = getattr(config, "original_max_position_embeddings", None)
         if original is not None:
@@ -86,7 +89,20 @@ def _longrope(dim: int, params: dict, seq_len: int | None) -> tuple[torch.Tensor
 def rope_frequencies(rotary_dim: int, params: dict,
                      seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention scaling of cos/sin), as transformers' ROPE_INIT_FUNCTIONS return
-    them. `seq_len` (the sequence's current length) matters only for LENGTH_DEPENDENT kinds."""
+    them. `seq_len` (the sequence's current length) matters only for LENGTH_DEPENDENT kinds.
+    `freq_factors` (llama.cpp's rope_freqs: Llama 3.1's scaling as one divisor per
+    frequency) divide the kind's frequencies, as llama.cpp's rope does."""
+    inv_freq, scale = _kind_frequencies(rotary_dim, params, seq_len)
+    factors = params.get("freq_factors")
+    if factors is None:
+        return inv_freq, scale
+    if len(factors) != inv_freq.numel():
+        raise ValueError(f"rope frequency factors: {len(factors)} values for {inv_freq.numel()} "
+                         f"frequencies (rotary dimension {rotary_dim})")
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), scale
+
+
+def _kind_frequencies(rotary_dim: int, params: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
     base = float(params["rope_theta"])
     kind = params["rope_type"]
     if kind == "default":

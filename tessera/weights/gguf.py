@@ -20,6 +20,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from tessera.weights.gguf_rope import ROPE_FREQS, apply_gguf_rope
+
 logger = logging.getLogger(__name__)
 
 # llama.cpp tensor names (shared by its decoder architectures) -> Hugging Face names.
@@ -34,7 +36,7 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-CONVERSION_VERSION = 4  # bump when the cached folder's contents change
+CONVERSION_VERSION = 5  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
 
 
@@ -100,10 +102,8 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
         data = data.reshape(tensor.data_shape)
         tensor_type = GGMLQuantizationType(tensor.tensor_type)
-        if tensor.name == "rope_freqs.weight":
-            raise ValueError(f"{path.name} stores precomputed rope frequencies (llama3-style rope "
-                             "scaling), which tessera does not read from GGUF yet; use the Hugging "
-                             "Face folder of this model instead")
+        if tensor.name == ROPE_FREQS:  # read into the config at conversion (gguf_rope.py)
+            continue
         name = hf_tensor_name(tensor.name)
         try:
             array = dequantize(data, tensor_type)
@@ -164,6 +164,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     index = tensor_index(reader)
     _set_bias_flags(config, {t.name for t in index})
     _set_head_dim(config, reader.fields)
+    apply_gguf_rope(config, reader.fields, reader.tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -54,6 +54,58 @@ def storage_type(array: np.ndarray, qtype: QT) -> QT:
     return qtype if array.ndim == 2 else QT.F32  # norms (and biases) stay F32, as in llama.cpp
 
 
+def rope_scaling_of(cfg) -> dict:
+    """The model's rope scaling parameters (transformers 5 keeps them in rope_parameters)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", ROPE_THETA))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def llama3_rope_freqs(params: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for rope_type llama3: per rotary frequency, 1 where the
+    wavelength is short, `factor` where it is long, a smooth ramp between, computed in Python
+    floats and stored as float32 (llama.cpp divides each frequency by it)."""
+    import math
+
+    base = params["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor = params.get("factor", 8.0)
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old_len = params.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def add_rope_scaling(w: gguf.GGUFWriter, cfg, head_dim: int) -> dict[str, np.ndarray]:
+    """Rope scaling as llama.cpp's LlamaModel writes it: linear and yarn as metadata keys,
+    llama3 as the rope_freqs tensor (returned, to be added with the weights)."""
+    params = rope_scaling_of(cfg)
+    kind = params["rope_type"]
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(params["factor"])
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(params["factor"])
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+    elif kind == "llama3":
+        return {"rope_freqs.weight": llama3_rope_freqs(params, head_dim)}
+    else:
+        assert kind == "default", kind
+    return {}
+
+
 def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict:
     """llama.cpp's gpt2 vocabulary: tokens by id (padded with [PAD{i}] user-defined tokens to
     the model's vocab size, as convert_hf_to_gguf.py pads them), types, merges "a b"."""
@@ -76,7 +128,8 @@ def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict:
 
 def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, qtype: QT, *,
                      context_length: int = CONTEXT, extra_tensors: dict[str, np.ndarray] | None = None,
-                     skip: tuple[str, ...] = (), arch: str = "llama") -> Path:
+                     skip: tuple[str, ...] = (), arch: str = "llama",
+                     extra_metadata: dict[str, str | float] | None = None) -> Path:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny random llama")
@@ -86,9 +139,11 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(ROPE_THETA)
+    w.add_rope_freq_base(rope_scaling_of(cfg)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    rope_tensors = add_rope_scaling(w, cfg, head_dim)
     w.add_vocab_size(cfg.vocab_size)
     vocab = tokenizer_metadata(tokenizer_json, cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
@@ -100,6 +155,8 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)  # the tiny tokenizer adds no BOS either
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_metadata or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
 
     state = model.state_dict()
     for hf_name, tensor in state.items():
@@ -118,7 +175,7 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
         # F32/F16 go in as float arrays (the writer infers the type); everything else as the
         # quantizer's uint8 rows, with raw_dtype so the writer recovers the element shape.
         w.add_tensor(name, data, raw_dtype=None if stored in (QT.F32, QT.F16) else stored)
-    for name, array in (extra_tensors or {}).items():
+    for name, array in {**rope_tensors, **(extra_tensors or {})}.items():
         w.add_tensor(name, array.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -300,13 +300,6 @@ def test_unknown_tensor_name_is_a_clear_error(bad_name, untied, tokenizer_json, 
         load(path, tmp_path / "cache")
 
 
-def test_rope_freqs_tensor_is_not_supported_yet(untied, tokenizer_json, tmp_path):
-    path = write_llama_gguf(tmp_path / "llama3.gguf", untied, tokenizer_json, QT.F32,
-                            extra_tensors={"rope_freqs.weight": np.ones(HEAD_DIM // 2)})
-    with pytest.raises(ValueError, match=r"(?s)rope.*(not supported|does not read).*yet"):
-        load(path, tmp_path / "cache")
-
-
 def test_architecture_tessera_does_not_serve(untied, tokenizer_json, tmp_path):
     """transformers converts a stablelm GGUF's metadata fine; tessera has no stablelm folder,
     and the transformers fallback does not take GGUF files."""

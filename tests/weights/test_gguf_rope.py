@@ -1,0 +1,144 @@
+"""Rope scaling in GGUF files, written as llama.cpp's converter writes it (tests/weights/
+gguf_writer.py): Llama 3.1's "llama3" scaling as the precomputed rope_freqs tensor, linear and
+yarn as rope.scaling.* keys. transformers' GGUF config conversion reads none of these, so
+each file is checked against the original Hugging Face model: the same greedy tokens and the
+same log-probabilities, at positions where unscaled rope gives visibly different ones."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from tessera import LLM
+from tessera.sampling.params import SamplingParams
+from tests.weights.gguf_writer import llama3_rope_freqs, write_llama_gguf
+
+ROPE_THETA = 10000.0
+HEAD_DIM = 16  # the tiny Llama's 64 / 4 heads: 8 frequencies, wavelengths 6 to ~3200 tokens
+SCALINGS = {
+    # original length 64: the ramp covers two of the eight frequencies (wavelengths 16-64)
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": ROPE_THETA},
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": ROPE_THETA},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+             "rope_theta": ROPE_THETA},
+}
+NEW_TOKENS = 12
+LOGPROB_ATOL = 1e-4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_model(make_tiny_llama, rope_parameters: dict, seed: int) -> torch.nn.Module:
+    _, model = make_tiny_llama(seed=seed, initializer_range=0.1, rope_parameters=rope_parameters)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (23, 60)]
+
+
+def tessera_outputs(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                                                  logprobs=0), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-probabilities of `tokens` following `prompt`, from one forward pass."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tiny_tokenizer_dir) -> Path:
+    return Path(tiny_tokenizer_dir) / "tokenizer.json"
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_scaled_rope_gguf_matches_the_original_model(kind, make_tiny_llama, tokenizer_json, tmp_path):
+    model = tiny_model(make_tiny_llama, SCALINGS[kind], seed=11)
+    path = write_llama_gguf(tmp_path / f"{kind}.gguf", model, tokenizer_json, QT.F32, context_length=512)
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+
+    # the file really carries the scaling the way llama.cpp stores it
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name for t in reader.tensors}
+    assert ("rope_freqs.weight" in names) == (kind == "llama3")
+    assert ("llama.rope.scaling.type" in reader.fields) == (kind != "llama3")
+
+    unscaled = tiny_model(make_tiny_llama, {"rope_type": "default", "rope_theta": ROPE_THETA}, seed=11)
+    unscaled.load_state_dict(model.state_dict())
+    for prompt, (tokens, logprobs) in zip(prompts(), tessera_outputs(llm)):
+        assert tokens == hf_greedy(model, prompt)
+        want = hf_logprobs(model, prompt, tokens)
+        assert logprobs == pytest.approx(want, abs=LOGPROB_ATOL)
+        # so that a loader ignoring the scaling fails above: unscaled rope moves these a lot
+        wrong = hf_logprobs(unscaled, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(wrong, want)) > 100 * LOGPROB_ATOL
+
+
+def test_llama3_rope_freqs_land_in_the_config(make_tiny_llama, tokenizer_json, tmp_path):
+    model = tiny_model(make_tiny_llama, SCALINGS["llama3"], seed=12)
+    path = write_llama_gguf(tmp_path / "llama3.gguf", model, tokenizer_json, QT.Q8_0, context_length=512)
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    folder = llm.engine.router.metadata_dir
+    saved = json.loads((folder / "config.json").read_text())
+    want = llama3_rope_freqs(SCALINGS["llama3"], HEAD_DIM)
+    assert saved["rope_freq_factors"] == [float(x) for x in want]
+    assert 1.0 < want.min() * 8 and want.max() == 8.0 and (want == 1.0).any()  # all three regimes
+    assert ((want > 1.0) & (want < 8.0)).sum() == 2
+
+
+def write_with_keys(path: Path, model, tokenizer_json: Path, keys: dict) -> Path:
+    return write_llama_gguf(path, model, tokenizer_json, QT.F32, extra_metadata=keys)
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"llama.rope.scaling.type": "longrope"}, "rope scaling type 'longrope' is not supported"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+     "needs rope.scaling.factor and rope.scaling.original_context_length"),
+])
+def test_rope_scaling_tessera_cannot_map_is_a_clear_error(keys, message, make_tiny_llama, tokenizer_json, tmp_path):
+    model = tiny_model(make_tiny_llama, {"rope_type": "default", "rope_theta": ROPE_THETA}, seed=13)
+    path = write_with_keys(tmp_path / "odd.gguf", model, tokenizer_json, keys)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+
+
+def test_yarn_with_a_log_multiplier_is_refused(make_tiny_llama, tokenizer_json, tmp_path):
+    model = tiny_model(make_tiny_llama, SCALINGS["yarn"], seed=14)
+    path = write_with_keys(tmp_path / "yarn.gguf", model, tokenizer_json,
+                           {"llama.rope.scaling.yarn_log_multiplier": 0.1})
+    with pytest.raises(ValueError, match=r"yarn_log_multiplier.*not supported"):
+        LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("factors, message", [
+    (np.ones(HEAD_DIM), "8 frequencies"),  # one per dimension instead of one per pair
+    (np.array([1, 1, 1, 0, 1, 1, 1, 1], dtype=np.float32), "not positive finite"),
+])
+def test_malformed_rope_freqs_are_a_clear_error(factors, message, make_tiny_llama, tokenizer_json, tmp_path):
+    model = tiny_model(make_tiny_llama, {"rope_type": "default", "rope_theta": ROPE_THETA}, seed=15)
+    path = write_llama_gguf(tmp_path / "bad.gguf", model, tokenizer_json, QT.F32,
+                            extra_tensors={"rope_freqs.weight": factors})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
