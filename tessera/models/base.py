@@ -32,6 +32,9 @@ class BaseRouter:
     model_types: ClassVar[tuple[str, ...]] = ()   # config.json model_type values served
     model_cls: ClassVar[type[nn.Module]]
     gguf_permute_qk: ClassVar[bool] = False       # llama.cpp permuted Q/K rows on export
+    # llama.cpp layer tensor names beyond the shared ones -> Hugging Face names (weights/gguf.py)
+    gguf_names: ClassVar[dict[str, str]] = {}
+    gguf_norm_offset: ClassVar[float] = 0.0      # llama.cpp stored norm weights plus this
     # What `tessera models` / `tessera inspect` report. A router claims a feature only once it
     # has it and a test for it; `features()` reads each router's own declarations, so a folder
     # that subclasses another's router does not inherit claims nobody has tested for it.
@@ -133,5 +136,5 @@ class BaseRouter:
                 self.source.path, permute_qk=self.gguf_permute_qk,
                 num_heads=cfg.num_attention_heads,
                 num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                index_dir=self.metadata_dir)
+                index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset)
         return iter_hf_weights(self.source.path, lazy=True)

@@ -15,12 +15,13 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import numpy as np
 import torch
 
-from tessera.weights.gguf_rope import ROPE_FREQS, apply_gguf_rope
+from tessera.weights.gguf_config import complete_gguf_config
+from tessera.weights.gguf_rope import ROPE_TENSORS
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +36,27 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
 CONVERSION_VERSION = 5  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
+EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF tensor is split)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None) -> str:
+    """The Hugging Face name of a llama.cpp tensor. `names` (a router's `gguf_names`) adds or
+    overrides layer parts (e.g. Gemma 2's four norms, MoE experts); a name holding EXPERT
+    stands for one tensor per expert, filled in from an old per-expert GGUF name
+    ("ffn_gate.{e}") or left for the caller to split a stacked one ("ffn_gate_exps")."""
     m = _LAYER_RE.match(gguf_name)
     if m:
-        layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
+        layer, part, expert, kind = m.groups()
+        table = {**_LAYER_NAMES, **(names or {})}
+        key = part if expert is None else f"{part}.{EXPERT}"
+        if key not in table:
             raise KeyError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        target = table[key] if expert is None else table[key].replace(EXPERT, expert)
+        return f"model.layers.{layer}.{target}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem not in _GLOBAL_NAMES:
         raise KeyError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
@@ -90,9 +100,12 @@ def _cached_tensor_index(path: Path, index_dir: Path | None) -> list[GGUFTensor]
 
 
 def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,
-                      index_dir: Path | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      index_dir: Path | None = None, names: Mapping[str, str] | None = None,
+                      norm_offset: float = 0.0) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; `index_dir` is the
-    converted metadata folder holding the tensor index (without one, the file is parsed)."""
+    converted metadata folder holding the tensor index (without one, the file is parsed).
+    `names`: the router's extra llama.cpp names (hf_tensor_name); `norm_offset` is taken off
+    every norm weight (llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -102,9 +115,9 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
         data = data.reshape(tensor.data_shape)
         tensor_type = GGMLQuantizationType(tensor.tensor_type)
-        if tensor.name == ROPE_FREQS:  # read into the config at conversion (gguf_rope.py)
+        if tensor.name in ROPE_TENSORS:  # read into the config at conversion (gguf_rope.py)
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, names)
         try:
             array = dequantize(data, tensor_type)
         except NotImplementedError as exc:
@@ -118,26 +131,13 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             array = _unpermute_rows(array, num_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute_rows(array, num_kv_heads)
-        yield name, torch.from_numpy(array)
-
-
-def _set_bias_flags(config, names: set[str]) -> None:
-    """GGUF metadata has no bias flags; the tensors say whether the checkpoint has biases."""
-    if any(n.endswith(("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")) for n in names):
-        config.attention_bias = True
-    if any(n.endswith(("ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")) for n in names):
-        config.mlp_bias = True
-
-
-def _set_head_dim(config, fields) -> None:
-    """transformers' conversion does not read `<arch>.attention.key_length`; models whose
-    head_dim is not hidden_size / heads (Qwen3) need it, so it is set from the file's fields."""
-    arch = fields.get("general.architecture")
-    if arch is None:
-        return
-    key = fields.get(f"{arch.contents()}.attention.key_length")
-    if key is not None:
-        config.head_dim = int(key.contents())
+        if norm_offset and name.endswith("norm.weight"):
+            array -= np.float32(norm_offset)
+        if EXPERT in name:  # a stacked [experts, rows, cols] tensor, one tensor per expert
+            for e in range(array.shape[0]):
+                yield name.replace(EXPERT, str(e)), torch.from_numpy(array[e])
+        else:
+            yield name, torch.from_numpy(array)
 
 
 def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
@@ -162,9 +162,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     reader = GGUFReader(str(path))  # parsed once for the flags, head_dim and the tensor index
     index = tensor_index(reader)
-    _set_bias_flags(config, {t.name for t in index})
-    _set_head_dim(config, reader.fields)
-    apply_gguf_rope(config, reader.fields, reader.tensors)
+    config = complete_gguf_config(config, reader.fields, reader.tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

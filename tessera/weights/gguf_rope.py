@@ -6,7 +6,9 @@ model would silently run unscaled):
   `.original_context_length` and the beta bounds;
 - the `rope_freqs` tensor: Llama 3.1-3.3's "llama3" scaling, which the converter precomputes
   as one divisor per rotary frequency. It is kept as `config.rope_freq_factors` and divides
-  the frequencies as llama.cpp's rope does (ops/rotary.py).
+  the frequencies as llama.cpp's rope does (ops/rotary.py);
+- the `rope_factors_long` / `rope_factors_short` tensors: Phi-3's longrope factors (with
+  `rope.scaling.attn_factor`), back into the config's longrope parameters.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Any
 import numpy as np
 
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS)  # read into the config, not model weights
 
 
 def _field(fields: dict, key: str) -> Any:
@@ -41,9 +45,12 @@ def rope_scaling_from_gguf(fields: dict, arch: str) -> dict | None:
         if factor is None or original is None:
             raise ValueError("GGUF yarn rope scaling needs rope.scaling.factor and "
                              "rope.scaling.original_context_length; this file lacks one")
-        unmapped = {key: value for key in ("yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor",
-                                           "attn_factor")
-                    if (value := _field(fields, f"{arch}.rope.scaling.{key}")) not in (None, 0.0, 1.0)}
+        # llama.cpp's defaults, which are what transformers' yarn computes; other values have
+        # no Hugging Face equivalent tessera could be sure of
+        defaults = {"yarn_log_multiplier": 0.0, "yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0,
+                    "attn_factor": 1.0}
+        unmapped = {key: value for key, default in defaults.items()
+                    if (value := _field(fields, f"{arch}.rope.scaling.{key}")) not in (None, default)}
         if unmapped:
             raise ValueError(f"GGUF yarn rope scaling with {unmapped} is not supported; use the "
                              "Hugging Face folder of this model instead")
@@ -58,19 +65,37 @@ def rope_scaling_from_gguf(fields: dict, arch: str) -> dict | None:
                      "Llama 3's rope_freqs); use the Hugging Face folder of this model instead")
 
 
+def _factors(tensor: Any) -> list[float]:
+    values = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+    if not np.all(np.isfinite(values)) or not np.all(values > 0):
+        raise ValueError(f"{tensor.name} holds values that are not positive finite numbers")
+    return [float(x) for x in values]
+
+
+def _longrope(fields: dict, arch: str, long: Any, short: Any) -> dict:
+    if long is None or short is None:
+        raise ValueError(f"a GGUF with only one of {' and '.join(LONGROPE_FACTORS)}: longrope needs both")
+    params = {"rope_type": "longrope", "long_factor": _factors(long), "short_factor": _factors(short)}
+    original = _field(fields, f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        params["original_max_position_embeddings"] = int(original)
+    attention = _field(fields, f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        params["attention_factor"] = float(attention)
+    return params
+
+
 def apply_gguf_rope(config: Any, fields: dict, tensors: list) -> None:
-    """Set `config`'s rope scaling from the file's keys and its rope_freqs tensor (`tensors`:
-    a gguf.GGUFReader's)."""
+    """Set `config`'s rope scaling from the file's keys and its rope tensors (`tensors`: a
+    gguf.GGUFReader's)."""
     arch = _field(fields, "general.architecture")
+    by_name = {t.name: t for t in tensors if t.name in ROPE_TENSORS}
     scaling = rope_scaling_from_gguf(fields, arch) if arch else None
+    if any(name in by_name for name in LONGROPE_FACTORS):
+        scaling = _longrope(fields, arch, *(by_name.get(name) for name in LONGROPE_FACTORS))
     if scaling:
         params = dict(getattr(config, "rope_parameters", None) or {})
         params.update(scaling)
         config.rope_parameters = params
-    freqs = next((t for t in tensors if t.name == ROPE_FREQS), None)
-    if freqs is None:
-        return
-    factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
-    if not np.all(np.isfinite(factors)) or not np.all(factors > 0):
-        raise ValueError(f"{ROPE_FREQS} holds values that are not positive finite numbers")
-    config.rope_freq_factors = [float(x) for x in factors]
+    if ROPE_FREQS in by_name:
+        config.rope_freq_factors = _factors(by_name[ROPE_FREQS])

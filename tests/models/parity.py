@@ -78,6 +78,28 @@ def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0].float()
 
 
+def hf_token_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-probabilities of `tokens` following `prompt`, from one forward pass."""
+    logp = torch.log_softmax(hf_logits(model, prompt + tokens)[len(prompt) - 1:-1], dim=-1)
+    return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+def check_greedy_and_logprobs(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]], n: int,
+                              atol: float = 1e-4) -> list[list[int]]:
+    """tessera's greedy tokens equal transformers' generate, and the log-probabilities
+    tessera reports for them equal transformers' within `atol`; returns the tokens."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    tokens = []
+    for prompt, out in zip(prompts, outs):
+        got = out.outputs[0].token_ids
+        assert got == hf_generate(hf, prompt, n)
+        logprobs = [lp[t].logprob for t, lp in zip(got, out.outputs[0].logprobs)]
+        assert logprobs == pytest.approx(hf_token_logprobs(hf, prompt, got), abs=atol)
+        tokens.append(got)
+    return tokens
+
+
 def greedy(n: int = GREEDY_NEW_TOKENS) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 

@@ -118,50 +118,9 @@ def test_sliding_window_config_is_refused(kind, tmp_path, tiny_tokenizer_dir):
 def write_qwen_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path) -> Path:
     """F32 GGUF the way llama.cpp's converter writes qwen2 / qwen3: `<arch>.*` metadata,
     llama.cpp tensor names, Q and K rows NOT permuted, q_norm/k_norm as attn_q_norm/attn_k_norm."""
-    import gguf
+    from tests.weights.gguf_writer import write_model_gguf
 
-    from tests.weights.gguf_writer import CHAT_TEMPLATE, llama_cpp_name, tokenizer_metadata
-
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), cfg.model_type)
-    w.add_name(f"tiny random {cfg.model_type}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    vocab = tokenizer_metadata(tokenizer_json, cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["types"])
-    w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if ".self_attn.q_norm." in hf_name or ".self_attn.k_norm." in hf_name:
-            layer = hf_name.split(".")[2]
-            part = "attn_q_norm" if ".q_norm." in hf_name else "attn_k_norm"
-            name = f"blk.{layer}.{part}.weight"
-        else:
-            name = llama_cpp_name(hf_name)
-        w.add_tensor(name, tensor.detach().float().numpy().copy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_model_gguf(path, model, tokenizer_json, model.config.model_type)
 
 
 @pytest.mark.parametrize("name", ["qwen2-gqa-untied", "qwen3-gqa-headdim"])

@@ -126,6 +126,20 @@ def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict:
     return dict(tokens=tokens, types=types, merges=merges)
 
 
+def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int) -> None:
+    """The tiny tokenizer as a llama.cpp gpt2 vocabulary, its special ids and chat template."""
+    vocab = tokenizer_metadata(tokenizer_json, vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)  # the tiny tokenizer adds no BOS either
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, qtype: QT, *,
                      context_length: int = CONTEXT, extra_tensors: dict[str, np.ndarray] | None = None,
                      skip: tuple[str, ...] = (), arch: str = "llama",
@@ -145,16 +159,7 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
     w.add_rope_dimension_count(head_dim)
     rope_tensors = add_rope_scaling(w, cfg, head_dim)
     w.add_vocab_size(cfg.vocab_size)
-    vocab = tokenizer_metadata(tokenizer_json, cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["types"])
-    w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)  # the tiny tokenizer adds no BOS either
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size)
     for key, value in (extra_metadata or {}).items():
         (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
 
@@ -185,3 +190,118 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
 
 
 # --- checkpoints ------------------------------------------------------------------------------
+
+
+# --- other architectures, as convert_hf_to_gguf.py writes them ---------------------------------
+
+def _layer_parts(arch: str) -> dict[str, str]:
+    """Hugging Face layer module -> llama.cpp part, for `arch` (tensor_mapping.py)."""
+    parts = dict(_LAYER_PARTS)
+    if arch == "gemma2":  # four norms; ffn_norm is the pre-feedforward one
+        parts |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
+    if arch in ("qwen3", "qwen3moe"):
+        parts |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    if arch == "phi3":  # fused projections kept whole; gate_up_proj is written as ffn_up
+        parts |= {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    parts["mlp.gate"] = "ffn_gate_inp"  # the MoE router
+    return parts
+
+
+def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False) -> dict[str, np.ndarray]:
+    """The GGUF tensors convert_hf_to_gguf.py writes for `model` (float32 arrays): llama.cpp
+    names; Q/K permuted for arch llama; experts stacked [E, rows, cols] as ffn_{gate,up,down}_exps
+    (or, `per_expert`, one ffn_{gate,up,down}.E tensor each, as older files have them); Gemma's
+    norm weights with 1 added; no output tensor when the embedding is tied (always for gemma2)."""
+    cfg = model.config
+    parts = _layer_parts(arch)
+    out: dict[str, np.ndarray] = {}
+    for hf_name, tensor in model.state_dict().items():
+        array = tensor.detach().float().numpy().copy()
+        if hf_name == "lm_head.weight" and (cfg.tie_word_embeddings or arch == "gemma2"):
+            continue
+        if arch == "gemma2" and hf_name.endswith("norm.weight"):
+            array = array + np.float32(1.0)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf_name)
+        if m:  # transformers' fused in-memory experts: gate rows, then up rows
+            layer, kind = m.groups()
+            stacked = ({"ffn_down": array} if kind == "down_proj" else
+                       {"ffn_gate": array[:, :array.shape[1] // 2], "ffn_up": array[:, array.shape[1] // 2:]})
+            for part, arr in stacked.items():
+                if per_expert:
+                    out |= {f"blk.{layer}.{part}.{e}.weight": np.ascontiguousarray(arr[e]) for e in range(len(arr))}
+                else:
+                    out[f"blk.{layer}.{part}_exps.weight"] = np.ascontiguousarray(arr)
+            continue
+        stem, _, kind = hf_name.rpartition(".")
+        if stem in _GLOBAL_PARTS:
+            out[f"{_GLOBAL_PARTS[stem]}.{kind}"] = array
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
+        assert m and m.group(2) in parts, hf_name
+        name = f"blk.{m.group(1)}.{parts[m.group(2)]}.{kind}"
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        out[name] = array
+    return out
+
+
+def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = rope_scaling_of(cfg)["rope_theta"]
+    if arch == "gemma2":  # no rope keys at all: llama.cpp's default base, 10000
+        assert theta == 10000.0
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+        return
+    w.add_rope_freq_base(theta)
+    if arch == "phi3":
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_sliding_window(cfg.sliding_window or 0)
+        return
+    w.add_vocab_size(cfg.vocab_size)
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+    if getattr(cfg, "head_dim", None):  # the generic writer: only when the config states it
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
+def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, arch: str,
+                     qtype: QT = QT.F32, per_expert: bool = False) -> Path:
+    """A GGUF of `model` as llama.cpp writes architecture `arch` (gemma2, phi3, qwen3moe, or
+    llama for Mixtral): its metadata keys and tensors (model_tensors); 1-D tensors in F32, the
+    others in `qtype`."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny random {cfg.model_type}")
+    _model_metadata(w, cfg, arch)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size)
+    for name, array in model_tensors(model, arch, per_expert).items():
+        stored = qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32
+        data = gguf.quants.quantize(np.ascontiguousarray(array), stored)
+        w.add_tensor(name, data, raw_dtype=None if stored in (QT.F32, QT.F16) else stored)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

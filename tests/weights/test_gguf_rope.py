@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from tessera import LLM
-from tessera.sampling.params import SamplingParams
+from tests.models.parity import check_greedy_and_logprobs, hf_token_logprobs
 from tests.weights.gguf_writer import llama3_rope_freqs, write_llama_gguf
 
 ROPE_THETA = 10000.0
@@ -45,29 +45,6 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (23, 60)]
 
 
-def tessera_outputs(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    outs = llm.generate(prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                                                  logprobs=0), use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """transformers' log-probabilities of `tokens` following `prompt`, from one forward pass."""
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-    return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def tokenizer_json(tiny_tokenizer_dir) -> Path:
     return Path(tiny_tokenizer_dir) / "tokenizer.json"
@@ -85,14 +62,12 @@ def test_scaled_rope_gguf_matches_the_original_model(kind, make_tiny_llama, toke
     assert ("rope_freqs.weight" in names) == (kind == "llama3")
     assert ("llama.rope.scaling.type" in reader.fields) == (kind != "llama3")
 
+    tokens = check_greedy_and_logprobs(llm, model, prompts(), NEW_TOKENS, atol=LOGPROB_ATOL)
+    # so that a loader ignoring the scaling fails above: unscaled rope moves these a lot
     unscaled = tiny_model(make_tiny_llama, {"rope_type": "default", "rope_theta": ROPE_THETA}, seed=11)
     unscaled.load_state_dict(model.state_dict())
-    for prompt, (tokens, logprobs) in zip(prompts(), tessera_outputs(llm)):
-        assert tokens == hf_greedy(model, prompt)
-        want = hf_logprobs(model, prompt, tokens)
-        assert logprobs == pytest.approx(want, abs=LOGPROB_ATOL)
-        # so that a loader ignoring the scaling fails above: unscaled rope moves these a lot
-        wrong = hf_logprobs(unscaled, prompt, tokens)
+    for prompt, got in zip(prompts(), tokens):
+        want, wrong = (hf_token_logprobs(m, prompt, got) for m in (model, unscaled))
         assert max(abs(a - b) for a, b in zip(wrong, want)) > 100 * LOGPROB_ATOL
 
 

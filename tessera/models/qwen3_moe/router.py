@@ -8,3 +8,6 @@ class Qwen3MoeRouter(BaseRouter):
     is_moe = True  # tests/models/test_moe_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py (attention; experts refused)
+    supports_gguf = True  # tests/weights/test_gguf_models.py
+    gguf_names = {"ffn_gate_inp": "mlp.gate",
+                  **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")}}

@@ -1,0 +1,168 @@
+"""GGUF files of Gemma 2, Phi-3 (4k and longrope), Mixtral and Qwen3-MoE, written the way
+llama.cpp's convert_hf_to_gguf.py writes them (tests/weights/gguf_writer.py: Gemma's norms
+stored as 1 + w under its own four names, Phi-3's fused projections kept whole with gate_up
+as ffn_up and its longrope factors as tensors, Mixtral as arch "llama" with permuted Q/K and
+stacked experts, Qwen3-MoE with stacked experts and no norm_topk_prob key), each loaded by
+tessera and checked against the original Hugging Face model: the same greedy tokens and the
+same log-probabilities (float32)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from tessera import LLM
+from tests.models.parity import VOCAB, check_greedy_and_logprobs
+from tests.weights.gguf_writer import write_model_gguf
+
+NEW_TOKENS = 10
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    # llama.cpp scales queries by head_dim ** -0.5 (the file has no query_pre_attn_scalar)
+    cfg = Gemma2Config(**COMMON, intermediate_size=128, head_dim=32, query_pre_attn_scalar=32,
+                       sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+                       attn_implementation="eager")
+    return Gemma2ForCausalLM(cfg)
+
+
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=4,
+                                            num_experts_per_tok=2, tie_word_embeddings=False))
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    # llama.cpp renormalises Qwen3-MoE's top-k weights whatever the checkpoint said
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=32,
+                                              head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                              norm_topk_prob=True, tie_word_embeddings=False))
+
+
+def phi3(longrope: bool = False):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    extra = dict(max_position_embeddings=512, original_max_position_embeddings=512)
+    if longrope:  # short factors apply up to 32 tokens; the prompts below cross it
+        g = torch.Generator().manual_seed(3)
+        extra = dict(max_position_embeddings=512, original_max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "long_factor": (1 + 3 * torch.rand(8, generator=g)).tolist(),
+            "short_factor": (1 + 0.5 * torch.rand(8, generator=g)).tolist()})
+    return Phi3ForCausalLM(Phi3Config(**{**COMMON, **extra}, intermediate_size=64, sliding_window=None,
+                                      tie_word_embeddings=False))
+
+
+CASES = {
+    "gemma2": (gemma2, "gemma2", {}),
+    "mixtral": (mixtral, "llama", {}),
+    "mixtral-per-expert": (mixtral, "llama", {"per_expert": True}),
+    "qwen3moe": (qwen3_moe, "qwen3moe", {}),
+    "qwen3moe-q8_0": (qwen3_moe, "qwen3moe", {"qtype": QT.Q8_0}),
+    "phi3": (phi3, "phi3", {}),
+}
+
+
+def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random norm weights (a loader that skips them, or mishandles Gemma's 1 + w, shows)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((0.2 if "gemma" in type(model).__name__.lower() else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def dequantized(model: torch.nn.Module, qtype: QT) -> torch.nn.Module:
+    """The model holding what a `qtype` file stores: each 2-D+ weight quantized and back."""
+    if qtype == QT.F32:
+        return model
+    import copy
+
+    import gguf
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if p.dim() >= 2 and not name.endswith("mlp.gate.weight"):
+                a = p.detach().float().numpy()
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)))
+    return ref
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tiny_tokenizer_dir) -> Path:
+    return Path(tiny_tokenizer_dir) / "tokenizer.json"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_gives_the_original_models_outputs(name, tokenizer_json, tmp_path):
+    build, arch, options = CASES[name]
+    torch.manual_seed(len(name))
+    hf = randomised(build(), seed=len(name))
+    path = write_model_gguf(tmp_path / f"{name}.gguf", hf, tokenizer_json, arch, **options)
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    assert llm.engine.router.config.model_type == hf.config.model_type
+    check_greedy_and_logprobs(llm, dequantized(hf, options.get("qtype", QT.F32)), prompts(), NEW_TOKENS)
+
+
+def test_phi3_longrope_factors_from_tensors(tokenizer_json, tmp_path):
+    """Phi-3.5-style longrope: the factors travel as rope_factors_long / _short tensors and the
+    attention factor as a key; prompts cross the original length, so both factor sets matter."""
+    import gguf
+
+    torch.manual_seed(4)
+    hf = randomised(phi3(longrope=True), seed=4)
+    params = hf.config.rope_parameters
+    scale = hf.config.max_position_embeddings / hf.config.original_max_position_embeddings
+    attn_factor = float(np.sqrt(1 + np.log(scale) / np.log(hf.config.original_max_position_embeddings)))
+    original_write = gguf.GGUFWriter.write_header_to_file
+
+    def with_longrope(self, *args, **kwargs):  # as Phi3MiniModel.generate_extra_tensors adds them
+        self.add_rope_scaling_attn_factors(attn_factor)
+        self.add_tensor("rope_factors_long.weight", np.array(params["long_factor"], dtype=np.float32))
+        self.add_tensor("rope_factors_short.weight", np.array(params["short_factor"], dtype=np.float32))
+        return original_write(self, *args, **kwargs)
+
+    gguf.GGUFWriter.write_header_to_file = with_longrope
+    try:
+        path = write_model_gguf(tmp_path / "phi3-longrope.gguf", hf, tokenizer_json, "phi3")
+    finally:
+        gguf.GGUFWriter.write_header_to_file = original_write
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    rope = llm.engine.router.config.rope_parameters
+    assert rope["rope_type"] == "longrope"
+    assert rope["long_factor"] == pytest.approx(params["long_factor"])
+    check_greedy_and_logprobs(llm, hf, prompts(), NEW_TOKENS)
+
+
+def test_gemma2_config_from_the_file(tokenizer_json, tmp_path):
+    torch.manual_seed(5)
+    hf = randomised(gemma2(), seed=5)
+    path = write_model_gguf(tmp_path / "gemma2.gguf", hf, tokenizer_json, "gemma2")
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    cfg = llm.engine.router.config
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (1.5, 2.0)
+    assert (cfg.query_pre_attn_scalar, cfg.sliding_window, cfg.head_dim) == (32, 8, 32)
+    layer = llm.engine.model.model.layers[1]
+    # tessera holds Gemma's norms as 1 + w: here exactly the file's stored values
+    torch.testing.assert_close(layer.post_feedforward_layernorm.weight,
+                               1 + hf.model.layers[1].post_feedforward_layernorm.weight, rtol=0, atol=1e-6)
