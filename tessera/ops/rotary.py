@@ -83,6 +83,9 @@ def _longrope(dim: int, params: dict, seq_len: int | None) -> tuple[torch.Tensor
     long = seq_len is not None and seq_len > original
     ext = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if ext.shape != shape.shape:  # one factor per rotary frequency, or a silent broadcast
+        raise ValueError(f"longrope: {ext.numel()} {'long' if long else 'short'} factors for "
+                         f"{shape.numel()} frequencies (rotary dimension {dim})")
     return 1.0 / (ext * float(params["rope_theta"]) ** shape), float(attention)
 
 

@@ -56,7 +56,7 @@ def _mixtral(config: Any, experts: int, used: int) -> Any:
     from transformers import MixtralConfig
 
     kept = {k: v for k, v in config.to_dict().items()
-            if k not in ("model_type", "architectures", "transformers_version", "head_dim")}
+            if k not in ("model_type", "architectures", "transformers_version")}
     return MixtralConfig(**kept, num_local_experts=experts, num_experts_per_tok=used,
                          sliding_window=None, architectures=["MixtralForCausalLM"])
 

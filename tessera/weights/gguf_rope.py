@@ -31,11 +31,12 @@ def rope_scaling_from_gguf(fields: dict, arch: str) -> dict | None:
     or None for unscaled rope."""
     kind = _field(fields, f"{arch}.rope.scaling.type")
     factor = _field(fields, f"{arch}.rope.scaling.factor")
-    if kind is None:  # early GGUFs: only a linear scale, under its own key
-        legacy = _field(fields, f"{arch}.rope.scale_linear")
-        if legacy in (None, 1.0):
+    if kind is None:  # llama.cpp reads a factor without a type as linear
+        legacy = _field(fields, f"{arch}.rope.scale_linear")  # early GGUFs' own key
+        factor = factor if factor is not None else legacy
+        if factor in (None, 0.0, 1.0):
             return None
-        kind, factor = "linear", legacy
+        kind = "linear"
     if kind == "none":
         return None
     if kind == "linear":

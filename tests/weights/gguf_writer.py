@@ -65,7 +65,9 @@ def rope_scaling_of(cfg) -> dict:
 def llama3_rope_freqs(params: dict, head_dim: int) -> np.ndarray:
     """convert_hf_to_gguf.py's rope_freqs for rope_type llama3: per rotary frequency, 1 where the
     wavelength is short, `factor` where it is long, a smooth ramp between, computed in Python
-    floats and stored as float32 (llama.cpp divides each frequency by it)."""
+    floats and stored as float32 (llama.cpp divides each frequency by it). The converter takes
+    the original length from the config's top level (default 8192, what Llama 3.1-3.3 have);
+    here it comes from the rope parameters, so tiny test models can use a short one."""
     import math
 
     base = params["rope_theta"]

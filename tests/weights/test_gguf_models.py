@@ -39,7 +39,8 @@ def gemma2():
 def mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=4,
+    # head_dim 32, not hidden / heads (16): it must survive the LlamaConfig -> MixtralConfig turn
+    return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=4, head_dim=32,
                                             num_experts_per_tok=2, tie_word_embeddings=False))
 
 

@@ -117,3 +117,24 @@ def test_malformed_rope_freqs_are_a_clear_error(factors, message, make_tiny_llam
                             extra_tensors={"rope_freqs.weight": factors})
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+
+
+def test_a_factor_without_a_type_is_linear(make_tiny_llama, tokenizer_json, tmp_path):
+    """llama.cpp reads rope.scaling.factor with no rope.scaling.type as linear scaling."""
+    model = tiny_model(make_tiny_llama, SCALINGS["linear"], seed=16)
+    plain = tiny_model(make_tiny_llama, {"rope_type": "default", "rope_theta": ROPE_THETA}, seed=16)
+    plain.load_state_dict(model.state_dict())
+    path = write_llama_gguf(tmp_path / "factor.gguf", plain, tokenizer_json, QT.F32,
+                            extra_metadata={"llama.rope.scaling.factor": 4.0})
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    check_greedy_and_logprobs(llm, model, prompts(), NEW_TOKENS, atol=LOGPROB_ATOL)
+
+
+def test_longrope_factors_of_the_wrong_length_are_refused():
+    from tessera.ops.rotary import rope_frequencies
+
+    params = {"rope_type": "longrope", "rope_theta": ROPE_THETA, "original_max_position_embeddings": 32,
+              "max_position_embeddings": 512, "long_factor": [2.0] * 8, "short_factor": [1.5]}
+    assert rope_frequencies(HEAD_DIM, {**params, "short_factor": [1.5] * 8})[0].shape == (8,)
+    with pytest.raises(ValueError, match="1 short factors for 8 frequencies"):
+        rope_frequencies(HEAD_DIM, params)
