@@ -142,7 +142,8 @@ HF_EXPERT_NAMES = {"gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
 _PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
 # transformers' own fused layout (its in-memory modules): [E, 2I, H] gate-then-up, [E, H, I]
 _FUSED = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
-_FUSED_RE = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
+# (".weight" as GGUF names carry it: llama.cpp's --fuse-gate-up-exps stores gate_up so too)
+_FUSED_RE = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
 def expert_weight_target(name: str, names: dict[str, tuple[str, int]]

@@ -210,10 +210,12 @@ def _layer_parts(arch: str) -> dict[str, str]:
     return parts
 
 
-def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False) -> dict[str, np.ndarray]:
+def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False,
+                  fuse_gate_up: bool = False) -> dict[str, np.ndarray]:
     """The GGUF tensors convert_hf_to_gguf.py writes for `model` (float32 arrays): llama.cpp
     names; Q/K permuted for arch llama; experts stacked [E, rows, cols] as ffn_{gate,up,down}_exps
-    (or, `per_expert`, one ffn_{gate,up,down}.E tensor each, as older files have them); Gemma's
+    (or, `per_expert`, one ffn_{gate,up,down}.E tensor each, as older files have them; or,
+    `fuse_gate_up`, gate and up as one ffn_gate_up_exps, gate rows first); Gemma's
     norm weights with 1 added; no output tensor when the embedding is tied (always for gemma2)."""
     cfg = model.config
     parts = _layer_parts(arch)
@@ -227,6 +229,9 @@ def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False) -
         m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf_name)
         if m:  # transformers' fused in-memory experts: gate rows, then up rows
             layer, kind = m.groups()
+            if fuse_gate_up and kind == "gate_up_proj":  # --fuse-gate-up-exps
+                out[f"blk.{layer}.ffn_gate_up_exps.weight"] = array
+                continue
             stacked = ({"ffn_down": array} if kind == "down_proj" else
                        {"ffn_gate": array[:, :array.shape[1] // 2], "ffn_up": array[:, array.shape[1] // 2:]})
             for part, arr in stacked.items():
@@ -289,7 +294,7 @@ def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
 
 
 def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, arch: str,
-                     qtype: QT = QT.F32, per_expert: bool = False) -> Path:
+                     qtype: QT = QT.F32, per_expert: bool = False, fuse_gate_up: bool = False) -> Path:
     """A GGUF of `model` as llama.cpp writes architecture `arch` (gemma2, phi3, qwen3moe, or
     llama for Mixtral): its metadata keys and tensors (model_tensors); 1-D tensors in F32, the
     others in `qtype`."""
@@ -298,7 +303,7 @@ def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, a
     w.add_name(f"tiny random {cfg.model_type}")
     _model_metadata(w, cfg, arch)
     add_tokenizer(w, tokenizer_json, cfg.vocab_size)
-    for name, array in model_tensors(model, arch, per_expert).items():
+    for name, array in model_tensors(model, arch, per_expert, fuse_gate_up).items():
         stored = qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32
         data = gguf.quants.quantize(np.ascontiguousarray(array), stored)
         w.add_tensor(name, data, raw_dtype=None if stored in (QT.F32, QT.F16) else stored)

@@ -73,6 +73,8 @@ CASES = {
     "mixtral-per-expert": (mixtral, "llama", {"per_expert": True}),
     "qwen3moe": (qwen3_moe, "qwen3moe", {}),
     "qwen3moe-q8_0": (qwen3_moe, "qwen3moe", {"qtype": QT.Q8_0}),
+    "qwen3moe-fused-gate-up": (qwen3_moe, "qwen3moe", {"fuse_gate_up": True}),
+    "mixtral-fused-gate-up": (mixtral, "llama", {"fuse_gate_up": True}),
     "phi3": (phi3, "phi3", {}),
 }
 
