@@ -3,8 +3,9 @@ tessera serves natively, filled in from the file as llama.cpp reads it:
 
 - biases (no metadata key: the tensors say) and head_dim (`attention.key_length`);
 - rope scaling (gguf_rope.py);
-- Gemma 2: the soft-caps from their keys, and the query scale llama.cpp uses (the file has
-  no query_pre_attn_scalar: head_dim, or hidden / heads for the 46-layer 27B);
+- Gemma 2 and 3: the soft-caps from their keys, and the query scale llama.cpp uses (the file
+  has no query_pre_attn_scalar: head_dim, or hidden / heads for the 27B models, which
+  llama.cpp knows by their layer count);
 - Mixtral: llama.cpp writes it as arch "llama" with `expert_count`, which transformers turns
   into a dense LlamaConfig; it becomes a MixtralConfig;
 - Phi-3: its original context length and sliding window (0: none);
@@ -17,7 +18,8 @@ from typing import Any
 
 from tessera.weights.gguf_rope import apply_gguf_rope
 
-GEMMA2_27B_LAYERS = 46  # how llama.cpp recognises the 27B, whose query scale is hidden / heads
+# how llama.cpp recognises the 27B models, whose query scale is hidden / heads
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _field(fields: dict, key: str) -> Any:
@@ -41,12 +43,12 @@ def _set_head_dim(config: Any, fields: dict, arch: str) -> None:
         config.head_dim = int(key)
 
 
-def _gemma2(config: Any, fields: dict) -> None:
+def _gemma(config: Any, fields: dict, arch: str) -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        value = _field(fields, f"gemma2.{name}")
+        value = _field(fields, f"{arch}.{name}")
         if value is not None:
             setattr(config, name, float(value))
-    if config.num_hidden_layers == GEMMA2_27B_LAYERS:
+    if config.num_hidden_layers == GEMMA_27B_LAYERS[arch]:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     else:
         config.query_pre_attn_scalar = config.head_dim
@@ -70,8 +72,8 @@ def complete_gguf_config(config: Any, fields: dict, tensors: list) -> Any:
         return config
     _set_head_dim(config, fields, arch)
     apply_gguf_rope(config, fields, tensors)
-    if arch == "gemma2":
-        _gemma2(config, fields)
+    if arch in GEMMA_27B_LAYERS:
+        _gemma(config, fields, arch)
     elif arch == "phi3":
         original = _field(fields, "phi3.rope.scaling.original_context_length")
         if original is not None:

@@ -96,7 +96,10 @@ def apply_gguf_rope(config: Any, fields: dict, tensors: list) -> None:
         scaling = _longrope(fields, arch, *(by_name.get(name) for name in LONGROPE_FACTORS))
     if scaling:
         params = dict(getattr(config, "rope_parameters", None) or {})
-        params.update(scaling)
+        if "full_attention" in params:  # one set per layer type (Gemma 3): llama.cpp scales
+            params["full_attention"] = {**params["full_attention"], **scaling}  # the global layers only
+        else:
+            params.update(scaling)
         config.rope_parameters = params
     if ROPE_FREQS in by_name:
         config.rope_freq_factors = _factors(by_name[ROPE_FREQS])

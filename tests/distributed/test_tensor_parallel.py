@@ -151,10 +151,13 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         from tests.models.test_gemma2_parity import BASE as GEMMA2_BASE
         return make_tiny(folder, tokenizer_dir, Gemma2Config, Gemma2ForCausalLM, seed=5,
                          base=GEMMA2_BASE, attn_implementation="eager")
+    if kind == "gemma3_text":
+        from tests.models.test_gemma3_parity import make as make_gemma3
+        return make_gemma3(folder, tokenizer_dir, "gemma3-tied")
     raise AssertionError(kind)
 
 
-ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "phi3", "mixtral", "qwen3_moe")
+ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -33,6 +33,12 @@ def make_tiny_gemma2(folder, tokenizer_dir, seed: int = 0):
                      attn_implementation="eager")
 
 
+def make_tiny_gemma3(folder, tokenizer_dir, seed: int = 0):
+    """Gemma 3 (head norms, a rotary table per layer type), as its parity test makes it."""
+    from tests.models.test_gemma3_parity import make
+    return make(folder, tokenizer_dir, "gemma3-tied")
+
+
 def make_tiny_mistral(folder, tokenizer_dir, seed: int = 0):
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -47,6 +53,7 @@ FAMILIES = {
     "mixtral-attention": (make_tiny_moe, "mixtral", ["q_proj", "v_proj", "o_proj"]),
     "qwen3-moe-attention": (make_tiny_moe, "qwen3_moe", ["q_proj", "k_proj", "o_proj"]),
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
+    "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
 }
 
@@ -175,7 +182,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
     from tessera.config import ConfigError
     from tessera.models.registry import router_classes
 
-    tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "mistral"}
+    tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "mistral"}
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
     folder, _ = make_tiny_llama()
     with pytest.raises(ConfigError, match="does not support LoRA adapters"):

@@ -199,10 +199,10 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
 def _layer_parts(arch: str) -> dict[str, str]:
     """Hugging Face layer module -> llama.cpp part, for `arch` (tensor_mapping.py)."""
     parts = dict(_LAYER_PARTS)
-    if arch == "gemma2":  # four norms; ffn_norm is the pre-feedforward one
+    if arch in ("gemma2", "gemma3"):  # four norms; ffn_norm is the pre-feedforward one
         parts |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
-    if arch in ("qwen3", "qwen3moe"):
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
         parts |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     if arch == "phi3":  # fused projections kept whole; gate_up_proj is written as ffn_up
         parts |= {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
@@ -222,9 +222,9 @@ def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False,
     out: dict[str, np.ndarray] = {}
     for hf_name, tensor in model.state_dict().items():
         array = tensor.detach().float().numpy().copy()
-        if hf_name == "lm_head.weight" and (cfg.tie_word_embeddings or arch == "gemma2"):
+        if hf_name == "lm_head.weight" and (cfg.tie_word_embeddings or arch in ("gemma2", "gemma3")):
             continue
-        if arch == "gemma2" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             array = array + np.float32(1.0)
         m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf_name)
         if m:  # transformers' fused in-memory experts: gate rows, then up rows
@@ -264,6 +264,17 @@ def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "gemma3":  # the global layers' rope; llama.cpp fixes the local ones at 10000
+        rope = cfg.rope_parameters
+        assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        if rope["full_attention"]["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        return
     theta = rope_scaling_of(cfg)["rope_theta"]
     if arch == "gemma2":  # no rope keys at all: llama.cpp's default base, 10000
         assert theta == 10000.0

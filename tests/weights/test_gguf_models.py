@@ -36,6 +36,19 @@ def gemma2():
     return Gemma2ForCausalLM(cfg)
 
 
+def gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # six layers: llama.cpp's pattern makes the sixth the only full-attention (global) layer
+    cfg = Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6}, intermediate_size=128, head_dim=32,
+                           query_pre_attn_scalar=32, sliding_window=8, attn_implementation="eager",
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 100.0}})
+    assert cfg.layer_types[5] == "full_attention" and cfg.layer_types.count("full_attention") == 1
+    return Gemma3ForCausalLM(cfg)
+
+
 def mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -69,6 +82,7 @@ def phi3(longrope: bool = False):
 
 CASES = {
     "gemma2": (gemma2, "gemma2", {}),
+    "gemma3": (gemma3, "gemma3", {}),
     "mixtral": (mixtral, "llama", {}),
     "mixtral-per-expert": (mixtral, "llama", {"per_expert": True}),
     "qwen3moe": (qwen3_moe, "qwen3moe", {}),
@@ -85,7 +99,8 @@ def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_((0.2 if "gemma" in type(model).__name__.lower() else 1.0) + 0.2 * torch.randn(p.shape, generator=g))
+                centre = 0.2 if "gemma" in type(model).__name__.lower() else 1.0
+                p.copy_(centre + 0.2 * torch.randn(p.shape, generator=g))
     return model.eval()
 
 

@@ -68,10 +68,12 @@ class Gemma2Attention(LlamaAttention):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention_cls = Gemma2Attention
+
     def __init__(self, config: PretrainedConfig, layer_idx: int, target: OpTarget):
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma2Attention(config, layer_idx, target)
+        self.self_attn = self.attention_cls(config, layer_idx, target)
         self.mlp = Gemma2MLP(config, target)
         self.input_layernorm = Gemma2RMSNorm(size, eps, target)
         self.post_attention_layernorm = Gemma2RMSNorm(size, eps, target)
@@ -92,22 +94,31 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
+    layer_cls = Gemma2DecoderLayer
+
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
         # transformers multiplies by sqrt(hidden) rounded to the hidden states' dtype
         self.normalizer = torch.tensor(config.hidden_size ** 0.5, dtype=target.dtype).item()
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                          rope_parameters(config), target)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, target)
+        self.make_rotary(config, target)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, target)
                                     for i in range(config.num_hidden_layers))
         self.norm = Gemma2RMSNorm(config.hidden_size, config.rms_norm_eps, target)
 
+    def make_rotary(self, config: PretrainedConfig, target: OpTarget) -> None:
+        """One rotary table for every layer (Gemma 3 keeps one per layer type)."""
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          rope_parameters(config), target)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[Rope]:
+        """Each layer's cos/sin for this step's positions."""
+        return [self.rotary_emb(positions)] * len(self.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.normalizer
-        rope = self.rotary_emb(positions)
         residual = None
-        for layer in self.layers:
+        for layer, rope in zip(self.layers, self.layer_ropes(positions)):
             hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden

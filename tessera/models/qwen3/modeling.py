@@ -13,11 +13,9 @@ from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 
 
-class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target)  # qkv and o_proj biases follow attention_bias
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, target)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, target)
+class HeadNormForward:
+    """Attention whose `q_norm` / `k_norm` (set by the class) normalise every query and key
+    head over head_dim before rotary (Qwen3, Gemma 3); mixed in before a LlamaAttention."""
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         # [tokens * heads, head_dim]: every head normalised on its own, with a 2-D input as
@@ -29,6 +27,13 @@ class Qwen3Attention(LlamaAttention):
         q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
         q, k = self.rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v))
+
+
+class Qwen3Attention(HeadNormForward, LlamaAttention):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)  # qkv and o_proj biases follow attention_bias
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, target)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, target)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

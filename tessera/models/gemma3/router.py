@@ -1,0 +1,15 @@
+from tessera.models.base import BaseRouter
+from tessera.models.gemma2.router import Gemma2Router
+from tessera.models.gemma3.modeling import Gemma3ForCausalLM
+
+
+class Gemma3Router(BaseRouter):
+    model_types = ("gemma3_text",)
+    model_cls = Gemma3ForCausalLM
+    supports_sliding_window = True  # tests/models/test_gemma3_parity.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py
+    supports_gguf = True  # tests/weights/test_gguf_models.py
+    # llama.cpp writes Gemma 3 (every size's text model) as Gemma 2, plus attn_q_norm / attn_k_norm
+    gguf_names = Gemma2Router.gguf_names
+    gguf_norm_offset = 1.0  # every norm, the head norms too, stored as 1 + w
