@@ -26,7 +26,7 @@ from safetensors.torch import load as load_bytes, load_file, save as save_bytes
 from torch import nn
 
 from tessera.ops.linear import Linear, PackedLinear, RowParallelLinear
-from tessera.weights.loader import checkpoint_target
+from tessera.weights.loader import checkpoint_target, model_tensor_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -126,6 +126,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no lora_A/lora_B weights")
     weights: dict[str, dict[Hashable, LoRAPair]] = {}
     for module_name, (a, b) in sorted(factors.items()):
+        if model_tensor_name(model, module_name) is None:  # e.g. a vision tower not served
+            continue
         layer_name, shard, layer = _target_layer(name, model, module_name)
         rank = a.shape[0]
         if rank > max_rank:
@@ -145,6 +147,9 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
         scale = _scale(config, module_name, rank)
         pair = LoRAPair(a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
         weights.setdefault(layer_name, {})[shard] = pair
+    if not weights:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: it adapts no layer of the model tessera serves "
+                               f"(only modules such as {min(factors)}, which it does not run)")
     rank = max(p.rank for shards in weights.values() for p in shards.values())
     return LoRAAdapter(name, str(folder), rank, weights)
 

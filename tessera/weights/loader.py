@@ -21,7 +21,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
     for ckpt_name, tensor in weights:
-        if ckpt_name.endswith(ignored):
+        if ckpt_name.endswith(ignored) or model_tensor_name(model, ckpt_name) is None:
             continue
         name, shard_id = checkpoint_target(model, ckpt_name)
         param = params.get(name)
@@ -49,11 +49,22 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     return set(loaded)
 
 
+def model_tensor_name(model: nn.Module, ckpt_name: str) -> str | None:
+    """A checkpoint name with the model's `checkpoint_prefixes` applied (the first that
+    matches: a new prefix, or None for tensors the model does not use, e.g. a multimodal
+    checkpoint's vision tower when only its language model is served)."""
+    for prefix, replacement in getattr(model, "checkpoint_prefixes", {}).items():
+        if ckpt_name.startswith(prefix):
+            return None if replacement is None else replacement + ckpt_name[len(prefix):]
+    return ckpt_name
+
+
 def checkpoint_target(model: nn.Module, ckpt_name: str) -> tuple[str, Hashable]:
-    """(our parameter's name, shard id) for a checkpoint tensor's name: the model's own
-    `map_weight_name` hook first (names a fragment swap cannot express, e.g. one tensor per
-    expert into a stacked parameter), then its packed_modules_mapping (q_proj -> qkv_proj,
-    shard "q"), else the name itself (shard None)."""
+    """(our parameter's name, shard id) for a checkpoint tensor's name (after
+    `checkpoint_prefixes`): the model's own `map_weight_name` hook first (names a fragment
+    swap cannot express, e.g. one tensor per expert into a stacked parameter), then its
+    packed_modules_mapping (q_proj -> qkv_proj, shard "q"), else the name itself (shard None)."""
+    ckpt_name = model_tensor_name(model, ckpt_name) or ckpt_name
     map_name = getattr(model, "map_weight_name", None)
     mapped = map_name(ckpt_name) if map_name is not None else None
     if mapped is not None:

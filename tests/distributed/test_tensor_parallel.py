@@ -154,10 +154,13 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
     if kind == "gemma3_text":
         from tests.models.test_gemma3_parity import make as make_gemma3
         return make_gemma3(folder, tokenizer_dir, "gemma3-tied")
+    if kind == "gemma3":  # the multimodal checkpoint, served text-only
+        from tests.models.test_gemma3_parity import make_multimodal
+        return make_multimodal(folder, tokenizer_dir)
     raise AssertionError(kind)
 
 
-ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
+ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gemma3", "phi3", "mixtral", "qwen3_moe")
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -8,7 +8,11 @@ final-logit soft-cap) plus
   the larger models). transformers 4-style configs (rope_theta, rope_scaling and
   rope_local_base_freq) are read too.
 The config's attn_logit_softcapping is ignored, as transformers' Gemma 3 ignores it (released
-checkpoints set none)."""
+checkpoints set none).
+
+Gemma 3 4B-27B ship as multimodal checkpoints (model_type "gemma3": a SigLIP vision tower, a
+projector and the language model under `language_model.`); tessera serves their language
+model, text in and text out: the router reads text_config and the vision weights are skipped."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -73,6 +77,12 @@ class Gemma3Model(Gemma2Model):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     model_cls = Gemma3Model
+    # a multimodal checkpoint's names (as saved by transformers, older and newer layouts):
+    # the language model's renamed, the vision tower and projector not used
+    checkpoint_prefixes = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model.", "vision_tower.": None,
+                           "model.vision_tower.": None, "multi_modal_projector.": None,
+                           "model.multi_modal_projector.": None}
 
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         if getattr(config, "use_bidirectional_attention", False):

@@ -1,10 +1,13 @@
+from transformers import PretrainedConfig
+
 from tessera.models.base import BaseRouter
 from tessera.models.gemma2.router import Gemma2Router
 from tessera.models.gemma3.modeling import Gemma3ForCausalLM
 
 
 class Gemma3Router(BaseRouter):
-    model_types = ("gemma3_text",)
+    # gemma3: the multimodal checkpoints (4B-27B), served text-only through their text_config
+    model_types = ("gemma3_text", "gemma3")
     model_cls = Gemma3ForCausalLM
     supports_sliding_window = True  # tests/models/test_gemma3_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
@@ -13,3 +16,7 @@ class Gemma3Router(BaseRouter):
     # llama.cpp writes Gemma 3 (every size's text model) as Gemma 2, plus attn_q_norm / attn_k_norm
     gguf_names = Gemma2Router.gguf_names
     gguf_norm_offset = 1.0  # every norm, the head norms too, stored as 1 + w
+
+    def get_config(self) -> PretrainedConfig:
+        config = super().get_config()
+        return getattr(config, "text_config", None) or config
