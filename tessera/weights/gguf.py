@@ -38,7 +38,7 @@ _GLOBAL_NAMES = {
 }
 # blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
-CONVERSION_VERSION = 6  # bump when the cached folder's contents change
+CONVERSION_VERSION = 7  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
 EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF tensor is split)
 

@@ -43,7 +43,7 @@ def make(folder, tokenizer_dir, name: str, **overrides):
                      attn_implementation="eager", **{**CASES.get(name, {}), **overrides})
 
 
-def make_multimodal(folder, tokenizer_dir, seed: int = 3):
+def make_multimodal(folder, tokenizer_dir, seed: int = 3, **top_level):
     """A tiny Gemma3ForConditionalGeneration (SigLIP tower, projector, the text model above),
     saved as transformers saves the released 4B-27B checkpoints."""
     from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
@@ -55,7 +55,8 @@ def make_multimodal(folder, tokenizer_dir, seed: int = 3):
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(Gemma3Config(
         text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-        image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)).eval()
+        image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+        **top_level)).eval()
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -129,15 +130,20 @@ def test_transformers4_style_config(tmp_path, tiny_tokenizer_dir):
             params["full_attention"]["rope_theta"]) == ("linear", 8.0, 1e6)
 
 
-def test_multimodal_checkpoint_serves_its_language_model(tmp_path, tiny_tokenizer_dir):
+@pytest.mark.parametrize("tied", [True, False])
+def test_multimodal_checkpoint_serves_its_language_model(tied, tmp_path, tiny_tokenizer_dir):
     """model_type gemma3 (Gemma 3 4B-27B): text_config, language-model weights renamed, the
     vision tower and projector skipped; text in, the same tokens and logprobs as
-    transformers' Gemma3ForConditionalGeneration given the same text."""
-    hf = make_multimodal(tmp_path, tiny_tokenizer_dir)
+    transformers' Gemma3ForConditionalGeneration given the same text. Tying and the EOS ids
+    are stated at the config's top level (an untied fine-tune; the end-of-turn id)."""
+    hf = make_multimodal(tmp_path, tiny_tokenizer_dir, tie_word_embeddings=tied, eos_token_id=[2, 7])
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "gemma3" and "vision_config" in saved
     llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
     assert llm.engine.router.config.model_type == "gemma3_text"
+    assert {2, 7} <= llm.engine.router.eos_token_ids
+    model = llm.engine.model
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     prompts = [prompt_ids(n, seed=2) for n in PROMPT_LENGTHS]
     check_greedy_and_logprobs(llm, hf, prompts, 12)
 

@@ -19,4 +19,12 @@ class Gemma3Router(BaseRouter):
 
     def get_config(self) -> PretrainedConfig:
         config = super().get_config()
-        return getattr(config, "text_config", None) or config
+        text = getattr(config, "text_config", None)
+        if text is None:
+            return config
+        # a multimodal config states these at its top level (the text config keeps defaults):
+        # an untied head, and the end-of-turn id among its EOS ids
+        text.tie_word_embeddings = config.tie_word_embeddings
+        if getattr(config, "eos_token_id", None) is not None:
+            text.eos_token_id = config.eos_token_id
+        return text
