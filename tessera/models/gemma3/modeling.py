@@ -53,7 +53,6 @@ class Gemma3Attention(HeadNormForward, Gemma2Attention):
         return {**super().attention_options(config), "softcap": None}
 
 
-
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
     attention_cls = Gemma3Attention
 
