@@ -1,5 +1,10 @@
 """RMSNorm with an optional fused residual add: (x + residual) is normalised and also
-returned as the next residual, so the add costs no extra pass in fused builders."""
+returned as the next residual, so the add costs no extra pass in fused builders.
+
+A weight in the model dtype multiplies the normalised row rounded to that dtype (Llama's
+RMSNorm in transformers). A float32 weight over a lower-precision row multiplies the
+normalised row in float32 and rounds once (Gemma's norms, whose 1 + w weights tessera keeps
+in float32, as transformers computes them)."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +23,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and dtype != torch.float32:
+        return (xf * weight).to(dtype), residual
     return weight * xf.to(dtype), residual
 
 

@@ -75,3 +75,35 @@ def test_chunked_prefill_matches(case: Case, monkeypatch):
 
 def test_routed_by_model_type():
     assert router_classes()["gemma2"].__name__ == "Gemma2Router"
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bf16_norms_round_once_as_transformers(with_residual):
+    """In bf16, transformers multiplies the float32 normalised row by (1 + w) in float32 and
+    rounds once; tessera keeps 1 + w in float32 and does the same, bit for bit (1 + w in
+    bf16 would be off by up to 2^-9 per channel)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm as HFGemma2RMSNorm
+
+    from tessera.models.gemma2.modeling import Gemma2RMSNorm
+    from tessera.ops.registry import OpTarget
+    from tessera.weights.loader import load_weights
+
+    hidden = 576
+    g = torch.Generator().manual_seed(0)
+    hf = HFGemma2RMSNorm(hidden, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(0.3 * torch.randn(hidden, generator=g))
+    ours = Gemma2RMSNorm(hidden, 1e-6, OpTarget("cpu", torch.bfloat16))
+    load_weights(ours, [("weight", hf.weight.detach())])
+    assert ours.weight.dtype == torch.float32
+    x = (3 * torch.randn(8, hidden, generator=g)).bfloat16()
+    residual = torch.randn(8, hidden, generator=g).bfloat16()
+    with torch.no_grad():
+        if with_residual:
+            got, summed = ours(x, residual)
+            assert torch.equal(summed, residual + x)  # the decoder layer's bf16 add
+            want = hf(residual + x)
+        else:
+            got, want = ours(x), hf(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)

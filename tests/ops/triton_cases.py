@@ -163,6 +163,17 @@ def check_pointwise(device: str) -> None:
             plain, none = triton_rms_norm(x[:, :hidden].to(device), w.to(device), 1e-5)
             assert none is None
             _close(plain, rms_norm_ref(x, w, 1e-5)[0], f"rms_norm without residual {dtype}")
+            w32 = torch.rand(hidden, generator=g) + 0.5 + 1e-4  # Gemma's float32 1 + w
+            want, want_res = rms_norm_ref(x, w32, 1e-6, res)
+            got, got_res = triton_rms_norm(x.to(device), w32.to(device), 1e-6, res.to(device))
+            assert got.dtype == dtype
+            _close(got, want, f"rms_norm float32 weight {dtype} {hidden}")
+            if dtype != torch.float32:  # and no rounding before the weight: nearer the op than
+                s = (x + res).float()    # to the same product with the row rounded first
+                normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+                rounded_first = (w32 * normed.to(dtype).float()).to(dtype)
+                off = [(got.cpu().float() - ref.float()).abs().mean().item() for ref in (want, rounded_first)]
+                assert off[0] < off[1], f"rms_norm float32 weight {dtype} {hidden}: {off}"
         wide = (torch.randn(5, 2 * 1500 + 8, generator=g) * 4).to(dtype)
         gate_up = wide[:, 8:]  # a strided view: rows 3008 apart, 3000 wide
         for ours, ref in ((triton_silu_and_mul, silu_and_mul_ref), (triton_gelu_tanh_and_mul, gelu_tanh_and_mul_ref)):

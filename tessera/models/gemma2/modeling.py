@@ -21,7 +21,7 @@ from tessera.ops.linear import PackedLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import RotaryEmbedding, rope_parameters
-from tessera.ops.weights import copy_checked
+from tessera.ops.weights import copy_checked, make_param
 from tessera.weights.lazy import materialize
 
 
@@ -32,9 +32,13 @@ def _plus_one_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashab
 
 
 class Gemma2RMSNorm(RMSNorm):
+    """(1 + w) kept in float32 whatever the model dtype: transformers multiplies the float32
+    normalised row by (1 + w) in float32 and rounds once (the rms_norm op does so for a
+    float32 weight); 1 + w rounded to bf16 would be off by up to 2^-9 per channel."""
+
     def __init__(self, hidden_size: int, eps: float, target: OpTarget):
         super().__init__(hidden_size, eps, target)
-        self.weight.weight_loader = _plus_one_loader
+        self.weight = make_param((hidden_size,), torch.float32, target.device, loader=_plus_one_loader)
 
 
 class Gemma2MLP(nn.Module):

@@ -7,6 +7,7 @@ the pure-torch builder up to float32 summation order (a bf16 ulp at most).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import torch
 
@@ -18,6 +19,8 @@ from tessera.ops.registry import register_op
 _KERNEL = Kernel("rms_norm_bf16.c", "tessera_rms_norm_bf16",
                  (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int), None,
                  fallback_source="rms_norm_avx2.c")
+# a float32 weight (Gemma's 1 + w), the normalised row not rounded before it (ops/norm.py)
+_F32_WEIGHT_KERNEL = dataclasses.replace(_KERNEL, defines=("TESSERA_F32_WEIGHT 1",))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -28,9 +31,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
              dtypes=(torch.bfloat16,), check=_KERNEL.check)
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not weight.is_contiguous()
+    if (x.dtype != torch.bfloat16 or weight.dtype not in (torch.bfloat16, torch.float32)
+            or not weight.is_contiguous()
             or (residual is not None and (residual.dtype != torch.bfloat16 or residual.shape != x.shape))):
         return rms_norm_ref(x, weight, eps, residual)
+    kernel = _F32_WEIGHT_KERNEL if weight.dtype == torch.float32 else _KERNEL
     h = x.shape[-1]
     x = x.contiguous()
     rows = x.numel() // h if h else 0
@@ -40,6 +45,6 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
     if rows:
-        _KERNEL(x.data_ptr(), _ptr(residual), _ptr(new_residual), weight.data_ptr(), out.data_ptr(),
+        kernel(x.data_ptr(), _ptr(residual), _ptr(new_residual), weight.data_ptr(), out.data_ptr(),
                 rows, h, eps, torch.get_num_threads())
     return out, new_residual

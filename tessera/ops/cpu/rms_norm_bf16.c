@@ -3,7 +3,9 @@
  *   out = bf16(w * bf16(s * rsqrt(mean(s^2) + eps)))   (products and sums in float32)
  * One vectorised pass per row instead of the ~8 small torch ops (add, to, pow, mean, rsqrt,
  * mul, to, mul) whose dispatch dominates at decode batch sizes. Rounding to bf16 is
- * nearest even, as torch (simd_bf16.h). Built by build.py. */
+ * nearest even, as torch (simd_bf16.h). Built by build.py.
+ * Built with TESSERA_F32_WEIGHT defined, w is float32 (Gemma's 1 + w) and the normalised
+ * row is not rounded before it: out = bf16(w * (s * rsqrt(...))), as tessera/ops/norm.py. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -12,9 +14,19 @@
 
 #include "simd_bf16.h"
 
+#ifdef TESSERA_F32_WEIGHT
+typedef float weight_t;
+#define LOAD_WEIGHT(p, m) _mm512_maskz_loadu_ps((m), (p))
+#define NORMED(v) (v)
+#else
+typedef uint16_t weight_t;
+#define LOAD_WEIGHT(p, m) load_bf16x16((p), (m))
+#define NORMED(v) round_bf16x16(v)
+#endif
+
 /* x, out: [rows, h]; residual_in / residual_out: [rows, h] or NULL (no add); w: [h]. */
 void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint16_t *residual_out,
-                           const uint16_t *w, uint16_t *out, int64_t rows, int64_t h, float eps,
+                           const weight_t *w, uint16_t *out, int64_t rows, int64_t h, float eps,
                            int threads) {
 #pragma omp parallel for num_threads(rows >= 16 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -37,8 +49,8 @@ void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint1
         const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sum) / (float)h + eps));
         for (int64_t i = 0; i < h; i += 16) {
             const __mmask16 m = lanes16(h - i);
-            const __m512 normed = round_bf16x16(_mm512_mul_ps(load_bf16x16(xr + i, m), inv));
-            _mm256_mask_storeu_epi16(out + r * h + i, m, f32x16_to_bf16(_mm512_mul_ps(load_bf16x16(w + i, m), normed)));
+            const __m512 normed = NORMED(_mm512_mul_ps(load_bf16x16(xr + i, m), inv));
+            _mm256_mask_storeu_epi16(out + r * h + i, m, f32x16_to_bf16(_mm512_mul_ps(LOAD_WEIGHT(w + i, m), normed)));
         }
     }
 }

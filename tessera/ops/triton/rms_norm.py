@@ -2,7 +2,7 @@
 sizes the torch builder is ~8 kernels per norm (65 norms a step for a 32-layer model),
 each a launch and a pass over the row; this is one of each. Rounds where the torch op
 does: the sum to the model dtype (it is the next residual), the normalised row to the
-model dtype before the weight."""
+model dtype before a weight in that dtype (not before a float32 one: tessera/ops/norm.py)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -22,7 +22,7 @@ def _kernel():
 
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, new_res_ptr, w_ptr, out_ptr, hidden, x_stride, res_stride,
-                        eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                        eps, HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         x_row = x_ptr + row * x_stride
@@ -44,7 +44,9 @@ def _kernel():
             mask = start + cols < hidden
             x = tl.load(src + start + cols, mask=mask, other=0.0)
             w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
-            normed = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+            normed = x.to(tl.float32) * rstd
+            if ROUND_NORMED:
+                normed = normed.to(x.dtype).to(tl.float32)
             tl.store(out_ptr + row * hidden + start + cols,
                      (w.to(tl.float32) * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -71,5 +73,6 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             rows_x, rows_res if rows_res is not None else rows_x,
             new_residual if new_residual is not None else out, weight.contiguous(), out, hidden,
             rows_x.stride(0), rows_res.stride(0) if rows_res is not None else 0, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            ROUND_NORMED=not (weight.dtype == torch.float32 and x.dtype != torch.float32), num_warps=4 if block <= 2048 else 8)
     return out, new_residual
