@@ -28,6 +28,14 @@ from tessera.weights.source import ModelSource
 logger = logging.getLogger(__name__)
 
 
+# Tokens llama.cpp ends generation on wherever a GGUF's vocabulary has them (its EOG set):
+# a GGUF carries one EOS id, while chat models end turns on these (Gemma's <end_of_turn>,
+# Phi-3's <|end|>, Llama 3's <|eot_id|> / <|eom_id|>, ChatML's <|im_end|>, ...), which a
+# Hugging Face folder lists in generation_config.json.
+GGUF_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>",
+                          "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>")
+
+
 class BaseRouter:
     model_types: ClassVar[tuple[str, ...]] = ()   # config.json model_type values served
     model_cls: ClassVar[type[nn.Module]]
@@ -101,6 +109,9 @@ class BaseRouter:
         if gen_config.is_file():
             add(json.loads(gen_config.read_text()).get("eos_token_id"))
         add(self.tokenizer.eos_token_id)
+        if self.source.is_gguf:  # a GGUF has no generation_config: llama.cpp's end markers
+            vocab = self.tokenizer.get_vocab()
+            add([vocab[marker] for marker in GGUF_END_OF_GENERATION if marker in vocab])
         return ids
 
     @cached_property

@@ -108,7 +108,7 @@ def add_rope_scaling(w: gguf.GGUFWriter, cfg, head_dim: int) -> dict[str, np.nda
     return {}
 
 
-def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict:
+def tokenizer_metadata(tokenizer_json: Path, vocab_size: int, overrides: dict[int, str] | None = None) -> dict:
     """llama.cpp's gpt2 vocabulary: tokens by id (padded with [PAD{i}] user-defined tokens to
     the model's vocab size, as convert_hf_to_gguf.py pads them), types, merges "a b"."""
     data = json.loads(tokenizer_json.read_text())
@@ -117,6 +117,8 @@ def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict:
     for t in data["added_tokens"]:
         by_id[t["id"]] = t["content"]
     tokens, types = [], []
+    by_id |= overrides or {}
+    specials |= set(overrides or ())
     for i in range(vocab_size):
         if i in by_id:
             tokens.append(by_id[i])
@@ -128,9 +130,11 @@ def tokenizer_metadata(tokenizer_json: Path, vocab_size: int) -> dict:
     return dict(tokens=tokens, types=types, merges=merges)
 
 
-def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int) -> None:
-    """The tiny tokenizer as a llama.cpp gpt2 vocabulary, its special ids and chat template."""
-    vocab = tokenizer_metadata(tokenizer_json, vocab_size)
+def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int,
+                  token_overrides: dict[int, str] | None = None) -> None:
+    """The tiny tokenizer as a llama.cpp gpt2 vocabulary, its special ids and chat template;
+    `token_overrides` puts control tokens at some ids (past the tiny vocabulary's own)."""
+    vocab = tokenizer_metadata(tokenizer_json, vocab_size, token_overrides)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(vocab["tokens"])
     w.add_token_types(vocab["types"])
@@ -145,7 +149,8 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int) -> 
 def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, qtype: QT, *,
                      context_length: int = CONTEXT, extra_tensors: dict[str, np.ndarray] | None = None,
                      skip: tuple[str, ...] = (), arch: str = "llama",
-                     extra_metadata: dict[str, str | float] | None = None) -> Path:
+                     extra_metadata: dict[str, str | float] | None = None,
+                     token_overrides: dict[int, str] | None = None) -> Path:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny random llama")
@@ -161,7 +166,7 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
     w.add_rope_dimension_count(head_dim)
     rope_tensors = add_rope_scaling(w, cfg, head_dim)
     w.add_vocab_size(cfg.vocab_size)
-    add_tokenizer(w, tokenizer_json, cfg.vocab_size)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size, token_overrides)
     for key, value in (extra_metadata or {}).items():
         (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
 

@@ -300,6 +300,21 @@ def test_unknown_tensor_name_is_a_clear_error(bad_name, untied, tokenizer_json, 
         load(path, tmp_path / "cache")
 
 
+def test_chat_end_markers_end_generation(untied, tokenizer_json, tmp_path):
+    """A GGUF carries one EOS id; like llama.cpp, the vocabulary's end-of-turn markers
+    (Gemma's <end_of_turn>, Phi-3's <|end|>, ...) end generation too."""
+    markers = {VOCAB - 1: "<end_of_turn>", VOCAB - 2: "<|end|>"}
+    path = write_llama_gguf(tmp_path / "chat.gguf", untied, tokenizer_json, QT.F32, token_overrides=markers)
+    llm = load(path, tmp_path / "cache")
+    assert set(markers) | {2} <= llm.engine.router.eos_token_ids
+    for token in markers:
+        out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0, logit_bias={token: 100.0}),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [token] and out.finish_reason == "eos_token"
+    plain = load(write_llama_gguf(tmp_path / "plain.gguf", untied, tokenizer_json, QT.F32), tmp_path / "cache2")
+    assert not set(markers) & plain.engine.router.eos_token_ids
+
+
 def test_architecture_tessera_does_not_serve(untied, tokenizer_json, tmp_path):
     """transformers converts a stablelm GGUF's metadata fine; tessera has no stablelm folder,
     and the transformers fallback does not take GGUF files."""
