@@ -16,15 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera.weights.gguf_rope import apply_gguf_rope
+from tessera.weights.gguf_rope import apply_gguf_rope, field_value as _field
 
 # how llama.cpp recognises the 27B models, whose query scale is hidden / heads
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def _field(fields: dict, key: str) -> Any:
-    field = fields.get(key)
-    return None if field is None else field.contents()
 
 
 def _set_bias_flags(config: Any, names: set[str]) -> None:

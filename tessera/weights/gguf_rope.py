@@ -21,7 +21,8 @@ LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 ROPE_TENSORS = (ROPE_FREQS, *LONGROPE_FACTORS)  # read into the config, not model weights
 
 
-def _field(fields: dict, key: str) -> Any:
+def field_value(fields: dict, key: str) -> Any:
+    """A metadata key's value in a gguf.GGUFReader's `fields`, or None when absent."""
     field = fields.get(key)
     return None if field is None else field.contents()
 
@@ -29,10 +30,10 @@ def _field(fields: dict, key: str) -> Any:
 def rope_scaling_from_gguf(fields: dict, arch: str) -> dict | None:
     """The Hugging Face rope parameters (beyond rope_theta) the file's scaling keys describe,
     or None for unscaled rope."""
-    kind = _field(fields, f"{arch}.rope.scaling.type")
-    factor = _field(fields, f"{arch}.rope.scaling.factor")
+    kind = field_value(fields, f"{arch}.rope.scaling.type")
+    factor = field_value(fields, f"{arch}.rope.scaling.factor")
     if kind is None:  # llama.cpp reads a factor without a type as linear
-        legacy = _field(fields, f"{arch}.rope.scale_linear")  # early GGUFs' own key
+        legacy = field_value(fields, f"{arch}.rope.scale_linear")  # early GGUFs' own key
         factor = factor if factor is not None else legacy
         if factor in (None, 0.0, 1.0):
             return None
@@ -42,7 +43,7 @@ def rope_scaling_from_gguf(fields: dict, arch: str) -> dict | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
-        original = _field(fields, f"{arch}.rope.scaling.original_context_length")
+        original = field_value(fields, f"{arch}.rope.scaling.original_context_length")
         if factor is None or original is None:
             raise ValueError("GGUF yarn rope scaling needs rope.scaling.factor and "
                              "rope.scaling.original_context_length; this file lacks one")
@@ -51,14 +52,14 @@ def rope_scaling_from_gguf(fields: dict, arch: str) -> dict | None:
         defaults = {"yarn_log_multiplier": 0.0, "yarn_ext_factor": 1.0, "yarn_attn_factor": 1.0,
                     "attn_factor": 1.0}
         unmapped = {key: value for key, default in defaults.items()
-                    if (value := _field(fields, f"{arch}.rope.scaling.{key}")) not in (None, default)}
+                    if (value := field_value(fields, f"{arch}.rope.scaling.{key}")) not in (None, default)}
         if unmapped:
             raise ValueError(f"GGUF yarn rope scaling with {unmapped} is not supported; use the "
                              "Hugging Face folder of this model instead")
         params = {"rope_type": "yarn", "factor": float(factor),
                   "original_max_position_embeddings": int(original)}
         for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            value = _field(fields, f"{arch}.rope.scaling.{key}")
+            value = field_value(fields, f"{arch}.rope.scaling.{key}")
             if value is not None:
                 params[name] = float(value)
         return params
@@ -77,10 +78,10 @@ def _longrope(fields: dict, arch: str, long: Any, short: Any) -> dict:
     if long is None or short is None:
         raise ValueError(f"a GGUF with only one of {' and '.join(LONGROPE_FACTORS)}: longrope needs both")
     params = {"rope_type": "longrope", "long_factor": _factors(long), "short_factor": _factors(short)}
-    original = _field(fields, f"{arch}.rope.scaling.original_context_length")
+    original = field_value(fields, f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         params["original_max_position_embeddings"] = int(original)
-    attention = _field(fields, f"{arch}.rope.scaling.attn_factor")
+    attention = field_value(fields, f"{arch}.rope.scaling.attn_factor")
     if attention is not None:
         params["attention_factor"] = float(attention)
     return params
@@ -89,7 +90,7 @@ def _longrope(fields: dict, arch: str, long: Any, short: Any) -> dict:
 def apply_gguf_rope(config: Any, fields: dict, tensors: list) -> None:
     """Set `config`'s rope scaling from the file's keys and its rope tensors (`tensors`: a
     gguf.GGUFReader's)."""
-    arch = _field(fields, "general.architecture")
+    arch = field_value(fields, "general.architecture")
     by_name = {t.name: t for t in tensors if t.name in ROPE_TENSORS}
     scaling = rope_scaling_from_gguf(fields, arch) if arch else None
     if any(name in by_name for name in LONGROPE_FACTORS):

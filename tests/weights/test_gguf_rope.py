@@ -83,10 +83,6 @@ def test_llama3_rope_freqs_land_in_the_config(make_tiny_llama, tokenizer_json, t
     assert ((want > 1.0) & (want < 8.0)).sum() == 2
 
 
-def write_with_keys(path: Path, model, tokenizer_json: Path, keys: dict) -> Path:
-    return write_llama_gguf(path, model, tokenizer_json, QT.F32, extra_metadata=keys)
-
-
 @pytest.mark.parametrize("keys, message", [
     ({"llama.rope.scaling.type": "longrope"}, "rope scaling type 'longrope' is not supported"),
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
@@ -94,15 +90,15 @@ def write_with_keys(path: Path, model, tokenizer_json: Path, keys: dict) -> Path
 ])
 def test_rope_scaling_tessera_cannot_map_is_a_clear_error(keys, message, make_tiny_llama, tokenizer_json, tmp_path):
     model = tiny_model(make_tiny_llama, {"rope_type": "default", "rope_theta": ROPE_THETA}, seed=13)
-    path = write_with_keys(tmp_path / "odd.gguf", model, tokenizer_json, keys)
+    path = write_llama_gguf(tmp_path / "odd.gguf", model, tokenizer_json, QT.F32, extra_metadata=keys)
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
 
 
 def test_yarn_with_a_log_multiplier_is_refused(make_tiny_llama, tokenizer_json, tmp_path):
     model = tiny_model(make_tiny_llama, SCALINGS["yarn"], seed=14)
-    path = write_with_keys(tmp_path / "yarn.gguf", model, tokenizer_json,
-                           {"llama.rope.scaling.yarn_log_multiplier": 0.1})
+    path = write_llama_gguf(tmp_path / "yarn.gguf", model, tokenizer_json, QT.F32,
+                            extra_metadata={"llama.rope.scaling.yarn_log_multiplier": 0.1})
     with pytest.raises(ValueError, match=r"yarn_log_multiplier.*not supported"):
         LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
 
