@@ -106,38 +106,48 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
     converted metadata folder holding the tensor index (without one, the file is parsed).
     `names`: the router's extra llama.cpp names (hf_tensor_name); `norm_offset` is taken off
     every norm weight (llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     tensors = _cached_tensor_index(path, index_dir)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for tensor in tensors:
-        data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
-        data = data.reshape(tensor.data_shape)
-        tensor_type = GGMLQuantizationType(tensor.tensor_type)
         if tensor.name in ROPE_TENSORS:  # read into the config at conversion (gguf_rope.py)
             continue
+        data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
+        data = data.reshape(tensor.data_shape)
         name = hf_tensor_name(tensor.name, names)
-        try:
-            array = dequantize(data, tensor_type)
-        except NotImplementedError as exc:
-            raise ValueError(f"{tensor.name}: GGUF type {tensor_type.name} cannot be "
-                             f"dequantized by the installed gguf package ({exc})") from exc
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        # Quantized tensors come back as fresh arrays; F32 ones are views of the read-only
-        # memory map, so copy those (torch needs writable memory).
-        array = np.array(array.reshape(shape), dtype=np.float32, copy=not array.flags.writeable)
+        if EXPERT in name:
+            # A stacked [experts, rows, cols] tensor: dequantized one expert at a time, so
+            # the float32 copy in flight is one expert's (a whole Mixtral-8x7B tensor would
+            # be 1.9 GB); GGUF quant blocks run along the last dimension, so each expert's
+            # bytes are a contiguous slice.
+            for e in range(shape[0]):
+                array = _dequantized(tensor, data[e], shape[1:])
+                yield name.replace(EXPERT, str(e)), torch.from_numpy(array)
+            continue
+        array = _dequantized(tensor, data, shape)
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute_rows(array, num_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute_rows(array, num_kv_heads)
         if norm_offset and name.endswith("norm.weight"):
             array -= np.float32(norm_offset)
-        if EXPERT in name:  # a stacked [experts, rows, cols] tensor, one tensor per expert
-            for e in range(array.shape[0]):
-                yield name.replace(EXPERT, str(e)), torch.from_numpy(array[e])
-        else:
-            yield name, torch.from_numpy(array)
+        yield name, torch.from_numpy(array)
+
+
+def _dequantized(tensor: GGUFTensor, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A writable float32 array of `shape` (Hugging Face order) from the stored `data`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    tensor_type = GGMLQuantizationType(tensor.tensor_type)
+    try:
+        array = dequantize(data, tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(f"{tensor.name}: GGUF type {tensor_type.name} cannot be "
+                         f"dequantized by the installed gguf package ({exc})") from exc
+    # Quantized tensors come back as fresh arrays; F32 ones are views of the read-only
+    # memory map, so copy those (torch needs writable memory).
+    return np.array(array.reshape(shape), dtype=np.float32, copy=not array.flags.writeable)
 
 
 def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:

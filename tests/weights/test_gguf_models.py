@@ -184,3 +184,35 @@ def test_gemma2_config_from_the_file(tokenizer_json, tmp_path):
     # tessera holds Gemma's norms as 1 + w: here exactly the file's stored values
     torch.testing.assert_close(layer.post_feedforward_layernorm.weight,
                                1 + hf.model.layers[1].post_feedforward_layernorm.weight, rtol=0, atol=1e-6)
+
+
+def test_stacked_experts_are_dequantized_one_expert_at_a_time(tokenizer_json, tmp_path, monkeypatch):
+    """A stacked ffn_*_exps tensor is dequantized a slice per expert (a whole Mixtral-8x7B one
+    would be 1.9 GB of float32 in flight), and each slice is its own expert's weight."""
+    import gguf.quants
+
+    from tessera.models.qwen3_moe.router import Qwen3MoeRouter
+    from tessera.weights.gguf import iter_gguf_weights
+
+    torch.manual_seed(5)
+    hf = qwen3_moe()
+    path = write_model_gguf(tmp_path / "moe.gguf", hf, tokenizer_json, "qwen3moe", qtype=QT.Q8_0)
+    stored_sizes: list[int] = []
+    original = gguf.quants.dequantize
+
+    def recording(data, qtype):
+        stored_sizes.append(data.size)
+        return original(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", recording)
+    weights = dict(iter_gguf_weights(path, permute_qk=False, num_heads=4, num_kv_heads=2,
+                                     names=Qwen3MoeRouter.gguf_names))
+    cfg = hf.config
+    one_expert = cfg.moe_intermediate_size * cfg.hidden_size * 34 // 32  # Q8_0: 34 bytes a block of 32
+    assert max(stored_sizes) <= max(one_expert, cfg.vocab_size * cfg.hidden_size * 34 // 32)
+    expert_sized = [n for n in stored_sizes if n == one_expert]
+    assert len(expert_sized) >= 3 * cfg.num_experts * cfg.num_hidden_layers  # gate, up, down
+    want = dequantized(hf, QT.Q8_0).model.layers[1].mlp.experts
+    for e in range(cfg.num_experts):
+        got = weights[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
+        torch.testing.assert_close(got, want.down_proj[e].detach(), rtol=0, atol=0)
