@@ -22,7 +22,8 @@ from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf import iter_gguf_weights
 from tessera.weights.loader import load_weights
-from tessera.weights.safetensors import iter_hf_weights
+from tessera.weights.prequantized import CheckpointQuantization, QuantizedCheckpointError, checkpoint_quantization
+from tessera.weights.safetensors import hf_tensor_names, iter_hf_weights
 from tessera.weights.source import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -148,4 +149,20 @@ class BaseRouter:
                 num_heads=cfg.num_attention_heads,
                 num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset)
-        return iter_hf_weights(self.source.path, lazy=True)
+        weights = iter_hf_weights(self.source.path, lazy=True)
+        quant = self.checkpoint_quantization
+        if quant is None:
+            return weights
+        names = hf_tensor_names(self.source.path)
+        if not names:
+            raise QuantizedCheckpointError(f"{self.source.path}: pre-quantized ({quant.method}) weights are "
+                                           "read from *.safetensors files only")
+        logger.info("%s checkpoint: quantized weights are dequantized as they load%s", quant.method,
+                    "".join(f"; {note}" for note in quant.notes))
+        return quant.dequantized(weights, names)
+
+    @cached_property
+    def checkpoint_quantization(self) -> CheckpointQuantization | None:
+        """How a pre-quantized checkpoint stores its weights (weights/prequantized.py); None
+        for a dense one or a GGUF (whose own quantization weights/gguf.py reads)."""
+        return None if self.source.is_gguf else checkpoint_quantization(self.config)

@@ -26,3 +26,12 @@ def iter_hf_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, tor
     for file in bins:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         yield from state.items()
+
+
+def hf_tensor_names(folder: Path) -> set[str]:
+    """Every tensor name of a folder's safetensors files (their headers only)."""
+    names: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
