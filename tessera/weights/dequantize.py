@@ -8,6 +8,7 @@ turned into it by the callers in weights/prequantized.py.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -27,15 +28,25 @@ class ScaleLayout:
 def unpack_int32(packed: torch.Tensor, num_bits: int, count: int, dim: int) -> torch.Tensor:
     """Unsigned `num_bits`-bit values packed densely along `dim` of int32 words (value i at
     bit i * num_bits of the word stream, low bits first; a value may straddle two words):
-    the first `count` of them along `dim`, as int64."""
+    the first `count` of them along `dim`."""
     if packed.dtype != torch.int32:
         raise ValueError(f"packed weights must be int32, got {packed.dtype}")
     if not 1 <= num_bits <= 8:
         raise ValueError(f"cannot unpack {num_bits}-bit values (1 to 8 bits)")
-    words = packed.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    if words.shape[-1] * 32 < count * num_bits:
-        raise ValueError(f"{words.shape[-1]} int32 words along dim {dim} cannot hold {count} "
+    if packed.shape[dim] * 32 < count * num_bits:
+        raise ValueError(f"{packed.shape[dim]} int32 words along dim {dim} cannot hold {count} "
                          f"{num_bits}-bit values")
+    words = packed.movedim(dim, -1)
+    if num_bits in (4, 8) and sys.byteorder == "little":  # the words' bytes, low byte first
+        low_first = words.contiguous().view(torch.uint8)
+        if num_bits == 4:
+            low_first = torch.stack((low_first & 0xF, low_first >> 4), dim=-1).flatten(-2)
+        return low_first[..., :count].to(torch.int16).movedim(-1, dim)
+    if 32 % num_bits == 0:  # no value straddles a word: shift each in place
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
+        values = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+        return values.flatten(-2)[..., :count].movedim(-1, dim)
+    words = words.to(torch.int64) & 0xFFFFFFFF
     # each word with its successor above it, so a straddling value reads in one shift
     following = torch.cat([words[..., 1:], torch.zeros_like(words[..., :1])], dim=-1)
     windows = words | (following << 32)
@@ -90,6 +101,14 @@ def dequantize_weight(quantized: torch.Tensor, scale: torch.Tensor, layout: Scal
         raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(quantized.shape)}")
     rows, cols = quantized.shape
     weight = quantized.to(torch.float32)
+    size = layout.group_size
+    if layout.strategy == "group" and g_idx is None and size > 0 and cols % size == 0 \
+            and scale.numel() == rows * cols // size:  # the common case, without a gather
+        grouped = weight.view(rows, cols // size, size)
+        if zero_point is not None:
+            grouped -= zero_point.reshape(rows, -1, 1).to(torch.float32)
+        grouped *= scale.reshape(rows, -1, 1).to(torch.float32)
+        return weight
     if zero_point is not None:
         weight -= expand_scales(zero_point, layout, rows, cols, g_idx)
     weight *= expand_scales(scale, layout, rows, cols, g_idx)

@@ -60,6 +60,24 @@ def rewrite_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], quantizat
     (folder / "config.json").write_text(json.dumps(config))
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unpack_int32_inverts_compressed_tensors_packing(bits, dim):
+    """Every width, both directions: the library's dense packing (values straddle words at
+    3, 5, 6, 7 bits), with a length that leaves the last word part-filled."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from tessera.weights.dequantize import unpack_int32
+
+    g = torch.Generator().manual_seed(bits)
+    shape = (37, 6) if dim == 0 else (6, 37)
+    values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), shape, generator=g, dtype=torch.int8)
+    packed = pack_to_int32(values, bits, packed_dim=dim)
+    unpacked = unpack_int32(packed, bits, shape[dim], dim) - (1 << (bits - 1))
+    assert torch.equal(unpacked.to(torch.int8), values)
+
+
 # --- compressed-tensors, written by its own library -------------------------------------
 
 CT_SCHEMES = {
