@@ -38,6 +38,7 @@ from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.launched_step import LaunchedStep, StepResult
 from tessera.runner.model_runner import ModelRunner
 from tessera.runner.warmup import max_decode_rows, size_kv_cache
+from tessera.sampling.bad_words import bad_words_token_ids
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.sampler import Sampler
 from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, StructuredOutputsParams
@@ -162,6 +163,8 @@ class Engine:
             raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is "
                                f"{self.max_model_len}, leaving no room to generate")
         self._check_against_vocab(params, vocab)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         lora = self._resolve_lora(lora_request)
         seqs = []
         for index in range(params.num_sequences):
@@ -230,9 +233,10 @@ class Engine:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise RequestError(f"`{name}` must be <= the vocabulary size {vocab}, got {value}")
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise RequestError(f"`logit_bias` token ids must be in [0, {vocab}), got {bad[0]}")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"`{name}` token ids must be in [0, {vocab}), got {bad[0]}")
         for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
             value = getattr(params, name)
             if value is not None and value >= vocab:

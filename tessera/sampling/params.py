@@ -80,6 +80,10 @@ class SamplingParams:
     reasoning_start_token_id: int | None = None
     # TGI: bias each step's green list, the engine's WatermarkConfig (sampling/watermark.py)
     watermark: bool = False
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None          # vLLM's: words kept out of the output
+    # the engine's tokenization of bad_words (sampling/bad_words.py), set as a request arrives
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:
@@ -137,6 +141,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, "must be null or an integer >= 0 (how many alternatives)")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be null or a non-empty list of token ids >= 0")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise bad("bad_words", "must be null or a list of non-blank strings")
         self.structured_outputs = self._check_structured_outputs()
         for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
             value = getattr(self, name)
@@ -207,10 +219,11 @@ class SamplingParams:
     @property
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens sampled so far (penalties count them; min_tokens
-        counts the output; a grammar advances with each; the last seeds the watermark), so a
+        counts the output; a grammar advances with each; the last seeds the watermark; bad
+        words match its end), so a
         step cannot be launched before the last one's reach the host."""
         return (self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
-                or self.watermark)
+                or self.watermark or bool(self.bad_words_token_ids))
 
     @property
     def num_sequences(self) -> int:

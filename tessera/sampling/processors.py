@@ -75,6 +75,19 @@ def suppress_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int])
     return logits.index_put(index, torch.full((), NEG_INF, dtype=logits.dtype, device=device))
 
 
+def allow_only(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
+    """Every logit of row r at -inf but those of allowed[r] (vLLM's allowed_token_ids)."""
+    vocab, device = logits.shape[1], logits.device
+    rows = list(allowed)
+    keep = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for k, r in enumerate(rows):
+        keep[k, [t for t in allowed[r] if t < vocab]] = True
+    out = logits.clone()
+    index = device_tensor(rows, device)
+    out[index] = logits[index].masked_fill(~to_device(keep, device), NEG_INF)
+    return out
+
+
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return logits / temperature.unsqueeze(1)
 

@@ -32,6 +32,7 @@ import torch
 
 from tessera.platform import to_device
 from tessera.sampling import processors as P
+from tessera.sampling.bad_words import banned_next_tokens
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.structured import mask_logits
 from tessera.sampling.watermark import GreenLists, WatermarkConfig, apply_watermark
@@ -183,6 +184,16 @@ class Sampler:
                     ids.append(token)
                     bias.append(value)
             x = P.apply_logit_bias(x, rows, ids, bias)
+        if any(p.allowed_token_ids for p in params):
+            x = P.allow_only(x, {i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids})
+        if any(p.bad_words_token_ids for p in params):
+            rows, ids = [], []
+            for i, p in enumerate(params):
+                banned = banned_next_tokens(p.bad_words_token_ids or (), batch.output_ids(i))
+                rows.extend([i] * len(banned))
+                ids.extend(banned)
+            if rows:
+                x = P.suppress_tokens(x, rows, ids)
         if any(p.min_tokens for p in params):
             rows, ids = [], []
             for i, p in enumerate(params):

@@ -3,12 +3,28 @@ SamplingParams with its one output constraint and its length, each refused
 with vLLM's message and the field it came in (`param`)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.errors import ModelNotFound, ValidationFailed
-from tessera.server.protocol import _OpenAISampling
+from tessera.engine.outputs import RequestOutput
+from tessera.server.protocol import _OpenAISampling, wire_logprob
 from tessera.server.state import ServerState
 from tessera.server.tgi_validation import grammar_constraint
 from tessera.server.tool_calls import ToolPlan
+
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: alternatives per token a request may ask for
+
+
+def wire_prompt_logprobs(out: RequestOutput, token_text: Callable[[int], str]) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), its own and the top
+    alternatives, keyed by token id."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if lp is None else {str(t): {"logprob": wire_logprob(v.logprob), "rank": v.rank,
+                                              "decoded_token": token_text(t)} for t, v in lp.items()}
+            for lp in out.prompt_logprobs]
 
 
 def resolve_model(state: ServerState, name: str | None) -> tuple[str, str | None]:
@@ -56,8 +72,16 @@ def structured_outputs(body: _OpenAISampling) -> dict | None:
 def sampling_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None, best_of: int | None = None,
                     tools: ToolPlan | None = None) -> SamplingParams:
+    """`prompt_logprobs`: what the route needs (echo); vLLM's own field adds to it."""
     if body.stream_options is not None and not body.stream:
         raise ValidationFailed("`stream_options` is only for `stream: true`", param="stream_options")
+    if body.prompt_logprobs is not None:
+        if body.stream:
+            raise ValidationFailed("`prompt_logprobs` is returned by non-streaming requests only",
+                                   param="prompt_logprobs")
+        if not 0 <= body.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValidationFailed(f"`prompt_logprobs` must be in [0, {MAX_LOGPROBS}]", param="prompt_logprobs")
+        prompt_logprobs = max(prompt_logprobs or 0, body.prompt_logprobs)
     structured = structured_outputs(body)
     if tools is not None and tools.constraint is not None:
         if structured is not None:
@@ -77,6 +101,7 @@ def sampling_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None
             # a tool-call parser reads tags that some tokenizers mark special (as vLLM does)
             skip_special_tokens=body.skip_special_tokens and (tools is None or tools.parser is None),
             logprobs=logprobs, watermark=body.watermark,
+            allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
             prompt_logprobs=prompt_logprobs)
     except SamplingParamsError as exc:
         raise ValidationFailed(str(exc)) from exc

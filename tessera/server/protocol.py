@@ -90,6 +90,11 @@ class _OpenAISampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower is scheduled sooner (--scheduling-policy priority)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: alternatives per prompt token (non-streaming replies)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     # TGI's and MindIE's green-list watermark, on the OpenAI routes too (a tessera extra)
     watermark: bool = False
     # vLLM's structured outputs: one of json / regex / choice / grammar / json_object, and
@@ -137,4 +142,5 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message left open, continued
     chat_template_kwargs: dict[str, Any] | None = None
