@@ -50,6 +50,13 @@ class Unavailable(APIError):
     status, error_type, openai_type = 503, "unhealthy", "ServiceUnavailableError"
 
 
+class ClientGone(APIError):
+    """The client closed the connection before its (non-streaming) reply: nginx's 499,
+    answered to nobody, so the request ends without an error traceback in the log."""
+
+    status, error_type, openai_type = 499, "client_closed_request", "ClientClosedRequest"
+
+
 def tgi_error(exc: APIError) -> JSONResponse:
     return JSONResponse({"error": exc.tgi_message, "error_type": exc.error_type}, status_code=exc.status)
 

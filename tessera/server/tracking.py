@@ -3,6 +3,7 @@ exceptions into API errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import AsyncIterator
 
@@ -12,7 +13,7 @@ from tessera.engine.engine import RequestError
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.async_engine import EngineDeadError, GenerationError, OverloadedError
-from tessera.server.errors import GenerationFailed, Overloaded, Unavailable, ValidationFailed
+from tessera.server.errors import ClientGone, GenerationFailed, Overloaded, Unavailable, ValidationFailed
 from tessera.server.state import ServerState
 
 
@@ -77,7 +78,9 @@ async def collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> Re
             done, _ = await asyncio.wait({task}, timeout=0.1)
             if not done and await request.is_disconnected():
                 task.cancel()
-                break
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ClientGone("the client closed the connection")
         return await task
     finally:
         if not task.done():
