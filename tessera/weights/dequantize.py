@@ -25,25 +25,31 @@ class ScaleLayout:
     block: tuple[int, int] = (0, 0)  # block: [rows, columns] per scale
 
 
-def unpack_int32(packed: torch.Tensor, num_bits: int, count: int, dim: int) -> torch.Tensor:
-    """Unsigned `num_bits`-bit values packed densely along `dim` of int32 words (value i at
-    bit i * num_bits of the word stream, low bits first; a value may straddle two words):
-    the first `count` of them along `dim`."""
+def unpack_int32(packed: torch.Tensor, num_bits: int, count: int, dim: int, exact: bool = False) -> torch.Tensor:
+    """Unsigned `num_bits`-bit values packed along `dim` of int32 words, low bits first: the
+    first `count` of them along `dim`. Dense packing puts value i at bit i * num_bits of the
+    word stream (a value may straddle two words); older compressed-tensors releases padded
+    instead, 32 // num_bits values to a word. The two differ only at 3, 5, 6 and 7 bits, and
+    then (beyond a few dozen values) in the number of words, which tells them apart; where
+    the counts agree, dense (today's layout) is read. With `exact`, any other number of
+    words is an error (a wrong bit width would otherwise unpack silently)."""
     if packed.dtype != torch.int32:
         raise ValueError(f"packed weights must be int32, got {packed.dtype}")
     if not 1 <= num_bits <= 8:
         raise ValueError(f"cannot unpack {num_bits}-bit values (1 to 8 bits)")
-    if packed.shape[dim] * 32 < count * num_bits:
-        raise ValueError(f"{packed.shape[dim]} int32 words along dim {dim} cannot hold {count} "
-                         f"{num_bits}-bit values")
+    width, per_word = packed.shape[dim], 32 // num_bits
+    dense, padded = -(-count * num_bits // 32), -(-count // per_word)
+    if (width not in (dense, padded)) if exact else width < dense:
+        raise ValueError(f"{width} int32 words along dim {dim} do not hold {count} {num_bits}-bit values "
+                         f"(packed densely: {dense} words; padded: {padded})")
     words = packed.movedim(dim, -1)
     if num_bits in (4, 8) and sys.byteorder == "little":  # the words' bytes, low byte first
         low_first = words.contiguous().view(torch.uint8)
         if num_bits == 4:
             low_first = torch.stack((low_first & 0xF, low_first >> 4), dim=-1).flatten(-2)
         return low_first[..., :count].to(torch.int16).movedim(-1, dim)
-    if 32 % num_bits == 0:  # no value straddles a word: shift each in place
-        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32)
+    if 32 % num_bits == 0 or width == padded != dense:  # no value straddles a word: shift each in place
+        shifts = torch.arange(0, per_word * num_bits, num_bits, dtype=torch.int32)
         values = (words.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
         return values.flatten(-2)[..., :count].movedim(-1, dim)
     words = words.to(torch.int64) & 0xFFFFFFFF
@@ -70,6 +76,9 @@ def expand_scales(values: torch.Tensor, layout: ScaleLayout, rows: int, cols: in
         return values.reshape(rows, 1)
     if layout.strategy == "group":
         groups = values.reshape(rows, -1) if values.numel() % rows == 0 else None
+        if g_idx is None and groups is not None and layout.group_size > 0 \
+                and groups.shape[1] != -(-cols // layout.group_size):
+            groups = None  # one scale per group, no more and no fewer
         if g_idx is not None:
             index = g_idx.to(torch.int64).reshape(-1)
             if index.numel() != cols:
@@ -100,7 +109,7 @@ def dequantize_weight(quantized: torch.Tensor, scale: torch.Tensor, layout: Scal
     if quantized.dim() != 2:
         raise ValueError(f"expected a 2-D [out, in] weight, got shape {tuple(quantized.shape)}")
     rows, cols = quantized.shape
-    weight = quantized.to(torch.float32)
+    weight = quantized.to(torch.float32, copy=True)  # scaled in place: never the caller's tensor
     size = layout.group_size
     if layout.strategy == "group" and g_idx is None and size > 0 and cols % size == 0 \
             and scale.numel() == rows * cols // size:  # the common case, without a gather

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8", "gptq", "awq")
 _CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 # activation / KV-cache quantization parameters: the model runs without them
-_DROPPED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point",
+_DROPPED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point", "activation_scale",
             "input_scale_ub", "k_scale", "v_scale", "q_scale", "k_zero_point", "v_zero_point")
 
 
@@ -47,7 +47,6 @@ class WeightScheme:
 
     format: str
     num_bits: int
-    kind: str          # "int" or "float"
     layout: ScaleLayout
     symmetric: bool
 
@@ -96,34 +95,48 @@ class CheckpointQuantization:
     def dequantize(self, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.method == "compressed-tensors":
             return _compressed_tensors_weight(parts, self.scheme_for(module))
-        if self.method == "fp8":
+        if self.method == "fp8" and "weight_scale_inv" in parts:  # transformers' FineGrainedFP8
             return dequantize_weight(parts["weight"], parts["weight_scale_inv"], ScaleLayout("block", block=self.block))
+        if self.method == "fp8":  # AutoFP8's per-tensor scale
+            return dequantize_weight(parts["weight"], parts["weight_scale"], ScaleLayout("tensor"))
         if self.method == "fbgemm_fp8":
             return dequantize_weight(parts["weight"], parts["weight_scale"], ScaleLayout("channel"))
         if self.method == "gptq":
             return _gptq_weight(parts, self.num_bits, self.group_size, self.gptq_v1_zeros)
-        return _awq_weight(parts, self.group_size)
+        if self.method == "awq":
+            return _awq_weight(parts, self.group_size)
+        raise QuantizedCheckpointError(f"no dequantizer for {self.method!r}")
 
     def scheme_for(self, module: str) -> WeightScheme:
-        """The compressed-tensors group for a module, as the library picks it: an exact name,
-        then a `re:` pattern, then a class name (every quantized tensor here is a Linear's)."""
-        for matches in (lambda t: t == module,
-                        lambda t: t.startswith("re:") and re.match(t[3:], module) is not None,
-                        lambda t: t == "Linear"):
-            for targets, scheme in self.groups:
-                if any(matches(t) for t in targets):
-                    return scheme
+        """The compressed-tensors group for a module, as the library's match_targets picks it:
+        an exact name first, then `re:` patterns in sorted order (re.match), then a class
+        name (every quantized tensor here is a Linear's)."""
+        owner: dict[str, WeightScheme] = {}
+        for targets, scheme in self.groups:
+            for target in targets:
+                owner.setdefault(target, scheme)
+        if module in owner:
+            return owner[module]
+        for target in sorted(t for t in owner if t.startswith("re:")):
+            if re.match(target[3:], module):
+                return owner[target]
+        if "Linear" in owner:
+            return owner["Linear"]
         raise QuantizedCheckpointError(f"{module} holds quantized weights but no config group targets it")
 
 
 def _compressed_tensors_weight(parts: dict[str, torch.Tensor], scheme: WeightScheme) -> torch.Tensor:
     zero, g_idx = parts.get("weight_zero_point"), parts.get("weight_g_idx")
-    if "weight_packed" in parts:
+    packed = scheme.format == "pack-quantized"
+    if packed != ("weight_packed" in parts):
+        raise ValueError(f"its group's format is {scheme.format} but it stores "
+                         f"{'weight_packed' if 'weight_packed' in parts else 'a plain weight'}")
+    if packed:
         rows, cols = (int(d) for d in parts["weight_shape"].tolist())
-        offset = 1 << (scheme.num_bits - 1)  # packed as unsigned: signed value + offset
-        quantized = unpack_int32(parts["weight_packed"], scheme.num_bits, cols, dim=1) - offset
+        bits, offset = scheme.num_bits, 1 << (scheme.num_bits - 1)  # stored unsigned: value + offset
+        quantized = unpack_int32(parts["weight_packed"], bits, cols, dim=1, exact=True) - offset
         if zero is not None and scheme.layout.strategy in ("group", "channel"):
-            zero = unpack_int32(zero, scheme.num_bits, rows, dim=0) - offset  # packed along rows
+            zero = unpack_int32(zero, bits, rows, dim=0, exact=True) - offset  # packed along rows
     else:
         quantized = parts["weight"]
     return dequantize_weight(quantized, parts["weight_scale"], scheme.layout,
@@ -134,7 +147,14 @@ def _gptq_weight(parts: dict[str, torch.Tensor], bits: int, group_size: int, v1_
     qweight, scales = parts["qweight"], parts["scales"]       # [in / (32/bits), out], [groups, out]
     cols, rows = qweight.shape[0] * 32 // bits, qweight.shape[1]
     quantized = unpack_int32(qweight, bits, cols, dim=0).T     # [out, in]
-    zeros = unpack_int32(parts["qzeros"], bits, rows, dim=1).T + (1 if v1_zeros else 0)
+    qzeros = parts["qzeros"]
+    if v1_zeros:
+        # stored minus one, taken from the whole word (GPTQModel's writer: a zero of 0 borrows
+        # from its neighbour), so add one per slot back to the whole word, as its reader does
+        ones = sum(1 << (bits * k) for k in range(32 // bits))
+        words = (qzeros.to(torch.int64) + ones) & 0xFFFFFFFF
+        qzeros = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    zeros = unpack_int32(qzeros, bits, rows, dim=1).T
     layout = ScaleLayout("group", group_size=group_size if group_size > 0 else cols)
     return dequantize_weight(quantized, scales.T, layout, zeros, parts.get("g_idx"))
 
@@ -158,13 +178,14 @@ def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
     method = qc.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
-    if method == "fp8":
+    if method == "fp8":  # 2-D block scales (weight_scale_inv), or AutoFP8's per-tensor weight_scale
         block = qc.get("weight_block_size")
-        if block is None or len(block) != 2:
+        if block is not None and len(block) != 2:
             raise QuantizedCheckpointError(f"fp8 checkpoints with weight_block_size {block!r} are not "
                                            "supported (2-D blocks, e.g. [128, 128])")
-        return CheckpointQuantization("fp8", ("weight", "weight_scale_inv"), ("weight_scale_inv",),
-                                      block=(int(block[0]), int(block[1])))
+        return CheckpointQuantization("fp8", ("weight", "weight_scale_inv", "weight_scale"),
+                                      ("weight_scale_inv", "weight_scale"),
+                                      block=(int(block[0]), int(block[1])) if block else (0, 0))
     if method == "fbgemm_fp8":
         return CheckpointQuantization("fbgemm_fp8", ("weight", "weight_scale"), ("weight_scale",))
     if method in ("gptq", "awq"):
@@ -188,17 +209,27 @@ def _gptq_awq(method: str, qc: dict) -> CheckpointQuantization:
                                       num_bits=4, group_size=group_size)
     if bits not in (2, 4, 8):
         raise QuantizedCheckpointError(f"GPTQ checkpoints of {bits} bits are not supported (2, 4 or 8)")
-    fmt = qc.get("checkpoint_format", "gptq")
-    if fmt not in ("gptq", "gptq_v2"):
-        raise QuantizedCheckpointError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq or gptq_v2)")
+    declared = {qc[key] for key in ("format", "checkpoint_format") if qc.get(key)}  # GPTQModel writes both
+    if len(declared) > 1:
+        raise QuantizedCheckpointError(f"GPTQ config declares two formats: {sorted(declared)}")
+    fmt = declared.pop() if declared else "gptq"
+    if fmt not in ("gptq", "gptq_v2") or qc.get("is_marlin_format"):
+        raise QuantizedCheckpointError(f"GPTQ format {'marlin' if qc.get('is_marlin_format') else fmt!r} "
+                                       "is not supported (gptq or gptq_v2)")
+    if qc.get("dynamic"):
+        raise QuantizedCheckpointError("GPTQ per-module overrides (`dynamic`) are not supported")
+    if qc.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise QuantizedCheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']!r} is not supported (int32)")
     return CheckpointQuantization("gptq", ("qweight", "qzeros", "scales", "g_idx"), ("qweight",),
                                   num_bits=bits, group_size=group_size, gptq_v1_zeros=fmt == "gptq")
 
 
 def _compressed_tensors(qc: dict) -> CheckpointQuantization:
-    for key, what in (("sparsity_config", "sparse"), ("transform_config", "transformed (rotated)")):
-        if qc.get(key):
-            raise QuantizedCheckpointError(f"{what} compressed-tensors checkpoints are not supported")
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity and sparsity.get("format", "dense") != "dense":
+        raise QuantizedCheckpointError("sparse compressed-tensors checkpoints are not supported")
+    if qc.get("transform_config"):
+        raise QuantizedCheckpointError("transformed (rotated) compressed-tensors checkpoints are not supported")
     status = qc.get("quantization_status", "compressed")
     if status not in ("compressed", "frozen"):
         raise QuantizedCheckpointError(f"compressed-tensors quantization_status {status!r} is not supported")
@@ -218,7 +249,8 @@ def _compressed_tensors(qc: dict) -> CheckpointQuantization:
 
 def _ct_scheme(name: str, fmt: str | None, args: dict) -> WeightScheme:
     bits, kind = int(args.get("num_bits", 8)), args.get("type", "int")
-    strategy = args.get("strategy") or ("group" if args.get("group_size") else "tensor")
+    group_size = int(args.get("group_size") or 0)
+    strategy = args.get("strategy") or ("group" if group_size > 0 else "channel" if group_size == -1 else "tensor")
     where = f"compressed-tensors group {name!r}"
     if fmt not in _CT_FORMATS:
         raise QuantizedCheckpointError(f"{where}: format {fmt!r} is not supported ({', '.join(_CT_FORMATS)})")
@@ -229,5 +261,5 @@ def _ct_scheme(name: str, fmt: str | None, args: dict) -> WeightScheme:
     if strategy not in ("tensor", "channel", "group", "block"):
         raise QuantizedCheckpointError(f"{where}: strategy {strategy!r} is not supported")
     block = tuple(args.get("block_structure") or (0, 0))
-    layout = ScaleLayout(strategy, group_size=int(args.get("group_size") or 0), block=(int(block[0]), int(block[1])))
-    return WeightScheme(fmt, bits, kind, layout, bool(args.get("symmetric", True)))
+    layout = ScaleLayout(strategy, group_size=max(group_size, 0), block=(int(block[0]), int(block[1])))
+    return WeightScheme(fmt, bits, layout, bool(args.get("symmetric", True)))
