@@ -30,19 +30,46 @@ def fast_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
-def _advance(decode: Decode, seq: Sequence, final: bool, end: int | None) -> str:
-    skip = seq.params.skip_special_tokens
-    ids = seq.token_ids if end is None else seq.token_ids[:end]
-    if len(ids) <= seq.read_offset:
-        return ""
-    prefix_text = decode(ids[seq.prefix_offset:seq.read_offset], skip)
-    full_text = decode(ids[seq.prefix_offset:], skip)
+def _text_delta(decode: Decode, ids: list[int], prefix_offset: int, read_offset: int, skip: bool,
+                final: bool) -> tuple[str, int, int]:
+    """What ids[read_offset:] add to the text, decoded after ids[prefix_offset:read_offset]
+    (for spaces and merges), with the offsets to use next; "" (offsets kept) while that
+    ends in half a character."""
+    if len(ids) <= read_offset:
+        return "", prefix_offset, read_offset
+    prefix_text = decode(ids[prefix_offset:read_offset], skip)
+    full_text = decode(ids[prefix_offset:], skip)
     if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
-        return ""
-    delta = full_text[len(prefix_text):]
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        return "", prefix_offset, read_offset
+    return full_text[len(prefix_text):], read_offset, len(ids)
+
+
+def _advance(decode: Decode, seq: Sequence, final: bool, end: int | None) -> str:
+    ids = seq.token_ids if end is None else seq.token_ids[:end]
+    delta, seq.prefix_offset, seq.read_offset = _text_delta(
+        decode, ids, seq.prefix_offset, seq.read_offset, seq.params.skip_special_tokens, final)
     seq.text += delta
     return delta
+
+
+class TokenTexts:
+    """Each new token's share of the text, as TGI's token.text gives it: decoded after the
+    tokens before it (the prompt's last few first), "" for a token that ends in half a
+    character and the whole character on the token that completes it; special tokens keep
+    their text."""
+
+    CONTEXT = 5  # prompt tokens decoded before the first new one (its leading space)
+
+    def __init__(self, decode: Decode, prompt_ids: list[int]):
+        self.decode = decode
+        self.ids = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+
+    def push(self, token_id: int, final: bool = False) -> str:
+        self.ids.append(token_id)
+        delta, self.prefix_offset, self.read_offset = _text_delta(
+            self.decode, self.ids, self.prefix_offset, self.read_offset, False, final)
+        return delta
 
 
 def detokenize_incrementally(decode: Decode, seq: Sequence, end: int | None = None) -> str:

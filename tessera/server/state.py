@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from tessera.engine.detokenizer import TokenTexts, fast_decoder
 from tessera.engine.stats import EngineStats
 from tessera.server.async_engine import AsyncEngine
 from tessera.server.metrics import ServerMetrics
@@ -60,6 +61,7 @@ class ServerState:
         self.tokenizer = core.tokenizer
         self.chat_template = core.router.chat_template
         self.special_ids = frozenset(core.tokenizer.all_special_ids)
+        self.decode = fast_decoder(core.tokenizer)
         vocab = core.router.config.vocab_size
         tags = (tag_token(core.tokenizer, START), tag_token(core.tokenizer, END))
         self.think_tokens = tuple(t if t is not None and t < vocab else None for t in tags)
@@ -72,6 +74,10 @@ class ServerState:
     def lora_names(self) -> list[str]:
         """The loaded LoRA adapters' names (clients pass one as `model` or `adapter_id`)."""
         return [adapter.name for adapter in self.engine.engine.list_loras()]
+
+    def token_texts(self, prompt_ids: list[int]) -> TokenTexts:
+        """Per-token texts of an output as TGI streams them (multi-byte characters whole)."""
+        return TokenTexts(self.decode, prompt_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (as TGI reports it), cached: the vocabulary is fixed."""

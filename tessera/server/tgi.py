@@ -25,10 +25,10 @@ def _state(request: Request) -> ServerState:
     return request.app.state.tessera
 
 
-def _token(state: ServerState, token_id: int, lp: PositionLogprobs | None) -> dict:
+def _token(state: ServerState, token_id: int, lp: PositionLogprobs | None, text: str) -> dict:
+    """A generated token; `text` is its share of the output text (TokenTexts)."""
     logprob = lp[token_id].logprob if lp and token_id in lp else None
-    return {"id": token_id, "text": state.token_text(token_id), "logprob": wire_logprob(logprob),
-            "special": token_id in state.special_ids}
+    return {"id": token_id, "text": text, "logprob": wire_logprob(logprob), "special": token_id in state.special_ids}
 
 
 def _top_tokens(state: ServerState, chosen: int, lp: PositionLogprobs | None, n: int) -> list[dict]:
@@ -41,10 +41,13 @@ def _top_tokens(state: ServerState, chosen: int, lp: PositionLogprobs | None, n:
 
 
 def _sequence_details(state: ServerState, c: CompletionOutput, p: GenerateParameters,
-                      prefill: list[dict], seed: int | None) -> dict:
+                      prefill: list[dict], seed: int | None, prompt_ids: list[int]) -> dict:
     lps = c.logprobs or [None] * len(c.token_ids)
+    texts = state.token_texts(prompt_ids)
+    last = len(c.token_ids) - 1
+    tokens = [_token(state, t, lp, texts.push(t, final=k == last)) for k, (t, lp) in enumerate(zip(c.token_ids, lps))]
     details = {"finish_reason": c.finish_reason, "generated_tokens": len(c.token_ids), "seed": seed,
-               "prefill": prefill, "tokens": [_token(state, t, lp) for t, lp in zip(c.token_ids, lps)]}
+               "prefill": prefill, "tokens": tokens}
     if p.top_n_tokens:
         details["top_tokens"] = [_top_tokens(state, t, lp, p.top_n_tokens) for t, lp in zip(c.token_ids, lps)]
     return details
@@ -89,10 +92,10 @@ async def _generate(request: Request, body: GenerateRequest) -> tuple[dict, dict
     response: dict = {"generated_text": prefix + best.text}
     if p.details or p.decoder_input_details:
         prefill = _prefill(state, out, p)
-        details = _sequence_details(state, best, p, prefill, params.seed)
+        details = _sequence_details(state, best, p, prefill, params.seed, ids)
         if len(completions) > 1:
             details["best_of_sequences"] = [
-                {"generated_text": prefix + c.text, **_sequence_details(state, c, p, prefill, params.seed)}
+                {"generated_text": prefix + c.text, **_sequence_details(state, c, p, prefill, params.seed, ids)}
                 for c in completions[1:]]
         response["details"] = details
     return response, _headers(state, start, validated, out, len(ids), len(best.token_ids), body.inputs)
@@ -107,6 +110,7 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
 async def _stream_events(state: ServerState, body: GenerateRequest, ids: list[int], params) -> AsyncIterator[str]:
     p = body.parameters
     index = 0
+    texts = state.token_texts(ids)
     try:
         async for out in run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params, adapter_of(p, state)):
             c = out.outputs[0]
@@ -114,7 +118,7 @@ async def _stream_events(state: ServerState, body: GenerateRequest, ids: list[in
             for k, (token_id, lp) in enumerate(zip(c.delta_token_ids, lps)):
                 index += 1
                 last = out.finished and k == len(c.delta_token_ids) - 1
-                event = {"index": index, "token": _token(state, token_id, lp),
+                event = {"index": index, "token": _token(state, token_id, lp, texts.push(token_id, final=last)),
                          "top_tokens": _top_tokens(state, token_id, lp, p.top_n_tokens or 0),
                          "generated_text": None, "details": None}
                 if last:

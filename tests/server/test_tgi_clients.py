@@ -58,13 +58,13 @@ def test_generate_stream_events(tgi):
     assert last.details.generated_tokens == full.details.generated_tokens
 
 
-def _stop_case(tgi) -> tuple[str, str, int]:
+def _stop_case(tgi, server) -> tuple[str, str, int]:
     """(stop, the greedy text up to and including its first occurrence, tokens generated then):
-    a stop string that is a whole token's text, first seen where that token ends."""
+    a stop string that is a whole token's text (decoded alone), first seen where that token ends."""
     ref = tgi.generate(PROMPT, max_new_tokens=16)
     assert ref.details.finish_reason.value == "length", "pick a prompt the tiny model does not end early"
     for k, token in enumerate(ref.details.tokens):
-        stop = token.text
+        stop = server.state.token_text(token.id)
         if k == 0 or len(stop) < 2 or not stop.isascii() or not stop.isprintable():
             continue
         prefix = tgi.generate(PROMPT, max_new_tokens=k + 1).generated_text
@@ -73,8 +73,8 @@ def _stop_case(tgi) -> tuple[str, str, int]:
     pytest.fail(f"no usable stop string in the greedy output {ref.generated_text!r}")
 
 
-def test_stop_sequence_finish_reason(tgi):
-    stop, upto, n = _stop_case(tgi)
+def test_stop_sequence_finish_reason(tgi, server):
+    stop, upto, n = _stop_case(tgi, server)
     out = tgi.generate(PROMPT, max_new_tokens=16, stop_sequences=[stop])
     assert out.details.finish_reason.value == "stop_sequence"
     assert out.details.generated_tokens == n
@@ -86,9 +86,9 @@ def test_stop_sequence_finish_reason(tgi):
     assert events[-1].generated_text == out.generated_text
 
 
-def test_stop_sequence_is_kept_in_generated_text_as_tgi_does(tgi):
+def test_stop_sequence_is_kept_in_generated_text_as_tgi_does(tgi, server):
     """TGI decodes every generated token, so generated_text ends with the stop sequence."""
-    stop, upto, _ = _stop_case(tgi)
+    stop, upto, _ = _stop_case(tgi, server)
     out = tgi.generate(PROMPT, max_new_tokens=16, stop_sequences=[stop])
     assert out.generated_text == upto
 
@@ -170,3 +170,22 @@ def test_watermark_parameter_marks_the_tokens(tgi, url, tiny_model_dir):
         out = tgi.generate(PROMPT, max_new_tokens=24, watermark=flag, do_sample=True, seed=3)
         assert [t.id for t in out.details.tokens] == expected
     assert marked != plain
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_token_texts_keep_multibyte_characters_whole(tgi, stream):
+    """A character that spans several byte tokens (the regex forces emoji and CJK) comes whole
+    on the token that completes it, "" on the ones before, as TGI decodes: the token texts
+    add up to the generated text, never with a replacement character in between."""
+    grammar = {"type": "regex", "value": "(😀|中文|é){4}"}
+    if stream:
+        events = list(tgi.generate_stream(PROMPT, max_new_tokens=24, grammar=grammar))
+        tokens, text = [e.token for e in events], events[-1].generated_text
+    else:
+        out = tgi.generate(PROMPT, max_new_tokens=24, grammar=grammar)
+        tokens, text = out.details.tokens, out.generated_text
+    assert len(text) >= 4 and not text.isascii() and "\ufffd" not in text
+    pieces = [t.text for t in tokens if not t.special]
+    assert "".join(pieces) == text
+    assert len(pieces) > len(text)  # some characters took several tokens: their first ones are ""
+    assert "" in pieces and not any("\ufffd" in p for p in pieces)
