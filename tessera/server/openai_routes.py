@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tessera import __version__
 from tessera.engine.outputs import PositionLogprobs
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import (FINISH, admit, continuous_usage, state_of, stream_body,
@@ -25,6 +26,8 @@ from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_call
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter(prefix="/v1")
+# TGI's chat objects carry one (its text_generation client requires it); vLLM's may
+SYSTEM_FINGERPRINT = f"{__version__}-native"
 
 
 # --- /v1/models ------------------------------------------------------------------------------
@@ -139,7 +142,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     if body.stream:
         stream = await admit(stream)
         async def chunks() -> AsyncIterator[dict]:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served}
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served,
+                    "system_fingerprint": SYSTEM_FINGERPRINT}
             usage = {"usage": usage_of(len(ids), 0)} if continuous_usage(body) else {}
             for i in range(body.n):
                 yield {**base, "choices": [{"index": i, "delta": {"role": role, "content": ""},
@@ -195,5 +199,6 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": served,
+                         "system_fingerprint": SYSTEM_FINGERPRINT,
                          "choices": choices, "usage": usage_of(len(ids), n_out),
                          **({"prompt_logprobs": wire_prompt_logprobs(out, state.token_text)} if body.prompt_logprobs is not None else {})})

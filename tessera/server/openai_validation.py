@@ -14,6 +14,9 @@ from tessera.server.tgi_validation import grammar_constraint
 from tessera.server.tool_calls import ToolPlan
 
 
+# what TGI's clients send as `model` when given only a URL (text_generation: "tgi",
+# huggingface_hub: "dummy"); TGI ignores the field, so these mean the served model
+CLIENT_PLACEHOLDER_MODELS = ("tgi", "dummy")
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: alternatives per token a request may ask for
 
 
@@ -30,7 +33,7 @@ def wire_prompt_logprobs(out: RequestOutput, token_text: Callable[[int], str]) -
 def resolve_model(state: ServerState, name: str | None) -> tuple[str, str | None]:
     """(the name responses carry, the LoRA adapter to run with) for a request's `model`:
     the served model (or none given) runs the base model, a loaded adapter's name runs it."""
-    if name is None or name == state.model_name:
+    if name is None or name == state.model_name or name in CLIENT_PLACEHOLDER_MODELS:
         return state.model_name, None
     if name in state.lora_names():
         return name, name
@@ -50,8 +53,10 @@ def structured_outputs(body: _OpenAISampling) -> dict | None:
             given.append((f"guided_{kind}", {kind: value}))
     response_format = getattr(body, "response_format", None)
     if response_format is not None and response_format.type != "text":
-        if response_format.type in ("json", "regex") or (
+        if response_format.type in ("json", "regex") or (response_format.type == "json_object" and (
+                response_format.value is not None)) or (
                 response_format.type == "json_schema" and response_format.json_schema is None):
+            # TGI's grammar shape; huggingface_hub sends a json_schema as {"type": "json_object", "value": schema}
             given.append(("response_format", grammar_constraint(
                 {"type": response_format.type, "value": response_format.value}, "response_format")))
         elif response_format.type == "json_object":

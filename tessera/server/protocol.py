@@ -2,9 +2,10 @@
 in the exact shapes of ../shared/API.md)."""
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # A logprob of -inf (a token the processed distribution excludes) is not JSON; vLLM's API
 # sends this floor instead.
@@ -13,6 +14,10 @@ LOGPROB_FLOOR = -9999.0
 
 def wire_logprob(logprob: float | None) -> float | None:
     return logprob if logprob is None or logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation) or annotation is Any
 
 
 class GenerateParameters(BaseModel):
@@ -66,7 +71,17 @@ class StreamOptions(BaseModel):
 
 
 class _OpenAISampling(BaseModel):
-    """Fields common to /v1/completions and /v1/chat/completions (plus vLLM's extras)."""
+    """Fields common to /v1/completions and /v1/chat/completions (plus vLLM's extras). An
+    explicit null means the default, as in OpenAI's and vLLM's (Optional) fields: TGI's
+    text_generation client sends every unset field as null."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields or _accepts_none(cls.model_fields[k].annotation)}
 
     model: str | None = None
     temperature: float | None = None

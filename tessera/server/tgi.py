@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera import __version__
 from tessera.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tessera.sampling.params import SamplingParams
 from tessera.server.errors import APIError
 from tessera.server.protocol import (CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest,
                                      wire_logprob)
@@ -53,6 +54,11 @@ def _sequence_details(state: ServerState, c: CompletionOutput, p: GenerateParame
     return details
 
 
+def _reported_seed(params: SamplingParams) -> int | None:
+    """TGI reports the seed of a sampled request only (a greedy one's seed changed nothing)."""
+    return None if params.greedy else params.seed
+
+
 def _prefill(state: ServerState, out: RequestOutput, p: GenerateParameters) -> list[dict]:
     if not p.decoder_input_details:
         return []
@@ -92,10 +98,10 @@ async def _generate(request: Request, body: GenerateRequest) -> tuple[dict, dict
     response: dict = {"generated_text": prefix + best.text}
     if p.details or p.decoder_input_details:
         prefill = _prefill(state, out, p)
-        details = _sequence_details(state, best, p, prefill, params.seed, ids)
+        details = _sequence_details(state, best, p, prefill, _reported_seed(params), ids)
         if len(completions) > 1:
             details["best_of_sequences"] = [
-                {"generated_text": prefix + c.text, **_sequence_details(state, c, p, prefill, params.seed, ids)}
+                {"generated_text": prefix + c.text, **_sequence_details(state, c, p, prefill, _reported_seed(params), ids)}
                 for c in completions[1:]]
         response["details"] = details
     return response, _headers(state, start, validated, out, len(ids), len(best.token_ids), body.inputs)
@@ -125,7 +131,7 @@ async def _stream_events(state: ServerState, body: GenerateRequest, ids: list[in
                     event["generated_text"] = (body.inputs if p.return_full_text else "") + c.text
                     if p.details:
                         event["details"] = {"finish_reason": c.finish_reason, "generated_tokens": len(c.token_ids),
-                                            "seed": params.seed, "input_length": len(ids)}
+                                            "seed": _reported_seed(params), "input_length": len(ids)}
                 yield f"data:{json.dumps(event)}\n\n"
     except APIError as exc:
         yield f"data:{json.dumps({'error': exc.tgi_message, 'error_type': exc.error_type})}\n\n"

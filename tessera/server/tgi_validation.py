@@ -54,16 +54,19 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
     top_n = p.top_n_tokens or 0
     if not 0 <= top_n <= lim.max_top_n_tokens:
         raise fail(f"`top_n_tokens` must be >= 0 and <= {lim.max_top_n_tokens}. Given: {top_n}")
-    warpers = any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
-    sampling = p.do_sample or warpers
-    if best_of > 1 and not sampling:
+    # TGI's router validates best_of against any warper given; its server samples only when
+    # one changes the distribution (an explicit temperature 1.0 alone stays greedy)
+    warpers_given = any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
+    sampling = p.do_sample or (p.temperature not in (None, 1.0)) or bool(p.top_k) \
+        or p.top_p not in (None, 1.0) or p.typical_p not in (None, 1.0)
+    if best_of > 1 and not (p.do_sample or warpers_given):
         raise fail("you must use sampling when `best_of` is > 1")
     if best_of > 1 and p.seed is not None:
         raise fail("`seed` must not be set when `best_of` > 1")
     if not inputs:
         raise fail("`inputs` cannot be empty")
-    if p.truncate is not None and not 0 < p.truncate < lim.max_input_tokens:
-        raise fail(f"`truncate` must be strictly positive and less than {lim.max_input_tokens}. "
+    if p.truncate is not None and not 0 < p.truncate <= lim.max_input_tokens:
+        raise fail(f"`truncate` must be strictly positive and less than {lim.max_input_tokens}. "  # TGI's words
                    f"Given: {p.truncate}")
     structured = grammar_constraint(p.grammar) if p.grammar is not None else None
     adapter_of(p, state)
@@ -105,7 +108,7 @@ def grammar_constraint(grammar: dict, name: str = "grammar") -> dict:
     {"type": "regex", "value": "..."} | {"type": "json_schema", "value": {"name"?, "schema"}}.
     `name`: the field it came in (TGI's `grammar`, or a chat `response_format`)."""
     kind, value = grammar.get("type"), grammar.get("value")
-    if kind == "json" and isinstance(value, (dict, str)):
+    if kind in ("json", "json_object") and isinstance(value, (dict, str)):  # TGI's alias; hub clients send it
         return {"json": value}
     if kind == "regex" and isinstance(value, str):
         return {"regex": value}

@@ -189,3 +189,45 @@ def test_token_texts_keep_multibyte_characters_whole(tgi, stream):
     assert "".join(pieces) == text
     assert len(pieces) > len(text)  # some characters took several tokens: their first ones are ""
     assert "" in pieces and not any("\ufffd" in p for p in pieces)
+
+
+def test_clients_given_only_a_url_chat_with_the_served_model(tgi, url):
+    """huggingface_hub sends model "dummy" and text_generation "tgi" (with every unset field
+    as null); TGI ignores the model, and so does tessera for these placeholders."""
+    hub = InferenceClient(base_url=url, timeout=30).chat_completion(CHAT, max_tokens=4, temperature=0)
+    assert hub.model == MODEL_NAME and hub.usage.completion_tokens <= 4
+    out = tgi.chat(messages=[{"role": "user", "content": CHAT[0]["content"]}], max_tokens=4, temperature=0.0)
+    assert out.choices[0].message.content == hub.choices[0].message.content
+    other = httpx.post(url + "/v1/chat/completions", json={"model": "other", "messages": CHAT, "max_tokens": 2})
+    assert other.status_code == 404
+
+
+def test_json_object_with_a_schema_is_constrained_as_tgi_aliases_it(url):
+    import json as _json
+
+    schema = {"type": "object", "properties": {"zz": {"type": "boolean"}}, "required": ["zz"],
+              "additionalProperties": False}
+    chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": CHAT, "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_object", "value": schema}}).json()
+    assert set(_json.loads(chat["choices"][0]["message"]["content"])) == {"zz"}
+    tgi = httpx.post(url + "/generate", timeout=60, json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 40, "grammar": {"type": "json_object", "value": schema}}}).json()
+    assert set(_json.loads(tgi["generated_text"])) == {"zz"}
+
+
+def test_an_explicit_neutral_temperature_stays_greedy(tgi):
+    greedy = tgi.generate(PROMPT, max_new_tokens=8)
+    neutral = tgi.generate(PROMPT, max_new_tokens=8, temperature=1.0)
+    seeded = tgi.generate(PROMPT, max_new_tokens=8, seed=5)
+    assert neutral.generated_text == greedy.generated_text == seeded.generated_text
+    assert neutral.details.seed is None and seeded.details.seed is None  # greedy: no seed reported
+
+
+def test_truncate_may_equal_the_input_limit(url, server):
+    limit = server.state.limits.max_input_tokens
+    ok = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1, "truncate": limit}})
+    assert ok.status_code == 200, ok.text
+    over = httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 1,
+                                                                                  "truncate": limit + 1}})
+    assert over.status_code == 422
