@@ -65,11 +65,20 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   parallel: ParallelConfig | None = None,
                   enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
                   lora_modules: dict[str, str] | None = None,
-                  watermark: WatermarkConfig | dict | None = None) -> EngineConfig:
+                  watermark: WatermarkConfig | dict | None = None,
+                  gpu_memory_utilization: float | None = None,
+                  trust_remote_code: bool = False) -> EngineConfig:
     """The EngineConfig that `LLM(model, **kwargs)` runs (LLM's keyword arguments).
     `max_num_seqs` / `max_num_batched_tokens` left None take the device's defaults
     (config.scheduler_defaults); `device` "auto" is the GPU when torch sees one, and
-    `async_scheduling` left None is on there (platform.async_scheduling_default)."""
+    `async_scheduling` left None is on there (platform.async_scheduling_default).
+    vLLM's `gpu_memory_utilization` is taken as `memory_fraction` (the share of free memory
+    the KV cache gets); `trust_remote_code` is accepted for vLLM code and changes nothing:
+    tessera never runs code from a checkpoint."""
+    if gpu_memory_utilization is not None:
+        if memory_fraction is not None and memory_fraction != gpu_memory_utilization:
+            raise ConfigError("give memory_fraction or vLLM's gpu_memory_utilization, not both")
+        memory_fraction = gpu_memory_utilization
     parallel = parallel or ParallelConfig(tensor_parallel_size=tensor_parallel_size)
     # ranks launched per node (torchrun) each run on this machine alone
     device = resolve_device(device, 1 if parallel.launched else parallel.tensor_parallel_size)
@@ -220,22 +229,41 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool | None = None,
-             lora_request: LoRAArg = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template (or the --chat-template override) and generate."""
+             use_tqdm: bool | None = None, lora_request: LoRAArg = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None,
+             priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Apply the chat template (`chat_template`, else --chat-template, else the
+        tokenizer's) and generate; the arguments are vLLM's LLM.chat's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
+                                            continue_final_message=continue_final_message, tools=tools,
+                                            chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        template = self.engine.router.chat_template
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        template = chat_template or self.engine.router.chat_template
         if not template:
             raise ChatTemplateError("this model's tokenizer has no chat template; pass one with "
                                     "--chat-template FILE (or LLM(chat_template=...))")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(pass add_generation_prompt=False to continue the last message)")
         text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, tools=tools,
+                                                  **(chat_template_kwargs or {}))
         # The template already holds any BOS token; do not add special tokens twice.
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's LLM.get_tokenizer)."""
+        return self.tokenizer
 
     def _add(self, prompts: list[Prompt], params: list[SamplingParams],
              loras: list[LoRARequest | str | None], priorities: list[int]) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from tessera.config import ConfigError, EngineConfig, async_scheduling_conflict
 from tessera.models.base import BaseRouter
-from tessera.weights.prequantized import QuantizedCheckpointError
 
 
 def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len: int) -> None:
@@ -17,11 +16,13 @@ def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len:
         reason = async_scheduling_conflict(config.speculative.enabled, tp)
         if reason is not None:
             raise ConfigError(reason)
-    if router.implementation == "native":
-        try:
+    try:
+        if router.implementation == "native":
             router.checkpoint_quantization  # a format we cannot read fails here, before any loading
-        except QuantizedCheckpointError as exc:
-            raise ConfigError(str(exc)) from exc
+        if config.model.chat_template:
+            router.chat_template  # a --chat-template path that does not exist, too
+    except ValueError as exc:  # QuantizedCheckpointError among them
+        raise ConfigError(str(exc)) from exc
     features = type(router).features()
     name = f"{type(router).__name__} ({router.config.model_type})"
     if config.lora.enable_lora and not features["supports_lora"]:

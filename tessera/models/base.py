@@ -88,8 +88,12 @@ class BaseRouter:
         """The --chat-template override (a file or a literal template), else the tokenizer's."""
         override = self.model_config.chat_template
         if override:
-            path = Path(override)
-            return path.read_text() if path.is_file() else override
+            if any(c in override for c in "{}\n"):  # Jinja text, as vLLM tells the two apart
+                return override
+            path = Path(override).expanduser()
+            if not path.is_file():
+                raise ValueError(f"chat template {override!r} looks like a file path, but there is no such file")
+            return path.read_text()
         return getattr(self.tokenizer, "chat_template", None)
 
     @cached_property

@@ -34,6 +34,9 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# max_new_tokens of a request that runs until its sequence fills the context (max_model_len)
+UNTIL_CONTEXT_ENDS = 2 ** 62
+
 @dataclass
 class SamplingParams:
     """How to choose the tokens of one request.
@@ -46,7 +49,7 @@ class SamplingParams:
     neutral penalties disable those processors.
     """
 
-    max_new_tokens: int = 16            # `max_tokens` is an alias
+    max_new_tokens: int | None = 16     # `max_tokens` is an alias; None: until the context is full (vLLM)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -89,6 +92,8 @@ class SamplingParams:
         def bad(name: str, rule: str) -> SamplingParamsError:
             return SamplingParamsError(f"`{name}` {rule}, got {getattr(self, name)!r}")
 
+        if self.max_new_tokens is None:
+            self.max_new_tokens = UNTIL_CONTEXT_ENDS
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -260,8 +265,8 @@ def _accept_aliases(cls, aliases: dict[str, str]):
             given = args[names.index(name)] if positional else kwargs.get(name)
             if value is not None and given is not None and given != value:
                 raise SamplingParamsError(f"`{name}` and its alias `{alias}` disagree: {given!r} != {value!r}")
-            if value is not None and not positional:
-                kwargs[name] = value
+            if (value is not None or alias == "max_tokens") and not positional and name not in kwargs:
+                kwargs[name] = value  # vLLM's max_tokens=None: until the context is full
         try:
             init(self, *args, **kwargs)
         except SamplingParamsError as exc:  # name the field as the caller spelled it
