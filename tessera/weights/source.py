@@ -45,14 +45,17 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
     if model is None:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path.resolve(), path.stem)
+    # served as given, as vLLM does (clients send the --model string); "." names its folder
+    given = str(model).rstrip("/") or "/"
+    name = path.resolve().name if given in (".", "..") else given
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource("gguf", path.resolve(), name)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return ModelSource("hf", path.resolve(), path.name)
-        ggufs = sorted(path.glob("*.gguf"))
+            return ModelSource("hf", path.resolve(), name)
+        ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf")
         if len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0].resolve(), ggufs[0].stem)
+            return ModelSource("gguf", ggufs[0].resolve(), name)
         raise ModelNotFoundError(f"{path} has no config.json (and not exactly one .gguf file)")
     raise ModelNotFoundError(
         f"model {str(model)!r} is not a local folder or .gguf file; tessera does not download "

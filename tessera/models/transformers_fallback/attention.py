@@ -50,6 +50,7 @@ def tessera_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: t
         raise RuntimeError(f"{type(module).__name__} has layer_idx {layer_idx!r}; "
                            f"expected one of 0..{len(layers) - 1}")
     layer = layers[layer_idx]
+    _refuse_unknown_math(kwargs, type(module).__name__)
     if query.shape[0] != 1:
         raise RuntimeError(f"expected one packed batch row, got {query.shape[0]}")
     _check(layer, query, key, sliding_window, softcap, type(module).__name__)
@@ -62,6 +63,23 @@ def tessera_paged_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     out = layer(q, k, v)
     _calls[0] += 1
     return out.view(1, num_tokens, layer.num_heads, layer.head_size), None
+
+
+class UnsupportedAttentionError(ValueError):
+    """The model's attention asks for something tessera's paged attention does not do."""
+
+
+def _refuse_unknown_math(kwargs: dict, module_name: str) -> None:
+    """Arguments that change what attention computes, which the paged ops do not implement:
+    attention sinks (gpt-oss passes `s_aux`), non-causal attention. Silently dropping them
+    would serve wrong outputs."""
+    sinks = [k for k in ("s_aux", "sinks") if kwargs.get(k) is not None]
+    if sinks:
+        raise UnsupportedAttentionError(f"{module_name} uses attention sinks ({sinks[0]}), which tessera's "
+                                        "paged attention does not implement; this model cannot be served")
+    if kwargs.get("is_causal") is False:
+        raise UnsupportedAttentionError(f"{module_name} asks for non-causal attention; only causal "
+                                        "decoder attention is served")
 
 
 def _check(layer: Attention, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None,

@@ -7,11 +7,14 @@ packed ops), but any decoder-only model transformers implements runs correctly.
 """
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from tessera.models.transformers_fallback.attention import paged_layers
+from tessera.models.transformers_fallback.attention import UnsupportedAttentionError, paged_layers
 from tessera.ops.attention import Attention
 from tessera.ops.registry import OpTarget
 
@@ -27,11 +30,30 @@ def layer_window(config: PretrainedConfig, index: int) -> int | None:
     return window
 
 
+def head_scale(hf_model: PreTrainedModel, attr: str) -> tuple[str, float] | None:
+    """("*" or "/", value) where the model's forward scales its logits by config `attr`; None
+    where the config has no such value or the forward never uses it."""
+    value = getattr(hf_model.config, attr, None)
+    if value is None:
+        return None
+    source = inspect.getsource(type(hf_model).forward)
+    ops = set(re.findall(rf"([*/])\s*self\.(?:config\.)?{attr}\b", source))
+    if not ops:
+        return None
+    if len(ops) > 1:
+        raise ValueError(f"{type(hf_model).__name__}: cannot tell how its forward applies {attr}")
+    return ops.pop(), float(value)
+
+
 class TransformersCausalLM(nn.Module):
     def __init__(self, hf_model: PreTrainedModel, target: OpTarget):
         super().__init__()
         self.hf_model = hf_model
-        self.decoder = hf_model.base_model  # the stack without the LM head
+        for name, module in hf_model.named_modules():  # refused at load, not at the first request
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                raise UnsupportedAttentionError(f"{name} ({type(module).__name__}) has attention sinks, which "
+                                                "tessera's paged attention does not implement")
+        self.decoder = hf_model.get_decoder()  # the stack without the LM head
         self.lm_head = hf_model.get_output_embeddings()
         if self.lm_head is None:
             raise ValueError(f"{type(hf_model).__name__} has no output embeddings (LM head)")
@@ -46,9 +68,11 @@ class TransformersCausalLM(nn.Module):
             Attention(num_heads, head_dim, num_kv_heads, head_dim ** -0.5, target,
                       sliding_window=layer_window(cfg, i), softcap=softcap)
             for i in range(cfg.num_hidden_layers))
-        # logit post-processing transformers' LM heads apply, read from the config
-        self.logit_scale = getattr(cfg, "logit_scale", None)             # multiplied (cohere)
-        self.logits_scaling = getattr(cfg, "logits_scaling", None)       # divided (granite)
+        # logit post-processing transformers' LM heads apply: the config gives the value, the
+        # model's own forward whether it multiplies or divides (cohere's logit_scale
+        # multiplies, granite's logits_scaling divides, hyperclovax's multiplies)
+        self.head_scales = [scale for attr in ("logit_scale", "logits_scaling")
+                            if (scale := head_scale(hf_model, attr)) is not None]
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -65,10 +89,8 @@ class TransformersCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
-        if self.logits_scaling is not None:
-            logits = logits / self.logits_scaling
+        for op, value in self.head_scales:
+            logits = logits * value if op == "*" else logits / value
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

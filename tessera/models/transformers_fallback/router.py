@@ -5,7 +5,9 @@ under `auto` when no native folder claims the type but transformers has a causal
 """
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 from typing import Callable, Iterable
 
 import torch
@@ -24,6 +26,15 @@ logger = logging.getLogger(__name__)
 
 def transformers_has_causal_lm(model_type: str | None) -> bool:
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def uses_attention_interface(model_cls: type) -> bool:
+    """Whether the model's modeling code looks its attention up in transformers' attention
+    interface (where tessera's paged attention is registered). Older-style models (Falcon,
+    Bloom, MPT, GPT-Neo, Mamba) compute attention themselves; their
+    `_supports_attention_backend` flag says so too, but some models that do use the
+    interface (StableLM) leave that flag False."""
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(sys.modules[model_cls.__module__])
 
 
 class FallbackUnsupportedError(ValueError):
@@ -58,6 +69,14 @@ class TransformersRouter(BaseRouter):
         if getattr(cfg, "is_encoder_decoder", False):
             raise FallbackUnsupportedError(f"{cfg.model_type!r} is an encoder-decoder model; "
                                            "only decoder-only models are served")
+        model_cls = AutoModelForCausalLM._model_mapping.get(type(cfg), None)
+        if model_cls is not None and not uses_attention_interface(model_cls):
+            raise FallbackUnsupportedError(
+                f"{model_cls.__name__}'s attention does not go through transformers' attention "
+                "interface, so tessera's paged attention cannot run it")
+        if not getattr(cfg, "num_attention_heads", None):
+            raise FallbackUnsupportedError(f"{cfg.model_type!r} has no attention heads in its config "
+                                           "(a state-space or hybrid model?); only attention models are served")
 
     def build_model(self, target: OpTarget) -> nn.Module:
         """transformers builds and loads the model itself (its loader knows every
