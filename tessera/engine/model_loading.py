@@ -17,7 +17,14 @@ logger = logging.getLogger(__name__)
 def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: str = "weights") -> nn.Module:
     """The router's model built for `target`, its weights loaded (with a progress bar)."""
     started = time.perf_counter()
-    model = router.build_model(target).eval()
+    try:
+        model = router.build_model(target).eval()
+    except ValueError as exc:
+        if router.implementation != "native":
+            raise
+        # a config the native folder does not handle yet: transformers' own code may
+        raise ValueError(f"{exc} (`--model-impl transformers` runs this model through transformers' "
+                        "modeling code instead)") from exc
     router.load_weights(model, lambda weights: tqdm(
         weights, desc=f"Loading {what}", unit=" tensors", disable=not show_progress, leave=False))
     logger.info("loaded %s (%s, %s on %s) in %.1fs", router.source.name, type(model).__name__,

@@ -37,6 +37,10 @@ GGUF_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_e
                           "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>")
 
 
+# any of these makes a folder a tokenizer transformers can load
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
+
+
 class BaseRouter:
     model_types: ClassVar[tuple[str, ...]] = ()   # config.json model_type values served
     model_cls: ClassVar[type[nn.Module]]
@@ -80,8 +84,14 @@ class BaseRouter:
         return self.get_tokenizer()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
-        path = self.model_config.tokenizer or str(self.metadata_dir)
-        return AutoTokenizer.from_pretrained(path)
+        given = self.model_config.tokenizer
+        path = Path(given).expanduser() if given else Path(self.metadata_dir)
+        if given and not path.exists():
+            raise ValueError(f"tokenizer {given!r} is not a local folder; tessera does not download tokenizers")
+        if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+                             "pass --tokenizer FOLDER")
+        return AutoTokenizer.from_pretrained(str(path))
 
     @cached_property
     def chat_template(self) -> str | None:

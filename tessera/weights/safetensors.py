@@ -1,6 +1,7 @@
 """Tensors of a Hugging Face folder, one at a time (memory-mapped, never all at once)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -10,10 +11,27 @@ from safetensors import safe_open
 from tessera.weights.lazy import LazyTensor
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index maps tensors to, when it has one
+    (Mistral's repositories also hold consolidated.safetensors, the same weights under
+    Mistral's own names, which the index leaves out), else every *.safetensors."""
+    index = folder / INDEX
+    if index.is_file():
+        mapped = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        missing = [name for name in mapped if not (folder / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} maps tensors to {missing[0]}, which is not in {folder}")
+        return [folder / name for name in mapped]
+    return sorted(folder.glob("*.safetensors"))
+
+
 def iter_hf_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     """With `lazy`, safetensors tensors come as LazyTensor: a loader reads only the slice it
     keeps (tensor-parallel ranks), valid until the next tensor is requested."""
-    files = sorted(folder.glob("*.safetensors"))
+    files = safetensors_files(folder)
     if files:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
@@ -31,7 +49,7 @@ def iter_hf_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, tor
 def hf_tensor_names(folder: Path) -> set[str]:
     """Every tensor name of a folder's safetensors files (their headers only)."""
     names: set[str] = set()
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt") as f:
             names.update(f.keys())
     return names
