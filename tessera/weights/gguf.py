@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tessera.weights.gguf_config import complete_gguf_config
-from tessera.weights.gguf_rope import ROPE_TENSORS
+from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,15 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     logger.info("converting GGUF metadata and tokenizer of %s once (cached in %s)", path.name, folder)
+    try:
+        reader = GGUFReader(str(path))  # parsed once for the flags, head_dim and the tensor index
+    except (ValueError, IndexError, KeyError, OSError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    parts = field_value(reader.fields, "split.count")
+    if parts is not None and int(parts) > 1:
+        raise ValueError(f"{path.name} is one of {int(parts)} parts of a split GGUF, which tessera does not "
+                         "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    reader = GGUFReader(str(path))  # parsed once for the flags, head_dim and the tensor index
     index = tensor_index(reader)
     config = complete_gguf_config(config, reader.fields, reader.tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

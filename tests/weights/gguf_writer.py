@@ -149,7 +149,7 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int,
 def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, qtype: QT, *,
                      context_length: int = CONTEXT, extra_tensors: dict[str, np.ndarray] | None = None,
                      skip: tuple[str, ...] = (), arch: str = "llama",
-                     extra_metadata: dict[str, str | float] | None = None,
+                     extra_metadata: dict[str, str | float | int] | None = None,
                      token_overrides: dict[int, str] | None = None) -> Path:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -168,7 +168,8 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
     w.add_vocab_size(cfg.vocab_size)
     add_tokenizer(w, tokenizer_json, cfg.vocab_size, token_overrides)
     for key, value in (extra_metadata or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+        add = w.add_string if isinstance(value, str) else w.add_uint16 if isinstance(value, int) else w.add_float32
+        add(key, value)
 
     state = model.state_dict()
     for hf_name, tensor in state.items():

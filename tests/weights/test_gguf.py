@@ -331,6 +331,18 @@ def test_missing_tensor_is_an_error_naming_it(untied, tokenizer_json, tmp_path):
         load(path, tmp_path / "cache")
 
 
+def test_split_and_truncated_files_are_named_as_such(untied, tokenizer_json, tmp_path):
+    split = write_llama_gguf(tmp_path / "llama-00001-of-00003.gguf", untied, tokenizer_json, QT.F32,
+                             extra_metadata={"split.count": 3})
+    with pytest.raises(ValueError, match="one of 3 parts of a split GGUF.*llama-gguf-split --merge"):
+        load(split, tmp_path / "cache")
+    whole = write_llama_gguf(tmp_path / "whole.gguf", untied, tokenizer_json, QT.F32)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load(cut, tmp_path / "cache")
+
+
 # --- attention biases (llama.cpp permutes q/k biases too) ---------------------------------------
 
 @pytest.fixture(scope="module")
