@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from tessera.config import (DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS, SCHEDULING_POLICIES,
+from tessera.config import (DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS, SCHEDULING_POLICIES,
                             scheduler_defaults)
 from tessera.platform import resolve_device
 
@@ -25,6 +25,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
                    help="native: a tessera model folder; transformers: transformers' modeling code with "
                         "tessera's paged attention; auto: native when a folder serves the type")
+    p.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIGS,
+                   help="auto: the model's generation_config.json sets the default temperature, top_p, "
+                        "top_k, min_p and repetition_penalty of requests that leave them out (as in vLLM); "
+                        "vllm: neutral defaults")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto: bfloat16 on GPUs, on CPUs with native bf16 and on AVX512 / AVX2 CPUs "
                         "where tessera's kernels build; else float32")
@@ -162,6 +166,7 @@ def _engine_config(args: argparse.Namespace):
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
+               generation_config=args.generation_config,
                async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
                speculative_config=_speculative_config(args),
                parallel=_parallel_config(args), watermark=watermark_config(args), **_lora_args(args))

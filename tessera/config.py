@@ -11,6 +11,10 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 # auto: the checkpoint's weights; dummy: seeded random weights for the config (benchmarking
 # real shapes with nothing to download or read)
 LOAD_FORMATS = ("auto", "dummy")
+# auto: the model's generation_config.json sets the default sampling parameters (temperature,
+# top_p, top_k, min_p, repetition_penalty) of requests that leave them out, as vLLM does;
+# vllm: the engine's neutral defaults
+GENERATION_CONFIGS = ("auto", "vllm")
 # int8: linear weights quantized per output feature after loading (weight-only; activations
 # stay in the model dtype). Halves weight memory and single-stream decode's weight traffic.
 QUANTIZATIONS = (None, "int8")
@@ -55,6 +59,7 @@ class ModelConfig:
     quantization: str | None = None
     # run every step through the layers' Python (no captured decode graphs)
     enforce_eager: bool = False
+    generation_config: str = "auto"
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:
@@ -63,6 +68,8 @@ class ModelConfig:
                  f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _require(self.quantization in QUANTIZATIONS,
                  f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _require(self.generation_config in GENERATION_CONFIGS,
+                 f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
         _require(self.model_impl in MODEL_IMPLS,
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,

@@ -58,7 +58,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   device: str = "auto", seed: int = 0, chat_template: str | None = None,
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
-                  enforce_eager: bool = False, async_scheduling: bool | None = None,
+                  enforce_eager: bool = False, generation_config: str = "auto",
+                  async_scheduling: bool | None = None,
                   scheduling_policy: str = "fcfs",
                   speculative_config: SpeculativeConfig | dict | None = None,
                   tensor_parallel_size: int = 1,
@@ -90,7 +91,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                dtype=dtype, max_model_len=max_model_len,
                                chat_template=chat_template, model_impl=model_impl,
                                load_format=load_format, quantization=quantization,
-                               enforce_eager=enforce_eager)
+                               enforce_eager=enforce_eager, generation_config=generation_config)
     if cache_dir is not None:
         model_config.cache_dir = Path(cache_dir)
     return EngineConfig(
@@ -195,14 +196,13 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id)
 
-    @staticmethod
-    def _pair(prompts: Prompt | Seq[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+    def _pair(self, prompts: Prompt | Seq[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_unwrap_prompt(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -260,6 +260,11 @@ class LLM:
                                                   **(chat_template_kwargs or {}))
         # The template already holds any BOS token; do not add special tokens twice.
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate / chat use without sampling_params: the model's generation_config
+        sampling defaults (vLLM's), else SamplingParams()."""
+        return SamplingParams(**self.engine.router.sampling_defaults)
 
     def get_tokenizer(self):
         """The tokenizer (vLLM's LLM.get_tokenizer)."""

@@ -58,3 +58,33 @@ def test_a_chat_template_path_that_does_not_exist_is_an_error(make_tiny_llama, t
     llm = LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False, chat_template=str(template))
     assert llm.chat([{"role": "user", "content": "fox"}], GREEDY, use_tqdm=False)[0].prompt_token_ids == \
         prompt_of(llm, "fox")
+
+
+def test_generation_config_sets_the_default_sampling(make_tiny_llama):
+    """vLLM's --generation-config auto: the model's sampling values are the defaults of
+    requests that leave them out; `vllm` ignores them."""
+    import json
+
+    folder, _ = make_tiny_llama()
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    llm = LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+    _, params = llm._pair([[5, 6]], None)  # what generate runs without sampling_params
+    assert params[0].temperature == 0.6 and params[0].top_k == 20
+    plain = LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False, generation_config="vllm")
+    assert plain.get_default_sampling_params().temperature == 1.0
+
+
+def test_openai_requests_take_the_generation_config_defaults():
+    from tessera.server.openai_validation import sampling_params
+    from tessera.server.protocol import ChatCompletionRequest
+
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    params = sampling_params(body, 4, None, defaults=defaults)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.6, 0.95, 20, 1.1)
+    given = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.0, top_k=5)
+    params = sampling_params(given, 4, None, defaults=defaults)
+    assert (params.temperature, params.top_k, params.top_p) == (0.0, 5, 0.95)

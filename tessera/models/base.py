@@ -37,6 +37,7 @@ GGUF_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_e
                           "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>")
 
 
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # any of these makes a folder a tokenizer transformers can load
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
 
@@ -128,6 +129,20 @@ class BaseRouter:
             vocab = self.tokenizer.get_vocab()
             add([vocab[marker] for marker in GGUF_END_OF_GENERATION if marker in vocab])
         return ids
+
+    @cached_property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The sampling parameters the model's generation_config.json sets (vLLM's
+        --generation-config auto): the defaults of requests that leave them out."""
+        path = self.metadata_dir / "generation_config.json"
+        if self.model_config.generation_config == "vllm" or not path.is_file():
+            return {}
+        config = json.loads(path.read_text())
+        defaults = {key: config[key] for key in GENERATION_SAMPLING_KEYS if config.get(key) is not None}
+        if defaults:
+            logger.info("the model's generation_config.json sets default sampling parameters %s for requests "
+                        "that leave them out (--generation-config vllm ignores them)", defaults)
+        return defaults
 
     @cached_property
     def max_model_len(self) -> int:

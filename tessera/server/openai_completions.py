@@ -74,7 +74,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         max(min(state.limits.max_total_tokens - len(ids) for _, ids in prompts), 1)
     params = sampling_params(body, max_tokens, body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-                             best_of=body.best_of)
+                             best_of=body.best_of, defaults=state.sampling_defaults)
     rid, label = f"cmpl-{uuid.uuid4().hex}", token_label(state, body)
     created = int(time.time())
     streams = [run_request(state, f"{rid}-{i}", ids, params, lora, body.priority)

@@ -121,7 +121,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
         raise ValidationFailed(f"`top_logprobs` must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
     top = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens, top if body.logprobs else None, tools=tools)
+    params = sampling_params(body, max_tokens, top if body.logprobs else None, tools=tools,
+                             defaults=state.sampling_defaults)
     thinks = state.reasoning_parser is not None  # the reply has reasoning fields (null or not)
     opened = thinks and (REASONING_PARSERS[state.reasoning_parser].always_opened
                          or prompt_opens_reasoning(prompt_text))

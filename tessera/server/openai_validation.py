@@ -76,8 +76,15 @@ def structured_outputs(body: _OpenAISampling) -> dict | None:
 
 def sampling_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
                     prompt_logprobs: int | None = None, best_of: int | None = None,
-                    tools: ToolPlan | None = None) -> SamplingParams:
-    """`prompt_logprobs`: what the route needs (echo); vLLM's own field adds to it."""
+                    tools: ToolPlan | None = None, defaults: dict | None = None) -> SamplingParams:
+    """`prompt_logprobs`: what the route needs (echo); vLLM's own field adds to it.
+    `defaults`: the model's generation_config sampling values, for fields the body leaves out."""
+    defaults = defaults or {}
+
+    def given(name: str, neutral):
+        value = getattr(body, name)
+        return value if value is not None else defaults.get(name, neutral)
+
     if body.stream_options is not None and not body.stream:
         raise ValidationFailed("`stream_options` is only for `stream: true`", param="stream_options")
     if body.prompt_logprobs is not None:
@@ -96,9 +103,9 @@ def sampling_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None
     try:
         return SamplingParams(
             structured_outputs=structured,
-            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+            max_tokens=max_tokens, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
+            top_k=given("top_k", 0) or 0, min_p=given("min_p", 0.0) or 0.0,
+            repetition_penalty=given("repetition_penalty", 1.0) or 1.0,
             frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
             logit_bias=body.logit_bias, seed=body.seed, n=body.n, best_of=best_of,
             stop=body.stop, stop_token_ids=body.stop_token_ids or [], min_tokens=body.min_tokens,

@@ -43,6 +43,8 @@ class ServerState:
     special_ids: frozenset[int] = frozenset()
     # <think> and </think> as tokens of the model (server/reasoning.py's tag_token), or None
     think_tokens: tuple[int | None, int | None] = (None, None)
+    # the model's generation_config.json sampling values: defaults of OpenAI requests
+    sampling_defaults: dict = field(default_factory=dict)
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +64,7 @@ class ServerState:
         self.chat_template = core.router.chat_template
         self.special_ids = frozenset(core.tokenizer.all_special_ids)
         self.decode = fast_decoder(core.tokenizer)
+        self.sampling_defaults = core.router.sampling_defaults  # generation_config.json's
         vocab = core.router.config.vocab_size
         tags = (tag_token(core.tokenizer, START), tag_token(core.tokenizer, END))
         self.think_tokens = tuple(t if t is not None and t < vocab else None for t in tags)
