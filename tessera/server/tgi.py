@@ -152,6 +152,7 @@ async def generate_stream(request: Request, body: GenerateRequest) -> Response:
 
 
 @router.post("/")
+@router.post("/invocations")  # TGI's SageMaker route: the same compat request
 async def compat_generate(request: Request, body: CompatGenerateRequest) -> Response:
     if body.stream:
         return _stream_response(request, body)

@@ -270,14 +270,15 @@ def test_generate_stream_without_details(url):
     assert events[-1]["generated_text"] is not None and events[-1]["details"] is None
 
 
-def test_compat_route(url):
+@pytest.mark.parametrize("route", ["/", "/invocations"])  # TGI's compat route, and SageMaker's name for it
+def test_compat_route(url, route):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "details": True}}
     single = httpx.post(url + "/generate", json=body).json()
-    r = httpx.post(url + "/", json=body)
+    r = httpx.post(url + route, json=body)
     assert r.status_code == 200 and isinstance(r.json(), list)
     assert r.json()[0]["generated_text"] == single["generated_text"]
     assert "x-generated-tokens" in r.headers
-    r = httpx.post(url + "/", json={**body, "stream": True})
+    r = httpx.post(url + route, json={**body, "stream": True})
     assert r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(d) for d in sse_data(r.text)]
     assert events[-1]["generated_text"] == single["generated_text"]
