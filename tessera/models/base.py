@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from tessera.config import ModelConfig
 from tessera.ops.registry import OpTarget
+from tessera.ops.rotary import rope_context_length, rope_parameters
 from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf import iter_gguf_weights
@@ -146,10 +147,13 @@ class BaseRouter:
 
     @cached_property
     def max_model_len(self) -> int:
-        limit = int(getattr(self.config, "max_position_embeddings", 0) or 2048)
+        trained = int(getattr(self.config, "max_position_embeddings", 0) or 2048)
+        scaled = rope_context_length(rope_parameters(self.config))  # yarn / dynamic / linear stretch it
+        limit = max(trained, scaled or 0)
         wanted = self.model_config.max_model_len
         if wanted is not None and wanted > limit:
-            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {trained}"
+                             + (f" stretched by its rope scaling to {limit}" if scaled and scaled > trained else ""))
         return wanted or limit
 
     def path_note(self) -> str:

@@ -141,6 +141,18 @@ def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:
     return rope_frequencies(rotary_dim, params)[0]
 
 
+def rope_context_length(params: dict) -> int | None:
+    """The context rope scaling stretches the model to, as vLLM derives it: factor x
+    max_position_embeddings for linear and dynamic, factor x the original length for yarn;
+    None where max_position_embeddings already is the scaled length (llama3, longrope) or
+    nothing is scaled."""
+    kind, factor = params.get("rope_type"), params.get("factor")
+    if kind not in ("linear", "dynamic", "yarn") or not factor:
+        return None
+    base = params.get("original_max_position_embeddings" if kind == "yarn" else "max_position_embeddings")
+    return int(base * float(factor)) if base else None
+
+
 def length_threshold(params: dict) -> int:
     """Sequence length beyond which a LENGTH_DEPENDENT kind changes its frequencies."""
     key = "max_position_embeddings" if params["rope_type"] == "dynamic" else "original_max_position_embeddings"
@@ -207,6 +219,8 @@ class RotaryEmbedding(OpModule):
         self.params, self.dtype = params, target.dtype
         self.length_dependent = params["rope_type"] in LENGTH_DEPENDENT
         self._gather = target.op("embedding")  # rows of the table by position
+        # positions up to the scaled context, where scaling stretches it past max_position
+        max_position = max(max_position, rope_context_length(params) or 0)
         self.register_buffer("cos_sin", self._table(head_size, max_position, None, target),
                              persistent=False)
         if self.length_dependent:
