@@ -88,3 +88,16 @@ def test_openai_requests_take_the_generation_config_defaults():
     given = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.0, top_k=5)
     params = sampling_params(given, 4, None, defaults=defaults)
     assert (params.temperature, params.top_k, params.top_p) == (0.0, 5, 0.95)
+
+
+def test_bad_words_follow_a_reused_sampling_params_object(llm):
+    """The words are tokenized per request: changing them on a reused object takes effect."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, bad_words=["qqqq"])
+    free = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    words = [w for w in (tokenizer.decode([t]).strip() for t in free.token_ids) if len(w) >= 2 and w.isalpha()]
+    assert words, free.text
+    params.bad_words = [words[0]]
+    banned = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].text
+    assert words[0] in free.text and words[0] not in banned
+    assert "bad_words_token_ids" not in repr(params)

@@ -21,6 +21,7 @@ def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len:
             router.checkpoint_quantization  # a format we cannot read fails here, before any loading
         if config.model.chat_template:
             router.chat_template  # a --chat-template path that does not exist, too
+        router.sampling_defaults  # and generation_config.json sampling values no request could use
     except ValueError as exc:  # QuantizedCheckpointError among them
         raise ConfigError(str(exc)) from exc
     features = type(router).features()

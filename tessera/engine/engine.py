@@ -163,8 +163,8 @@ class Engine:
             raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is "
                                f"{self.max_model_len}, leaving no room to generate")
         self._check_against_vocab(params, vocab)
-        if params.bad_words and params.bad_words_token_ids is None:
-            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        # tokenized per request (the caller may have changed bad_words on a reused object)
+        params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
         lora = self._resolve_lora(lora_request)
         seqs = []
         for index in range(params.num_sequences):

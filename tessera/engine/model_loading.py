@@ -20,7 +20,7 @@ def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: 
     try:
         model = router.build_model(target).eval()
     except ValueError as exc:
-        if router.implementation != "native":
+        if router.implementation != "native" or target.tp_size > 1:  # (sharding errors: no hint)
             raise
         # a config the native folder does not handle yet: transformers' own code may
         raise ValueError(f"{exc} (`--model-impl transformers` runs this model through transformers' "

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from tessera.config import ModelConfig
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import rope_context_length, rope_parameters
+from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf import iter_gguf_weights
@@ -89,7 +90,11 @@ class BaseRouter:
         given = self.model_config.tokenizer
         path = Path(given).expanduser() if given else Path(self.metadata_dir)
         if given and not path.exists():
-            raise ValueError(f"tokenizer {given!r} is not a local folder; tessera does not download tokenizers")
+            try:  # a hub name already in the local Hugging Face cache loads; nothing downloads
+                return AutoTokenizer.from_pretrained(given, local_files_only=True)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"tokenizer {given!r} is not a local folder (nor in the local Hugging Face "
+                                 "cache); tessera does not download tokenizers") from exc
         if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ValueError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
                              "pass --tokenizer FOLDER")
@@ -140,6 +145,10 @@ class BaseRouter:
             return {}
         config = json.loads(path.read_text())
         defaults = {key: config[key] for key in GENERATION_SAMPLING_KEYS if config.get(key) is not None}
+        try:
+            SamplingParams(**defaults)
+        except SamplingParamsError as exc:
+            raise ValueError(f"{path}: {exc} (--generation-config vllm ignores the file's sampling values)") from exc
         if defaults:
             logger.info("the model's generation_config.json sets default sampling parameters %s for requests "
                         "that leave them out (--generation-config vllm ignores them)", defaults)

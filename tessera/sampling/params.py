@@ -86,7 +86,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     bad_words: list[str] | None = None          # vLLM's: words kept out of the output
     # the engine's tokenization of bad_words (sampling/bad_words.py), set as a request arrives
-    bad_words_token_ids: list[list[int]] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> SamplingParamsError:

@@ -70,8 +70,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     for _, ids in prompts:  # no max_tokens: the rest of the context, as in vLLM
         check_length(state, len(ids), body.max_tokens if body.max_tokens is not None
                      else max(state.limits.max_total_tokens - len(ids), 1))
-    max_tokens = body.max_tokens if body.max_tokens is not None else \
-        max(min(state.limits.max_total_tokens - len(ids) for _, ids in prompts), 1)
+    max_tokens = body.max_tokens  # None: each sequence runs until its context is full
     params = sampling_params(body, max_tokens, body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
                              best_of=body.best_of, defaults=state.sampling_defaults)

@@ -33,10 +33,12 @@ def wire_prompt_logprobs(out: RequestOutput, token_text: Callable[[int], str]) -
 def resolve_model(state: ServerState, name: str | None) -> tuple[str, str | None]:
     """(the name responses carry, the LoRA adapter to run with) for a request's `model`:
     the served model (or none given) runs the base model, a loaded adapter's name runs it."""
-    if name is None or name == state.model_name or name in CLIENT_PLACEHOLDER_MODELS:
+    if name is None or name == state.model_name:
         return state.model_name, None
     if name in state.lora_names():
         return name, name
+    if name in CLIENT_PLACEHOLDER_MODELS:
+        return state.model_name, None
     served = ", ".join(f"`{n}`" for n in [state.model_name, *state.lora_names()])
     raise ModelNotFound(f"The model `{name}` does not exist. This server serves {served}.", param="model")
 
@@ -74,7 +76,7 @@ def structured_outputs(body: _OpenAISampling) -> dict | None:
     return given[0][1] if given else None
 
 
-def sampling_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None,
+def sampling_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, best_of: int | None = None,
                     tools: ToolPlan | None = None, defaults: dict | None = None) -> SamplingParams:
     """`prompt_logprobs`: what the route needs (echo); vLLM's own field adds to it.

@@ -15,10 +15,13 @@ INDEX = "model.safetensors.index.json"
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's safetensors files: those its index maps tensors to, when it has one
-    (Mistral's repositories also hold consolidated.safetensors, the same weights under
-    Mistral's own names, which the index leaves out), else every *.safetensors."""
-    index = folder / INDEX
+    """The checkpoint's safetensors files, as transformers picks them: model.safetensors when
+    there is one, else those the index maps tensors to (Mistral's repositories also hold
+    consolidated.safetensors, the same weights under Mistral's own names, which the index
+    leaves out), else every *.safetensors."""
+    single, index = folder / "model.safetensors", folder / INDEX
+    if single.is_file():
+        return [single]
     if index.is_file():
         mapped = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
         missing = [name for name in mapped if not (folder / name).is_file()]

@@ -45,9 +45,7 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
     if model is None:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
-    # served as given, as vLLM does (clients send the --model string); "." names its folder
-    given = str(model).rstrip("/") or "/"
-    name = path.resolve().name if given in (".", "..") else given
+    name = str(model)  # served as given, as vLLM does: clients send the --model string
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ModelSource("gguf", path.resolve(), name)
     if path.is_dir():

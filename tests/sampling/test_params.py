@@ -7,6 +7,7 @@ import math
 import pytest
 
 from tessera.sampling import SamplingParams, SamplingParamsError
+from tessera.sampling.params import UNTIL_CONTEXT_ENDS
 
 
 def test_defaults_and_greedy():
@@ -85,7 +86,7 @@ def test_max_tokens_and_min_new_tokens_are_aliases():
     assert SamplingParams(max_new_tokens=7).max_tokens == 7
     assert SamplingParams(max_new_tokens=7, max_tokens=7).max_new_tokens == 7
     assert SamplingParams(7, max_tokens=7).max_new_tokens == 7
-    assert SamplingParams(max_tokens=None).max_new_tokens == 16
+    assert SamplingParams(max_tokens=None).max_new_tokens == UNTIL_CONTEXT_ENDS  # vLLM: until the context is full
     assert SamplingParams(min_new_tokens=3).min_tokens == 3
     assert SamplingParams(min_tokens=3).min_new_tokens == 3
     with pytest.raises(SamplingParamsError, match="`max_new_tokens` and its alias `max_tokens`"):

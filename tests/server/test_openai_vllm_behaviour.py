@@ -125,10 +125,16 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(url, route):
 
 
 def test_completion_without_max_tokens_runs_to_the_context_end(url, server):
+    limit = server.state.limits.max_total_tokens
     r = post(url, "completions", prompt=PROMPT, max_tokens=None, ignore_eos=True, temperature=0)
     usage = r.json()["usage"]
-    assert usage["total_tokens"] == server.state.limits.max_total_tokens
+    assert usage["total_tokens"] == limit
     assert r.json()["choices"][0]["finish_reason"] == "length"
+    # several prompts: each runs to its own context end
+    short, long = "Hi", PROMPT * 4
+    r = post(url, "completions", prompt=[short, long], max_tokens=None, ignore_eos=True, temperature=0).json()
+    lengths = [len(server.state.tokenizer(p).input_ids) for p in (short, long)]
+    assert r["usage"]["completion_tokens"] == sum(limit - n for n in lengths)
 
 
 
@@ -189,3 +195,13 @@ def test_prompt_logprobs_are_returned_as_vllm_shapes_them(url, server):
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     streamed = post(url, "completions", prompt=PROMPT, max_tokens=1, prompt_logprobs=1, stream=True)
     assert streamed.status_code == 400
+
+
+def test_client_placeholder_names_never_shadow_an_adapter():
+    from types import SimpleNamespace
+
+    from tessera.server.openai_validation import resolve_model
+
+    state = SimpleNamespace(model_name="base", lora_names=lambda: ["tgi"])
+    assert resolve_model(state, "tgi") == ("tgi", "tgi")          # the adapter of that name
+    assert resolve_model(state, "dummy") == ("base", None)        # huggingface_hub's placeholder

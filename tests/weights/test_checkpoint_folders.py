@@ -64,3 +64,26 @@ def test_a_config_the_native_folder_refuses_names_the_fallback(make_tiny_llama):
     assert llm.engine.router.implementation == "transformers"
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_model_safetensors_wins_over_a_stale_index(make_tiny_llama, tmp_path):
+    """As in transformers: a folder holding model.safetensors loads it, whatever an index
+    left from an earlier sharded download says."""
+    folder, _ = make_tiny_llama()
+    repo = tmp_path / "repo"
+    shutil.copytree(folder, repo)
+    (repo / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert load(repo).generate([[5, 6]], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        load(folder).generate([[5, 6]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_generation_config_values_no_request_could_use_fail_at_start(make_tiny_llama, tmp_path):
+    folder, _ = make_tiny_llama()
+    repo = tmp_path / "repo"
+    shutil.copytree(folder, repo)
+    (repo / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_p": 0.0}))
+    with pytest.raises(ValueError, match="top_p.*--generation-config vllm"):
+        load(repo)
+    assert load(repo, generation_config="vllm").get_default_sampling_params().top_p == 1.0
