@@ -146,7 +146,9 @@ def _compressed_tensors_weight(parts: dict[str, torch.Tensor], scheme: WeightSch
 def _gptq_weight(parts: dict[str, torch.Tensor], bits: int, group_size: int, v1_zeros: bool) -> torch.Tensor:
     qweight, scales = parts["qweight"], parts["scales"]       # [in / (32/bits), out], [groups, out]
     cols, rows = qweight.shape[0] * 32 // bits, qweight.shape[1]
-    quantized = unpack_int32(qweight, bits, cols, dim=0).T     # [out, in]
+    # the words transposed first (an eighth of the weight's size at 4 bits), so the values
+    # unpack along rows, already [out, in]
+    quantized = unpack_int32(qweight.T.contiguous(), bits, cols, dim=1)
     qzeros = parts["qzeros"]
     if v1_zeros:
         # stored minus one, taken from the whole word (GPTQModel's writer: a zero of 0 borrows
@@ -156,16 +158,26 @@ def _gptq_weight(parts: dict[str, torch.Tensor], bits: int, group_size: int, v1_
         qzeros = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     zeros = unpack_int32(qzeros, bits, rows, dim=1).T
     layout = ScaleLayout("group", group_size=group_size if group_size > 0 else cols)
-    return dequantize_weight(quantized, scales.T, layout, zeros, parts.get("g_idx"))
+    g_idx = parts.get("g_idx")
+    if g_idx is not None and torch.equal(g_idx.to(torch.int64), torch.arange(cols) // layout.group_size):
+        g_idx = None  # GPTQ writes it without act-order too: the plain groups, without a gather
+    return dequantize_weight(quantized, scales.T, layout, zeros, g_idx)
 
 
 def _awq_weight(parts: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     qweight, scales = parts["qweight"], parts["scales"]       # [in, out / 8], [groups, out]
     rows, cols = scales.shape[1], qweight.shape[0]
-    quantized = awq_unpack(qweight, rows).T                    # [out, in]
-    zeros = awq_unpack(parts["qzeros"], rows).T
-    layout = ScaleLayout("group", group_size=group_size if group_size > 0 else cols)
-    return dequantize_weight(quantized, scales.T, layout, zeros)
+    size = group_size if group_size > 0 else cols
+    zeros = awq_unpack(parts["qzeros"], rows)                  # [groups, out]
+    if cols % size or scales.shape != (cols // size, rows) or zeros.shape != scales.shape:
+        raise ValueError(f"AWQ scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not cover a "
+                         f"[{rows}, {cols}] weight in groups of {size}")
+    # dequantized as stored, [in, out] (input rows grouped), and handed over transposed
+    weight = awq_unpack(qweight, rows).to(torch.float32)
+    grouped = weight.view(cols // size, size, rows)
+    grouped -= zeros.to(torch.float32).unsqueeze(1)
+    grouped *= scales.to(torch.float32).unsqueeze(1)
+    return weight.T
 
 
 def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
