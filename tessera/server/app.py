@@ -70,8 +70,15 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="tessera", version="0.1.0", lifespan=lifespan)
     app.state.tessera = state
 
+    def count_refusal(exc: APIError) -> None:
+        """A request refused before it reached the engine counts as a validation error (the
+        engine's own refusals are counted where they are raised, tracking.run_request)."""
+        if isinstance(exc, ValidationFailed) and not getattr(exc, "counted", False):
+            state.metrics.requests.labels(outcome="validation_error").inc()
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        count_refusal(exc)
         return _render(request, exc)
 
     @app.exception_handler(Exception)
@@ -81,7 +88,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def body_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _render(request, ValidationFailed(_describe(exc)))
+        refusal = ValidationFailed(_describe(exc))
+        count_refusal(refusal)
+        return _render(request, refusal)
 
     app.add_middleware(_Guard, state=state)
 

@@ -51,7 +51,9 @@ async def run_request(state: ServerState, request_id: str, prompt_ids: list[int]
         raise Overloaded(str(exc)) from exc
     except (RequestError, SamplingParamsError) as exc:
         outcome = "validation_error"
-        raise ValidationFailed(str(exc), param=getattr(exc, "param", None)) from exc
+        refusal = ValidationFailed(str(exc), param=getattr(exc, "param", None))
+        refusal.counted = True  # here (finally): the app's error handler must not count it again
+        raise refusal from exc
     except GenerationError as exc:
         outcome = "generation_error"
         raise GenerationFailed(str(exc)) from exc

@@ -362,6 +362,23 @@ def test_metrics(url):
     assert all(name.startswith("tessera_") for name in samples)
 
 
+def test_refused_requests_are_counted_once(url):
+    """TGI counts validation failures; a request refused by the route (422 / 400), by the
+    body's schema, or by the engine (a logit_bias id past the vocabulary) counts once."""
+    def refused() -> float:
+        text = httpx.get(url + "/metrics").text
+        line = next((l for l in text.splitlines() if l.startswith('tessera_requests_total{outcome="validation_error"}')),
+                    None)
+        return float(line.split(" ")[1]) if line else 0.0
+
+    before = refused()
+    assert httpx.post(url + "/generate", json={"inputs": PROMPT, "parameters": {"temperature": 0}}).status_code == 422
+    assert httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "n": "x"}).status_code == 400
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "logit_bias": {"999999": 1}})
+    assert r.status_code == 400
+    assert refused() == before + 3
+
+
 def test_body_too_large_is_413(url, server, monkeypatch):
     monkeypatch.setattr(server.state.limits, "max_body_bytes", 100)
     r = httpx.post(url + "/generate", json={"inputs": "x" * 200})
