@@ -19,8 +19,8 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from tessera.config import ModelConfig
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import rope_context_length, rope_parameters
-from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.ops.weights import prepare_weights
+from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf import iter_gguf_weights
 from tessera.weights.loader import load_weights
