@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from tessera.config import (DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS, SCHEDULING_POLICIES,
-                            scheduler_defaults)
+from tessera.config import (DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS,
+                            SCHEDULING_POLICIES, scheduler_defaults)
 from tessera.platform import resolve_device
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
