@@ -119,6 +119,8 @@ class _OpenAISampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's (json_object / json_schema), on /v1/completions too as vLLM takes it
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -152,7 +154,6 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

@@ -29,6 +29,7 @@ class ToolPlan:
     function: str | None = None
     constraint: dict[str, Any] | None = None  # structured_outputs
     parser: str | None = None
+    single: bool = False  # parallel_tool_calls false: the first parsed call only ("auto")
 
     @property
     def finish_reason(self) -> str:
@@ -68,7 +69,7 @@ def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if choice == "none":
         return None
     if choice == "auto" and parser is not None:
-        return ToolPlan(parser=parser)
+        return ToolPlan(parser=parser, single=parallel_tool_calls is False)
     if choice == "auto":
         raise ValidationFailed("`tool_choice` \"auto\" needs a parser of the model's tool-call syntax, "
                                "and this server was started without --tool-call-parser; use \"required\" or "
@@ -123,13 +124,15 @@ def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, An
     none, or not a complete list of them (cut by max_tokens or a stop string): then all
     of it is content."""
     if plan.function is not None:
+        if not text:  # nothing after the reasoning (cut, or ended): no call, not one with "" arguments
+            return None, None
         calls = [(plan.function, text)]
         content = None
     else:
         content, found = PARSERS[plan.parser].parse(text) if plan.parser is not None else (None, _parse_list(text))
         if not found:
             return text, None
-        calls = found
+        calls = found[:1] if plan.single else found  # vLLM keeps the first when parallel calls are off
     return content, [{"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
                      for name, arguments in calls]
 
@@ -157,12 +160,15 @@ class ToolCallStream:
         self.text += text
         plan = self.plan
         if plan.function is not None:
+            finish = plan.finish_reason if finish == "stop" else finish
+            if not text:  # (a reasoning model's thinking so far): the call opens with its first text
+                return {}, finish
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if self.call_id is None:
                 self.call_id = new_call_id()
                 call = {"index": 0, "id": self.call_id, "type": "function",
                         "function": {"name": plan.function, "arguments": text}}
-            return {"tool_calls": [call]}, plan.finish_reason if finish == "stop" else finish
+            return {"tool_calls": [call]}, finish
         if plan.parser is not None and finish is None:
             end = PARSERS[plan.parser].content_end(self.text)
             rest = self.text[self.sent:end] if end > self.sent else ""

@@ -205,3 +205,13 @@ def test_client_placeholder_names_never_shadow_an_adapter():
     state = SimpleNamespace(model_name="base", lora_names=lambda: ["tgi"])
     assert resolve_model(state, "tgi") == ("tgi", "tgi")          # the adapter of that name
     assert resolve_model(state, "dummy") == ("base", None)        # huggingface_hub's placeholder
+
+
+def test_completions_take_response_format_like_vllm(url):
+    import json as _json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = post(url, "completions", prompt=PROMPT, max_tokens=40, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert set(_json.loads(r.json()["choices"][0]["text"])) == {"ok"}
