@@ -16,6 +16,32 @@ from tessera.bench.report import markdown_table, plot_latency_sweep, write_json
 from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 
 
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a size, a count), refused before any model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated integers >= 1 (a sweep of batch sizes)."""
+    return [positive_int(part) for part in text.split(",")]
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
     bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "speculative", "lora",
@@ -31,11 +57,11 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                             "model-dtype KV cache vs --kv-cache-dtype (default fp8): bytes per token, "
                             "prefill and decode speed per --batch-sizes, logprob drift; serve: "
                             "TTFT, TPOT, ITL and throughput of a running server (--url)")
-    bench.add_argument("--num-prompts", type=int, default=32, help="throughput/serve: prompts in the run")
-    bench.add_argument("--batch-sizes", default="1", help="latency: comma-separated batch sizes")
+    bench.add_argument("--num-prompts", type=positive_int, default=32, help="throughput/serve: prompts in the run")
+    bench.add_argument("--batch-sizes", type=positive_ints, default=[1], help="latency: comma-separated batch sizes")
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    bench.add_argument("--repeats", type=positive_int, default=3, help="runs per measurement; the median is reported")
     bench.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared prefix tokens")
     bench.add_argument("--num-decodes", type=int, default=4, help="chunked: running decode requests")
     bench.add_argument("--long-prompt-len", type=int, default=2048, help="chunked: arriving prompt")
@@ -62,7 +88,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                        help="tgi: /generate_stream; openai: /v1/completions; openai-chat: /v1/chat/completions")
     serve.add_argument("--concurrency", default=None,
                        help="most requests in flight; comma-separated for a sweep (1,4,16,32); default: no cap")
-    serve.add_argument("--request-rate", type=float, default=float("inf"),
+    serve.add_argument("--request-rate", type=positive_float, default=float("inf"),
                        help="Poisson arrivals, requests/s (default inf: all at once)")
     serve.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="skip the one untimed request sent before the first level")
@@ -94,7 +120,7 @@ def _scenario(args: argparse.Namespace, engine) -> int:
 def _speculative(args: argparse.Namespace, engine) -> int:
     from tessera.bench.speculative import speculative_bench
 
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     rows = speculative_bench(engine, sizes, args.output_len, args.repeats)
     meta = {"workload": "speculative", "model": engine.router.source.name, "dtype": str(engine.dtype),
             "threads": torch.get_num_threads(), "output_len": args.output_len, "repeats": args.repeats,
@@ -112,7 +138,7 @@ def _speculative(args: argparse.Namespace, engine) -> int:
 def _lora(args: argparse.Namespace, engine) -> int:
     from tessera.bench.lora import lora_bench
 
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     rows = lora_bench(engine, sizes, args.input_len, args.output_len, args.repeats)
     lora = engine.config.lora
     meta = {"workload": "lora", "model": engine.router.source.name, "dtype": str(engine.dtype),
@@ -133,7 +159,7 @@ def _kv_cache(args: argparse.Namespace) -> int:
     from tessera.cli import _make_llm
 
     quantized = "fp8" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    sizes = args.batch_sizes
     speed, summary = kv_cache_bench(lambda kv: _make_llm(argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})),
                                     ["auto", quantized], sizes, args.input_len, args.output_len, args.repeats)
     meta = {"workload": "kv-cache", "model": args.model or "default", "dtype": args.dtype,
@@ -210,7 +236,7 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
         return _speculative(args, engine)
     if args.workload == "lora":
         return _lora(args, engine)
-    sizes = [int(s) for s in args.batch_sizes.split(",")] if args.workload == "latency" else [args.num_prompts]
+    sizes = args.batch_sizes if args.workload == "latency" else [args.num_prompts]
     prompts, output_lens = _requests(args, engine, max(sizes), entries)
     rows: list[object] = []
     model = None

@@ -49,7 +49,10 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
             state.attach(engine)
             logger.info("ready: serving %s on http://%s:%d (TGI routes and OpenAI /v1)", model_name, host, port)
         except BaseException as exc:  # noqa: BLE001 - reported, then the server exits non-zero
-            logger.exception("loading the model failed")
+            if isinstance(exc, (ValueError, FileNotFoundError)):  # a setting or a path: its message says it
+                logger.error("loading the model failed: %s", exc)
+            else:  # a bug: the traceback is what helps
+                logger.exception("loading the model failed")
             failed.append(exc)
             if server is not None:
                 server.should_exit = True

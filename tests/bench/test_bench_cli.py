@@ -179,3 +179,15 @@ def test_random_bench_adapters_target_every_projection(make_tiny_llama, tmp_path
     assert set(adapter.weights) == layers
     assert set(adapter.weights["model.layers.0.self_attn.qkv_proj"]) == {"q", "k", "v"}
     assert set(adapter.weights["model.layers.0.mlp.gate_up_proj"]) == {0, 1}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["latency", "--batch-sizes", "1,0"], "--batch-sizes: must be >= 1, got 0"),
+    (["latency", "--repeats", "0"], "--repeats: must be >= 1, got 0"),
+    (["throughput", "--num-prompts", "-3"], "--num-prompts: must be >= 1, got -3"),
+    (["serve", "--request-rate", "-1"], "--request-rate: must be > 0"),
+])
+def test_sizes_and_counts_are_checked_before_anything_loads(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
