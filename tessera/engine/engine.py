@@ -23,6 +23,7 @@ from tessera.engine.errors import EngineFatalError
 from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
+from tessera.engine.request_checks import RequestError, check_against_vocab, check_priority, check_prompt
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.speculation import find_draft_model, load_draft_model, make_proposer
@@ -44,15 +45,6 @@ from tessera.sampling.sampler import Sampler
 from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take (empty, too long, duplicate id ...); nothing queued.
-    `param`: the request field at fault, when one is (the OpenAI error's `param`)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 class Engine:
@@ -146,23 +138,12 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
-        if priority != 0 and not self.scheduler.by_priority:
-            raise RequestError(f"priority {priority} needs the priority scheduling policy "
-                               "(--scheduling-policy priority); this engine schedules first come, first served",
-                               param="priority")
+        check_priority(priority, self.scheduler.by_priority)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise RequestError("prompt is empty")
         vocab = self.router.config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is "
-                               f"{self.max_model_len}, leaving no room to generate")
-        self._check_against_vocab(params, vocab)
+        check_prompt(token_ids, vocab, self.max_model_len)
+        check_against_vocab(params, vocab)
         # tokenized per request (the caller may have changed bad_words on a reused object)
         params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
         lora = self._resolve_lora(lora_request)
@@ -226,21 +207,6 @@ class Engine:
             return self._grammars.compile(spec)
         except StructuredOutputError as exc:
             raise RequestError(str(exc)) from exc
-
-    @staticmethod
-    def _check_against_vocab(params: SamplingParams, vocab: int) -> None:
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > vocab:
-                raise RequestError(f"`{name}` must be <= the vocabulary size {vocab}, got {value}")
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise RequestError(f"`{name}` token ids must be in [0, {vocab}), got {bad[0]}")
-        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
-            value = getattr(params, name)
-            if value is not None and value >= vocab:
-                raise RequestError(f"`{name}` must be in [0, {vocab}), got {value}")
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (all its sequences) wherever it is; its blocks are freed at once."""
