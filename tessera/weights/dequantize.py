@@ -111,6 +111,9 @@ def dequantize_weight(quantized: torch.Tensor, scale: torch.Tensor, layout: Scal
     rows, cols = quantized.shape
     weight = quantized.to(torch.float32, copy=True)  # scaled in place: never the caller's tensor
     size = layout.group_size
+    if g_idx is not None and size > 0 and g_idx.numel() == cols \
+            and torch.equal(g_idx.to(torch.int64).reshape(-1), torch.arange(cols) // size):
+        g_idx = None  # written without activation order too (GPTQ does): the plain groups
     if layout.strategy == "group" and g_idx is None and size > 0 and cols % size == 0 \
             and scale.numel() == rows * cols // size:  # the common case, without a gather
         grouped = weight.view(rows, cols // size, size)

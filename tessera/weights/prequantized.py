@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -107,14 +108,20 @@ class CheckpointQuantization:
             return _awq_weight(parts, self.group_size)
         raise QuantizedCheckpointError(f"no dequantizer for {self.method!r}")
 
-    def scheme_for(self, module: str) -> WeightScheme:
-        """The compressed-tensors group for a module, as the library's match_targets picks it:
-        an exact name first, then `re:` patterns in sorted order (re.match), then a class
-        name (every quantized tensor here is a Linear's)."""
+    @cached_property
+    def _target_owner(self) -> dict[str, WeightScheme]:
+        """Each compressed-tensors target and the first group naming it (built once)."""
         owner: dict[str, WeightScheme] = {}
         for targets, scheme in self.groups:
             for target in targets:
                 owner.setdefault(target, scheme)
+        return owner
+
+    def scheme_for(self, module: str) -> WeightScheme:
+        """The compressed-tensors group for a module, as the library's match_targets picks it:
+        an exact name first, then `re:` patterns in sorted order (re.match), then a class
+        name (every quantized tensor here is a Linear's)."""
+        owner = self._target_owner
         if module in owner:
             return owner[module]
         for target in sorted(t for t in owner if t.startswith("re:")):
@@ -158,10 +165,7 @@ def _gptq_weight(parts: dict[str, torch.Tensor], bits: int, group_size: int, v1_
         qzeros = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     zeros = unpack_int32(qzeros, bits, rows, dim=1).T
     layout = ScaleLayout("group", group_size=group_size if group_size > 0 else cols)
-    g_idx = parts.get("g_idx")
-    if g_idx is not None and torch.equal(g_idx.to(torch.int64), torch.arange(cols) // layout.group_size):
-        g_idx = None  # GPTQ writes it without act-order too: the plain groups, without a gather
-    return dequantize_weight(quantized, scales.T, layout, zeros, g_idx)
+    return dequantize_weight(quantized, scales.T, layout, zeros, parts.get("g_idx"))
 
 
 def _awq_weight(parts: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
