@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tessera.config import (DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS,
-                            SCHEDULING_POLICIES, scheduler_defaults)
+                            QUANTIZATIONS, SCHEDULING_POLICIES, scheduler_defaults)
 from tessera.platform import resolve_device
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
@@ -60,9 +60,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: seeded random weights for the model's config (benchmark real shapes "
                         "from a config.json alone; give --tokenizer if the folder has none)")
-    p.add_argument("--quantization", "-q", default=None, choices=("int8",),
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS[1:],
                    help="int8: linear weights quantized per output feature after loading "
-                        "(half the weight memory; faster single-stream decode on CPU)")
+                        "(half the weight memory; faster single-stream decode on CPU); int4: in "
+                        "groups of 32 as GGUF's Q4_1 (a third of bf16's weight bytes; the LM head "
+                        "takes int8). Both trade a little accuracy for the bytes")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every decode step op by op instead of replaying captured graphs "
                         "(kernel graphs on CPU, CUDA graphs on GPU)")
@@ -342,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
                    help="native: a tessera model folder; transformers: transformers' modeling code with "
                         "tessera's paged attention; auto: native when a folder serves the type")
-    insp.add_argument("--quantization", "-q", default=None, choices=("int8",),
-                      help="show the builders chosen for int8 weight-only linear layers")
+    insp.add_argument("--quantization", "-q", default=None, choices=QUANTIZATIONS[1:],
+                      help="show the builders chosen for int8 or int4 weight-only linear layers")
     insp.add_argument("--device", default="auto",
                       help="the device the ops are chosen for: auto (the GPU when torch sees one), cpu or cuda")
     insp.add_argument("--max-model-len", type=int, default=None)

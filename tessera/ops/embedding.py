@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.distributed.parallel import all_gather_last, all_reduce, padded_span
+from tessera.ops.linear_int4 import lm_head_quantization
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param, prepared_param
@@ -69,8 +70,9 @@ class LMHead(OpModule):
         else:
             self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
         self.vocab_size, self.tp_size = vocab_size, target.tp_size
-        self._linear = target.op("linear", quant=target.quant)
-        self._prepare = target.prepare("linear", quant=target.quant)
+        quant = lm_head_quantization(target.quant)
+        self._linear = target.op("linear", quant=quant)
+        self._prepare = target.prepare("linear", quant=quant)
 
     def prepare_weights(self) -> None:
         """After loading: the linear builder's layout. A tied head gets its own prepared

@@ -3,8 +3,8 @@
 A folder whose config.json carries a `quantization_config` stores some linear weights as
 integers or fp8 values with scales. Each such weight is rebuilt dense (float32, then the
 model's dtype as it loads) from its parts; the model runs as if the checkpoint were dense,
-so every op, device and feature works unchanged, and `--quantization int8` can shrink it
-again. Formats read:
+so every op, device and feature works unchanged, and `--quantization int8` or `int4` can
+shrink it again. Formats read:
 
 - compressed-tensors (llm-compressor, RedHatAI / Neural Magic models): pack-quantized
   (int1-8 packed in int32, e.g. W4A16 GPTQ/AWQ exports), int-quantized, naive-quantized and
@@ -209,7 +209,7 @@ def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
     raise QuantizedCheckpointError(
         f"quantization method {method!r} is not supported; tessera dequantizes checkpoints of "
         f"{', '.join(SUPPORTED_METHODS)} as they load (or load a dense checkpoint, optionally "
-        "with --quantization int8)")
+        "with --quantization int8 or int4)")
 
 
 def _gptq_awq(method: str, qc: dict) -> CheckpointQuantization:

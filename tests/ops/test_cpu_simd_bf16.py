@@ -107,7 +107,7 @@ def test_int16_pair_dot_products(probe):
 
 
 # the suites that run every C kernel against its torch twin, and decode graphs end to end
-_KERNEL_TESTS = ["ops/test_cpu_gemm.py", "ops/test_linear_int8.py", "ops/test_cpu_paged_decode.py",
+_KERNEL_TESTS = ["ops/test_cpu_gemm.py", "ops/test_linear_int8.py", "ops/test_linear_int4.py", "ops/test_cpu_paged_decode.py",
                  "ops/test_cpu_norm.py", "ops/test_cpu_rotary.py", "ops/test_cpu_activation.py",
                  "ops/test_cpu_kv_write.py", "ops/test_cpu_embedding.py", "ops/test_cpu_graph.py",
                  "ops/test_cpu_simd_bf16.py", "runner/test_decode_graphs.py"]

@@ -106,7 +106,7 @@ def test_registry_routes_int8_specs_to_int8_builders_only():
     assert select_op(OpSpec("linear", "cuda", torch.bfloat16, quant="int8")).builder.name == "torch_linear_int8"
     assert select_op(OpSpec("linear", "cpu", torch.float32)).builder.name == "torch_linear"
     with pytest.raises(ConfigError, match="quantization"):
-        ModelConfig(quantization="int4")
+        ModelConfig(quantization="nf4")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,6 +1,6 @@
 """Captured decode graphs (CPU) against the eager path: the same tokens and logprobs for
 batches that shrink through the buckets, padded buckets, mixed prefill/decode steps (which
-run eagerly) between replays, seeded sampling, int8; buckets whose pass is not kernels
+run eagerly) between replays, seeded sampling, int8 and int4; buckets whose pass is not kernels
 alone run eagerly (all of them for a model without CPU kernels, only some for qwen3), and
 graphs are dropped when the KV cache is replaced."""
 from __future__ import annotations
@@ -9,11 +9,14 @@ import pytest
 
 from tessera import LLM, SamplingParams
 from tessera.ops.cpu.build import unavailable_reason
+from tessera.ops.cpu.linear_int4 import _KERNEL as _INT4_KERNEL
 from tessera.ops.cpu.linear_int8 import _KERNEL as _INT8_KERNEL
 
 # the AVX512 kernels, or their AVX2 builds (TESSERA_CPU_KERNEL_ISA=avx2 runs this file that way)
 UNAVAILABLE = unavailable_reason("gemm_bf16.c") and unavailable_reason("gemm_bf16_avx2.c")
-INT8_UNAVAILABLE = "; ".join(_INT8_KERNEL.check(None)) or None  # the AVX512 or the AVX2 build
+# why a quantized format's GEMM runs in torch here (int8: the AVX512 or the AVX2 build)
+QUANT_UNAVAILABLE = {"int8": "; ".join(_INT8_KERNEL.check(None)) or None,
+                     "int4": "; ".join(_INT4_KERNEL.check(None)) or None}
 pytestmark = [pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
               pytest.mark.usefixtures("one_thread")]
 
@@ -29,11 +32,11 @@ def run(llm: LLM, temperature: float = 0.0, count: int = len(PROMPTS)) -> list[t
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_replayed_decode_equals_eager(make_tiny_llama, quantization, temperature):
-    if quantization and INT8_UNAVAILABLE:
-        pytest.skip(f"int8 weights run in torch here: {INT8_UNAVAILABLE}")
+    if quantization and QUANT_UNAVAILABLE[quantization]:
+        pytest.skip(f"{quantization} weights run in torch here: {QUANT_UNAVAILABLE[quantization]}")
     folder, _ = make_tiny_llama(seed=3)
     results = {}
     for eager in (True, False):
@@ -48,13 +51,13 @@ def test_replayed_decode_equals_eager(make_tiny_llama, quantization, temperature
     assert results[False] == results[True]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_padded_rows_change_nothing(make_tiny_llama, quantization):
     """9 to 16 sequences share the 16-row graph: the padded rows write no KV and leave the
-    real rows as an eager step of the same rows computes them (int8 too: its GEMM switches
-    paths by row count, never inside a bucket)."""
-    if quantization and INT8_UNAVAILABLE:
-        pytest.skip(f"int8 weights run in torch here: {INT8_UNAVAILABLE}")
+    real rows as an eager step of the same rows computes them (int8 and int4 too: their
+    GEMMs switch paths by row count, never inside a bucket)."""
+    if quantization and QUANT_UNAVAILABLE[quantization]:
+        pytest.skip(f"{quantization} weights run in torch here: {QUANT_UNAVAILABLE[quantization]}")
     folder, _ = make_tiny_llama(seed=7)
     prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 4) for i in range(11)]
     params = [SamplingParams(max_new_tokens=4 + i, temperature=0.0, logprobs=2, ignore_eos=True)

@@ -31,6 +31,7 @@
 #include "packed_tile.h"
 #include "panel_tiles.h"
 #include "simd_bf16.h"
+#include "widened_gemm.h"
 
 #define ROWS 6
 #define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
@@ -49,7 +50,6 @@
 #else
 #define WIDEN_MIN_ROWS 17
 #endif
-#define WIDE_BLOCK_BYTES (4096 * 1024)  /* of bf16 x rows, as gemm_bf16.c (see there) */
 
 static inline __attribute__((always_inline)) void tile(
         const int16_t *x, const float *x_scale, const int8_t *panel, int64_t panel_bytes,
@@ -115,49 +115,10 @@ static void widen_panel(const int8_t *q, uint16_t *out, int64_t pairs) {
     }
 }
 
-/* Many rows: widen each pair of panels once per row block and run the bf16 tile. */
-static int gemm_int8_widened(const uint16_t *x, const int8_t *packed, const uint16_t *bias, uint16_t *y,
-                             int64_t m, int64_t n, int64_t k, int threads) {
-    const int64_t panels = n / 16, panel_bytes = 64 + 16 * k, pairs = k / 2;
-    int64_t block = WIDE_BLOCK_BYTES / (2 * k);
-    block = block < PACK_ROWS ? PACK_ROWS : block / PACK_ROWS * PACK_ROWS;
-    const TileX *xt = tile_x_from_bf16(x, m * k, threads);
-    if (!xt) return 2;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        uint16_t *wide = malloc(sizeof(uint16_t) * 2 * pairs * 32);
-        float scale[32];
-        if (!wide) {
-            failed = 1;
-        } else {
-            FOR_EACH_PANEL_TILE(m, panels, block, PACK_ROWS, {
-                const int8_t *qpanel = packed + p * panel_bytes;
-                if (first_tile) {
-                    widen_panel(qpanel + 64, wide, pairs);
-                    memcpy(scale, qpanel, 64);
-                    if (two_panels) {
-                        widen_panel(qpanel + panel_bytes + 64, wide + pairs * 32, pairs);
-                        memcpy(scale + 16, qpanel + panel_bytes, 64);
-                    }
-                }
-                /* the next pair's int8 panels come into L2 meanwhile (see gemm_bf16.c) */
-                const NextPair next = next_pair(next_p >= 0 ? packed + next_p * panel_bytes + 64 : NULL,
-                                                panel_bytes, 32, tile_index, tiles);
-                const uint16_t *panel = wide;  /* one declaration each: a top-level comma */
-                const TileX *xm = xt + mt * k;  /* would split the macro's argument */
-                uint16_t *ym = y + mt * n;
-                if (two_panels) {
-                    PACKED_TILE_CASES(2, scale, next)
-                } else {
-                    PACKED_TILE_CASES(1, scale, next)
-                }
-            });
-        }
-        free(wide);
-    }
-    tile_x_free(xt);
-    return failed ? 2 : 0;
+/* widened_gemm.h's view of a panel: its values widened, its scales copied. */
+static void widen_scaled_panel(const uint8_t *panel, uint16_t *out, float *scale, int64_t k) {
+    widen_panel((const int8_t *)panel + 64, out, k / 2);
+    memcpy(scale, panel, 64);
 }
 
 /* x [m, k] bf16, packed [n / 16, 64 + 16 k] int8, bias [n] bf16 or NULL, y [m, n] bf16.
@@ -165,7 +126,10 @@ static int gemm_int8_widened(const uint16_t *x, const int8_t *packed, const uint
 int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % 2 || n < 16 || k < 2) return 1;
-    if (m >= WIDEN_MIN_ROWS) return gemm_int8_widened(x, packed, bias, y, m, n, k, threads);
+    if (m >= WIDEN_MIN_ROWS) {
+        const CompactPanels w = {(const uint8_t *)packed, 64 + 16 * k, 64, 32, widen_scaled_panel, 1};
+        return gemm_widened(x, w, bias, y, m, n, k, threads);
+    }
     int16_t *xq;
     float *x_scale;
     if (quantize_rows(x, m, k, threads, &xq, &x_scale)) return 2;

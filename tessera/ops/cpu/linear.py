@@ -100,9 +100,17 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
 def _packed_linear(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
-    n = packed.shape[0] * 16
     if packed.shape[1] * 2 != k:
         raise ValueError(f"input has {k} features, the packed weight expects {packed.shape[1] * 2}")
+    return run_packed(kernel, x, packed, bias, packed.shape[0] * 16)
+
+
+def run_packed(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+               n: int) -> torch.Tensor:
+    """x [..., k] times a weight of `n` out features packed for `kernel` (one of the packed
+    GEMMs' signature: x, weight, bias, y, m, n, k, threads), in bf16; the caller has checked
+    that the weight's shape fits k."""
+    k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows == 0:
         return x.new_zeros((*x.shape[:-1], n))

@@ -13,7 +13,7 @@ import ctypes
 import torch
 
 from tessera.ops.cpu.build import Kernel
-from tessera.ops.cpu.linear import packable
+from tessera.ops.cpu.linear import packable, run_packed
 from tessera.ops.linear_int8 import linear_int8_rows, quantize_int8, quantize_rows
 from tessera.ops.registry import register_op
 
@@ -53,16 +53,4 @@ def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != 64 + 16 * k:
         raise ValueError(f"input has {k} features; the packed int8 weight {tuple(weight.shape)} "
                          f"expects {(weight.shape[1] - 64) // 16}")
-    n = weight.shape[0] * 16
-    rows = x.numel() // k if k else 0
-    if rows == 0:
-        return x.new_zeros((*x.shape[:-1], n))
-    flat = x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()  # decode: no copies
-    x2 = x if flat else x.to(torch.bfloat16).reshape(rows, k).contiguous()
-    if bias is not None:
-        bias = bias.to(torch.bfloat16).contiguous()
-    y = torch.empty((rows, n), dtype=torch.bfloat16)
-    if _KERNEL(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-               y.data_ptr(), rows, n, k, torch.get_num_threads()):
-        raise ValueError(f"gemm_int8 refused shapes x {tuple(x2.shape)}, weight {tuple(weight.shape)}")
-    return y if flat else y.view(*x.shape[:-1], n)
+    return run_packed(_KERNEL, x, weight, bias, weight.shape[0] * 16)

@@ -1,0 +1,67 @@
+"""The int4 weight-only GEMM builder for `linear` on AVX512 CPUs (gemm_int4.c).
+
+Weights are quantized per output feature in groups of 32 (tessera/ops/linear_int4.py) and
+packed into the kernel's 16-feature panels. Shapes the kernel cannot take (out features not
+a multiple of 16) keep the reference builder's row layout and run through it; weights the
+format cannot take (in features not a multiple of 32) stay in the model dtype.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.cpu.linear import run_packed
+from tessera.ops.linear_int4 import GROUP, int4_quantizable, linear_int4_rows, pack_int4_rows, quantize_int4
+from tessera.ops.registry import register_op
+
+_KERNEL = Kernel("gemm_int4.c", "tessera_gemm_int4",
+                 (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int)
+
+PANEL_BYTES_PER_K = 10  # 320 bytes per 16 features x 32 k
+
+
+def pack_int4(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] float -> uint8 [n / 16, 10 k] panels (gemm_int4.c's layout); the reference
+    row layout when n is not a multiple of 16; the weight itself when already prepared or
+    not quantizable."""
+    if weight.dtype == torch.uint8 or not int4_quantizable(weight):
+        return weight
+    n, k = weight.shape
+    if n % 16:
+        return pack_int4_rows(weight)
+    codes, d, m = quantize_int4(weight)
+    p, groups = n // 16, k // GROUP
+    c = codes.view(p, 16, groups, GROUP // 4, 2, 2)            # (panel, l, g, t, half, e)
+    chunks = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, groups, 256)
+    steps = d.view(p, 16, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+    offsets = m.view(p, 16, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([steps, offsets, chunks], dim=2).reshape(p, groups * 320).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [n, k], d [n, k / 32], m [n, k / 32]) back from pack_int4's panels."""
+    p, groups = packed.shape[0], k // GROUP
+    parts = packed.view(p, groups, 320)
+    d = parts[..., :32].contiguous().view(torch.float16).permute(0, 2, 1).reshape(p * 16, groups)
+    m = parts[..., 32:64].contiguous().view(torch.float16).permute(0, 2, 1).reshape(p * 16, groups)
+    chunks = parts[..., 64:].reshape(p, groups, GROUP // 4, 16, 2)  # (panel, g, t, l, e)
+    codes = torch.stack([chunks & 15, chunks >> 4], dim=4)          # (panel, g, t, l, half, e)
+    codes = codes.permute(0, 3, 1, 2, 4, 5).reshape(p * 16, k)
+    return codes, d, m
+
+
+@register_op("linear", name="cpu_gemm_int4", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
+             quant=("int4",), check=_KERNEL.check, prepare=pack_int4)
+def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    if weight.dtype != torch.uint8:  # not quantizable: kept in the model dtype
+        return F.linear(x, weight.to(x.dtype), bias)
+    if weight.shape[1] == 5 * k // 8:  # the row layout
+        return linear_int4_rows(x, weight, bias)
+    if weight.shape[1] != PANEL_BYTES_PER_K * k:
+        raise ValueError(f"input has {k} features; the packed int4 weight {tuple(weight.shape)} "
+                         f"expects {weight.shape[1] // PANEL_BYTES_PER_K}")
+    return run_packed(_KERNEL, x, weight, bias, weight.shape[0] * 16)

@@ -1,0 +1,73 @@
+/* Many rows against weights stored in a compact format (gemm_int8.c, gemm_int4.c): each
+ * thread widens a pair of its 16-feature panels to gemm_bf16.c's packed bf16 layout once per
+ * block of rows and runs the 12-row bf16 tile (packed_tile.h) on it; x stays bf16. At many
+ * rows the multiply is compute-bound, so the widening, paid once per block, is cheap next to
+ * it, and the bf16 tile is the fastest multiply there is. */
+#ifndef TESSERA_WIDENED_GEMM_H
+#define TESSERA_WIDENED_GEMM_H
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "packed_tile.h"
+#include "panel_tiles.h"
+
+#define WIDE_BLOCK_BYTES (4096 * 1024)  /* of bf16 x rows, as gemm_bf16.c (see there) */
+
+/* One compact panel -> `out` (k / 2 pairs of 32 bf16); `scale` receives the panel's 16
+ * per-feature scales, for formats that apply them to the outputs. */
+typedef void (*WidenPanel)(const uint8_t *panel, uint16_t *out, float *scale, int64_t k);
+
+/* The compact weights: panels of `panel_bytes`, whose values start `values_at` bytes in, at
+ * `pair_bytes` per pair of k on average (for prefetching the next pair); `scaled`: whether
+ * the widened values still need their per-feature scale. */
+typedef struct {
+    const uint8_t *packed;
+    int64_t panel_bytes, values_at, pair_bytes;
+    WidenPanel widen;
+    int scaled;
+} CompactPanels;
+
+/* y [m, n] = x [m, k] (bf16) times the widened panels (+ bias). Returns 0, or 2 when memory
+ * runs out. */
+static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias, uint16_t *y,
+                        int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t panels = n / 16, pairs = k / 2;
+    int64_t block = WIDE_BLOCK_BYTES / (2 * k);
+    block = block < PACK_ROWS ? PACK_ROWS : block / PACK_ROWS * PACK_ROWS;
+    const TileX *xt = tile_x_from_bf16(x, m * k, threads);
+    if (!xt) return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        uint16_t *wide = malloc(sizeof(uint16_t) * 2 * pairs * 32);
+        float scale[32];
+        if (!wide) {
+            failed = 1;
+        } else {
+            FOR_EACH_PANEL_TILE(m, panels, block, PACK_ROWS, {
+                const uint8_t *compact = w.packed + p * w.panel_bytes;
+                if (first_tile) {
+                    w.widen(compact, wide, scale, k);
+                    if (two_panels) w.widen(compact + w.panel_bytes, wide + pairs * 32, scale + 16, k);
+                }
+                /* the next pair's compact panels come into L2 meanwhile (see gemm_bf16.c) */
+                const NextPair next = next_pair(
+                    next_p >= 0 ? w.packed + next_p * w.panel_bytes + w.values_at : NULL,
+                    w.panel_bytes, w.pair_bytes, tile_index, tiles);
+                const uint16_t *panel = wide;  /* one declaration each: a top-level comma */
+                const TileX *xm = xt + mt * k;  /* would split the macro's argument */
+                uint16_t *ym = y + mt * n;
+                const float *scales = w.scaled ? scale : NULL;
+                if (two_panels) {
+                    PACKED_TILE_CASES(2, scales, next)
+                } else {
+                    PACKED_TILE_CASES(1, scales, next)
+                }
+            });
+        }
+        free(wide);
+    }
+    tile_x_free(xt);
+    return failed ? 2 : 0;
+}
+#endif

@@ -1,0 +1,101 @@
+"""Int4 weight-only linear layers (`--quantization int4`): the format and the reference builder.
+
+Each output feature's weights are quantized in groups of GROUP = 32 input features,
+asymmetrically, as GGUF's Q4_1 does: w ~= d * q + m with codes q in 0..15, the group's
+step d = (max - min) / 15 and offset m = min, both stored as float16 (5 bits per weight in
+all, a third of bf16's bytes). Single-stream decode streams every weight once per token,
+so it reads that much less; the cost is accuracy (tests/ops/test_linear_int4.py bounds it on
+the default model), hence opt-in.
+
+Layers whose in-features are not a multiple of GROUP keep their float weights (every
+projection of the supported families is a multiple). The LM head takes int8 instead
+(tessera/ops/embedding.py): the vocabulary projection is the layer most sensitive to
+weight error, which is why llama.cpp's 4-bit files keep it at 6 or 8 bits (the default
+model's GGUF stores it as Q8_0).
+
+This builder runs anywhere: its prepared weight is one uint8 tensor [n, 5 k / 8] per output
+feature row: the k / 2 bytes of codes (input feature 2i in the low nibble of byte i, 2i + 1
+in the high), then each group's d and m as float16 bytes. It dequantizes per call, so it is for
+correctness and devices without a kernel, not speed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tessera.ops.registry import register_op
+
+GROUP = 32
+
+
+def int4_quantizable(weight: torch.Tensor) -> bool:
+    """Whether `weight` [n, k] takes the int4 format (k a multiple of GROUP)."""
+    return weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[1] > 0 \
+        and weight.is_floating_point()
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [n, k] -> (codes uint8 [n, k] in 0..15, d float16 [n, k / GROUP],
+    m float16 [n, k / GROUP]) with weight ~= codes * d + m per group.
+
+    d and m are rounded to float16 before the codes are chosen, so each code is the nearest
+    for the stored step and offset."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    m = low.to(torch.float16)
+    d = ((high - m.float()) / 15).to(torch.float16)
+    step = d.float().unsqueeze(2)
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = torch.round((w - m.float().unsqueeze(2)) / safe).clamp_(0, 15)
+    codes = torch.where(step > 0, codes, torch.zeros_like(codes))
+    return codes.to(torch.uint8).reshape(n, k), d, m
+
+
+def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """float32 [n, k] from quantize_int4's parts."""
+    n, k = codes.shape
+    w = codes.float().reshape(n, k // GROUP, GROUP) * d.float().unsqueeze(2) + m.float().unsqueeze(2)
+    return w.reshape(n, k)
+
+
+def pack_int4_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] float -> uint8 [n, 5 k / 8] (the reference layout), or the weight itself when
+    it is prepared already or does not take the format."""
+    if weight.dtype == torch.uint8 or not int4_quantizable(weight):
+        return weight
+    codes, d, m = quantize_int4(weight)
+    n, k = codes.shape
+    nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = torch.stack([d, m], dim=2).reshape(n, 2 * k // GROUP).view(torch.uint8)
+    return torch.cat([nibbles, scales], dim=1).contiguous()
+
+
+def unpack_int4_rows(prepared: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [n, k], d, m) of a pack_int4_rows tensor for `k` in-features."""
+    if prepared.shape[1] != 5 * k // 8 or k % GROUP:
+        raise ValueError(f"input has {k} features; the int4 weight {tuple(prepared.shape)} "
+                         f"expects {prepared.shape[1] * 8 // 5}")
+    n = prepared.shape[0]
+    nibbles = prepared[:, :k // 2]
+    codes = torch.stack([nibbles & 15, nibbles >> 4], dim=2).reshape(n, k)
+    scales = prepared[:, k // 2:].contiguous().view(torch.float16).reshape(n, k // GROUP, 2)
+    return codes, scales[..., 0], scales[..., 1]
+
+
+def linear_int4_rows(x: torch.Tensor, prepared: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if prepared.dtype != torch.uint8:  # a layer that kept its float weights
+        return F.linear(x, prepared.to(x.dtype), bias)
+    weight = dequantize_int4(*unpack_int4_rows(prepared, x.shape[-1])).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+@register_op("linear", name="torch_linear_int4", priority=0, quant=("int4",), prepare=pack_int4_rows)
+def linear_int4_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear_int4_rows(x, weight, bias)
+
+
+def lm_head_quantization(quant: str | None) -> str | None:
+    """The LM head's weight format under `quant`: int8 where the layers take int4 (see the
+    module docstring), else the same."""
+    return "int8" if quant == "int4" else quant

@@ -1,0 +1,172 @@
+"""Int4 weight-only linear layers (`--quantization int4`).
+
+- quantization: groups of 32, codes 0..15, error at most half a step, flat groups exact;
+- the row layout and the kernel's panels both hold exactly quantize_int4's parts;
+- the reference builder and the kernel (AVX512) against the exact product with the
+  dequantized weight: the int16 path (the kernel quantizes each activation row to 15 bits;
+  the bound accounts for it) and, from the widening threshold, the bf16-dequantized path;
+- shapes outside the format: row layout (out features not a multiple of 16), float weights
+  kept (in features not a multiple of 32), mismatched inputs refused;
+- a tiny Llama served with int4 equals transformers running the dequantized weights, with
+  the LM head in int8;
+- the default model: int4 weights in memory, the same greedy answer as bf16.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.ops.cpu import linear_int4 as cpu_int4
+from tessera.ops.linear_int4 import (GROUP, dequantize_int4, linear_int4_ref, lm_head_quantization, pack_int4_rows,
+                                     quantize_int4, unpack_int4_rows)
+from tessera.ops.linear_int8 import quantize_int8
+from tessera.ops.registry import OpSpec, select_op
+
+UNAVAILABLE = "; ".join(cpu_int4._KERNEL.check(None)) or None
+needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+def dequantized(w: torch.Tensor) -> torch.Tensor:
+    return dequantize_int4(*quantize_int4(w)).double()
+
+
+def test_quantization_is_per_group_and_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=g) * torch.logspace(-3, 2, 40).unsqueeze(1)
+    w[3] = 0.0
+    w[5, 32:64] = 1.5  # a flat group
+    codes, d, m = quantize_int4(w)
+    assert codes.dtype == torch.uint8 and codes.max() <= 15 and d.dtype == m.dtype == torch.float16
+    assert d.shape == m.shape == (40, 3)
+    err = (dequantized(w) - w.double()).abs().view(40, 3, GROUP)
+    step = d.double().unsqueeze(2)
+    assert (err <= step * 0.51 + 1e-7).all()  # half a step, and the float16 step's rounding
+    assert (codes.view(40, 3, GROUP).amax(2)[d > 0] == 15).all()  # each group uses its range
+    assert (codes[3] == 0).all() and (d[3] == 0).all() and (m[3] == 0).all()
+    assert d[5, 1] == 0 and m[5, 1] == 1.5 and (dequantized(w)[5, 32:64] == 1.5).all()
+
+
+def test_row_layout_round_trip():
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    rows = pack_int4_rows(w)
+    assert rows.dtype == torch.uint8 and rows.shape == (24, 40) and pack_int4_rows(rows) is rows
+    for got, want in zip(unpack_int4_rows(rows, 64), quantize_int4(w)):
+        assert torch.equal(got, want)
+    unquantizable = torch.randn(8, 40)
+    assert pack_int4_rows(unquantizable) is unquantizable  # 40 is not a multiple of 32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_builder_equals_the_dequantized_product(dtype):
+    g = torch.Generator().manual_seed(2)
+    w, x, b = torch.randn(24, 64, generator=g), torch.randn(3, 5, 64, generator=g), torch.randn(24, generator=g)
+    got = linear_int4_ref(x.to(dtype), pack_int4_rows(w), b.to(dtype))
+    exact = F.linear(x.to(dtype).double(), dequantized(w), b.to(dtype).double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * exact.abs().max().item()
+    assert got.shape == (3, 5, 24) and (got.double() - exact).abs().max() <= tol
+    with pytest.raises(ValueError, match="expects 64"):
+        linear_int4_ref(torch.randn(2, 96), pack_int4_rows(w), None)
+    kept = torch.randn(8, 40, generator=g)  # not quantizable: the float weight serves as is
+    xk = torch.randn(2, 40, generator=g)
+    torch.testing.assert_close(linear_int4_ref(xk, pack_int4_rows(kept), None), F.linear(xk, kept))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 40, 300])
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_the_dequantized_product(m, n, k, bias):
+    """Row tiles of 4 and their remainders; from 17 rows (64 without AVX512-BF16) the
+    dequantized bf16 path with 12-row tiles and their remainders (300 rows); odd panel
+    counts (80); one group (k = 32) and 64 groups."""
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_int4.pack_int4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (n // 16, 10 * k)
+    for got, want in zip(cpu_int4.unpack_int4(packed, k), quantize_int4(w)):
+        assert torch.equal(got, want)
+    got = cpu_int4.gemm_int4_linear(x, packed, b).double()
+    wd = dequantized(w)
+    exact = F.linear(x.double(), wd, None if b is None else b.double())
+    x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2   # the int16 path's rounding of x
+    w_round = F.linear(x.double().abs(), wd.abs()) * 2.0 ** -8        # the bf16 path's rounding of w
+    tol = exact.abs() * 2.0 ** -7 + x_step * wd.abs().sum(dim=1) + w_round + 1e-6
+    assert ((got - exact).abs() <= tol).all(), (got - exact).abs().max()
+
+
+@needs_kernel
+def test_kernel_builder_layouts_and_input_checks():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    rows = cpu_int4.pack_int4(torch.randn(40, 64, generator=g).bfloat16())  # 40 features: no panels
+    assert rows.shape == (40, 40) and cpu_int4.pack_int4(rows) is rows
+    torch.testing.assert_close(cpu_int4.gemm_int4_linear(x, rows, None), linear_int4_ref(x, rows, None))
+    kept = torch.randn(32, 48, generator=g).bfloat16()  # 48 in features: kept as bf16
+    assert cpu_int4.pack_int4(kept) is kept
+    x48 = torch.randn(2, 48, generator=g).bfloat16()
+    torch.testing.assert_close(cpu_int4.gemm_int4_linear(x48, kept, None), F.linear(x48, kept))
+    packed = cpu_int4.pack_int4(torch.randn(32, 64, generator=g).bfloat16())
+    assert cpu_int4.gemm_int4_linear(x[:0], packed, None).shape == (0, 32)
+    assert cpu_int4.gemm_int4_linear(x.view(3, 1, 64), packed, None).shape == (3, 1, 32)
+    with pytest.raises(ValueError, match="expects 64"):
+        cpu_int4.gemm_int4_linear(torch.randn(2, 32).bfloat16(), packed, None)
+
+
+def test_registry_routes_int4_specs_to_int4_builders_and_the_lm_head_to_int8():
+    bf16 = select_op(OpSpec("linear", "cpu", torch.bfloat16, quant="int4"))
+    assert bf16.builder.name == ("torch_linear_int4" if UNAVAILABLE else "cpu_gemm_int4")
+    assert select_op(OpSpec("linear", "cpu", torch.float32, quant="int4")).builder.name == "torch_linear_int4"
+    assert select_op(OpSpec("linear", "cuda", torch.bfloat16, quant="int4")).builder.name == "torch_linear_int4"
+    assert lm_head_quantization("int4") == "int8"
+    assert lm_head_quantization("int8") == "int8" and lm_head_quantization(None) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_llama_int4_equals_transformers_on_dequantized_weights(make_tiny_llama, dtype):
+    from tessera.llm import LLM
+    from tessera.sampling.params import SamplingParams
+
+    folder, hf = make_tiny_llama(seed=5, hidden_size=64, intermediate_size=160)
+    with torch.no_grad():  # what int4 holds: the layers in int4, the LM head in int8
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight.data.to(getattr(torch, dtype)).float()
+                if name == "lm_head":
+                    q, s = quantize_int8(w)
+                    module.weight.copy_(q.float() * s.unsqueeze(1))
+                else:
+                    module.weight.copy_(dequantized(w))
+    prompt = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, logprobs=5)
+    with LLM(folder, dtype=dtype, quantization="int4", num_kv_blocks=32, show_progress=False) as llm:
+        model = llm.engine.model
+        assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+        assert model.lm_head.weight.dtype == torch.int8
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[0] == int(reference.argmax())
+    tol = 1e-4 if dtype == "float32" else 0.1
+    for token_id, logprob in out.logprobs[0].items():
+        value = logprob.logprob if hasattr(logprob, "logprob") else logprob
+        assert abs(value - reference[token_id].item()) <= tol, (token_id, value, reference[token_id].item())
+
+
+def test_default_model_int4_holds_int4_weights_and_answers_like_bf16(default_gguf):
+    """The default model's checkpoint is Q4_1 already: int4 re-quantizes its values (as
+    loaded in bf16) and keeps them at 5 bits."""
+    from tessera.llm import LLM
+    from tessera.sampling.params import SamplingParams
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    answers = {}
+    for quantization in (None, "int4"):
+        with LLM(dtype="bfloat16", quantization=quantization, num_kv_blocks=64, show_progress=False) as llm:
+            weights = [p for n, p in llm.engine.model.named_parameters() if "proj" in n]
+            assert all((p.dtype == torch.uint8) == (quantization == "int4") for p in weights)
+            answers[quantization] = llm.chat([question], params)[0].outputs[0].text
+    assert "Paris" in answers[None] and answers["int4"] == answers[None]
