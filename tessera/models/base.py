@@ -22,7 +22,7 @@ from tessera.ops.rotary import rope_context_length, rope_parameters
 from tessera.ops.weights import prepare_weights
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.weights.dummy import load_dummy_weights
-from tessera.weights.gguf import iter_gguf_weights
+from tessera.weights.gguf import gguf_matrix_format, iter_gguf_weights
 from tessera.weights.loader import load_weights
 from tessera.weights.prequantized import CheckpointQuantization, QuantizedCheckpointError, checkpoint_quantization
 from tessera.weights.safetensors import hf_tensor_names, iter_hf_weights
@@ -186,6 +186,7 @@ class BaseRouter:
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.source.is_gguf:
             cfg = self.config
+            self._note_gguf_format()
             return iter_gguf_weights(
                 self.source.path, permute_qk=self.gguf_permute_qk,
                 num_heads=cfg.num_attention_heads,
@@ -202,6 +203,18 @@ class BaseRouter:
         logger.info("%s checkpoint: quantized weights are dequantized as they load%s", quant.method,
                     "".join(f"; {note}" for note in quant.notes))
         return quant.dequantized(weights, names)
+
+    def _note_gguf_format(self) -> None:
+        """A GGUF's matrices load dequantized to the model dtype; say which --quantization
+        would keep them near the file's own size (and decode faster where bytes bound it)."""
+        if self.model_config.quantization is not None:
+            return
+        stored = gguf_matrix_format(self.source.path, self.metadata_dir) or ""
+        kept = "int4" if stored.startswith(("Q4", "IQ4")) else "int8" if stored.startswith(("Q8", "Q5", "Q6")) else None
+        if kept:
+            logger.info("the GGUF stores its weight matrices as %s; they load dequantized to the model "
+                        "dtype (--quantization %s keeps them compact: less memory, faster decode on CPU)",
+                        stored, kept)
 
     @cached_property
     def checkpoint_quantization(self) -> CheckpointQuantization | None:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -97,6 +98,16 @@ def _cached_tensor_index(path: Path, index_dir: Path | None) -> list[GGUFTensor]
     from gguf import GGUFReader
 
     return tensor_index(GGUFReader(str(path)))
+
+
+def gguf_matrix_format(path: Path, index_dir: Path | None = None) -> str | None:
+    """The storage type most of the file's weight matrices (2-D tensors) use, e.g. "Q4_1";
+    None if it has none."""
+    from gguf import GGMLQuantizationType
+
+    counts = Counter(GGMLQuantizationType(t.tensor_type).name
+                     for t in _cached_tensor_index(path, index_dir) if len(t.shape) == 2)
+    return counts.most_common(1)[0][0] if counts else None
 
 
 def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,

@@ -155,11 +155,17 @@ def test_tiny_llama_int4_equals_transformers_on_dequantized_weights(make_tiny_ll
         assert abs(value - reference[token_id].item()) <= tol, (token_id, value, reference[token_id].item())
 
 
-def test_default_model_int4_holds_int4_weights_and_answers_like_bf16(default_gguf):
+def test_default_model_int4_holds_int4_weights_and_answers_like_bf16(default_gguf, caplog):
     """The default model's checkpoint is Q4_1 already: int4 re-quantizes its values (as
-    loaded in bf16) and keeps them at 5 bits."""
+    loaded in bf16) and keeps them at 5 bits; loading it without a --quantization says so."""
+    import logging
+
     from tessera.llm import LLM
     from tessera.sampling.params import SamplingParams
+    from tessera.weights.gguf import gguf_matrix_format
+
+    assert gguf_matrix_format(default_gguf) == "Q4_1"
+    caplog.set_level(logging.INFO, logger="tessera.models.base")
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -169,4 +175,8 @@ def test_default_model_int4_holds_int4_weights_and_answers_like_bf16(default_ggu
             weights = [p for n, p in llm.engine.model.named_parameters() if "proj" in n]
             assert all((p.dtype == torch.uint8) == (quantization == "int4") for p in weights)
             answers[quantization] = llm.chat([question], params)[0].outputs[0].text
+        hints = [r.getMessage() for r in caplog.records if "--quantization int4 keeps" in r.getMessage()]
+        assert len(hints) == (1 if quantization is None else 0)
+        assert all("as Q4_1" in hint for hint in hints)
+        caplog.clear()
     assert "Paris" in answers[None] and answers["int4"] == answers[None]
