@@ -1,5 +1,6 @@
-"""The packed CPU GEMMs that run on this CPU (bf16, int8) over the default model's 211
-weight matrices (30 layers x q, k, v, o, gate, up, down + the LM head), called straight
+"""The packed CPU GEMMs that run on this CPU (bf16, int8, int4) over the default model's 211
+weight matrices (30 layers x q, k, v, o, gate, up, down + the LM head; int4 runs the LM head
+in int8, as the engine does), called straight
 through ctypes with the weights in huge pages as the engine holds them: milliseconds per
 pass at each row count, medians, the kernels interleaved so they share the host's state.
 
@@ -14,6 +15,7 @@ import time
 import torch
 
 from tessera.ops.cpu import linear as cpu_linear
+from tessera.ops.cpu import linear_int4 as cpu_int4
 from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.cpu.build import unavailable_reason
 from tessera.runner.huge_pages import empty_huge_like
@@ -38,32 +40,38 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).bfloat16() for n, k in LAYER_SHAPES] * LAYERS
     weights.append(torch.randn(VOCAB, 576, generator=g).bfloat16())
-    kernels = {}
+    kernels = {}  # name -> ((kernel, pack) of the layers, (kernel, pack) of the LM head)
     if unavailable_reason("gemm_bf16.c") is None:
-        kernels["bf16"] = (cpu_linear._GEMM_PACKED, cpu_linear.pack_weight)
+        kernels["bf16"] = ((cpu_linear._GEMM_PACKED, cpu_linear.pack_weight),) * 2
     elif unavailable_reason("gemm_bf16_avx2.c") is None:
-        kernels["bf16 (avx2)"] = (cpu_linear._GEMM_PACKED_AVX2, cpu_linear.pack_weight)
+        kernels["bf16 (avx2)"] = ((cpu_linear._GEMM_PACKED_AVX2, cpu_linear.pack_weight),) * 2
+    int8 = (cpu_int8._KERNEL, cpu_int8.pack_int8)
     if not cpu_int8._KERNEL.check(None):
-        kernels[f"int8 ({cpu_int8._KERNEL.runnable_source()})"] = (cpu_int8._KERNEL, cpu_int8.pack_int8)
+        kernels[f"int8 ({cpu_int8._KERNEL.runnable_source()})"] = (int8, int8)
+        if not cpu_int4._KERNEL.check(None):
+            kernels["int4"] = ((cpu_int4._KERNEL, cpu_int4.pack_int4), int8)
     if not kernels:
         raise SystemExit("no packed GEMM kernel runs on this CPU")
-    packed = {name: [_huge(pack(w)) for w in weights] for name, (_, pack) in kernels.items()}
+    def per_matrix(name: str) -> list[tuple]:
+        layer, head = kernels[name]
+        return [layer] * (len(weights) - 1) + [head]
+    packed = {name: [_huge(pack(w)) for w, (_, pack) in zip(weights, per_matrix(name))] for name in kernels}
     print(f"{len(weights)} matrices, {args.threads} threads, median of {args.repeats}")
     for m in (int(r) for r in args.rows.split(",")):
         keep, calls = [], {}
-        for name, (kernel, _) in kernels.items():
+        for name in kernels:
             calls[name] = []
-            for w, p in zip(weights, packed[name]):
+            for w, p, (kernel, _) in zip(weights, packed[name], per_matrix(name)):
                 n, k = w.shape
                 x, y = torch.randn(m, k, generator=g).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
                 keep += [x, y]
-                calls[name].append((x.data_ptr(), p.data_ptr(), None, y.data_ptr(), m, n, k, args.threads))
+                calls[name].append((kernel._fn, (x.data_ptr(), p.data_ptr(), None, y.data_ptr(), m, n, k,
+                                                 args.threads)))
         times = {name: [] for name in kernels}
         for _ in range(args.repeats + 1):  # the first pass warms up and is dropped
-            for name, (kernel, _) in kernels.items():
-                fn = kernel._fn
+            for name in kernels:
                 start = time.perf_counter()
-                for call in calls[name]:
+                for fn, call in calls[name]:
                     fn(*call)
                 times[name].append(time.perf_counter() - start)
         line = "  ".join(f"{name} {statistics.median(t[1:]) * 1e3:8.2f} ms" for name, t in times.items())
