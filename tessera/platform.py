@@ -44,9 +44,8 @@ def cpu_bf16_reason(tessera_ops: bool = True, quantization: str | None = None) -
     # AVX2-only CPUs: every decode kernel has an AVX2 build (the Xeon with AVX512 turned off
     # in tessera and torch: 21.7 vs 43.3 ms per token, 117 vs 115 tok/s at 32 prompts;
     # TTFT 395 vs 307 ms, prefill attention being torch's emulated bf16)
-    # (int8 weights have an AVX2 kernel of their own, gemm_int8_avx2.c; int4 weights have
-    # none, so their bf16 GEMMs would run through torch's reference, dequantizing per call)
-    needed = {"int8": "gemm_int8_avx2.c", "int4": "gemm_int4.c"}.get(quantization, "gemm_bf16_avx2.c")
+    # (int8 and int4 weights have AVX2 kernels of their own, gemm_int8_avx2.c, gemm_int4_avx2.c)
+    needed = {"int8": "gemm_int8_avx2.c", "int4": "gemm_int4_avx2.c"}.get(quantization, "gemm_bf16_avx2.c")
     if unavailable_reason(needed) is None:
         return "no AVX512, but tessera's AVX2 kernels run bf16 here, widened to float32"
     return None

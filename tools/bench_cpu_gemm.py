@@ -48,8 +48,8 @@ def main() -> None:
     int8 = (cpu_int8._KERNEL, cpu_int8.pack_int8)
     if not cpu_int8._KERNEL.check(None):
         kernels[f"int8 ({cpu_int8._KERNEL.runnable_source()})"] = (int8, int8)
-        if not cpu_int4._KERNEL.check(None):
-            kernels["int4"] = ((cpu_int4._KERNEL, cpu_int4.pack_int4), int8)
+        if not cpu_int4.kernel_unavailable():
+            kernels[f"int4 ({cpu_int4._KERNEL.runnable_source()})"] = ((cpu_int4._KERNEL, cpu_int4.pack_int4), int8)
     if not kernels:
         raise SystemExit("no packed GEMM kernel runs on this CPU")
     def per_matrix(name: str) -> list[tuple]:

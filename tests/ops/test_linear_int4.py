@@ -23,7 +23,7 @@ from tessera.ops.linear_int4 import (GROUP, dequantize_int4, linear_int4_ref, lm
 from tessera.ops.linear_int8 import quantize_int8
 from tessera.ops.registry import OpSpec, select_op
 
-UNAVAILABLE = "; ".join(cpu_int4._KERNEL.check(None)) or None
+UNAVAILABLE = "; ".join(cpu_int4.kernel_unavailable()) or None  # the AVX512 or the AVX2 build
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 
@@ -77,9 +77,10 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
-    """Row tiles of 4 and their remainders; from 17 rows (64 without AVX512-BF16) the
-    dequantized bf16 path with 12-row tiles and their remainders (300 rows); odd panel
-    counts (80); one group (k = 32) and 64 groups."""
+    """Row tiles of 4 and their remainders (AVX2: 2 rows by both panels up to 2 rows); from
+    17 rows (64 without AVX512-BF16; AVX512 only) the dequantized bf16 path with 12-row
+    tiles and their remainders (300 rows); odd panel counts (80); one group (k = 32) and
+    64 groups."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()

@@ -9,14 +9,14 @@ import pytest
 
 from tessera import LLM, SamplingParams
 from tessera.ops.cpu.build import unavailable_reason
-from tessera.ops.cpu.linear_int4 import _KERNEL as _INT4_KERNEL
+from tessera.ops.cpu.linear_int4 import kernel_unavailable as int4_unavailable
 from tessera.ops.cpu.linear_int8 import _KERNEL as _INT8_KERNEL
 
 # the AVX512 kernels, or their AVX2 builds (TESSERA_CPU_KERNEL_ISA=avx2 runs this file that way)
 UNAVAILABLE = unavailable_reason("gemm_bf16.c") and unavailable_reason("gemm_bf16_avx2.c")
 # why a quantized format's GEMM runs in torch here (int8: the AVX512 or the AVX2 build)
 QUANT_UNAVAILABLE = {"int8": "; ".join(_INT8_KERNEL.check(None)) or None,
-                     "int4": "; ".join(_INT4_KERNEL.check(None)) or None}
+                     "int4": "; ".join(int4_unavailable()) or None}
 pytestmark = [pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE)),
               pytest.mark.usefixtures("one_thread")]
 

@@ -156,17 +156,11 @@ int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *
     float *x_scale;
     if (quantize_rows(x, m, k, threads, &xq, &x_scale)) return 2;
     const int64_t groups = k / GROUP, panels = n / 16, panel_bytes = groups * GROUP_BYTES;
-    float *x_sums = malloc(sizeof(float) * m * groups);  /* each row's sum of xq per group */
+    float *x_sums = group_sums(xq, m, k, GROUP);
     if (!x_sums) {
         free(x_scale);
         return 2;
     }
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            int32_t s = 0;
-            for (int i = 0; i < GROUP; i++) s += xq[r * k + g * GROUP + i];
-            x_sums[r * groups + g] = (float)s;
-        }
     int64_t block = ROW_BLOCK_BYTES / (2 * k);
     block = block < ROWS ? ROWS : block / ROWS * ROWS;
 #pragma omp parallel num_threads(threads)

@@ -51,4 +51,19 @@ static inline int quantize_rows(const uint16_t *x, int64_t m, int64_t k, int thr
     *scale = buf;
     return 0;
 }
+/* Each row's sum of its int16 values per group of `group` (k % group == 0), as float32 (exact:
+ * a group of 32 sums to at most 32 * 16383 < 2^24): the int4 GEMMs' offset terms. NULL when
+ * it cannot be allocated; release with free. */
+static inline float *group_sums(const int16_t *xq, int64_t m, int64_t k, int group) {
+    const int64_t groups = k / group;
+    float *sums = malloc(sizeof(float) * (size_t)(m * groups > 0 ? m * groups : 1));
+    if (!sums) return NULL;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t s = 0;
+            for (int i = 0; i < group; i++) s += xq[r * k + g * group + i];
+            sums[r * groups + g] = (float)s;
+        }
+    return sums;
+}
 #endif

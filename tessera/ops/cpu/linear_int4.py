@@ -1,4 +1,5 @@
-"""The int4 weight-only GEMM builder for `linear` on AVX512 CPUs (gemm_int4.c).
+"""The int4 weight-only GEMM builder for `linear` on AVX512 CPUs (gemm_int4.c) and, through
+the same symbol built from gemm_int4_avx2.c, on CPUs with AVX2 (and F16C) but no AVX512.
 
 Weights are quantized per output feature in groups of 32 (tessera/ops/linear_int4.py) and
 packed into the kernel's 16-feature panels. Shapes the kernel cannot take (out features not
@@ -12,13 +13,22 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from tessera.ops.cpu.build import Kernel
+from tessera.ops.cpu.build import Kernel, f16c_missing
 from tessera.ops.cpu.linear import run_packed
 from tessera.ops.linear_int4 import GROUP, int4_quantizable, linear_int4_rows, pack_int4_rows, quantize_int4
 from tessera.ops.registry import register_op
 
 _KERNEL = Kernel("gemm_int4.c", "tessera_gemm_int4",
-                 (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int)
+                 (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int,
+                 fallback_source="gemm_int4_avx2.c")
+
+
+def kernel_unavailable(spec: object = None) -> list[str]:
+    """Why neither build can run here; the AVX2 one widens the float16 scales with F16C."""
+    reasons = _KERNEL.check(spec)
+    if not reasons and _KERNEL.runnable_source() == _KERNEL.fallback_source:
+        return f16c_missing()
+    return reasons
 
 PANEL_BYTES_PER_K = 10  # 320 bytes per 16 features x 32 k
 
@@ -54,7 +64,7 @@ def unpack_int4(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @register_op("linear", name="cpu_gemm_int4", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
-             quant=("int4",), check=_KERNEL.check, prepare=pack_int4)
+             quant=("int4",), check=kernel_unavailable, prepare=pack_int4)
 def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
     if weight.dtype != torch.uint8:  # not quantizable: kept in the model dtype
