@@ -77,7 +77,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\' '
                         '(drafts from n-grams of the sequence itself), or \'{"model": "PATH", '
                         '"num_speculative_tokens": 4}\' (drafts from a smaller model of the same vocabulary; '
-                        '"quantization": "int8" for its weights). The output is what the model alone '
+                        '"quantization": "int8" or "int4" for its weights). The output is what the model alone '
                         'would give; no drafts while more than disable_by_batch_size sequences run or '
                         'wait: default 2 on CPU, none on CUDA')
     p.add_argument("--speculate", type=int, default=None, metavar="N",

@@ -7,8 +7,8 @@ all, a third of bf16's bytes). Single-stream decode streams every weight once pe
 so it reads that much less; the cost is accuracy (tests/ops/test_linear_int4.py bounds it on
 the default model), hence opt-in.
 
-Layers whose in-features are not a multiple of GROUP keep their float weights (every
-projection of the supported families is a multiple). The LM head takes int8 instead
+Layers whose in-features are not a multiple of GROUP, or with a value beyond float16's range,
+keep their float weights (every projection of the supported families is a multiple). The LM head takes int8 instead
 (tessera/ops/embedding.py): the vocabulary projection is the layer most sensitive to
 weight error, which is why llama.cpp's 4-bit files keep it at 6 or 8 bits (the default
 model's GGUF stores it as Q8_0).
@@ -28,22 +28,42 @@ from tessera.ops.registry import register_op
 GROUP = 32
 
 
+FLOAT16_MAX = 65504.0
+CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float32 temporaries of a big matrix
+
+
 def int4_quantizable(weight: torch.Tensor) -> bool:
-    """Whether `weight` [n, k] takes the int4 format (k a multiple of GROUP)."""
-    return weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[1] > 0 \
-        and weight.is_floating_point()
+    """Whether `weight` [n, k] takes the int4 format: k a multiple of GROUP, and every value
+    finite and within float16's range (a group's offset is a float16)."""
+    if not (weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[1] > 0
+            and weight.is_floating_point()):
+        return False
+    largest = weight.abs().amax().item() if weight.numel() else 0.0
+    return largest < FLOAT16_MAX  # False for inf and NaN too
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [n, k] -> (codes uint8 [n, k] in 0..15, d float16 [n, k / GROUP],
     m float16 [n, k / GROUP]) with weight ~= codes * d + m per group.
 
-    d and m are rounded to float16 before the codes are chosen, so each code is the nearest
-    for the stored step and offset."""
+    m is the group's minimum rounded down to a float16 and d its range over 15 rounded to a
+    float16, both before the codes are chosen, so each code is the nearest for the stored
+    step and offset: the error is at most half a step (plus the step's rounding) where the
+    step is a normal float16 (a group's range above ~1e-3); narrower groups lose precision
+    to float16's subnormals, as GGUF's Q4_1 does."""
+    parts = [_quantize_rows(weight[i:i + CHUNK_ROWS]) for i in range(0, weight.shape[0], CHUNK_ROWS)]
+    if not parts:
+        return _quantize_rows(weight)
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     w = weight.float().reshape(n, k // GROUP, GROUP)
     low, high = w.amin(dim=2), w.amax(dim=2)
     m = low.to(torch.float16)
+    # rounded down, so that the step (high - m) / 15 is never negative
+    m = torch.where(m.float() > low, torch.nextafter(m, torch.full_like(m, float("-inf"))), m)
     d = ((high - m.float()) / 15).to(torch.float16)
     step = d.float().unsqueeze(2)
     safe = torch.where(step > 0, step, torch.ones_like(step))

@@ -5,8 +5,8 @@
 - the reference builder and the kernel (AVX512) against the exact product with the
   dequantized weight: the int16 path (the kernel quantizes each activation row to 15 bits;
   the bound accounts for it) and, from the widening threshold, the bf16-dequantized path;
-- shapes outside the format: row layout (out features not a multiple of 16), float weights
-  kept (in features not a multiple of 32), mismatched inputs refused;
+- what the format or the panels do not fit (out features not a multiple of 16, in features
+  not a multiple of 32, values beyond float16) stays in bf16; mismatched inputs refused;
 - a tiny Llama served with int4 equals transformers running the dequantized weights, with
   the LM head in int8;
 - the default model: int4 weights in memory, the same greedy answer as bf16.
@@ -99,21 +99,42 @@ def test_kernel_matches_the_dequantized_product(m, n, k, bias):
 
 
 @needs_kernel
-def test_kernel_builder_layouts_and_input_checks():
+def test_kernel_builder_keeps_what_the_panels_do_not_fit_in_bf16_and_checks_inputs():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 64, generator=g).bfloat16()
-    rows = cpu_int4.pack_int4(torch.randn(40, 64, generator=g).bfloat16())  # 40 features: no panels
-    assert rows.shape == (40, 40) and cpu_int4.pack_int4(rows) is rows
+    for kept in (torch.randn(40, 64, generator=g).bfloat16(),   # 40 out features: no panels
+                 torch.randn(32, 48, generator=g).bfloat16(),   # 48 in features: no groups
+                 torch.randn(32, 64, generator=g).bfloat16() * torch.tensor([1.0] * 63 + [7e4]).bfloat16()):
+        assert cpu_int4.pack_int4(kept) is kept
+        xk = torch.randn(2, kept.shape[1], generator=g).bfloat16()
+        torch.testing.assert_close(cpu_int4.gemm_int4_linear(xk, kept, None).float(), F.linear(xk, kept).float(),
+                                   rtol=2e-2, atol=2e-2 * F.linear(xk, kept).abs().max().item())
+    rows = pack_int4_rows(torch.randn(40, 64, generator=g).bfloat16())  # the reference's layout still runs
     torch.testing.assert_close(cpu_int4.gemm_int4_linear(x, rows, None), linear_int4_ref(x, rows, None))
-    kept = torch.randn(32, 48, generator=g).bfloat16()  # 48 in features: kept as bf16
-    assert cpu_int4.pack_int4(kept) is kept
-    x48 = torch.randn(2, 48, generator=g).bfloat16()
-    torch.testing.assert_close(cpu_int4.gemm_int4_linear(x48, kept, None), F.linear(x48, kept))
     packed = cpu_int4.pack_int4(torch.randn(32, 64, generator=g).bfloat16())
     assert cpu_int4.gemm_int4_linear(x[:0], packed, None).shape == (0, 32)
     assert cpu_int4.gemm_int4_linear(x.view(3, 1, 64), packed, None).shape == (3, 1, 32)
     with pytest.raises(ValueError, match="expects 64"):
         cpu_int4.gemm_int4_linear(torch.randn(2, 32).bfloat16(), packed, None)
+
+
+def test_weights_beyond_float16_stay_in_float():
+    """A group's offset is a float16: a value of 7e4 would make it inf and the row NaN."""
+    w = torch.randn(16, 64)
+    w[1, 5] = -7e4
+    assert pack_int4_rows(w) is w
+    x = torch.randn(2, 64)
+    got = linear_int4_ref(x, pack_int4_rows(w), None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, F.linear(x, w))
+
+
+def test_the_offset_rounds_down_so_the_step_is_never_negative():
+    w = torch.full((2, 32), 1000.3)
+    w[0, 1] = 1000.31  # float16's nearest to 1000.3 is 1000.5, above the whole group
+    codes, d, m = quantize_int4(w)
+    assert (d >= 0).all() and (m.float() <= w.view(2, 1, 32).amin(2)).all()
+    assert (dequantize_int4(codes, d, m) - w).abs().max() <= d.float().max() / 2 + 1e-3
 
 
 def test_registry_routes_int4_specs_to_int4_builders_and_the_lm_head_to_int8():

@@ -2,9 +2,10 @@
 the same symbol built from gemm_int4_avx2.c, on CPUs with AVX2 (and F16C) but no AVX512.
 
 Weights are quantized per output feature in groups of 32 (tessera/ops/linear_int4.py) and
-packed into the kernel's 16-feature panels. Shapes the kernel cannot take (out features not
-a multiple of 16) keep the reference builder's row layout and run through it; weights the
-format cannot take (in features not a multiple of 32) stay in the model dtype.
+packed into the kernel's 16-feature panels. Weights the panels or the format cannot take (out
+features not a multiple of 16, in features not a multiple of 32, values beyond float16) stay
+in the model dtype and run through the bf16 GEMM's row kernel (small matrices such as MoE
+routers: a kernel call, so decode graphs still capture them).
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from tessera.ops.cpu.build import Kernel, f16c_missing
+from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu.linear import run_packed
-from tessera.ops.linear_int4 import GROUP, int4_quantizable, linear_int4_rows, pack_int4_rows, quantize_int4
+from tessera.ops.linear_int4 import GROUP, int4_quantizable, linear_int4_rows, quantize_int4
 from tessera.ops.registry import register_op
 
 _KERNEL = Kernel("gemm_int4.c", "tessera_gemm_int4",
@@ -34,14 +36,11 @@ PANEL_BYTES_PER_K = 10  # 320 bytes per 16 features x 32 k
 
 
 def pack_int4(weight: torch.Tensor) -> torch.Tensor:
-    """[n, k] float -> uint8 [n / 16, 10 k] panels (gemm_int4.c's layout); the reference
-    row layout when n is not a multiple of 16; the weight itself when already prepared or
-    not quantizable."""
-    if weight.dtype == torch.uint8 or not int4_quantizable(weight):
+    """[n, k] float -> uint8 [n / 16, 10 k] panels (gemm_int4.c's layout); the weight itself
+    when already prepared, or when the panels or the format do not fit it."""
+    if weight.dtype == torch.uint8 or weight.dim() != 2 or weight.shape[0] % 16 or not int4_quantizable(weight):
         return weight
     n, k = weight.shape
-    if n % 16:
-        return pack_int4_rows(weight)
     codes, d, m = quantize_int4(weight)
     p, groups = n // 16, k // GROUP
     c = codes.view(p, 16, groups, GROUP // 4, 2, 2)            # (panel, l, g, t, half, e)
@@ -67,9 +66,11 @@ def unpack_int4(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
              quant=("int4",), check=kernel_unavailable, prepare=pack_int4)
 def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
-    if weight.dtype != torch.uint8:  # not quantizable: kept in the model dtype
+    if weight.dtype != torch.uint8:  # kept in the model dtype
+        if cpu_linear.kernel_unavailable() is None:
+            return cpu_linear.gemm_linear(x, weight, bias)
         return F.linear(x, weight.to(x.dtype), bias)
-    if weight.shape[1] == 5 * k // 8:  # the row layout
+    if weight.dim() == 2 and weight.shape[1] == 5 * k // 8:  # the reference's row layout
         return linear_int4_rows(x, weight, bias)
     if weight.shape[1] != PANEL_BYTES_PER_K * k:
         raise ValueError(f"input has {k} features; the packed int4 weight {tuple(weight.shape)} "

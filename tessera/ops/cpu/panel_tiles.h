@@ -17,7 +17,7 @@
 typedef struct {
     const char *base;
     int64_t panel_bytes;  /* from the first panel to the second */
-    int64_t pair_bytes;   /* per pair of k in a panel: 64 (bf16), 32 (int8) */
+    int64_t pair_bytes;   /* per pair of k in a panel: 64 (bf16), 32 (int8), 20 (int4) */
     int phase, every;
 } NextPair;
 
