@@ -141,7 +141,9 @@ def test_registry_routes_int4_specs_to_int4_builders_and_the_lm_head_to_int8():
     bf16 = select_op(OpSpec("linear", "cpu", torch.bfloat16, quant="int4"))
     assert bf16.builder.name == ("torch_linear_int4" if UNAVAILABLE else "cpu_gemm_int4")
     assert select_op(OpSpec("linear", "cpu", torch.float32, quant="int4")).builder.name == "torch_linear_int4"
-    assert select_op(OpSpec("linear", "cuda", torch.bfloat16, quant="int4")).builder.name == "torch_linear_int4"
+    import importlib.util
+    cuda = select_op(OpSpec("linear", "cuda", torch.bfloat16, quant="int4")).builder.name
+    assert cuda == ("triton_int4_linear" if importlib.util.find_spec("triton") else "torch_linear_int4")
     assert lm_head_quantization("int4") == "int8"
     assert lm_head_quantization("int8") == "int8" and lm_head_quantization(None) is None
 

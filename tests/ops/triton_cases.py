@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tessera.ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
 from tessera.ops.norm import rms_norm_ref
+from tessera.ops.linear_int4 import dequantize_int4, pack_int4_rows, quantize_int4
 from tessera.ops.rotary import rotary_ref
 from tessera.ops.triton.activation import triton_gelu_tanh_and_mul, triton_silu_and_mul
 from tessera.ops.triton.kv_write import triton_kv_write
@@ -19,6 +20,7 @@ from tessera.ops.triton.paged_decode import triton_paged_decode
 from tessera.ops.triton.paged_prefill import triton_paged_prefill
 from tessera.ops.triton.rms_norm import triton_rms_norm
 from tessera.ops.triton.rotary import triton_rotary
+from tessera.ops.triton.int4_linear import int4_linear, triton_int4_linear
 from tessera.ops.triton.skinny_linear import SkinnyConfig, skinny_linear
 
 from tests.ops.test_attention import make_case
@@ -311,6 +313,40 @@ def check_tuned_linear(device: str) -> None:
     module._TABLE.clear()
 
 
+def check_int4_linear(device: str) -> None:
+    """The int4 linear against float32 torch on the dequantized weight: 1 to 70 rows (16- and
+    64-row tiles, ragged), ragged out features, in features a multiple of 64 or only of 32,
+    bias, a strided input, leading dims; float16 (and bf16 on a GPU); float weights (not
+    quantizable) pass through."""
+    g = torch.Generator().manual_seed(11)
+    dtypes = (torch.float16,) if device == "cpu" else (torch.float16, torch.bfloat16)
+    for dtype in dtypes:
+        for m, n, k in ((1, 64, 64), (3, 40, 96), (17, 96, 192), (70, 48, 64)):
+            w = torch.randn(n, k, generator=g) / k ** 0.5
+            packed = pack_int4_rows(w).to(device)
+            exact = dequantize_int4(*quantize_int4(w))
+            wide = torch.randn(m, k + 8, generator=g).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype)
+            for x in (wide[:, :k].contiguous(), wide[:, 8:]):
+                for bias in (None, b):
+                    want = F.linear(x.float(), exact, None if bias is None else bias.float())
+                    got = triton_int4_linear(x.to(device), packed, None if bias is None else bias.to(device))
+                    assert got.shape == (m, n) and got.dtype == dtype
+                    torch.testing.assert_close(got.cpu().float(), want, rtol=2 ** -7, atol=4e-3,
+                                               msg=lambda e: f"{dtype} {m}x{n}x{k} bias {bias is not None}: {e}")
+    x = torch.randn(2, 3, 64, generator=g).to(torch.float16)
+    w = torch.randn(24, 64, generator=g)
+    got = int4_linear(x.to(device), pack_int4_rows(w).to(device), None)
+    want = F.linear(x.float(), dequantize_int4(*quantize_int4(w)))
+    torch.testing.assert_close(got.cpu().float(), want, rtol=2 ** -7, atol=4e-3)
+    assert int4_linear(x[:0].to(device), pack_int4_rows(w).to(device), None).shape == (0, 3, 24)
+    kept = torch.randn(16, 40, generator=g).to(torch.float16)  # 40 in features: not quantizable
+    assert pack_int4_rows(kept) is kept
+    x40 = torch.randn(2, 40, generator=g).to(torch.float16)
+    torch.testing.assert_close(triton_int4_linear(x40.to(device), kept.to(device), None).cpu().float(),
+                               F.linear(x40.float(), kept.float()), rtol=2 ** -7, atol=4e-3)
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     check_kv_write(dev)
@@ -321,4 +357,5 @@ if __name__ == "__main__":
     check_bf16_rounding(dev)
     check_skinny_linear(dev)
     check_tuned_linear(dev)
+    check_int4_linear(dev)
     print("triton kernels OK")
