@@ -95,7 +95,7 @@ def test_draft_model_config_parsing():
     for bad in ({"method": "draft_model", "num_speculative_tokens": 3},      # no model
                 {"method": "ngram", "model": "d", "num_speculative_tokens": 3},
                 {"model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
-                {"model": "d", "num_speculative_tokens": 3, "quantization": "int4"},
+                {"model": "d", "num_speculative_tokens": 3, "quantization": "nf4"},
                 {"num_speculative_tokens": 3, "quantization": "int8"},       # n-gram has no weights
                 {"model": 7, "num_speculative_tokens": 3}):
         with pytest.raises(ConfigError):
