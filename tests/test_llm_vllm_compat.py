@@ -67,10 +67,10 @@ def test_generation_config_sets_the_default_sampling(make_tiny_llama):
 
     folder, _ = make_tiny_llama()
     (folder / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+        {"eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7}))
     llm = LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False)
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.6, 0.95, 20, 7)
     _, params = llm._pair([[5, 6]], None)  # what generate runs without sampling_params
     assert params[0].temperature == 0.6 and params[0].top_k == 20
     plain = LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False, generation_config="vllm")

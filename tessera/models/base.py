@@ -39,7 +39,9 @@ GGUF_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_e
                           "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>")
 
 
-GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json values vLLM takes as request defaults; max_new_tokens also caps what
+# a request may ask for (vLLM: the least of the request's, this and the context's room)
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 # any of these makes a folder a tokenizer transformers can load
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
 
@@ -139,7 +141,8 @@ class BaseRouter:
     @cached_property
     def sampling_defaults(self) -> dict[str, float]:
         """The sampling parameters the model's generation_config.json sets (vLLM's
-        --generation-config auto): the defaults of requests that leave them out."""
+        --generation-config auto): the defaults of requests that leave them out, and
+        `max_new_tokens`, the most any OpenAI request generates."""
         path = self.metadata_dir / "generation_config.json"
         if self.model_config.generation_config == "vllm" or not path.is_file():
             return {}
@@ -151,7 +154,8 @@ class BaseRouter:
             raise ValueError(f"{path}: {exc} (--generation-config vllm ignores the file's sampling values)") from exc
         if defaults:
             logger.info("the model's generation_config.json sets default sampling parameters %s for requests "
-                        "that leave them out (--generation-config vllm ignores them)", defaults)
+                        "that leave them out (max_new_tokens also caps the OpenAI routes' max_tokens; "
+                        "--generation-config vllm ignores them)", defaults)
         return defaults
 
     @cached_property

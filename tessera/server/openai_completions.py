@@ -14,8 +14,8 @@ from tessera.engine.outputs import PositionLogprobs
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import (FINISH, admit, continuous_usage, merge_streams, state_of,
                                           stream_body, token_label, truncated, usage_of)
-from tessera.server.openai_validation import (MAX_LOGPROBS, check_length, resolve_model, sampling_params,
-                                              wire_prompt_logprobs)
+from tessera.server.openai_validation import (MAX_LOGPROBS, capped_max_tokens, output_limit, resolve_model,
+                                              sampling_params, wire_prompt_logprobs)
 from tessera.server.protocol import CompletionRequest, wire_logprob
 from tessera.server.state import ServerState
 from tessera.server.tracking import collect, run_request
@@ -68,9 +68,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                                f"--max-concurrent-requests ({state.limits.max_concurrent_requests}); "
                                "send them in smaller batches", param="prompt")
     for _, ids in prompts:  # no max_tokens: the rest of the context, as in vLLM
-        check_length(state, len(ids), body.max_tokens if body.max_tokens is not None
-                     else max(state.limits.max_total_tokens - len(ids), 1))
-    max_tokens = body.max_tokens  # None: each sequence runs until its context is full
+        output_limit(state, body.max_tokens, len(ids))
+    # None: each sequence runs until its context is full (the engine stops every one there)
+    max_tokens = capped_max_tokens(state, body.max_tokens)
     params = sampling_params(body, max_tokens, body.logprobs,
                              prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
                              best_of=body.best_of, defaults=state.sampling_defaults)

@@ -16,7 +16,7 @@ from tessera.engine.outputs import PositionLogprobs
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import (FINISH, admit, continuous_usage, state_of, stream_body,
                                           token_label, truncated, usage_of)
-from tessera.server.openai_validation import (MAX_LOGPROBS, check_length, resolve_model, sampling_params,
+from tessera.server.openai_validation import (MAX_LOGPROBS, output_limit, resolve_model, sampling_params,
                                               wire_prompt_logprobs)
 from tessera.server.protocol import ChatCompletionRequest, ChatMessage, wire_logprob
 from tessera.server.reasoning import (REASONING_PARSERS, ReasoningStream, prompt_closes_reasoning,
@@ -114,8 +114,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     # the role of the message being continued
     role = "assistant" if body.add_generation_prompt else body.messages[-1].role
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = requested if requested is not None else max(state.limits.max_total_tokens - len(ids), 1)
-    check_length(state, len(ids), max_tokens)
+    max_tokens = output_limit(state, requested, len(ids))
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationFailed("`top_logprobs` needs `logprobs` to be true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:

@@ -121,6 +121,23 @@ def sampling_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int
         raise ValidationFailed(str(exc)) from exc
 
 
+def output_limit(state: ServerState, requested: int | None, n_prompt: int) -> int:
+    """The max_tokens of a request for a prompt of `n_prompt` tokens, as vLLM sets it: the
+    least of what it asked for, the model's generation_config max_new_tokens and the
+    context's room; asking for more room than there is fails (check_length)."""
+    room = max(state.limits.max_total_tokens - n_prompt, 1)
+    check_length(state, n_prompt, requested if requested is not None else room)
+    limit = capped_max_tokens(state, requested)
+    return room if limit is None else min(limit, room)
+
+
+def capped_max_tokens(state: ServerState, requested: int | None) -> int | None:
+    """`requested` capped by the model's generation_config max_new_tokens (either may be
+    None; None: until the context ends)."""
+    cap = state.sampling_defaults.get("max_new_tokens")
+    return min((v for v in (requested, cap) if v is not None), default=None)
+
+
 def check_length(state: ServerState, n_prompt: int, max_tokens: int) -> None:
     limit = state.limits.max_total_tokens
     if n_prompt + max_tokens > limit:

@@ -215,3 +215,31 @@ def test_completions_take_response_format_like_vllm(url):
     r = post(url, "completions", prompt=PROMPT, max_tokens=40, temperature=0,
              response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     assert set(_json.loads(r.json()["choices"][0]["text"])) == {"ok"}
+
+
+def test_generation_config_max_new_tokens_caps_every_request_like_vllm(tiny_model_dir, tmp_path):
+    """vLLM takes the model's generation_config max_new_tokens as the least of a request's
+    max_tokens, that value and the context's room: a default and a cap."""
+    import json
+    import shutil
+
+    from tests.server.conftest import start_server
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 5}))
+    running = start_server(folder)
+    try:
+        assert running.state.sampling_defaults == {"max_new_tokens": 5}
+        for route, body in (("chat/completions", dict(messages=CHAT)), ("completions", dict(prompt=PROMPT))):
+            for asked, got in ((None, 5), (3, 3), (50, 5)):
+                extra = {} if asked is None and route == "chat/completions" else {"max_tokens": asked}
+                r = post(running.url, route, temperature=0, ignore_eos=True, **body, **extra)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["completion_tokens"] == got, (route, asked)
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+        # asking for more than the context holds is still refused, as vLLM does
+        r = post(running.url, "chat/completions", messages=CHAT, max_tokens=10 ** 6)
+        assert r.status_code == 400 and "maximum context length" in r.text
+    finally:
+        running.stop()
