@@ -36,9 +36,10 @@ SYSTEM_FINGERPRINT = f"{__version__}-native"
 async def models(request: Request) -> dict:
     state = state_of(request)
     created = int(time.time())
+    # as vLLM lists them: the base model's `root` is what --model named, with no `parent`;
+    # LoRA adapters have their folder as `root` and the base model as `parent`
     base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "tessera",
-            "max_model_len": state.limits.max_total_tokens}
-    # LoRA adapters as vLLM lists them: their folder as `root`, the base model as `parent`
+            "root": state.model_root, "parent": None, "max_model_len": state.limits.max_total_tokens}
     adapters = [{**base, "id": adapter.name, "root": adapter.path, "parent": state.model_name}
                 for adapter in state.engine.engine.list_loras()]
     return {"object": "list", "data": [base, *adapters]}

@@ -45,6 +45,7 @@ class ServerState:
     think_tokens: tuple[int | None, int | None] = (None, None)
     # the model's generation_config.json sampling values: defaults of OpenAI requests
     sampling_defaults: dict = field(default_factory=dict)
+    model_root: str | None = None  # what /v1/models gives as the base model's root: its --model
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +66,7 @@ class ServerState:
         self.special_ids = frozenset(core.tokenizer.all_special_ids)
         self.decode = fast_decoder(core.tokenizer)
         self.sampling_defaults = core.router.sampling_defaults  # generation_config.json's
+        self.model_root = core.config.model.model or str(core.router.source.path)
         vocab = core.router.config.vocab_size
         tags = (tag_token(core.tokenizer, START), tag_token(core.tokenizer, END))
         self.think_tokens = tuple(t if t is not None and t < vocab else None for t in tags)

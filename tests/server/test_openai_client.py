@@ -22,11 +22,13 @@ def _greedy_chat(client, **kw):
                                           temperature=0, **kw)
 
 
-def test_models_lists_the_served_name(client, server):
+def test_models_lists_the_served_name(client, server, tiny_model_dir):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].owned_by == "tessera"
     assert models[0].model_extra["max_model_len"] == server.state.limits.max_total_tokens
+    # vLLM's card: the base model's root is what --model named, without a parent
+    assert models[0].model_extra["root"] == str(tiny_model_dir) and models[0].model_extra["parent"] is None
 
 
 def test_chat_stream_and_non_stream_agree(client):
