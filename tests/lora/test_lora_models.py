@@ -139,6 +139,36 @@ def test_adapters_apply_on_int8_weights(tmp_path_factory, tiny_tokenizer_dir):
         assert abs(o.outputs[0].logprobs[0][token].logprob - want[token].item()) < 0.05
 
 
+def test_adapters_apply_on_int4_weights(tmp_path_factory, tiny_tokenizer_dir):
+    """With int4 base weights (the LM head in int8) the adapter adds to what the quantized
+    layers compute: PEFT with its base weights replaced by the dequantized ones."""
+    from tessera.ops.linear_int4 import dequantize_int4, quantize_int4
+    from tessera.ops.linear_int8 import quantize_int8
+
+    folder, hf, adapter, peft_model = _make("qwen2-biased-qkv", tmp_path_factory, tiny_tokenizer_dir)
+    with torch.no_grad():
+        for name, module in peft_model.named_modules():
+            if isinstance(module, torch.nn.Linear) and "lora_" not in name:
+                w = module.weight.data.float()
+                if name.endswith("lm_head"):
+                    q, s = quantize_int8(w)
+                    module.weight.copy_(q.float() * s.unsqueeze(1))
+                else:
+                    module.weight.copy_(dequantize_int4(*quantize_int4(w)))
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, enable_lora=True,
+             quantization="int4") as llm:
+        assert llm.engine.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+        lora = LoRARequest("a", 1, str(adapter))
+        params = SamplingParams(max_new_tokens=1, temperature=0, logprobs=5)
+        out = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
+    for prompt, o in zip(PROMPTS, out):
+        with torch.no_grad():
+            want = torch.log_softmax(peft_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+        token = o.outputs[0].token_ids[0]
+        assert token == int(want.argmax())
+        assert abs(o.outputs[0].logprobs[0][token].logprob - want[token].item()) < 1e-3
+
+
 def test_bf16_adapters_follow_pefts_float32_outputs(tmp_path_factory, tiny_tokenizer_dir):
     """In bf16 the slots' GEMMs run through the CPU's packed bf16 kernel where it builds
     (zero-padded ranks): the adapter's effect on the next-token distribution must be
