@@ -27,6 +27,7 @@ def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: 
                         "modeling code instead)") from exc
     router.load_weights(model, lambda weights: tqdm(
         weights, desc=f"Loading {what}", unit=" tensors", disable=not show_progress, leave=False))
-    logger.info("loaded %s (%s, %s on %s) in %.1fs", router.source.name, type(model).__name__,
-                target.dtype, target.device, time.perf_counter() - started)
+    logger.info("loaded %s (%s, %s on %s%s) in %.1fs", router.source.name, type(model).__name__,
+                target.dtype, target.device, f", {target.quant} weights" if target.quant else "",
+                time.perf_counter() - started)
     return model
