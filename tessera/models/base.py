@@ -183,8 +183,8 @@ class BaseRouter:
         if self.model_config.load_format == "dummy":
             count = load_dummy_weights(model)
         else:
-            count = len(load_weights(model, progress(self.iter_weights())))
-        prepare_weights(model)
+            count = len(load_weights(model, progress(self.iter_weights()), prepare=True))
+        prepare_weights(model)  # whatever the loading left unprepared (all of a dummy model)
         return count
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -18,11 +18,19 @@ import torch.nn.functional as F
 from tessera.ops.registry import register_op
 
 
+CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float32 temporaries (an LM head's
+# would be several times its bf16 size at once)
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [n, k] -> (q int8 [n, k], scale float32 [n]) with weight ~= q * scale[:, None]."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[:1], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], CHUNK_ROWS):
+        w = weight[start:start + CHUNK_ROWS].float()
+        s = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        q[start:start + CHUNK_ROWS] = torch.round(w / s.unsqueeze(1)).clamp_(-127, 127)
+        scale[start:start + CHUNK_ROWS] = s
     return q, scale
 
 

@@ -54,30 +54,31 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     """Copy every CPU parameter and buffer of `model` into one huge-page arena and point the
     tensors at their copies (views sharing a storage keep sharing it). Returns the bytes
     moved. Call after the weights are loaded and prepared, before anything records their
-    addresses (captured decode graphs)."""
-    tensors = [t for t in (*model.parameters(), *model.buffers())
-               if t.device.type == "cpu" and t.numel() > 0]
-    storages: dict[int, torch.UntypedStorage] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        storages.setdefault(storage.data_ptr(), storage)
+    addresses (captured decode graphs). Each storage is let go as soon as its tensors point
+    at the arena, so the move costs one storage's bytes beyond the arena, not a second copy
+    of the model (an 8B bf16 model would otherwise peak at 32 GB)."""
+    users: dict[int, list[torch.Tensor]] = {}
+    sizes: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "cpu" and t.numel() > 0:
+            ptr = t.untyped_storage().data_ptr()
+            users.setdefault(ptr, []).append(t)
+            sizes[ptr] = t.untyped_storage().nbytes()
     offsets, total = {}, 0
-    for ptr, storage in storages.items():
+    for ptr, nbytes in sizes.items():
         offsets[ptr] = total
-        total = _round_up(total + storage.nbytes(), _ALIGN)
+        total = _round_up(total + nbytes, _ALIGN)
     if total == 0:
         return 0
     arena = empty_huge(total)
-    for ptr, storage in storages.items():
-        begin = offsets[ptr]
-        arena[begin:begin + storage.nbytes()].copy_(_bytes_of(storage))
     with torch.no_grad():
-        for t in tensors:
-            storage = t.untyped_storage()
-            begin = offsets[storage.data_ptr()]
-            moved = arena[begin:begin + storage.nbytes()].view(t.dtype)
-            # as_strided's offset counts from the arena mapping's start, not from `moved`
-            t.data = moved.as_strided(t.shape, t.stride(), moved.storage_offset() + t.storage_offset())
+        for ptr, tensors in users.items():
+            begin, nbytes = offsets[ptr], sizes[ptr]
+            arena[begin:begin + nbytes].copy_(_bytes_of(tensors[0].untyped_storage()))
+            for t in tensors:
+                moved = arena[begin:begin + nbytes].view(t.dtype)
+                # as_strided's offset counts from the arena mapping's start, not from `moved`
+                t.data = moved.as_strided(t.shape, t.stride(), moved.storage_offset() + t.storage_offset())
     return total
 
 

@@ -12,11 +12,19 @@ class WeightLoadError(ValueError):
     pass
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Load `weights` into `model`; returns the names of the parameters loaded."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 prepare: bool = False) -> set[str]:
+    """Load `weights` into `model`; returns the names of the parameters loaded.
+
+    `prepare`: a module with a `prepare_weights` hook (tessera/ops/weights.py) is prepared as
+    soon as every parameter it holds is complete, and its loaded copy is let go: quantized or
+    repacked layers then never all sit in the model dtype at once, so an int4 model peaks
+    near its own size plus a layer, not at its full-precision size."""
     params = dict(model.named_parameters())
     for name, param in params.items():
         param.tessera_name = name
+    shard_ids = {name: param.shard_ids for name, param in params.items()}
+    preparing = _Preparation(model, params if prepare else {})
     ignored: tuple[str, ...] = getattr(model, "ignored_weight_suffixes", ())
     loaded: dict[str, set] = {}
     unexpected: list[str] = []
@@ -24,6 +32,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if ckpt_name.endswith(ignored) or model_tensor_name(model, ckpt_name) is None:
             continue
         name, shard_id = checkpoint_target(model, ckpt_name)
+        if name in preparing.done:
+            raise WeightLoadError(f"{ckpt_name}: {name} is loaded already (the checkpoint holds it twice)")
         param = params.get(name)
         if param is None:
             unexpected.append(ckpt_name)
@@ -32,21 +42,65 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             param.weight_loader(param, tensor, shard_id)
         except (ValueError, KeyError) as exc:
             raise WeightLoadError(f"{ckpt_name}: {exc}") from exc
-        loaded.setdefault(name, set()).add(shard_id)
+        shards = loaded.setdefault(name, set())
+        shards.add(shard_id)
+        if _complete(shards, shard_ids[name]):
+            preparing.complete(name)
     if unexpected:
         shown = ", ".join(unexpected[:10]) + (" ..." if len(unexpected) > 10 else "")
         raise WeightLoadError(f"{len(unexpected)} checkpoint tensors match no model parameter: {shown}")
     missing = []
-    for name, param in params.items():
+    for name, ids in shard_ids.items():
         shards = loaded.get(name)
-        complete = shards is not None and (None in shards or set(param.shard_ids) <= shards)
-        if not complete:
-            need = set(param.shard_ids) - (shards or set())
-            missing.append(name + (f" (shards {sorted(map(str, need))})" if param.shard_ids else ""))
+        if not _complete(shards, ids):
+            need = set(ids) - (shards or set())
+            missing.append(name + (f" (shards {sorted(map(str, need))})" if ids else ""))
     if missing:
         shown = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
         raise WeightLoadError(f"{len(missing)} model parameters were not in the checkpoint: {shown}")
     return set(loaded)
+
+
+def _complete(shards: set | None, shard_ids: tuple) -> bool:
+    return shards is not None and (None in shards or set(shard_ids) <= shards)
+
+
+class _Preparation:
+    """Which modules with a prepare_weights hook wait on which parameters (by identity: a
+    tied LM head holds the embedding's), and which parameter names are done with."""
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter]):
+        self.params = params
+        name_of = {id(p): n for n, p in params.items()}
+        self.waiting: dict[int, set[str]] = {}        # module id -> its parameters not yet complete
+        self.modules: dict[int, nn.Module] = {}
+        self.users: dict[str, list[int]] = {}         # parameter name -> modules that hold it
+        for module in model.modules():
+            if not callable(getattr(module, "prepare_weights", None)):
+                continue
+            names = {name_of[id(p)] for p in module.parameters(recurse=False) if id(p) in name_of}
+            if names:
+                self.waiting[id(module)], self.modules[id(module)] = names, module
+                for n in names:
+                    self.users.setdefault(n, []).append(id(module))
+        self.done: set[str] = set()
+
+    def complete(self, name: str) -> None:
+        users = self.users.get(name)
+        if not users:
+            return
+        for key in users:
+            waiting = self.waiting.get(key)
+            if waiting is None:
+                continue
+            waiting.discard(name)
+            if not waiting:
+                del self.waiting[key]
+                self.modules.pop(key).prepare_weights()
+        if all(key not in self.waiting for key in users):
+            # every holder is prepared: drop our reference, so a replaced copy is freed
+            self.done.add(name)
+            self.params.pop(name, None)
 
 
 def model_tensor_name(model: nn.Module, ckpt_name: str) -> str | None:

@@ -87,3 +87,25 @@ def test_move_keeps_values_sharing_and_strides() -> None:
     assert all(p % 64 == 0 for p in ptrs)
     assert model.shared.weight is model.a.weight
     torch.testing.assert_close(model.b(model.a(x).float()), y, rtol=0, atol=0)
+
+
+def test_each_old_storage_is_freed_as_soon_as_it_is_moved(monkeypatch) -> None:
+    """The move never holds the model twice: when a storage is copied, every storage moved
+    before it is gone (an 8B bf16 model would otherwise need 32 GB to move)."""
+    import weakref
+
+    from tessera.runner import huge_pages
+
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    olds = [weakref.ref(p.untyped_storage()) for p in model.parameters()]
+    alive_at_copy = []
+    copy = huge_pages._bytes_of
+
+    def recording(storage):
+        alive_at_copy.append(sum(ref() is not None for ref in olds))
+        return copy(storage)
+
+    monkeypatch.setattr(huge_pages, "_bytes_of", recording)
+    move_weights_to_huge_pages(model)
+    assert alive_at_copy == list(range(len(olds), 0, -1))  # one fewer alive at each copy
+    assert all(ref() is None for ref in olds)

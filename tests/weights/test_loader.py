@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from tessera.models.llama.modeling import LlamaForCausalLM
 from tessera.ops.registry import OpTarget
 from tessera.weights import WeightLoadError, load_weights
+from tessera.weights.loader import checkpoint_target
 from tessera.weights.safetensors import iter_hf_weights
 
 TARGET = OpTarget("cpu", torch.float32)
@@ -191,3 +192,62 @@ def test_hf_folder_round_trip(make_tiny_llama):
 def test_folder_without_weights_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="safetensors"):
         list(iter_hf_weights(tmp_path))
+
+
+def test_prepare_runs_per_module_as_soon_as_its_weights_are_complete(monkeypatch):
+    """With prepare=True each layer is put in its builders' layout right after its last
+    tensor arrives (packed shards: after all of them), before later tensors load, once."""
+    from tessera.ops.embedding import LMHead
+    from tessera.ops.linear import Linear
+
+    config = tiny_config()
+    state = hf_state(config)
+    model = build(config)
+    names = {id(m): n for n, m in model.named_modules()}
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(Linear, "prepare_weights", lambda self: events.append(("prepare", names[id(self)])))
+    monkeypatch.setattr(LMHead, "prepare_weights", lambda self: events.append(("prepare", names[id(self)])))
+
+    def stream():
+        for name, tensor in state.items():
+            events.append(("load", name))
+            yield name, tensor
+
+    load_weights(model, stream(), prepare=True)
+    prepared = [n for kind, n in events if kind == "prepare"]
+    assert sorted(prepared) == sorted(names[id(m)] for m in model.modules() if isinstance(m, (Linear, LMHead)))
+    for module in prepared:
+        at = events.index(("prepare", module))
+        loaded_before = {n for kind, n in events[:at] if kind == "load"}
+        own = {n for n in state if checkpoint_target(model, n)[0].rsplit(".", 1)[0] == module}
+        assert own and own <= loaded_before, (module, own - loaded_before)
+        assert events[at - 1][0] == "load" and events[at - 1][1] in own  # right after its last tensor
+    events.clear()
+    load_weights(build(config), stream())  # prepare=False: the caller prepares later
+    assert all(kind == "load" for kind, _ in events)
+
+
+def test_prepared_layers_let_go_of_their_loaded_copy_and_refuse_a_second_one():
+    import weakref
+
+    config = tiny_config(hidden_size=64, intermediate_size=64)  # every in-features a multiple of 32
+    state = hf_state(config)
+    model = build(config, OpTarget("cpu", torch.bfloat16, quant="int4"))
+    original = weakref.ref(model.model.layers[0].mlp.down_proj.weight)
+    alive_at_the_end = []
+
+    def stream():
+        items = list(state.items())
+        last = max(i for i, (n, _) in enumerate(items) if n.startswith("model.layers.0.mlp.down_proj"))
+        assert last < len(items) - 1
+        for i, item in enumerate(items):
+            if i == len(items) - 1:  # layer 0's down_proj is long loaded and prepared
+                alive_at_the_end.append(original() is not None)
+            yield item
+
+    load_weights(model, stream(), prepare=True)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    assert alive_at_the_end == [False]  # the bf16 copy is freed during loading, not after it
+    again = list(state.items()) + [("model.layers.0.mlp.down_proj.weight", state["model.layers.0.mlp.down_proj.weight"])]
+    with pytest.raises(WeightLoadError, match="down_proj.weight: .*loaded already"):
+        load_weights(build(config, OpTarget("cpu", torch.bfloat16, quant="int4")), again, prepare=True)
