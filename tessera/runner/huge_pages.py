@@ -11,6 +11,7 @@ memory is ordinary anonymous memory.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # every tensor starts on a cache line (the kernels' vector loads)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+TRIM_EVERY = 64 << 20  # bytes moved between returns of the freed heap to the system
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -71,6 +73,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     if total == 0:
         return 0
     arena = empty_huge(total)
+    freed = 0
     with torch.no_grad():
         for ptr, tensors in users.items():
             begin, nbytes = offsets[ptr], sizes[ptr]
@@ -79,7 +82,21 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
                 moved = arena[begin:begin + nbytes].view(t.dtype)
                 # as_strided's offset counts from the arena mapping's start, not from `moved`
                 t.data = moved.as_strided(t.shape, t.stride(), moved.storage_offset() + t.storage_offset())
+            freed += nbytes
+            if freed >= TRIM_EVERY:  # freed storages in glibc's heap still count until trimmed
+                _return_freed_heap()
+                freed = 0
+    _return_freed_heap()
     return total
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps what loading freed: the
+    checkpoint-dtype copies of quantized layers, the storages just moved)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
