@@ -47,8 +47,10 @@ def prepared_param(param: nn.Parameter, prepare: Callable[[torch.Tensor], torch.
 
 def prepare_weights(model: nn.Module) -> None:
     """Let every layer put its loaded weights into its op builders' layouts (packed panels
-    for the CPU GEMM, ...). Call once, after loading."""
+    for the CPU GEMM, ...). Call once, after loading; layers the loader prepared already
+    (`weights_prepared`, weights/loader.py) are skipped."""
     for module in list(model.modules()):
         hook = getattr(module, "prepare_weights", None)
-        if callable(hook):
+        if callable(hook) and not getattr(module, "weights_prepared", False):
             hook()
+            module.weights_prepared = True

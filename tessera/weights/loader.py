@@ -19,7 +19,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     `prepare`: a module with a `prepare_weights` hook (tessera/ops/weights.py) is prepared as
     soon as every parameter it holds is complete, and its loaded copy is let go: quantized or
     repacked layers then never all sit in the model dtype at once, so an int4 model peaks
-    near its own size plus a layer, not at its full-precision size."""
+    near its own size plus a layer, not at its full-precision size. A second tensor for a
+    parameter of a prepared module is an error (its loaded copy is gone); other parameters
+    take the last tensor given, as without `prepare`."""
     params = dict(model.named_parameters())
     for name, param in params.items():
         param.tessera_name = name
@@ -74,33 +76,38 @@ class _Preparation:
         name_of = {id(p): n for n, p in params.items()}
         self.waiting: dict[int, set[str]] = {}        # module id -> its parameters not yet complete
         self.modules: dict[int, nn.Module] = {}
+        self.names: dict[int, frozenset[str]] = {}    # module id -> all the parameters it holds
         self.users: dict[str, list[int]] = {}         # parameter name -> modules that hold it
         for module in model.modules():
             if not callable(getattr(module, "prepare_weights", None)):
                 continue
             names = {name_of[id(p)] for p in module.parameters(recurse=False) if id(p) in name_of}
             if names:
-                self.waiting[id(module)], self.modules[id(module)] = names, module
+                self.waiting[id(module)], self.modules[id(module)] = set(names), module
+                self.names[id(module)] = frozenset(names)
                 for n in names:
                     self.users.setdefault(n, []).append(id(module))
         self.done: set[str] = set()
 
     def complete(self, name: str) -> None:
-        users = self.users.get(name)
-        if not users:
-            return
-        for key in users:
+        for key in self.users.get(name, ()):
             waiting = self.waiting.get(key)
             if waiting is None:
                 continue
             waiting.discard(name)
-            if not waiting:
-                del self.waiting[key]
-                self.modules.pop(key).prepare_weights()
-        if all(key not in self.waiting for key in users):
-            # every holder is prepared: drop our reference, so a replaced copy is freed
-            self.done.add(name)
-            self.params.pop(name, None)
+            if waiting:
+                continue
+            del self.waiting[key]
+            module = self.modules.pop(key)
+            module.prepare_weights()
+            module.weights_prepared = True  # ops/weights.py's pass after loading skips it
+            # every parameter of the module whose holders are all prepared (a weight that
+            # was complete before its bias, too): drop our reference, so a replaced copy
+            # is freed now, and refuse a second tensor for it
+            for held in self.names[key]:
+                if all(k not in self.waiting for k in self.users[held]):
+                    self.done.add(held)
+                    self.params.pop(held, None)
 
 
 def model_tensor_name(model: nn.Module, ckpt_name: str) -> str | None:

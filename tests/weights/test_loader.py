@@ -227,27 +227,31 @@ def test_prepare_runs_per_module_as_soon_as_its_weights_are_complete(monkeypatch
     assert all(kind == "load" for kind, _ in events)
 
 
-def test_prepared_layers_let_go_of_their_loaded_copy_and_refuse_a_second_one():
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepared_layers_let_go_of_their_loaded_copy_and_refuse_a_second_one(bias):
+    """With biases the packed QKV weight is complete before its last bias arrives: it is
+    let go with the layer's preparation all the same."""
     import weakref
 
-    config = tiny_config(hidden_size=64, intermediate_size=64)  # every in-features a multiple of 32
+    config = tiny_config(hidden_size=64, intermediate_size=64, attention_bias=bias)  # in-features: multiples of 32
     state = hf_state(config)
     model = build(config, OpTarget("cpu", torch.bfloat16, quant="int4"))
-    original = weakref.ref(model.model.layers[0].mlp.down_proj.weight)
-    alive_at_the_end = []
+    layer = model.model.layers[0]
+    originals = {"qkv": weakref.ref(layer.self_attn.qkv_proj.weight), "down": weakref.ref(layer.mlp.down_proj.weight)}
+    alive_at_the_end = {}
 
     def stream():
         items = list(state.items())
-        last = max(i for i, (n, _) in enumerate(items) if n.startswith("model.layers.0.mlp.down_proj"))
-        assert last < len(items) - 1
+        assert not items[-1][0].startswith("model.layers.0.")
         for i, item in enumerate(items):
-            if i == len(items) - 1:  # layer 0's down_proj is long loaded and prepared
-                alive_at_the_end.append(original() is not None)
+            if i == len(items) - 1:  # layer 0 is long loaded and prepared
+                alive_at_the_end.update({k: ref() is not None for k, ref in originals.items()})
             yield item
 
     load_weights(model, stream(), prepare=True)
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
-    assert alive_at_the_end == [False]  # the bf16 copy is freed during loading, not after it
-    again = list(state.items()) + [("model.layers.0.mlp.down_proj.weight", state["model.layers.0.mlp.down_proj.weight"])]
-    with pytest.raises(WeightLoadError, match="down_proj.weight: .*loaded already"):
-        load_weights(build(config, OpTarget("cpu", torch.bfloat16, quant="int4")), again, prepare=True)
+    assert layer.mlp.down_proj.weight.dtype == layer.self_attn.qkv_proj.weight.dtype == torch.uint8
+    assert alive_at_the_end == {"qkv": False, "down": False}  # freed during loading, not after it
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"):
+        again = list(state.items()) + [(name, state[name])]
+        with pytest.raises(WeightLoadError, match="loaded already"):
+            load_weights(build(config, OpTarget("cpu", torch.bfloat16, quant="int4")), again, prepare=True)
