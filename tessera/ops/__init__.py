@@ -6,7 +6,7 @@ from tessera.ops.cpu import (  # noqa: F401
     kv_write as cpu_kv_write, linear_int4 as cpu_linear_int4, linear_int8 as cpu_linear_int8, lora_rows as cpu_lora_rows, rotary as cpu_rotary,
 )
 from tessera.ops.triton import (  # noqa: F401
-    activation as triton_activation, int4_linear as triton_int4_linear, kv_write as triton_kv_write, paged_decode as triton_paged_decode,
+    activation as triton_activation, int4_linear as triton_int4_linear, int8_linear as triton_int8_linear, kv_write as triton_kv_write, paged_decode as triton_paged_decode,
     paged_prefill as triton_paged_prefill, rms_norm as triton_rms_norm, rotary as triton_rotary,
     skinny_linear as triton_skinny_linear,
 )

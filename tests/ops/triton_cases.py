@@ -12,6 +12,7 @@ from tessera.ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
 from tessera.ops.norm import rms_norm_ref
 from tessera.ops.linear_int4 import dequantize_int4, pack_int4_rows, quantize_int4
+from tessera.ops.linear_int8 import quantize_int8, quantize_rows
 from tessera.ops.rotary import rotary_ref
 from tessera.ops.triton.activation import triton_gelu_tanh_and_mul, triton_silu_and_mul
 from tessera.ops.triton.kv_write import triton_kv_write
@@ -21,6 +22,7 @@ from tessera.ops.triton.paged_prefill import triton_paged_prefill
 from tessera.ops.triton.rms_norm import triton_rms_norm
 from tessera.ops.triton.rotary import triton_rotary
 from tessera.ops.triton.int4_linear import int4_linear, triton_int4_linear
+from tessera.ops.triton.int8_linear import int8_linear, triton_int8_linear
 from tessera.ops.triton.skinny_linear import SkinnyConfig, skinny_linear
 
 from tests.ops.test_attention import make_case
@@ -347,6 +349,36 @@ def check_int4_linear(device: str) -> None:
                                F.linear(x40.float(), kept.float()), rtol=2 ** -7, atol=4e-3)
 
 
+def check_int8_linear(device: str) -> None:
+    """The int8 linear against float32 torch on the dequantized weight: 1 to 70 rows, ragged
+    out features and in features (not a multiple of the tile), bias, a strided input,
+    leading dims; float16 (and bf16 on a GPU)."""
+    g = torch.Generator().manual_seed(12)
+    dtypes = (torch.float16,) if device == "cpu" else (torch.float16, torch.bfloat16)
+    for dtype in dtypes:
+        for m, n, k in ((1, 64, 64), (3, 40, 100), (17, 96, 192), (70, 48, 33)):
+            w = torch.randn(n, k, generator=g) / k ** 0.5
+            q, s = quantize_int8(w)
+            exact = q.float() * s.unsqueeze(1)
+            packed = quantize_rows(w).to(device)
+            wide = torch.randn(m, k + 8, generator=g).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype)
+            for x in (wide[:, :k].contiguous(), wide[:, 8:]):
+                for bias in (None, b):
+                    want = F.linear(x.float(), exact, None if bias is None else bias.float())
+                    got = triton_int8_linear(x.to(device), packed, None if bias is None else bias.to(device))
+                    assert got.shape == (m, n) and got.dtype == dtype
+                    torch.testing.assert_close(got.cpu().float(), want, rtol=2 ** -7, atol=4e-3,
+                                               msg=lambda e: f"{dtype} {m}x{n}x{k} bias {bias is not None}: {e}")
+    x = torch.randn(2, 3, 64, generator=g).to(torch.float16)
+    w = torch.randn(24, 64, generator=g)
+    q, s = quantize_int8(w)
+    got = int8_linear(x.to(device), quantize_rows(w).to(device), None)
+    torch.testing.assert_close(got.cpu().float(), F.linear(x.float(), q.float() * s.unsqueeze(1)), rtol=2 ** -7,
+                               atol=4e-3)
+    assert int8_linear(x[:0].to(device), quantize_rows(w).to(device), None).shape == (0, 3, 24)
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     check_kv_write(dev)
@@ -358,4 +390,5 @@ if __name__ == "__main__":
     check_skinny_linear(dev)
     check_tuned_linear(dev)
     check_int4_linear(dev)
+    check_int8_linear(dev)
     print("triton kernels OK")

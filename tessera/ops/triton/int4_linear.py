@@ -20,8 +20,7 @@ import torch
 from tessera.ops.linear_int4 import GROUP, linear_int4_rows, pack_int4_rows
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
-
-BLOCK_N = 64
+from tessera.ops.triton.weight_only import launch_rows
 
 
 @lru_cache(maxsize=None)
@@ -73,19 +72,7 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if weight.shape[1] != 5 * k // 8 or k % GROUP:
         raise ValueError(f"int4_linear: input has {k} features; the int4 weight {tuple(weight.shape)} "
                          f"expects {weight.shape[1] * 8 // 5}")
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    m = rows.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m and n:
-        block_m = 16 if m <= 16 else 64
-        _kernel()[(-(-n // BLOCK_N), -(-m // block_m))](
-            rows, weight, bias if bias is not None else rows, out, m, n, k,
-            rows.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=64 if k % 64 == 0 else GROUP, GROUP=GROUP,
-            num_warps=4, num_stages=3)
-    return out.reshape(*x.shape[:-1], n)
+    return launch_rows(_kernel(), x, weight, bias, n, BLOCK_K=64 if k % 64 == 0 else GROUP, GROUP=GROUP)
 
 
 @register_op("linear", name="triton_int4_linear", priority=10, devices=("cuda",),
