@@ -8,10 +8,10 @@ so it reads that much less; the cost is accuracy (tests/ops/test_linear_int4.py 
 the default model), hence opt-in.
 
 Layers whose in-features are not a multiple of GROUP, or with a value beyond float16's range,
-keep their float weights (every projection of the supported families is a multiple). The LM head takes int8 instead
-(tessera/ops/embedding.py): the vocabulary projection is the layer most sensitive to
-weight error, which is why llama.cpp's 4-bit files keep it at 6 or 8 bits (the default
-model's GGUF stores it as Q8_0).
+keep their float weights (every projection of the supported families is a multiple). The
+LM head takes int8 instead (tessera/ops/embedding.py): the vocabulary projection is the
+layer most sensitive to weight error, which is why llama.cpp's 4-bit files keep it at 6 or
+8 bits (the default model's GGUF stores it as Q8_0).
 
 This builder runs anywhere: its prepared weight is one uint8 tensor [n, 5 k / 8] per output
 feature row: the k / 2 bytes of codes (input feature 2i in the low nibble of byte i, 2i + 1
@@ -26,8 +26,6 @@ import torch.nn.functional as F
 from tessera.ops.registry import register_op
 
 GROUP = 32
-
-
 FLOAT16_MAX = 65504.0
 CHUNK_ROWS = 4096  # rows quantized at a time: bounds the float32 temporaries of a big matrix
 
