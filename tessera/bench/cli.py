@@ -275,7 +275,7 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
             "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
     source = (f"{len(prompts)} prompts of {args.dataset} ({sum(map(len, prompts))} tokens in / "
               f"{sum(output_lens)} out)" if args.dataset else f"{args.input_len} in / {args.output_len} out")
-    weights = f", {quant} weights (baseline: unquantized)" if quant else ""
+    weights = f", {quant} weights" + (" (baseline: unquantized)" if model is not None else "") if quant else ""
     print(f"\n{args.workload}: {meta['model']} {meta['dtype']}{weights}, {meta['threads']} threads, "
           f"{source}, median of {args.repeats}")
     print(markdown_table(rows, columns, "transformers" if model is not None else None,

@@ -30,4 +30,21 @@ def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: 
     logger.info("loaded %s (%s, %s on %s%s) in %.1fs", router.source.name, type(model).__name__,
                 target.dtype, target.device, f", {target.quant} weights" if target.quant else "",
                 time.perf_counter() - started)
+    if target.quant:
+        _note_unquantized(model, target)
     return model
+
+
+def _note_unquantized(model: nn.Module, target: OpTarget) -> None:
+    """Say which linear layers --quantization left in the model dtype (shapes the format does
+    not take), so a model it barely touches is not mistaken for a quantized one. MoE experts
+    always stay in the model dtype."""
+    from tessera.ops.embedding import LMHead
+    from tessera.ops.linear import Linear
+
+    layers = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
+    kept = [m for m in layers if m.weight.is_floating_point()]
+    if kept:
+        logger.warning("--quantization %s: %d of %d linear layers keep their %s weights (shapes the "
+                       "format or its kernel does not take); MoE experts are never quantized", target.quant,
+                       len(kept), len(layers), target.dtype)

@@ -125,10 +125,15 @@ def output_limit(state: ServerState, requested: int | None, n_prompt: int) -> in
     """The max_tokens of a request for a prompt of `n_prompt` tokens, as vLLM sets it: the
     least of what it asked for, the model's generation_config max_new_tokens and the
     context's room; asking for more room than there is fails (check_length)."""
-    room = max(state.limits.max_total_tokens - n_prompt, 1)
+    limit = state.limits.max_total_tokens
+    if requested is None and n_prompt >= limit:  # nothing asked for: the prompt alone is too long
+        raise ValidationFailed(f"This model's maximum context length is {limit} tokens. However, your "
+                               f"prompt has {n_prompt} tokens, leaving no room to generate. Please reduce "
+                               "the length of the prompt.")
+    room = max(limit - n_prompt, 1)
     check_length(state, n_prompt, requested if requested is not None else room)
-    limit = capped_max_tokens(state, requested)
-    return room if limit is None else min(limit, room)
+    capped = capped_max_tokens(state, requested)
+    return room if capped is None else min(capped, room)
 
 
 def capped_max_tokens(state: ServerState, requested: int | None) -> int | None:

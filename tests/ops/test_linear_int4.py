@@ -204,3 +204,20 @@ def test_default_model_int4_holds_int4_weights_and_answers_like_bf16(default_ggu
         assert all("as Q4_1" in hint for hint in hints)
         caplog.clear()
     assert "Paris" in answers[None] and answers["int4"] == answers[None]
+
+
+def test_layers_the_format_does_not_take_are_named_at_load(make_tiny_llama, caplog):
+    """Hidden size 48: no projection takes int4, and the load says so."""
+    import logging
+
+    from tessera.llm import LLM
+
+    folder, _ = make_tiny_llama(seed=9, hidden_size=48, intermediate_size=96, num_attention_heads=4,
+                                num_key_value_heads=2)
+    caplog.set_level(logging.WARNING, logger="tessera.engine.model_loading")
+    with LLM(folder, dtype="bfloat16", quantization="int4", num_kv_blocks=16, show_progress=False) as llm:
+        layer = llm.engine.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
+        assert layer.mlp.down_proj.weight.dtype == torch.uint8  # 96 in features: quantized
+    notes = [r.getMessage() for r in caplog.records if "keep their" in r.getMessage()]
+    assert len(notes) == 1 and "--quantization int4" in notes[0]

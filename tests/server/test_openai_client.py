@@ -203,6 +203,11 @@ def test_context_overflow_is_400(url):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "max_tokens" and "maximum context length is 512 tokens" in err["message"]
+    # no max_tokens asked for: the prompt alone is too long, and the error says so
+    long = [{"role": "user", "content": "hello " * 600}]
+    for route, body in (("chat/completions", {"messages": long}), ("completions", {"prompt": "hello " * 600, "max_tokens": None})):
+        r = httpx.post(f"{url}/v1/{route}", json=body)
+        assert r.status_code == 400 and "prompt has" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("route", ["chat", "completions"])
