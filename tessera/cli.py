@@ -27,8 +27,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tessera's paged attention; auto: native when a folder serves the type")
     p.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIGS,
                    help="auto: the model's generation_config.json sets the default temperature, top_p, "
-                        "top_k, min_p and repetition_penalty of requests that leave them out (as in vLLM); "
-                        "vllm: neutral defaults")
+                        "top_k, min_p and repetition_penalty of requests (and `tessera generate` flags) that "
+                        "leave them out, and its max_new_tokens caps OpenAI requests' max_tokens (as in "
+                        "vLLM); vllm: neutral defaults")
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="auto: bfloat16 on GPUs, on CPUs with native bf16 and on AVX512 / AVX2 CPUs "
                         "where tessera's kernels build; else float32")

@@ -15,16 +15,20 @@ def add_generate_parser(sub: argparse._SubParsersAction, add_engine_args) -> Non
     gen.add_argument("--input-file", help="text file (one prompt a line) or JSONL")
     gen.add_argument("--output-file", help="write JSONL results here instead of printing")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help="default: the model's generation_config max_new_tokens, else 256")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    # unset sampling values come from the model's generation_config.json (--generation-config
+    # auto, as LLM.generate does), else the FALLBACKS below
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 = greedy (the default, unless the model's generation_config sets one)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--sample-seed", "--request-seed", type=int, default=None, dest="sample_seed",
                      help="per-request sampling seed (reproducible outputs)")
-    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the best's probability")
+    gen.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the best's probability")
     gen.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling mass")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+    gen.add_argument("--repetition-penalty", type=float, default=None,
                      help="HF/TGI: divide (or multiply) the logits of prompt and output tokens")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI: minus this x count")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI: minus this if present")
@@ -101,11 +105,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if _serve_rank_if_not_driver(config):
         return 0
     with _make_llm(args, config) as llm:
+        # checked above with the fallbacks; now with the model's generation_config values too
+        params = _sampling_params(args, llm.engine.router.sampling_defaults)
         return _generate(args, llm, prompts, params)
 
 
-def _sampling_params(args: argparse.Namespace):
+# what `tessera generate` samples with where neither the command line nor the model's
+# generation_config.json says: greedy, 256 new tokens
+FALLBACKS = {"max_new_tokens": 256, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+             "repetition_penalty": 1.0}
+
+
+def _sampling_params(args: argparse.Namespace, model_defaults: dict | None = None):
+    """The command line's sampling parameters; what it leaves unset comes from
+    `model_defaults` (the router's generation_config values), else FALLBACKS."""
     from tessera.sampling.params import SamplingParams
+
+    def given(name: str):
+        value = getattr(args, name)
+        return value if value is not None else (model_defaults or {}).get(name, FALLBACKS[name])
 
     bias = {}
     for item in args.logit_bias:
@@ -116,9 +134,9 @@ def _sampling_params(args: argparse.Namespace):
             raise SystemExit(f"--logit-bias expects TOKEN_ID=BIAS, got {item!r}")
     return SamplingParams(
         structured_outputs=_structured_outputs(args),
-        max_new_tokens=args.max_new_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, typical_p=args.typical_p,
-        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        max_new_tokens=given("max_new_tokens"), min_tokens=args.min_tokens, temperature=given("temperature"),
+        top_k=given("top_k"), top_p=given("top_p"), min_p=given("min_p"), typical_p=args.typical_p,
+        repetition_penalty=given("repetition_penalty"), frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, logit_bias=bias or None, seed=args.sample_seed,
         ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_id,
         include_stop_str_in_output=args.include_stop_str, n=args.n, best_of=args.best_of,

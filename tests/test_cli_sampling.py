@@ -114,3 +114,25 @@ def test_structured_output_flags(tiny, tmp_path, capsys):
     assert "invalid regex constraint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tiny), "x", "--regex", "a", "--choice", "b"])  # one constraint
+
+
+def test_unset_flags_take_the_models_generation_config(tiny, tmp_path):
+    """As LLM.generate does (vLLM's --generation-config auto): the model's values for what
+    the command line leaves out; the command line wins; `vllm` ignores the file."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "max_new_tokens": 3}))
+
+    def tokens(*flags: str) -> int:
+        out_file = tmp_path / "out.jsonl"
+        assert main(["generate", "--model", str(folder), *ENGINE_ARGS, "The quick", "--ignore-eos",
+                     "--output-file", str(out_file), *flags]) == 0
+        (record,) = [json.loads(line) for line in out_file.read_text().splitlines()]
+        return len(record["token_ids"])
+
+    assert tokens() == 3
+    assert tokens("--max-new-tokens", "5") == 5
+    assert tokens("--generation-config", "vllm", "--max-new-tokens", "4") == 4
+    assert tokens("--generation-config", "vllm") > 5  # the fallback (256, up to the context's end)
