@@ -12,8 +12,8 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 # real shapes with nothing to download or read)
 LOAD_FORMATS = ("auto", "dummy")
 # auto: the model's generation_config.json sets the default sampling parameters (temperature,
-# top_p, top_k, min_p, repetition_penalty) of requests that leave them out, as vLLM does;
-# vllm: the engine's neutral defaults
+# top_p, top_k, min_p, repetition_penalty, max_new_tokens) of requests that leave them out,
+# and max_new_tokens caps OpenAI requests, as vLLM does; vllm: the engine's neutral defaults
 GENERATION_CONFIGS = ("auto", "vllm")
 # int8: linear weights quantized per output feature after loading (weight-only; activations
 # stay in the model dtype). Halves weight memory and single-stream decode's weight traffic.

@@ -16,7 +16,6 @@ from tessera.bench.report import markdown_table, plot_latency_sweep, write_json
 from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 
 
-
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (a size, a count), refused before any model loads."""
     try:
@@ -41,6 +40,7 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
 
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")

@@ -37,6 +37,7 @@ def _is_number(value) -> bool:
 # max_new_tokens of a request that runs until its sequence fills the context (max_model_len)
 UNTIL_CONTEXT_ENDS = 2 ** 62
 
+
 @dataclass
 class SamplingParams:
     """How to choose the tokens of one request.

@@ -153,14 +153,9 @@ int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *
         return gemm_widened(x, w, bias, y, m, n, k, threads);
     }
     int16_t *xq;
-    float *x_scale;
-    if (quantize_rows(x, m, k, threads, &xq, &x_scale)) return 2;
+    float *x_scale, *x_sums;
+    if (quantize_grouped_rows(x, m, k, threads, GROUP, &xq, &x_scale, &x_sums)) return 2;
     const int64_t groups = k / GROUP, panels = n / 16, panel_bytes = groups * GROUP_BYTES;
-    float *x_sums = group_sums(xq, m, k, GROUP);
-    if (!x_sums) {
-        free(x_scale);
-        return 2;
-    }
     int64_t block = ROW_BLOCK_BYTES / (2 * k);
     block = block < ROWS ? ROWS : block / ROWS * ROWS;
 #pragma omp parallel num_threads(threads)

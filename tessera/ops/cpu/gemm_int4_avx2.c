@@ -101,14 +101,9 @@ int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *
                       int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % GROUP || n < 16 || k < GROUP) return 1;
     int16_t *xq;
-    float *x_scale;
-    if (quantize_rows(x, m, k, threads, &xq, &x_scale)) return 2;
+    float *x_scale, *x_sums;
+    if (quantize_grouped_rows(x, m, k, threads, GROUP, &xq, &x_scale, &x_sums)) return 2;
     const int64_t groups = k / GROUP, panels = n / 16, panel_bytes = groups * GROUP_BYTES;
-    float *x_sums = group_sums(xq, m, k, GROUP);
-    if (!x_sums) {
-        free(x_scale);
-        return 2;
-    }
     int64_t block = ROW_BLOCK_BYTES / (2 * k);
     block = block < ROWS ? ROWS : block / ROWS * ROWS;
     /* tiles of up to 2 rows take both panels in one pass over x; wider ones one at a time */

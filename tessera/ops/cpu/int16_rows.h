@@ -66,4 +66,17 @@ static inline float *group_sums(const int16_t *xq, int64_t m, int64_t k, int gro
         }
     return sums;
 }
+
+/* quantize_rows, plus each row's group sums (*sums, freed separately): the int4 GEMMs'
+ * prologue. Returns 0, or 2 when a copy cannot be allocated (nothing is left allocated). */
+static inline int quantize_grouped_rows(const uint16_t *x, int64_t m, int64_t k, int threads, int group,
+                                        int16_t **q, float **scale, float **sums) {
+    if (quantize_rows(x, m, k, threads, q, scale)) return 2;
+    *sums = group_sums(*q, m, k, group);
+    if (!*sums) {
+        free(*scale);
+        return 2;
+    }
+    return 0;
+}
 #endif
