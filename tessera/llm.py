@@ -5,6 +5,9 @@ import itertools
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
+from dataclasses import dataclass
+from typing import Any
+
 from tqdm.auto import tqdm
 
 from tessera.config import (CacheConfig, ConfigError, EngineConfig, LoRAConfig, ModelConfig,
@@ -13,13 +16,15 @@ from tessera.config import (CacheConfig, ConfigError, EngineConfig, LoRAConfig, 
 from tessera.engine.engine import Engine
 from tessera.engine.outputs import RequestOutput
 from tessera.lora.request import LoRARequest
+from tessera.multimodal.chat import ContentPartError, template_content
 from tessera.platform import async_scheduling_default, resolve_device
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.watermark import DEFAULT_Z_THRESHOLD, WatermarkScore, detect_watermark_in_output
 
-# a text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids}
+# a text, token ids, or vLLM's prompt dicts: {"prompt": text} / {"prompt_token_ids": ids},
+# {"prompt": text, "multi_modal_data": {"image": image or [images]}}
 Prompt = str | list[int] | dict
-Message = dict[str, str]
+Message = dict[str, Any]
 # one adapter for every prompt, or one (or None) per prompt: a LoRARequest (loaded on first
 # use) or the name of a loaded adapter (lora_modules)
 LoRAArg = LoRARequest | str | Seq[LoRARequest | str | None] | None
@@ -30,10 +35,20 @@ class ChatTemplateError(ValueError):
     pass
 
 
-def _unwrap_prompt(prompt: Prompt) -> str | list[int]:
-    """A dict prompt's text or token ids; other prompts as they are."""
+@dataclass
+class ImagePrompt:
+    """A prompt with images: its text holds the model's image placeholders (one per image)."""
+    text: str
+    images: list
+    add_special_tokens: bool = True
+
+
+def _unwrap_prompt(prompt: Prompt) -> str | list[int] | ImagePrompt:
+    """A dict prompt's text, token ids or text with images; other prompts as they are."""
     if not isinstance(prompt, dict):
         return prompt
+    if "multi_modal_data" in prompt:
+        return _image_prompt(prompt)
     keys = set(prompt)
     if len(keys) != 1 or not keys <= set(PROMPT_KEYS):
         raise ValueError(f"a prompt dict holds exactly one of {', '.join(map(repr, PROMPT_KEYS))}; "
@@ -47,6 +62,18 @@ def _unwrap_prompt(prompt: Prompt) -> str | list[int]:
     if isinstance(ids, (str, bytes)):
         raise ValueError("'prompt_token_ids' is a list of token ids; text goes in 'prompt'")
     return list(ids)
+
+
+def _image_prompt(prompt: dict) -> ImagePrompt:
+    data, text = prompt["multi_modal_data"], prompt.get("prompt")
+    if set(prompt) != {"prompt", "multi_modal_data"} or not isinstance(text, str):
+        raise ValueError('a prompt with images is {"prompt": text, "multi_modal_data": {"image": ...}}')
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data takes images only ({{'image': image or [images]}}); got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data.get("image")
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    return ImagePrompt(text, images)
 
 
 def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
@@ -197,7 +224,7 @@ class LLM:
                 self.engine.abort(request_id)
 
     def _pair(self, prompts: Prompt | Seq[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+        if isinstance(prompts, (str, dict, ImagePrompt)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_unwrap_prompt(p) for p in prompts]
@@ -237,16 +264,42 @@ class LLM:
         """Apply the chat template (`chat_template`, else --chat-template, else the
         tokenizer's) and generate; the arguments are vLLM's LLM.chat's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
-                                            continue_final_message=continue_final_message, tools=tools,
-                                            chat_template_kwargs=chat_template_kwargs)
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template=chat_template,
+                                     continue_final_message=continue_final_message, tools=tools,
+                                     chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
+
+    def _chat_prompt(self, messages: list[Message], add_generation_prompt: bool, **kwargs) -> list[int] | ImagePrompt:
+        """A conversation's prompt: token ids, or, when its messages hold images (content
+        parts), the rendered text with its images."""
+        takes_images = self.engine.supports_images
+        rendered, images = [], []
+        try:
+            for m in messages:
+                content, found = template_content(m.get("content"), takes_images)
+                rendered.append({**m, "content": content} if found or takes_images else m)
+                images += found
+        except ContentPartError as exc:
+            raise ValueError(str(exc)) from exc
+        if not images:
+            return self.apply_chat_template(rendered, add_generation_prompt, **kwargs)
+        text = self._render_chat(rendered, add_generation_prompt, **kwargs)
+        return ImagePrompt(text, images, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, *,
                             chat_template: str | None = None, continue_final_message: bool = False,
                             tools: list[dict] | None = None,
                             chat_template_kwargs: dict | None = None) -> list[int]:
+        text = self._render_chat(messages, add_generation_prompt, chat_template=chat_template,
+                                 continue_final_message=continue_final_message, tools=tools,
+                                 chat_template_kwargs=chat_template_kwargs)
+        # The template already holds any BOS token; do not add special tokens twice.
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _render_chat(self, messages: list[Message], add_generation_prompt: bool = True, *,
+                     chat_template: str | None = None, continue_final_message: bool = False,
+                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
         template = chat_template or self.engine.router.chat_template
         if not template:
             raise ChatTemplateError("this model's tokenizer has no chat template; pass one with "
@@ -254,12 +307,10 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
                              "(pass add_generation_prompt=False to continue the last message)")
-        text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+        return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, tools=tools,
                                                   **(chat_template_kwargs or {}))
-        # The template already holds any BOS token; do not add special tokens twice.
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate / chat use without sampling_params: the model's generation_config
@@ -277,7 +328,10 @@ class LLM:
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
             for request_id, prompt, p, lora, priority in zip(ids, prompts, params, loras, priorities):
-                engine.add_request(request_id, prompt, p, lora, priority)
+                images = None
+                if isinstance(prompt, ImagePrompt):
+                    prompt, images = engine.process_images(prompt.text, prompt.images, prompt.add_special_tokens)
+                engine.add_request(request_id, prompt, p, lora, priority, multimodal=images)
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)

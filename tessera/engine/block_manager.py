@@ -7,7 +7,9 @@ sequence reuses the cached blocks of its longest cached prefix. Freed blocks kee
 contents and hash and are evicted least-recently-freed first, only when a block is needed.
 Hash hits are confirmed by comparing the parent hash and the token ids, so a collision can
 never mix sequences. The first block's parent is the sequence's cache salt (its LoRA
-adapter, or None), so KV computed under one adapter is never reused under another.
+adapter, or None), so KV computed under one adapter is never reused under another. A block
+holding image placeholder tokens also hashes the images' pixels: the placeholder ids are
+the same for every image.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from dataclasses import dataclass
 from tessera.engine.sequence import Sequence
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+def chain_hash(parent: int | None, key: tuple) -> int:
+    """A block's hash from its parent's and its key (Sequence.block_key: its token ids,
+    with the content hashes of images it holds placeholders of)."""
+    return hash((parent, key))
 
 
 @dataclass
@@ -121,7 +125,7 @@ class BlockManager:
         usable = (seq.num_tokens - 1) // self.block_size
         parent = seq.cache_salt
         for i in range(usable):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = seq.block_key(i, self.block_size)
             h = chain_hash(parent, tokens)
             block = self.cached.get(h)
             if block is None or self.block_tokens[block] != (parent, tokens):
@@ -167,7 +171,7 @@ class BlockManager:
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
         for i in range(len(seq.block_hashes), full):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = seq.block_key(i, self.block_size)
             h = chain_hash(parent, tokens)
             block = seq.block_table[i]
             if h not in self.cached:  # a twin computed concurrently keeps the entry

@@ -32,6 +32,9 @@ from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError
 from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
+from tessera.multimodal.images import ImageLoadError, load_image
+from tessera.multimodal.inputs import MultimodalInputs
+from tessera.multimodal.processor import PromptImageError
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
@@ -123,9 +126,29 @@ class Engine:
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
 
+    @property
+    def supports_images(self) -> bool:
+        return getattr(self.router, "supports_images", False)
+
+    def process_images(self, prompt: str, images: Seq, add_special_tokens: bool = True
+                       ) -> tuple[list[int], MultimodalInputs | None]:
+        """A prompt with image placeholders (the model's own, e.g. <image>; chat templates
+        write them) and its images (PIL images, URLs, data URLs): its token ids and images'
+        inputs for add_request. Any thread may call this (it loads and preprocesses)."""
+        if not images:
+            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids), None
+        if not self.supports_images:
+            raise RequestError(f"this model ({self.router.config.model_type}) takes no images")
+        try:
+            loaded = [load_image(image, allow_any_path=True) for image in images]
+            return self.router.image_prompts(prompt, loaded, add_special_tokens)
+        except (ImageLoadError, PromptImageError) as exc:
+            raise RequestError(str(exc)) from exc
+
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None,
-                    lora_request: LoRARequest | str | None = None, priority: int = 0) -> Sequence:
+                    lora_request: LoRARequest | str | None = None, priority: int = 0,
+                    multimodal: MultimodalInputs | None = None) -> Sequence:
         """Queue a request; returns its first sequence (all of them: `seq.group.seqs`).
         `lora_request`: the adapter to run it with, a LoRARequest (loaded on first use) or
         the name of a loaded one. `priority`: under the "priority" scheduling policy, lower
@@ -140,7 +163,12 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.scheduler.by_priority)
         text = prompt if isinstance(prompt, str) else None
+        if multimodal is not None and text is not None:
+            raise RequestError("a prompt with images comes as the token ids process_images gave")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if multimodal is not None and (not multimodal.feature_positions
+                                       or multimodal.feature_positions[-1] >= len(token_ids)):
+            raise RequestError("the images' placeholder positions do not fit the prompt")
         vocab = self.router.config.vocab_size
         check_prompt(token_ids, vocab, self.max_model_len)
         check_against_vocab(params, vocab)
@@ -152,7 +180,7 @@ class Engine:
             seed = params.child_seed(index)
             generator = None if seed is None else torch.Generator().manual_seed(seed)
             seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,
-                                 generator, index=index, lora=lora))
+                                 generator, index=index, lora=lora, multimodal=multimodal))
         if params.structured_outputs is not None:  # compiled once, a matcher per sequence
             compiled = self.compile_grammar(params.structured_outputs)
             for seq in seqs:

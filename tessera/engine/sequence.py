@@ -77,6 +77,8 @@ class Sequence:
     grammar_may_open: int | None = None
     # the LoRA adapter it runs with (tessera.lora.adapter.LoRAAdapter), None: the base model
     lora: Any = None
+    # its prompt's images (tessera.multimodal.inputs.MultimodalInputs), shared by the group
+    multimodal: Any = None
 
     @property
     def active_grammar(self) -> Any:
@@ -93,6 +95,16 @@ class Sequence:
         """What the prefix cache mixes into the first block's hash: KV computed under one
         adapter (or none) is never reused under another."""
         return None if self.lora is None else ("lora", self.lora.key)
+
+    def block_key(self, index: int, block_size: int) -> tuple:
+        """What the prefix cache identifies block `index` by: its token ids, and the pixels of
+        any image whose placeholder tokens it holds."""
+        start = index * block_size
+        tokens = tuple(self.token_ids[start:start + block_size])
+        if self.multimodal is None:
+            return tokens
+        images = self.multimodal.hashes_between(start, start + block_size)
+        return (tokens, images) if images else tokens
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

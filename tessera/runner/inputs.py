@@ -20,6 +20,7 @@ import torch
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.engine.sequence import Sequence
 from tessera.lora.layer import row_slots_for
+from tessera.multimodal.inputs import MultimodalInputs
 from tessera.ops.attention import AttentionMetadata
 from tessera.platform import to_device
 
@@ -46,6 +47,19 @@ class ModelInputs:
     # and for a small step each row's slot (-1: the base model; tessera/lora/layer.py)
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
     lora_row_slots: torch.Tensor | None = None
+    # images: the token rows that are image placeholders, and for each sequence with some
+    # in this step, (its images, first feature row, end feature row), in the same order;
+    # the runner turns them into `image_embeds` before the model runs
+    image_rows: torch.Tensor | None = None
+    image_features: list[tuple[MultimodalInputs, int, int]] = field(default_factory=list)
+    image_embeds: torch.Tensor | None = None
+
+    @property
+    def model_kwargs(self) -> dict[str, torch.Tensor]:
+        """What the model takes beyond token ids and positions this step."""
+        if self.image_rows is None:
+            return {}
+        return {"image_rows": self.image_rows, "image_embeds": self.image_embeds}
 
 
 @dataclass
@@ -85,6 +99,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     prompt_rows: list[PromptRows] = []
     deferred_rows: list[int] = []
     deferred_indices: list[int] = []
+    image_rows: list[int] = []
+    image_features: list[tuple[MultimodalInputs, int, int]] = []
     # the block tables as one flat, zero-padded list: a single tensor conversion for the
     # step (one per row cost ~20 us each, 5 ms for a 256-row decode step)
     max_blocks = max(len(s.seq.block_table) for s in rows)
@@ -95,6 +111,11 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         real_end = end - len(item.draft_token_ids)
         first_row = len(tokens)
         tokens.extend(seq.token_ids[start:real_end])
+        if seq.multimodal is not None and start < seq.num_prompt_tokens:
+            lo, hi = seq.multimodal.features_between(start, real_end)
+            if hi > lo:
+                image_rows.extend(first_row + p - start for p in seq.multimodal.feature_positions[lo:hi])
+                image_features.append((seq.multimodal, lo, hi))
         if real_end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
             if previous is None or seq not in previous or real_end - 1 != seq.num_tokens:
                 raise RuntimeError(f"request {seq.request_id}: position {real_end - 1} has no token "
@@ -145,6 +166,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                          lora_segments=segments, lora_row_slots=row_slots_for(segments, len(tokens), device))
     if deferred_rows:
         inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
+    if image_rows:
+        inputs.image_rows, inputs.image_features = to(image_rows), image_features
     return inputs
 
 

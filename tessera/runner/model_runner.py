@@ -144,13 +144,30 @@ class ModelRunner:
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         self._zero_blocks_up_to(inputs.max_block_id + 1)
-        # CUDA graphs replay the base model only: a step with adapter rows runs eagerly
-        if self.graphs is not None and (not inputs.lora_segments or self.graphs.replays_lora):
+        # CUDA graphs replay the base model only: a step with adapter rows runs eagerly;
+        # graphs take token ids only, so a step with image rows runs eagerly too
+        if (self.graphs is not None and inputs.image_rows is None
+                and (not inputs.lora_segments or self.graphs.replays_lora)):
             hidden = self.graphs.run(inputs)
             if hidden is not None:
                 return hidden
         with attention_context(inputs.attn), lora_context(LoRAPass(inputs.lora_segments, inputs.lora_row_slots)):
-            return self.model(inputs.input_ids, inputs.positions)
+            return self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
+
+    def _encode_images(self, inputs: ModelInputs) -> None:
+        """The image features of the step's placeholder rows, encoding a prompt's images
+        the first time a step reaches them; a prompt past its last image lets them go."""
+        parts = []
+        for images, lo, hi in inputs.image_features:
+            if images.embeddings is None:
+                images.embeddings = self.model.encode_images(images.encoder_inputs)
+                if images.embeddings.shape[0] != images.num_features:
+                    raise RuntimeError(f"the vision encoder gave {images.embeddings.shape[0]} features for "
+                                       f"{images.num_features} image tokens")
+            parts.append(images.embeddings[lo:hi])
+            if hi == images.num_features:
+                images.embeddings = None
+        inputs.image_embeds = torch.cat(parts).to(self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:
@@ -166,6 +183,8 @@ class ModelRunner:
         inputs = build_inputs(scheduled, self.block_size, self.device,
                               None if previous is None else previous.sampled_index,
                               self._activate_loras(scheduled))
+        if inputs.image_features:
+            self._encode_images(inputs)
         if inputs.deferred_rows is not None:
             inputs.input_ids.index_copy_(
                 0, inputs.deferred_rows, previous.token_ids.index_select(0, inputs.deferred_indices))

@@ -119,8 +119,12 @@ class Gemma2Model(nn.Module):
         """Each layer's cos/sin for this step's positions."""
         return [self.rotary_emb(positions)] * len(self.layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, rope in zip(self.layers, self.layer_ropes(positions)):
             hidden, residual = layer(rope, hidden, residual)

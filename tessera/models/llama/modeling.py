@@ -103,8 +103,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_cls(config, target) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows the first layer takes for these tokens (a multimodal model replaces
+        some of them with image features)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb(positions)
         residual = None
         for layer in self.layers:
@@ -132,8 +138,9 @@ class LlamaForCausalLM(nn.Module):
         if tied is not None:
             self.ignored_weight_suffixes = (*self.ignored_weight_suffixes, "lm_head.weight")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,124 @@
+"""VisionLanguageRouter: a multimodal checkpoint whose language model is a native type.
+
+The router serves the text_config through that type's own model class (every op, kernel,
+graph and quantization of it applies), and builds the vision side from transformers'
+modules (tessera/multimodal/encoder.py). A model folder for a multimodal type subclasses
+this and says where its config keeps the image token, and how many tokens each image gets
+when that is not the same for every image."""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Callable, ClassVar, Iterable
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from tessera.models.base import BaseRouter
+from tessera.multimodal.encoder import VisionEncoder
+from tessera.multimodal.model import VisionLanguageForCausalLM
+from tessera.multimodal.processor import ImagePrompts, TokenCounter
+from tessera.ops.registry import OpTarget
+from tessera.ops.weights import prepare_weights
+from tessera.weights.dummy import load_dummy_weights
+from tessera.weights.lazy import materialize
+from tessera.weights.loader import load_weights
+
+# checkpoint prefixes of a multimodal model's language model, across transformers' layouts
+# (older: language_model.model.*, language_model.lm_head.*; 4.52+: model.language_model.*,
+# lm_head.*; some: model.text_model.*, or a bare model.* beside a vision tower)
+LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "model.text_model.", "language_model.model.",
+                           "language_model.", "text_model.", "model.")
+
+
+def language_model_name(name: str) -> str:
+    """A language-model checkpoint name as the native model names it (model.* / lm_head.*)."""
+    if name.startswith("language_model.lm_head."):
+        return name.removeprefix("language_model.")
+    if name.startswith("lm_head."):
+        return name
+    for prefix in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name
+
+
+class VisionLanguageRouter(BaseRouter):
+    # config attributes naming the image placeholder token, first found wins
+    image_token_attrs: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
+    # per-image token counts from the processor's outputs (None: the same for every image)
+    count_image_tokens: ClassVar[TokenCounter | None] = None
+    supports_images: ClassVar[bool] = True
+
+    @cached_property
+    def full_config(self) -> PretrainedConfig:
+        return AutoConfig.from_pretrained(str(self.metadata_dir))
+
+    def get_config(self) -> PretrainedConfig:
+        full = self.full_config
+        text = full.text_config
+        if getattr(full, "eos_token_id", None) is not None and getattr(text, "eos_token_id", None) is None:
+            text.eos_token_id = full.eos_token_id
+        return text
+
+    @cached_property
+    def text_router(self) -> type[BaseRouter]:
+        from tessera.models.registry import router_classes
+
+        model_type = self.config.model_type
+        router = router_classes().get(model_type)
+        if router is None or issubclass(router, VisionLanguageRouter):
+            raise ValueError(f"{self.full_config.model_type}: its language model ({model_type!r}) has no "
+                             "native tessera folder")
+        return router
+
+    @cached_property
+    def image_token_id(self) -> int:
+        for attr in self.image_token_attrs:
+            value = getattr(self.full_config, attr, None)
+            if isinstance(value, int):
+                return value
+        raise ValueError(f"{self.full_config.model_type}: the config names no image token "
+                         f"({', '.join(self.image_token_attrs)})")
+
+    @cached_property
+    def image_prompts(self) -> ImagePrompts:
+        return ImagePrompts(self.metadata_dir, self.image_token_id, type(self).count_image_tokens)
+
+    @cached_property
+    def chat_template(self) -> str | None:
+        # multimodal folders often keep the template with the processor only
+        return super().chat_template or self.image_prompts.chat_template
+
+    def path_note(self) -> str:
+        return (f"native language model ({self.text_router.__module__.rsplit('.', 2)[-2]}) with "
+                "transformers' vision tower and projector")
+
+    def build_model(self, target: OpTarget) -> VisionLanguageForCausalLM:
+        language_model = self.text_router.model_cls(self.config, target)
+        vision = VisionEncoder(self.full_config, target.dtype, torch.device(target.device))
+        return VisionLanguageForCausalLM(language_model, vision)
+
+    def load_weights(self, model: VisionLanguageForCausalLM,
+                     progress: Callable[[Iterable], Iterable] = lambda it: it) -> int:
+        """The language model's tensors go to its own loader (prepared as they complete),
+        the vision side's into transformers' modules."""
+        if self.source.is_gguf:
+            raise ValueError("multimodal models load from Hugging Face folders (a GGUF's vision "
+                             "projector is a separate mmproj file tessera does not read)")
+        if self.model_config.load_format == "dummy":
+            count = load_dummy_weights(model.language_model)  # the vision side keeps its random init
+            prepare_weights(model.language_model)
+            return count
+        vision = model.vision
+
+        def language_weights():
+            for name, tensor in progress(self.iter_weights()):
+                if vision.owns(name):
+                    vision.load_tensor(name, materialize(tensor))
+                else:
+                    yield language_model_name(name), tensor
+
+        count = len(load_weights(model.language_model, language_weights(), prepare=True))
+        count += vision.check_loaded()
+        prepare_weights(model.language_model)
+        return count

@@ -1,0 +1,104 @@
+"""Images as clients send them: PIL images (Python), base64 data URLs, http(s) URLs, and
+local files where the caller allows them (vLLM's --allowed-local-media-path)."""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+# the most an image download or data URL may hold (a 4k PNG is ~10 MB)
+MAX_IMAGE_BYTES = 32 * 1024 * 1024
+FETCH_TIMEOUT_S = 10.0
+
+
+class ImageLoadError(ValueError):
+    """An image that cannot be had: bad data, a failed download, a path not allowed."""
+
+
+def load_image(source: Any, *, allowed_local_path: Path | None = None,
+               allow_any_path: bool = False) -> Image.Image:
+    """An RGB PIL image from a PIL image, bytes, a data URL, an http(s) URL or a local path.
+    Paths (plain or file://) are read only under `allowed_local_path`, or anywhere with
+    `allow_any_path` (the Python API, whose caller owns the files)."""
+    if isinstance(source, Image.Image):
+        return _rgb(source)
+    if isinstance(source, (bytes, bytearray)):
+        return _decode(bytes(source), "the image bytes")
+    if not isinstance(source, str) or not source:
+        raise ImageLoadError(f"an image is a URL, a data URL, a path or a PIL image; got {type(source).__name__}")
+    if source.startswith("data:"):
+        return _decode(_data_url_bytes(source), "the data URL")
+    if source.startswith(("http://", "https://")):
+        return _decode(_fetch(source), source)
+    path = Path(source[len("file://"):] if source.startswith("file://") else source).expanduser()
+    return _decode(_read_local(path, allowed_local_path, allow_any_path), str(path))
+
+
+def image_hash(image: Image.Image) -> bytes:
+    """A digest of the pixels (and their size): what the prefix cache keys image blocks by."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{image.mode}:{image.size}".encode())
+    digest.update(image.tobytes())
+    return digest.digest()
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _decode(data: bytes, what: str) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise ImageLoadError(f"{what} is not an image PIL can read ({exc})") from exc
+    return _rgb(image)
+
+
+def _data_url_bytes(url: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ImageLoadError("an image data URL looks like data:image/png;base64,<data>")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ImageLoadError(f"the image data URL holds more than {MAX_IMAGE_BYTES} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageLoadError(f"the image data URL is not valid base64 ({exc})") from exc
+
+
+def _fetch(url: str) -> bytes:
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as response:
+            if response.status_code != 200:
+                raise ImageLoadError(f"fetching {url} answered HTTP {response.status_code}")
+            data = bytearray()
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise ImageLoadError(f"{url} is larger than {MAX_IMAGE_BYTES} bytes")
+            return bytes(data)
+    except httpx.HTTPError as exc:
+        raise ImageLoadError(f"fetching {url} failed: {exc}") from exc
+
+
+def _read_local(path: Path, allowed: Path | None, allow_any: bool) -> bytes:
+    if not allow_any:
+        if allowed is None:
+            raise ImageLoadError(f"local image paths are not allowed ({path}); start the server with "
+                                 "--allowed-local-media-path DIR to serve images from DIR")
+        root = allowed.resolve()
+        if not path.resolve().is_relative_to(root):
+            raise ImageLoadError(f"{path} is outside the allowed local media path {root}")
+    if not path.is_file():
+        raise ImageLoadError(f"no image file at {path}")
+    if path.stat().st_size > MAX_IMAGE_BYTES:
+        raise ImageLoadError(f"{path} is larger than {MAX_IMAGE_BYTES} bytes")
+    return path.read_bytes()

@@ -1,0 +1,33 @@
+"""A multimodal causal LM: a native language model whose embedding rows at image
+placeholders are replaced by the vision encoder's features."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.multimodal.encoder import VisionEncoder
+
+
+class VisionLanguageForCausalLM(nn.Module):
+    def __init__(self, language_model: nn.Module, vision: VisionEncoder):
+        super().__init__()
+        self.language_model = language_model
+        self.vision = vision
+        self.config = language_model.config
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                image_rows: torch.Tensor | None = None,
+                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`image_rows`: the rows of this step's tokens that are image placeholders,
+        `image_embeds` their features (one row each)."""
+        if image_rows is None:
+            return self.language_model(input_ids, positions)
+        embeds = self.language_model.model.embed(input_ids)
+        embeds = embeds.index_copy(0, image_rows, image_embeds.to(embeds.dtype))
+        return self.language_model(input_ids, positions, embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def encode_images(self, encoder_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.vision(encoder_inputs)
