@@ -123,6 +123,16 @@ def add_watermark_args(p: argparse.ArgumentParser) -> None:
                         "public 15485863 that TGI and transformers use: set your own to deploy)")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def _secret_int(text: str) -> int:
     """int(text), with an error that does not print the text (a key)."""
     try:
@@ -255,7 +265,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_concurrent_requests=args.max_concurrent_requests,
                       max_input_tokens=args.max_input_tokens, tool_call_parser=args.tool_call_parser,
                       reasoning_parser=args.reasoning_parser,
-                      allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                      allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                      payload_limit=args.payload_limit,
+                      allowed_local_media_path=args.allowed_local_media_path)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -327,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split chat answers into reasoning_content (the <think>...</think> part) and "
                             "content: deepseek_r1 (DeepSeek-R1 and its distills, whose template opens "
                             "<think>) or qwen3 (Qwen3, which writes <think> itself)")
+    serve.add_argument("--payload-limit", type=_positive_int, default=None, metavar="BYTES",
+                       help="largest request body accepted (TGI's flag; default 2000000, or 50000000 "
+                            "for a model that takes images, which come base64-encoded)")
+    serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let requests name image files under DIR (file:// URLs or paths), as "
+                            "vLLM's flag; without it only URLs and data URLs are read")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read "
                             "folders on this machine: only for trusted clients)")

@@ -111,11 +111,12 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         real_end = end - len(item.draft_token_ids)
         first_row = len(tokens)
         tokens.extend(seq.token_ids[start:real_end])
-        if seq.multimodal is not None and start < seq.num_prompt_tokens:
-            lo, hi = seq.multimodal.features_between(start, real_end)
+        images = getattr(seq, "multimodal", None)  # (a draft model's rows have none)
+        if images is not None and start < seq.num_prompt_tokens:
+            lo, hi = images.features_between(start, real_end)
             if hi > lo:
-                image_rows.extend(first_row + p - start for p in seq.multimodal.feature_positions[lo:hi])
-                image_features.append((seq.multimodal, lo, hi))
+                image_rows.extend(first_row + p - start for p in images.feature_positions[lo:hi])
+                image_features.append((images, lo, hi))
         if real_end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
             if previous is None or seq not in previous or real_end - 1 != seq.num_tokens:
                 raise RuntimeError(f"request {seq.request_id}: position {real_end - 1} has no token "

@@ -56,9 +56,10 @@ class _Guard:
                 err.status, err.error_type, err.openai_type = 401, "authentication", "AuthenticationError"
                 return err
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > state.limits.max_body_bytes:
-            err = ValidationFailed(f"request body of {length} bytes exceeds the limit of "
-                                   f"{state.limits.max_body_bytes} bytes")
+        limit = state.limits.max_body_bytes or 2_000_000  # unset until the model is known
+        if length is not None and length.isdigit() and int(length) > limit:
+            err = ValidationFailed(f"request body of {length} bytes exceeds the limit of {limit} bytes "
+                                   "(tessera serve --payload-limit)")
             err.status = 413
             return err
         if not state.ready and path not in ("/health", "/metrics"):

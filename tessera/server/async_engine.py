@@ -18,6 +18,7 @@ from typing import AsyncIterator, Sequence as Seq
 from tessera.engine.engine import Engine
 from tessera.engine.errors import EngineFatalError
 from tessera.engine.outputs import RequestOutput
+from tessera.multimodal.inputs import MultimodalInputs
 from tessera.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class _Add:
     sink: "_Sink"
     lora: str | None = None  # a loaded adapter's name
     priority: int = 0
+    images: MultimodalInputs | None = None  # a prompt's images (token-id prompts only)
 
 
 @dataclass
@@ -111,7 +113,8 @@ class AsyncEngine:
     # --- requests ----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-                       lora: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       lora: str | None = None, priority: int = 0,
+                       images: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; the last has finished=True.
         Closing the iterator early aborts the request. `lora`: a loaded adapter's name;
         `priority`: Engine.add_request's."""
@@ -129,7 +132,7 @@ class AsyncEngine:
                 # the engine's own compile then hits xgrammar's cache
                 await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
             self._commands.put(_Add(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                                    params, sink, lora, priority))
+                                    params, sink, lora, priority, images))
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
@@ -178,7 +181,8 @@ class AsyncEngine:
                 self.engine.abort(cmd.request_id)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.lora, cmd.priority)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.lora, cmd.priority,
+                                    multimodal=cmd.images)
         except Exception as exc:  # validation the engine does itself (length, ids ...)
             cmd.sink.put(exc)
             return

@@ -13,7 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera import __version__
 from tessera.engine.outputs import PositionLogprobs
+from tessera.multimodal.chat import ContentPartError, template_content
+from tessera.multimodal.inputs import MultimodalInputs
 from tessera.server.errors import ValidationFailed
+from tessera.server.images import prompt_with_images
 from tessera.server.openai_common import (FINISH, admit, continuous_usage, state_of, stream_body,
                                           token_label, truncated, usage_of)
 from tessera.server.openai_validation import (MAX_LOGPROBS, output_limit, resolve_model, sampling_params,
@@ -62,17 +65,18 @@ def _chat_logprobs(state: ServerState, ids: list[int], lps: list[PositionLogprob
     return {"content": content}
 
 
-def _template_message(m: ChatMessage) -> dict:
-    """A message as chat templates expect it, as vLLM hands it over: content always present
-    ("" for none), text parts joined by newlines, tool-call arguments as objects (templates
-    write them with `tojson` or iterate them; OpenAI clients send them as JSON text)."""
+def _template_message(m: ChatMessage, takes_images: bool) -> tuple[dict, list]:
+    """A message as chat templates expect it, as vLLM hands it over, and the images it holds:
+    content always present ("" for none), text parts joined by newlines (a model that takes
+    images gets transformers' text and image parts), tool-call arguments as objects
+    (templates write them with `tojson` or iterate them; OpenAI clients send them as JSON
+    text)."""
     msg = m.model_dump(exclude_none=True)
-    msg["content"] = m.content or ""
-    if isinstance(m.content, list):  # content parts: text only
-        parts = [p.get("text", "") for p in m.content if p.get("type") == "text"]
-        if len(parts) != len(m.content):
-            raise ValidationFailed("only text content parts are supported", param="messages")
-        msg["content"] = "\n".join(parts)
+    try:
+        content, images = template_content(m.content, takes_images)
+    except ContentPartError as exc:
+        raise ValidationFailed(str(exc), param="messages") from exc
+    msg["content"] = content or ""
     for call in msg.get("tool_calls") or ():
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
@@ -80,15 +84,20 @@ def _template_message(m: ChatMessage) -> dict:
                 function["arguments"] = json.loads(function["arguments"])
             except json.JSONDecodeError:
                 pass  # not JSON: the template gets the text as sent
-    return msg
+    return msg, images
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[int], str]:
-    """The prompt's token ids and its rendered text."""
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest
+                       ) -> tuple[list[int], str, MultimodalInputs | None]:
+    """The prompt's token ids, its rendered text and its images' inputs (if it has any)."""
     if not state.chat_template:
         raise ValidationFailed("this model has no chat template; start the server with "
                                "--chat-template FILE", param="messages")
-    messages = [_template_message(m) for m in body.messages]
+    messages, images = [], []
+    for m in body.messages:
+        message, found = _template_message(m, state.supports_images)
+        messages.append(message)
+        images += found
     if not messages:
         raise ValidationFailed("`messages` cannot be empty", param="messages")
     if body.continue_final_message and body.add_generation_prompt:
@@ -101,7 +110,10 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[list[
             tools=body.tools or None, **(body.chat_template_kwargs or {}))
     except Exception as exc:  # a template error names what the template disliked
         raise ValidationFailed(f"chat template error: {exc}", param="messages") from exc
-    return list(state.tokenizer(text, add_special_tokens=False).input_ids), text
+    if images:
+        ids, inputs = await prompt_with_images(state, text, images, add_special_tokens=False, param="messages")
+        return ids, text, inputs
+    return list(state.tokenizer(text, add_special_tokens=False).input_ids), text, None
 
 
 @router.post("/chat/completions")
@@ -109,7 +121,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     state = state_of(request)
     served, lora = resolve_model(state, body.model)
     tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
-    ids, prompt_text = _chat_prompt(state, body)
+    ids, prompt_text, images = await _chat_prompt(state, body)
+    if images is not None and body.truncate_prompt_tokens is not None:
+        raise ValidationFailed("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
     ids = truncated(ids, body.truncate_prompt_tokens, state.limits.max_input_tokens)
     # vLLM's reply role: the assistant's, or, when no generation prompt opens a new turn,
     # the role of the message being continued
@@ -138,7 +152,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     opened = opened and (params.structured_outputs is None or params.reasoning_end_token_id is not None)
     rid, label = f"chatcmpl-{uuid.uuid4().hex}", token_label(state, body)
     created = int(time.time())
-    stream = run_request(state, rid, ids, params, lora, body.priority)
+    stream = run_request(state, rid, ids, params, lora, body.priority, images)
 
     if body.stream:
         stream = await admit(stream)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Callable
 
 import uvicorn
@@ -34,11 +35,15 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                port: int = 8080, api_key: str | None = None, max_concurrent_requests: int = 128,
                max_input_tokens: int | None = None, drain_timeout_s: float = 30.0,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               allow_runtime_lora_updating: bool = False) -> int:
+               allow_runtime_lora_updating: bool = False, payload_limit: int | None = None,
+               allowed_local_media_path: str | None = None) -> int:
     state = ServerState(model_name, ServerLimits(max_concurrent_requests=max_concurrent_requests,
-                                                 max_input_tokens=max_input_tokens or 0), api_key,
+                                                 max_input_tokens=max_input_tokens or 0,
+                                                 max_body_bytes=payload_limit), api_key,
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                        allow_runtime_lora_updating=allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=allow_runtime_lora_updating,
+                        allowed_local_media_path=Path(allowed_local_media_path).expanduser()
+                        if allowed_local_media_path else None)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

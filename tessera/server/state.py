@@ -4,6 +4,7 @@ The HTTP server starts before the model has loaded (so /health can say 503 meanw
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -25,7 +26,9 @@ class ServerLimits:
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_client_batch_size: int = 4
-    max_body_bytes: int = 2_000_000  # refused before parsing, let alone tokenizing
+    # bodies larger than this are refused before parsing, let alone tokenizing; None: TGI's
+    # 2 MB, or 50 MB for a model that takes images (base64 images are large)
+    max_body_bytes: int | None = None
 
 
 @dataclass
@@ -46,6 +49,9 @@ class ServerState:
     # the model's generation_config.json sampling values: defaults of OpenAI requests
     sampling_defaults: dict = field(default_factory=dict)
     model_root: str | None = None  # what /v1/models gives as the base model's root: its --model
+    # images: whether the model takes them, and where local image paths may be read from
+    supports_images: bool = False
+    allowed_local_media_path: Path | None = None
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +80,9 @@ class ServerState:
         if not self.limits.max_input_tokens or self.limits.max_input_tokens >= core.max_model_len:
             self.limits.max_input_tokens = core.max_model_len - 1
         self.limits.max_concurrent_requests = engine.max_concurrent_requests
+        self.supports_images = core.supports_images
+        if self.limits.max_body_bytes is None:
+            self.limits.max_body_bytes = 50_000_000 if self.supports_images else 2_000_000
         self.ready = True
 
     def lora_names(self) -> list[str]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import AsyncIterator
@@ -11,8 +12,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tessera import __version__
 from tessera.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tessera.multimodal.inputs import MultimodalInputs
 from tessera.sampling.params import SamplingParams
 from tessera.server.errors import APIError
+from tessera.server.images import prompt_with_images
 from tessera.server.protocol import (CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest,
                                      wire_logprob)
 from tessera.server.state import ServerState
@@ -20,6 +23,9 @@ from tessera.server.tgi_validation import adapter_of, validate_generate
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter()
+
+# how TGI's inputs carry images: markdown with an empty alt text
+MARKDOWN_IMAGE = re.compile(r"!\[\]\(([^)\s]+)\)")
 
 
 def _state(request: Request) -> ServerState:
@@ -89,9 +95,11 @@ async def _generate(request: Request, body: GenerateRequest) -> tuple[dict, dict
     state = _state(request)
     start = time.monotonic()
     p = body.parameters
-    ids, params = validate_generate(body.inputs, p, state, stream=False)
+    ids, images = await _inputs_with_images(state, body.inputs)
+    ids, params = validate_generate(body.inputs, p, state, stream=False, ids=ids)
     validated = time.monotonic()
-    out = await collect(request, run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params, adapter_of(p, state)))
+    out = await collect(request, run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params, adapter_of(p, state),
+                                             images=images))
     completions = sorted(out.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))
     best = completions[0]
     prefix = body.inputs if p.return_full_text else ""
@@ -113,12 +121,25 @@ async def generate(request: Request, body: GenerateRequest) -> Response:
     return JSONResponse(response, headers=headers)
 
 
-async def _stream_events(state: ServerState, body: GenerateRequest, ids: list[int], params) -> AsyncIterator[str]:
+async def _inputs_with_images(state: ServerState, inputs: str) -> tuple[list[int] | None, MultimodalInputs | None]:
+    """TGI's images in `inputs`: markdown `![](url)` (data URLs too), each the model's image
+    placeholder in the prompt; (None, None) for a prompt without them, or a model that takes
+    none (whose prompt is text as written)."""
+    if not state.supports_images or not MARKDOWN_IMAGE.search(inputs):
+        return None, None
+    sources = [m.group(1) for m in MARKDOWN_IMAGE.finditer(inputs)]
+    text = MARKDOWN_IMAGE.sub(lambda _: state.engine.engine.router.image_prompts.placeholder, inputs)
+    return await prompt_with_images(state, text, sources, add_special_tokens=True, param="inputs")
+
+
+async def _stream_events(state: ServerState, body: GenerateRequest, ids: list[int], params,
+                         images: MultimodalInputs | None) -> AsyncIterator[str]:
     p = body.parameters
     index = 0
     texts = state.token_texts(ids)
     try:
-        async for out in run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params, adapter_of(p, state)):
+        async for out in run_request(state, f"tgi-{uuid.uuid4().hex}", ids, params, adapter_of(p, state),
+                                     images=images):
             c = out.outputs[0]
             lps = c.delta_logprobs or [None] * len(c.delta_token_ids)
             for k, (token_id, lp) in enumerate(zip(c.delta_token_ids, lps)):
@@ -137,25 +158,26 @@ async def _stream_events(state: ServerState, body: GenerateRequest, ids: list[in
         yield f"data:{json.dumps({'error': exc.tgi_message, 'error_type': exc.error_type})}\n\n"
 
 
-def _stream_response(request: Request, body: GenerateRequest) -> StreamingResponse:
+async def _stream_response(request: Request, body: GenerateRequest) -> StreamingResponse:
     state = _state(request)
-    ids, params = validate_generate(body.inputs, body.parameters, state, stream=True)
+    ids, images = await _inputs_with_images(state, body.inputs)
+    ids, params = validate_generate(body.inputs, body.parameters, state, stream=True, ids=ids)
     headers = {"x-compute-type": "cpu" if state.engine.engine.device.type == "cpu" else "gpu",
                "x-compute-characters": str(len(body.inputs)), "X-Accel-Buffering": "no"}
-    return StreamingResponse(_stream_events(state, body, ids, params), media_type="text/event-stream",
+    return StreamingResponse(_stream_events(state, body, ids, params, images), media_type="text/event-stream",
                              headers=headers)
 
 
 @router.post("/generate_stream")
 async def generate_stream(request: Request, body: GenerateRequest) -> Response:
-    return _stream_response(request, body)
+    return await _stream_response(request, body)
 
 
 @router.post("/")
 @router.post("/invocations")  # TGI's SageMaker route: the same compat request
 async def compat_generate(request: Request, body: CompatGenerateRequest) -> Response:
     if body.stream:
-        return _stream_response(request, body)
+        return await _stream_response(request, body)
     response, headers = await _generate(request, body)
     return JSONResponse([response], headers=headers)
 

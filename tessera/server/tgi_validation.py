@@ -22,7 +22,8 @@ def adapter_of(p: GenerateParameters, state: ServerState) -> str | None:
 
 
 def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
-                      stream: bool) -> tuple[list[int], SamplingParams]:
+                      stream: bool, ids: list[int] | None = None) -> tuple[list[int], SamplingParams]:
+    """`ids`: the prompt's token ids when it is tokenized already (a prompt with images)."""
     lim = state.limits
 
     def fail(message: str) -> ValidationFailed:
@@ -71,7 +72,9 @@ def validate_generate(inputs: str, p: GenerateParameters, state: ServerState,
     structured = grammar_constraint(p.grammar) if p.grammar is not None else None
     adapter_of(p, state)
 
-    ids = list(state.tokenizer(inputs).input_ids)
+    if ids is not None and p.truncate is not None and p.truncate < len(ids):
+        raise fail("`truncate` cannot cut a prompt with images")
+    ids = list(state.tokenizer(inputs).input_ids) if ids is None else ids
     if p.truncate is not None:
         ids = ids[-p.truncate:]
     n_in = len(ids)

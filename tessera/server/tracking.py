@@ -10,6 +10,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from tessera.engine.engine import RequestError
+from tessera.multimodal.inputs import MultimodalInputs
 from tessera.engine.outputs import RequestOutput
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.async_engine import EngineDeadError, GenerationError, OverloadedError
@@ -19,7 +20,7 @@ from tessera.server.state import ServerState
 
 async def run_request(state: ServerState, request_id: str, prompt_ids: list[int],
                       params: SamplingParams, lora: str | None = None,
-                      priority: int = 0) -> AsyncIterator[RequestOutput]:
+                      priority: int = 0, images: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
     """The request's outputs (with the loaded adapter named `lora`, if any); metrics
     recorded on the way; errors raised as APIError."""
     m = state.metrics
@@ -28,7 +29,7 @@ async def run_request(state: ServerState, request_id: str, prompt_ids: list[int]
     tokens = 0
     outcome = "aborted"  # unless it ends otherwise (a client that went away)
     try:
-        async for out in state.engine.generate(request_id, prompt_ids, params, lora, priority):
+        async for out in state.engine.generate(request_id, prompt_ids, params, lora, priority, images):
             now = time.monotonic()
             new = sum(len(c.delta_token_ids) for c in out.outputs)
             if new:

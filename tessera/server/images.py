@@ -1,0 +1,28 @@
+"""Images in requests: loaded (downloads, data URLs, allowed local files) and preprocessed
+off the event loop, then handed to the engine with the prompt's token ids."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+from tessera.engine.request_checks import RequestError
+from tessera.multimodal.images import ImageLoadError, load_image
+from tessera.multimodal.inputs import MultimodalInputs
+from tessera.server.errors import ValidationFailed
+from tessera.server.state import ServerState
+
+
+async def prompt_with_images(state: ServerState, text: str, sources: Sequence[Any], *,
+                             add_special_tokens: bool, param: str) -> tuple[list[int], MultimodalInputs | None]:
+    """The prompt's token ids (image placeholders expanded) and its images' inputs; a bad
+    image or a prompt that does not fit its images is a validation error on `param`."""
+    core = state.engine.engine
+
+    def process() -> tuple[list[int], MultimodalInputs | None]:
+        images = [load_image(source, allowed_local_path=state.allowed_local_media_path) for source in sources]
+        return core.process_images(text, images, add_special_tokens)
+
+    try:
+        return await asyncio.to_thread(process)
+    except (ImageLoadError, RequestError) as exc:
+        raise ValidationFailed(str(exc), param=param) from exc

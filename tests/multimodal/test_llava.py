@@ -1,0 +1,159 @@
+"""LLaVA through tessera against transformers' LlavaForConditionalGeneration (float32): the
+native language model fed the vision tower's features at the image placeholders."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import LLM
+from tessera.engine.request_checks import RequestError
+from tessera.sampling.params import SamplingParams
+from tests.conftest import TINY_CORPUS
+from tests.multimodal.checkpoints import (TOKENS_PER_IMAGE, data_url, hf_image_generate, hf_image_logprobs,
+                                          make_tiny_llava, random_image)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N = 16
+TWO_IMAGES = "The quick <image> brown fox <image> jumps"
+
+
+def greedy(n: int = N, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def image_prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava):
+    folder, _ = tiny_llava
+    with LLM(folder, dtype="float32", num_kv_blocks=128, show_progress=False) as llm:
+        yield llm
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers(tiny_llava, llm):
+    folder, hf = tiny_llava
+    images = [random_image(1), random_image(2, size=(64, 30))]
+    prompt, want = hf_image_generate(hf, folder, TWO_IMAGES, images, N)
+    assert prompt.count(3) == 2 * TOKENS_PER_IMAGE
+    out = llm.generate(image_prompt(TWO_IMAGES, images), greedy(logprobs=0), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt
+    got = out.outputs[0].token_ids
+    assert got == want
+    logprobs = [lp[t].logprob for t, lp in zip(got, out.outputs[0].logprobs)]
+    assert logprobs == pytest.approx(hf_image_logprobs(hf, folder, TWO_IMAGES, images, got), abs=1e-4)
+
+
+def test_the_image_changes_the_answer(tiny_llava, llm):
+    """The features reach the model: another image (same placeholder ids) gives other
+    tokens, each equal to transformers' for its own image."""
+    folder, hf = tiny_llava
+    outs = []
+    for seed in (3, 4):
+        images = [random_image(seed)]
+        text = "A picture <image> of"
+        _, want = hf_image_generate(hf, folder, text, images, N)
+        got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+        assert got == want
+        outs.append(got)
+    assert outs[0] != outs[1]
+
+
+def test_a_batch_mixing_images_and_text(tiny_llava, llm):
+    folder, hf = tiny_llava
+    cases = [("The quick <image> brown", [random_image(5)]), ("Paged attention stores", []),
+             (TWO_IMAGES, [random_image(6), random_image(7)])]
+    want = [hf_image_generate(hf, folder, text, images, N)[1] for text, images in cases]
+    prompts = [image_prompt(text, images) if images else text for text, images in cases]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_chunked_prefill_splits_an_image(tiny_llava):
+    """8-token steps: each image's 16 placeholders span three steps; the tokens are the
+    unchunked ones."""
+    folder, hf = tiny_llava
+    images = [random_image(8), random_image(9)]
+    _, want = hf_image_generate(hf, folder, TWO_IMAGES, images, N)
+    with LLM(folder, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8, max_num_seqs=8,
+             show_progress=False) as llm:
+        got = llm.generate(image_prompt(TWO_IMAGES, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+
+
+def test_prefix_cache_keys_blocks_by_their_images(tiny_llava):
+    """Blocks holding an image's placeholders are reused only for the same pixels; the text
+    before the first image is reused whatever the images."""
+    folder, hf = tiny_llava
+    text = "Continuous batching lets requests join between steps and " * 2 + "<image> then"
+    first, second = [random_image(10)], [random_image(11)]
+    with LLM(folder, dtype="float32", num_kv_blocks=128, block_size=8, show_progress=False) as llm:
+        bm = llm.engine.block_manager
+        a = llm.generate(image_prompt(text, first), greedy(), use_tqdm=False)[0]
+        hits = bm.prefix_hits
+        b = llm.generate(image_prompt(text, second), greedy(), use_tqdm=False)[0]
+        text_blocks = a.prompt_token_ids.index(3) // 8  # full blocks before the first placeholder
+        assert bm.prefix_hits - hits == text_blocks * 8
+        hits = bm.prefix_hits
+        again = llm.generate(image_prompt(text, first), greedy(), use_tqdm=False)[0]
+        assert bm.prefix_hits - hits == (len(a.prompt_token_ids) - 1) // 8 * 8  # all but the last token's block
+        assert llm.engine.block_manager.all_free()
+    assert again.outputs[0].token_ids == a.outputs[0].token_ids == hf_image_generate(hf, folder, text, first, N)[1]
+    assert b.outputs[0].token_ids == hf_image_generate(hf, folder, text, second, N)[1]
+
+
+def test_chat_with_image_parts(tiny_llava, llm):
+    """LLM.chat: an image_url part (a data URL) and an image_pil part become the template's
+    placeholders; the answer is the rendered prompt's."""
+    folder, hf = tiny_llava
+    images = [random_image(12), random_image(13)]
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": data_url(images[0])}},
+        {"type": "text", "text": " and "}, {"type": "image_pil", "image_pil": images[1]}]}]
+    rendered = "user: Compare <image> and <image>\nassistant:"
+    assert llm.engine.router.image_prompts.processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"},
+                                      {"type": "text", "text": " and "}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=False) == rendered
+    got = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    from transformers import AutoProcessor
+    inputs = AutoProcessor.from_pretrained(str(folder))(images=images, text=rendered, return_tensors="pt",
+                                                        add_special_tokens=False)
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_llava_with_a_qwen2_language_model(tmp_path):
+    """LLaVA-Interleave's shape: the language model is Qwen2 (Q/K/V biases), run natively."""
+    hf = make_tiny_llava(tmp_path, TINY_CORPUS, text_model_type="qwen2", seed=1)
+    images = [random_image(14)]
+    text = "A picture <image> of"
+    _, want = hf_image_generate(hf, tmp_path, text, images, N)
+    with LLM(tmp_path, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
+        got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+
+
+def test_bad_images_and_prompts_are_clear_errors(llm):
+    with pytest.raises(RequestError, match="2 image placeholders.*1 image"):
+        llm.generate(image_prompt(TWO_IMAGES, [random_image(1)]), greedy(), use_tqdm=False)
+    with pytest.raises(RequestError, match="not valid base64"):
+        llm.generate(image_prompt("A <image>", ["data:image/png;base64,***"]), greedy(), use_tqdm=False)
+    with pytest.raises(RequestError, match="not an image"):
+        llm.generate(image_prompt("A <image>", [b"not a picture"]), greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="images only"):
+        llm.generate({"prompt": "A <image>", "multi_modal_data": {"video": []}}, greedy(), use_tqdm=False)
+    assert llm.engine.block_manager.all_free() and not llm.engine.requests
+
+
+def test_a_text_model_refuses_images(make_tiny_llama):
+    folder, _ = make_tiny_llama()
+    with LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False) as llm:
+        with pytest.raises(RequestError, match="takes no images"):
+            llm.generate(image_prompt("A <image>", [random_image(1)]), greedy(), use_tqdm=False)
+        with pytest.raises(ValueError, match="takes no images"):
+            llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(1)}]}],
+                     greedy(), use_tqdm=False)
