@@ -279,7 +279,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         return 0
     columns = [("model_type", "MODEL TYPE"), ("model_class", "MODEL CLASS"), ("supports_gguf", "GGUF"),
                ("supports_sliding_window", "SLIDING WINDOW"), ("is_moe", "MOE"),
-               ("supports_tensor_parallel", "TENSOR PARALLEL"), ("supports_lora", "LORA")]
+               ("supports_tensor_parallel", "TENSOR PARALLEL"), ("supports_lora", "LORA"),
+               ("supports_images", "IMAGES")]
     cells = [[h for _, h in columns]] + [
         [("yes" if r[k] else "no") if isinstance(r[k], bool) else str(r[k]) for k, _ in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]

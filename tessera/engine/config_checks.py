@@ -28,7 +28,7 @@ def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len:
     name = f"{type(router).__name__} ({router.config.model_type})"
     if config.lora.enable_lora and not features["supports_lora"]:
         raise ConfigError(f"{name} does not support LoRA adapters; `tessera models` lists the types that do")
-    if config.speculative.enabled and config.speculative.method == "draft_model" and getattr(router, "supports_images", False):
+    if config.speculative.enabled and config.speculative.method == "draft_model" and router.supports_images:
         raise ConfigError(f"{name}: a draft model would not see the images; n-gram speculation works "
                           "with images")
     if tp > 1 and not features["supports_tensor_parallel"]:

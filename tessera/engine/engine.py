@@ -128,7 +128,7 @@ class Engine:
 
     @property
     def supports_images(self) -> bool:
-        return getattr(self.router, "supports_images", False)
+        return self.router.supports_images
 
     def process_images(self, prompt: str, images: Seq, add_special_tokens: bool = True
                        ) -> tuple[list[int], MultimodalInputs | None]:

@@ -61,11 +61,12 @@ class BaseRouter:
     is_moe: ClassVar[bool] = False                   # mixture-of-experts MLP
     supports_tensor_parallel: ClassVar[bool] = False  # not built yet for any model
     supports_lora: ClassVar[bool] = False            # LoRA adapters (tested against PEFT)
+    supports_images: ClassVar[bool] = False          # images in prompts (vision_language.py)
 
     implementation: ClassVar[str] = "native"       # "native" folder or "transformers" fallback
 
     FEATURES: ClassVar[tuple[str, ...]] = ("supports_gguf", "supports_sliding_window", "is_moe",
-                                           "supports_tensor_parallel", "supports_lora")
+                                           "supports_tensor_parallel", "supports_lora", "supports_images")
 
     @classmethod
     def features(cls) -> dict[str, bool]:

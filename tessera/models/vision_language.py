@@ -47,7 +47,7 @@ class VisionLanguageRouter(BaseRouter):
     image_token_attrs: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
     # per-image token counts from the processor's outputs (None: the same for every image)
     count_image_tokens: ClassVar[TokenCounter | None] = None
-    supports_images: ClassVar[bool] = True
+    model_cls = VisionLanguageForCausalLM
 
     @cached_property
     def full_config(self) -> PretrainedConfig:

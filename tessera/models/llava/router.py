@@ -6,3 +6,4 @@ class LlavaRouter(VisionLanguageRouter):
     SigLIP tower, an MLP projector, and a Llama, Mistral or Qwen2 language model; every
     image takes the same number of tokens."""
     model_types = ("llava",)
+    supports_images = True  # tests/multimodal/test_llava.py
