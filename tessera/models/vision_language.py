@@ -3,8 +3,8 @@
 The router serves the text_config through that type's own model class (every op, kernel,
 graph and quantization of it applies), and builds the vision side from transformers'
 modules (tessera/multimodal/encoder.py). A model folder for a multimodal type subclasses
-this and says where its config keeps the image token, and how many tokens each image gets
-when that is not the same for every image."""
+this, says where its config keeps the image token, and brings its own ImagePrompts where
+transformers' processor does not do (per-image token counts, positions of its own)."""
 from __future__ import annotations
 
 from functools import cached_property
@@ -16,7 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 from tessera.models.base import BaseRouter
 from tessera.multimodal.encoder import VisionEncoder
 from tessera.multimodal.model import VisionLanguageForCausalLM
-from tessera.multimodal.processor import ImagePrompts, TokenCounter
+from tessera.multimodal.processor import ImagePrompts
 from tessera.ops.registry import OpTarget
 from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
@@ -45,8 +45,8 @@ def language_model_name(name: str) -> str:
 class VisionLanguageRouter(BaseRouter):
     # config attributes naming the image placeholder token, first found wins
     image_token_attrs: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
-    # per-image token counts from the processor's outputs (None: the same for every image)
-    count_image_tokens: ClassVar[TokenCounter | None] = None
+    # how prompts and images become token ids and encoder inputs
+    image_prompts_cls: ClassVar[type[ImagePrompts]] = ImagePrompts
     model_cls = VisionLanguageForCausalLM
 
     @cached_property
@@ -82,7 +82,7 @@ class VisionLanguageRouter(BaseRouter):
 
     @cached_property
     def image_prompts(self) -> ImagePrompts:
-        return ImagePrompts(self.metadata_dir, self.image_token_id, type(self).count_image_tokens)
+        return self.image_prompts_cls(self.metadata_dir, self.image_token_id)
 
     @cached_property
     def chat_template(self) -> str | None:
@@ -90,11 +90,16 @@ class VisionLanguageRouter(BaseRouter):
         return super().chat_template or self.image_prompts.chat_template
 
     def path_note(self) -> str:
-        return (f"native language model ({self.text_router.__module__.rsplit('.', 2)[-2]}) with "
-                "transformers' vision tower and projector")
+        return (f"native language model ({self.language_model_cls().__name__}) with transformers' "
+                "vision tower and projector")
+
+    def language_model_cls(self) -> type[torch.nn.Module]:
+        """The native class running text_config: its type's own, unless the multimodal type
+        needs another (positions of its own)."""
+        return self.text_router.model_cls
 
     def build_model(self, target: OpTarget) -> VisionLanguageForCausalLM:
-        language_model = self.text_router.model_cls(self.config, target)
+        language_model = self.language_model_cls()(self.config, target)
         vision = VisionEncoder(self.full_config, target.dtype, torch.device(target.device))
         return VisionLanguageForCausalLM(language_model, vision)
 

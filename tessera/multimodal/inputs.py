@@ -29,6 +29,17 @@ class MultimodalInputs:
     # the encoder's output [len(feature_positions), hidden], computed by the runner when a
     # step first needs it and dropped once the prompt is past its last image
     embeddings: torch.Tensor | None = field(default=None, repr=False)
+    # M-RoPE models: each prompt token's rotary position (a text token's, shared by its
+    # three components; for an image token, its temporal one), the image tokens' 3-D
+    # positions [3, len(feature_positions)], and what output token p is at: p + rope_delta
+    rope_positions: list[int] | None = None
+    image_rope: torch.Tensor | None = None
+    rope_delta: int = 0
+
+    def rope_position(self, position: int) -> int:
+        if self.rope_positions is None:
+            return position
+        return self.rope_positions[position] if position < len(self.rope_positions) else position + self.rope_delta
 
     @property
     def num_features(self) -> int:

@@ -16,15 +16,19 @@ class VisionLanguageForCausalLM(nn.Module):
         self.config = language_model.config
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                image_rows: torch.Tensor | None = None,
-                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                image_rows: torch.Tensor | None = None, image_embeds: torch.Tensor | None = None,
+                image_positions: torch.Tensor | None = None) -> torch.Tensor:
         """`image_rows`: the rows of this step's tokens that are image placeholders,
-        `image_embeds` their features (one row each)."""
+        `image_embeds` their features (one row each), and for M-RoPE models
+        `image_positions` their 3-D positions ([3, rows])."""
         if image_rows is None:
             return self.language_model(input_ids, positions)
         embeds = self.language_model.model.embed(input_ids)
         embeds = embeds.index_copy(0, image_rows, image_embeds.to(embeds.dtype))
-        return self.language_model(input_ids, positions, embeds)
+        if image_positions is None:
+            return self.language_model(input_ids, positions, embeds)
+        return self.language_model(input_ids, positions, embeds, mrope_rows=image_rows,
+                                   mrope_positions=image_positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)

@@ -261,6 +261,36 @@ class RotaryEmbedding(OpModule):
         return rows[:, None, :half], rows[:, None, half:]  # views: [T, 1, D] each
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rotary embedding (M-RoPE): the frequencies come in three
+    sections (`mrope_section`, summing to head_size / 2) that rotate by a token's temporal,
+    height and width positions. A text token has the same position in all three, which is
+    plain rotary at that position; so a step passes 1-D positions, and only its image
+    tokens' rows (`mrope_rows`) take their 3-D positions (`mrope_positions`, [3, rows])."""
+
+    def __init__(self, head_size: int, max_position: int, params: dict, target: OpTarget,
+                 mrope_section: list[int]):
+        if sum(mrope_section) != head_size // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_size / 2 = {head_size // 2}")
+        super().__init__(head_size, max_position, params, target)
+        if self.length_dependent:
+            raise ValueError(f"M-RoPE with rope_type {params['rope_type']!r} is not supported")
+        section = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        # the section of each column of a (cos, cos, sin, sin) row
+        self.register_buffer("column_section", section.repeat(4).to(target.device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, mrope_rows: torch.Tensor | None = None,
+                mrope_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._gather(positions, self.cos_sin)
+        if mrope_rows is not None:
+            t, h, w = (self.cos_sin.index_select(0, p) for p in mrope_positions)
+            section = self.column_section
+            mixed = torch.where(section == 0, t, torch.where(section == 1, h, w))
+            rows = rows.index_copy(0, mrope_rows, mixed)
+        half = rows.shape[-1] // 2
+        return rows[:, None, :half], rows[:, None, half:]
+
+
 class ApplyRotary(OpModule):
     def __init__(self, head_size: int, target: OpTarget):
         super().__init__()

@@ -53,13 +53,17 @@ class ModelInputs:
     image_rows: torch.Tensor | None = None
     image_features: list[tuple[MultimodalInputs, int, int]] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None
+    image_positions: torch.Tensor | None = None  # M-RoPE: the image rows' 3-D positions
 
     @property
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """What the model takes beyond token ids and positions this step."""
         if self.image_rows is None:
             return {}
-        return {"image_rows": self.image_rows, "image_embeds": self.image_embeds}
+        kwargs = {"image_rows": self.image_rows, "image_embeds": self.image_embeds}
+        if self.image_positions is not None:
+            kwargs["image_positions"] = self.image_positions
+        return kwargs
 
 
 @dataclass
@@ -101,6 +105,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     deferred_indices: list[int] = []
     image_rows: list[int] = []
     image_features: list[tuple[MultimodalInputs, int, int]] = []
+    image_positions: list[torch.Tensor] = []
     # the block tables as one flat, zero-padded list: a single tensor conversion for the
     # step (one per row cost ~20 us each, 5 ms for a 256-row decode step)
     max_blocks = max(len(s.seq.block_table) for s in rows)
@@ -117,6 +122,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
             if hi > lo:
                 image_rows.extend(first_row + p - start for p in images.feature_positions[lo:hi])
                 image_features.append((images, lo, hi))
+                if images.image_rope is not None:
+                    image_positions.append(images.image_rope[:, lo:hi])
         if real_end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
             if previous is None or seq not in previous or real_end - 1 != seq.num_tokens:
                 raise RuntimeError(f"request {seq.request_id}: position {real_end - 1} has no token "
@@ -127,7 +134,10 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         tokens.extend(item.draft_token_ids)
         if seq.lora is not None:
             _add_segment(segments, slot_of(item), first_row, len(tokens))
-        positions.extend(range(start, end))
+        if images is None or images.rope_positions is None:
+            positions.extend(range(start, end))
+        else:  # M-RoPE: positions of their own (text after an image is not at its index)
+            positions.extend(images.rope_position(p) for p in range(start, end))
         table = seq.block_table
         _extend_slots(slots, table, start, end, block_size)
         padded_table = table + [0] * (max_blocks - len(table))
@@ -169,6 +179,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
     if image_rows:
         inputs.image_rows, inputs.image_features = to(image_rows), image_features
+        if image_positions:
+            inputs.image_positions = to_device(torch.cat(image_positions, dim=1), device)
     return inputs
 
 

@@ -111,3 +111,87 @@ def hf_image_logprobs(model: torch.nn.Module, folder: Path, text: str, images: l
         logits = model(**inputs).logits[0].float()
     logp = torch.log_softmax(logits[prompt.shape[1] - 1:-1], dim=-1)
     return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+QWEN_SPECIALS = ["<unk>", "<s>", "</s>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<image>", QWEN_IMAGE)
+
+
+def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2_5_vl", seed: int = 0) -> torch.nn.Module:
+    """A Qwen2.5-VL (or Qwen2-VL) checkpoint: its vision transformer, 2 x 2 patch merging,
+    a Qwen2 language model with M-RoPE sections (2, 3, 3) of head_dim 16; saved with its
+    image processor and a tokenizer (transformers' Qwen processor needs torchvision)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN_SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    text = dict(TEXT_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2)
+    if model_type == "qwen2_5_vl":
+        vision.update(out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+        config_cls, model_cls = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    else:
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def _qwen_inputs(folder: Path, text: str, images: list, add_special_tokens: bool) -> tuple[list[int], dict]:
+    """A Qwen VL prompt's ids and image inputs as transformers' Qwen processor makes them
+    (each <|image_pad|> repeated per merged patch)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    kwargs = {}
+    if images:
+        out = AutoImageProcessor.from_pretrained(str(folder))(images=images, return_tensors="pt")
+        pieces = text.split("<|image_pad|>")
+        counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
+        text = pieces[0] + "".join("<|image_pad|>" * c + p for c, p in zip(counts, pieces[1:]))
+        kwargs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+    prompt = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    kwargs["pad"] = pad
+    return prompt, kwargs
+
+
+def hf_qwen_generate(model: torch.nn.Module, folder: Path, text: str, images: list, n: int,
+                     add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+    """transformers' greedy tokens for a Qwen VL prompt with images (EOS off)."""
+    prompt, kwargs = _qwen_inputs(folder, text, images, add_special_tokens)
+    input_ids = torch.tensor([prompt])
+    kwargs["mm_token_type_ids"] = (input_ids == kwargs.pop("pad")).int()
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return prompt, out[0, len(prompt):].tolist()
+
+
+def hf_qwen_logprobs(model: torch.nn.Module, folder: Path, text: str, images: list, tokens: list[int]) -> list[float]:
+    """transformers' log-probabilities of `tokens` after a Qwen VL prompt, from one forward."""
+    prompt, kwargs = _qwen_inputs(folder, text, images, True)
+    input_ids = torch.tensor([prompt + tokens])
+    kwargs["mm_token_type_ids"] = (input_ids == kwargs.pop("pad")).int()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()

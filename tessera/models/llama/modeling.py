@@ -109,9 +109,11 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, **rope_inputs: torch.Tensor) -> torch.Tensor:
+        """`rope_inputs`: what a rotary embedding takes beyond positions (M-RoPE's 3-D
+        positions of image tokens)."""
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary_emb(positions)
+        rope = self.rotary_emb(positions, **rope_inputs)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual)
@@ -139,8 +141,8 @@ class LlamaForCausalLM(nn.Module):
             self.ignored_weight_suffixes = (*self.ignored_weight_suffixes, "lm_head.weight")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
+                inputs_embeds: torch.Tensor | None = None, **rope_inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds, **rope_inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

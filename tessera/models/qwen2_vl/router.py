@@ -1,0 +1,14 @@
+from tessera.models.qwen2_vl.modeling import Qwen2VLForCausalLM
+from tessera.models.qwen2_vl.processing import QwenVLImagePrompts
+from tessera.models.vision_language import VisionLanguageRouter
+
+
+class Qwen2VLRouter(VisionLanguageRouter):
+    """Qwen2-VL and Qwen2.5-VL: their vision transformers (transformers' modules) and a
+    Qwen2 language model with M-RoPE positions. Images only (no video yet)."""
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+    supports_images = True  # tests/multimodal/test_qwen2_vl.py
+    image_prompts_cls = QwenVLImagePrompts
+
+    def language_model_cls(self):
+        return Qwen2VLForCausalLM

@@ -1,0 +1,89 @@
+"""Qwen2-VL and Qwen2.5-VL against transformers (float32): the native Qwen2 language model
+with M-RoPE positions, transformers' vision transformers, tessera's own placeholder
+expansion (transformers' Qwen processor needs torchvision)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import LLM
+from tessera.sampling.params import SamplingParams
+from tests.conftest import TINY_CORPUS
+from tests.multimodal.checkpoints import (QWEN_IMAGE, hf_qwen_generate, hf_qwen_logprobs, make_tiny_qwen2_vl,
+                                          random_image)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N = 16
+TWO_IMAGES = f"The quick {QWEN_IMAGE} brown fox {QWEN_IMAGE} jumps"
+
+
+def greedy(n: int = N, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def image_prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen25_vl):
+    with LLM(tiny_qwen25_vl[0], dtype="float32", num_kv_blocks=128, show_progress=False) as llm:
+        yield llm
+
+
+def test_positions_equal_transformers_rope_index(tiny_qwen25_vl, llm):
+    """The prompt's M-RoPE positions (3-D for image tokens, compressed after each image)
+    and the offset of the output's are transformers' get_rope_index."""
+    folder, hf = tiny_qwen25_vl
+    images = [random_image(1, size=(70, 100)), random_image(2, size=(60, 60))]
+    ids, inputs = llm.engine.process_images(TWO_IMAGES, images)
+    pad = llm.engine.router.image_token_id
+    want, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == pad).int(),
+                                          image_grid_thw=inputs.encoder_inputs["image_grid_thw"])
+    want = want[:, 0]
+    rows = torch.tensor(inputs.feature_positions)
+    assert torch.equal(inputs.image_rope, want[:, rows])
+    text_rows = [i for i in range(len(ids)) if i not in set(inputs.feature_positions)]
+    assert [inputs.rope_positions[i] for i in text_rows] == want[0, text_rows].tolist()
+    assert want[:, text_rows].eq(want[0, text_rows]).all()  # a text token's three components agree
+    assert inputs.rope_delta == int(delta) < 0  # images take fewer positions than tokens
+    assert inputs.rope_position(len(ids) + 3) == len(ids) + 3 + int(delta)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen2_vl"])
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, model_type):
+    hf = make_tiny_qwen2_vl(tmp_path, TINY_CORPUS, model_type=model_type, seed=2)
+    images = [random_image(3, size=(70, 100)), random_image(4, size=(60, 60))]
+    prompt, want = hf_qwen_generate(hf, tmp_path, TWO_IMAGES, images, N)
+    with LLM(tmp_path, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
+        out = llm.generate(image_prompt(TWO_IMAGES, images), greedy(logprobs=0), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt
+    got = out.outputs[0].token_ids
+    assert got == want
+    logprobs = [lp[t].logprob for t, lp in zip(got, out.outputs[0].logprobs)]
+    assert logprobs == pytest.approx(hf_qwen_logprobs(hf, tmp_path, TWO_IMAGES, images, got), abs=1e-4)
+
+
+def test_batched_chunked_and_text_only(tiny_qwen25_vl, llm):
+    """Images of two sizes and a text prompt in one batch, then again in 8-token steps
+    (the images split over steps, text after them in steps with no image row)."""
+    folder, hf = tiny_qwen25_vl
+    cases = [(TWO_IMAGES, [random_image(5, size=(56, 112)), random_image(6, size=(90, 50))]),
+             ("Paged attention stores", []), (f"A {QWEN_IMAGE} picture of", [random_image(7)])]
+    want = [hf_qwen_generate(hf, folder, text, images, N)[1] for text, images in cases]
+    prompts = [image_prompt(text, images) if images else text for text, images in cases]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)] == want
+    with LLM(folder, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8, max_num_seqs=8,
+             show_progress=False) as chunked:
+        assert [o.outputs[0].token_ids for o in chunked.generate(prompts, greedy(), use_tqdm=False)] == want
+
+
+def test_chat_renders_the_vision_tokens(tiny_qwen25_vl, llm):
+    folder, hf = tiny_qwen25_vl
+    image = random_image(8, size=(84, 56))
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                             {"type": "text", "text": " What is it?"}]}]
+    rendered = f"user: {QWEN_IMAGE} What is it?\nassistant:"
+    _, want = hf_qwen_generate(hf, folder, rendered, [image], N, add_special_tokens=False)
+    assert llm.chat(messages, greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
