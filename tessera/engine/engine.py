@@ -97,6 +97,8 @@ class Engine:
                 self.loras.add(LoRARequest(name, len(self.loras.adapters()) + 1, path))
         if self.draft is not None:
             load_draft_model(self.draft, config, self.device, show_progress)
+        if self.router.supports_images and config.cache.num_blocks is None:
+            self.runner.image_profile_inputs = self.router.image_prompts.largest_image_inputs()
         self.num_blocks, self.max_model_len = size_kv_cache(
             self.runner, config, self.max_model_len, None if self.draft is None else self.draft.sizing)
         self.runner.graph_limits = GraphLimits(max_decode_rows(config), self.max_model_len)

@@ -56,6 +56,17 @@ class ImagePrompts:
         encoder_inputs = {k: v for k, v in out.items() if k not in TEXT_KEYS and isinstance(v, torch.Tensor)}
         return out["input_ids"][0].tolist(), encoder_inputs
 
+    def largest_image_size(self) -> tuple[int, int]:
+        """(width, height) of an image that takes the most tokens (warm-up encodes one to
+        measure the vision encoder's memory); processors that resize to a fixed size take
+        any."""
+        return (1024, 1024)
+
+    def largest_image_inputs(self) -> dict[str, torch.Tensor]:
+        """The encoder's inputs for one largest image."""
+        image = Image.new("RGB", self.largest_image_size(), (127, 127, 127))
+        return self.expand(self.placeholder, [image], add_special_tokens=False)[1]
+
     def token_counts(self, encoder_inputs: dict[str, torch.Tensor], num_images: int,
                      num_tokens: int) -> list[int]:
         """How many of the prompt's image tokens each image has; by default the same."""

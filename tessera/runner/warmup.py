@@ -81,6 +81,27 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int)
     return int(peak)
 
 
+def profile_image_encoder(runner: ModelRunner) -> int:
+    """The bytes the vision encoder needs beyond what is resident, for the largest image."""
+    device = runner.device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        runner.model.encode_images(runner.image_profile_inputs)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()
+    else:
+        _reset_peak_rss()
+        rss_before = psutil.Process().memory_info().rss
+        runner.model.encode_images(runner.image_profile_inputs)
+        peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before, 0)
+    logger.info("warm-up: encoding the largest image needed %.1f MiB", peak / 2**20)
+    return int(peak)
+
+
 def _reset_peak_rss() -> None:
     """Start the process's peak RSS over from what is resident now (Linux: clear_refs 5),
     so a second engine in one process (a notebook, a benchmark comparing two) is not
@@ -123,6 +144,8 @@ def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batche
     num_tokens = min(max_num_batched_tokens, max_model_len)
     # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
     activation = profile_peak_step(runner, num_tokens, max(max_sampled_rows or max_num_seqs, PROMPT_LOGIT_ROWS))
+    if runner.image_profile_inputs is not None:  # a step may encode an image before its forward
+        activation = max(activation, profile_image_encoder(runner))
     if draft is not None:
         activation = max(activation, profile_peak_step(
             draft.runner, min(num_tokens, draft.max_model_len), max_num_seqs))

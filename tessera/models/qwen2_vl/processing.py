@@ -10,6 +10,7 @@ starts at, and the text after it goes on from s + max(rows, columns)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -60,6 +61,13 @@ class QwenVLImagePrompts(ImagePrompts):
         expanded = pieces[0] + "".join(IMAGE_PAD * n + piece for n, piece in zip(counts, pieces[1:]))
         ids = self.processor.tokenizer(expanded, add_special_tokens=add_special_tokens).input_ids
         return list(ids), {"pixel_values": out["pixel_values"], "image_grid_thw": grids}
+
+    def largest_image_size(self) -> tuple[int, int]:
+        processor = self.processor.image_processor
+        size = getattr(processor, "size", None) or {}
+        most = getattr(processor, "max_pixels", None) or size.get("longest_edge") or size.get("max_pixels") or 12845056
+        side = math.isqrt(int(most))
+        return (side, side)
 
     def token_counts(self, encoder_inputs: dict[str, torch.Tensor], num_images: int,
                      num_tokens: int) -> list[int]:
