@@ -50,6 +50,10 @@ def add_generate_parser(sub: argparse._SubParsersAction, add_engine_args) -> Non
     gen.add_argument("--watermark", action="store_true",
                      help="watermark the output (the engine's --watermark-* settings; "
                           "`tessera detect-watermark` tests a text)")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH_OR_URL",
+                     help="an image every prompt shows a multimodal model (repeatable): with --chat it "
+                          "comes before the text; without, the prompt writes the model's placeholder "
+                          "(e.g. <image>) where each goes")
     gen.add_argument("--lora", default=None, metavar="NAME",
                      help="run every prompt with this adapter (one of --lora-modules)")
     shape = gen.add_mutually_exclusive_group()
@@ -190,9 +194,19 @@ def _record(prompt, out) -> dict:
     return record
 
 
+def _engine_prompt(args: argparse.Namespace, llm, prompt: str | list[dict]):
+    """What LLM.generate takes for one prompt of the command line or input file."""
+    images = [{"type": "image_url", "image_url": {"url": image}} for image in args.image]
+    if isinstance(prompt, list):
+        return llm.chat_prompt(prompt)
+    if args.chat:
+        content = [*images, {"type": "text", "text": prompt}] if images else prompt
+        return llm.chat_prompt([{"role": "user", "content": content}])
+    return {"prompt": prompt, "multi_modal_data": {"image": list(args.image)}} if args.image else prompt
+
+
 def _generate(args: argparse.Namespace, llm, prompts: list, params) -> int:
-    token_prompts = [llm.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}])
-                     if args.chat or isinstance(p, list) else p for p in prompts]
+    token_prompts = [_engine_prompt(args, llm, p) for p in prompts]
     started = time.perf_counter()
     if args.stream:
         for _, out in llm.generate_stream(token_prompts, params, lora_request=args.lora):

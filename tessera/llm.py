@@ -264,15 +264,17 @@ class LLM:
         """Apply the chat template (`chat_template`, else --chat-template, else the
         tokenizer's) and generate; the arguments are vLLM's LLM.chat's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template=chat_template,
-                                     continue_final_message=continue_final_message, tools=tools,
-                                     chat_template_kwargs=chat_template_kwargs)
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template=chat_template,
+                                    continue_final_message=continue_final_message, tools=tools,
+                                    chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request, priority)
 
-    def _chat_prompt(self, messages: list[Message], add_generation_prompt: bool, **kwargs) -> list[int] | ImagePrompt:
-        """A conversation's prompt: token ids, or, when its messages hold images (content
-        parts), the rendered text with its images."""
+    def chat_prompt(self, messages: list[Message], add_generation_prompt: bool = True,
+                    **kwargs) -> list[int] | ImagePrompt:
+        """A conversation's prompt for `generate`: token ids, or, when its messages hold
+        images (content parts), the rendered text with its images. `kwargs`: those of
+        apply_chat_template."""
         takes_images = self.engine.supports_images
         rendered, images = [], []
         try:

@@ -157,3 +157,26 @@ def test_a_text_model_refuses_images(make_tiny_llama):
         with pytest.raises(ValueError, match="takes no images"):
             llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(1)}]}],
                      greedy(), use_tqdm=False)
+
+
+def test_tessera_generate_with_images(tiny_llava, llm, tmp_path, capsys):
+    """`tessera generate --image`: before the text with --chat, at the placeholders without;
+    the printed text is the LLM API's; a missing file is one line, no traceback."""
+    from tessera.cli import main
+
+    folder, _ = tiny_llava
+    image = random_image(15)
+    path = tmp_path / "picture.png"
+    image.save(path)
+    args = ["generate", "--model", str(folder), "--num-kv-blocks", "64", "--dtype", "float32",
+            "--max-new-tokens", "6", "--ignore-eos", "--image", str(path)]
+    assert main([*args, "--chat", "What is this?"]) == 0
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                  {"type": "text", "text": "What is this?"}]}], greedy(6),
+                    use_tqdm=False)[0]
+    assert capsys.readouterr().out == chat.outputs[0].text + "\n"
+    assert main([*args, "A <image> picture"]) == 0
+    plain = llm.generate(image_prompt("A <image> picture", [image]), greedy(6), use_tqdm=False)[0]
+    assert capsys.readouterr().out == plain.outputs[0].text + "\n"
+    assert main([*args[:-1], str(tmp_path / "missing.png"), "A <image>"]) != 0
+    assert "error: no image file at" in capsys.readouterr().err
