@@ -30,8 +30,9 @@ class Command(enum.IntEnum):
 
 # command, arg, tokens, seqs, table width, decodes, logit rows, max block id, has padding,
 # prompt-logprob rows (the last logit rows, which the LM head takes in passes of their own),
-# LoRA segments (for LOAD_LORA: the length of the adapter's bytes)
-HEADER_LEN = 11
+# LoRA segments (for LOAD_LORA: the length of the adapter's bytes), image rows, their
+# features' width, whether they have 3-D (M-RoPE) positions
+HEADER_LEN = 14
 
 
 @dataclass
@@ -53,17 +54,28 @@ class StepChannel:
         payload = None
         if inputs is not None:
             a = inputs.attn
+            images = inputs.image_embeds
             header[2:] = torch.tensor([inputs.input_ids.numel(), a.num_seqs, a.block_tables.shape[1],
                                        a.num_decodes, inputs.lm_head_indices.numel(),
                                        inputs.max_block_id, int(a.has_padding),
-                                       inputs.num_prompt_logit_rows, len(inputs.lora_segments)])
+                                       inputs.num_prompt_logit_rows, len(inputs.lora_segments),
+                                       0 if images is None else images.shape[0],
+                                       0 if images is None else images.shape[1],
+                                       int(inputs.image_positions is not None)])
             segments = torch.tensor(inputs.lora_segments, dtype=torch.long).flatten()
-            payload = torch.cat([inputs.input_ids.long(), inputs.positions.long(), a.slot_mapping.long(),
-                                 a.block_tables.long().flatten(), a.seq_lens.long(),
-                                 a.query_start_loc.long(), inputs.lm_head_indices.long(), segments])
+            parts = [inputs.input_ids.long(), inputs.positions.long(), a.slot_mapping.long(),
+                     a.block_tables.long().flatten(), a.seq_lens.long(),
+                     a.query_start_loc.long(), inputs.lm_head_indices.long(), segments]
+            if images is not None:
+                parts.append(inputs.image_rows.long())
+                if inputs.image_positions is not None:
+                    parts.append(inputs.image_positions.long().flatten())
+            payload = torch.cat([p.to(self.device) for p in parts])
         dist.broadcast(header.to(self.device), src=0)
         if payload is not None:
-            dist.broadcast(payload.to(self.device), src=0)
+            dist.broadcast(payload, src=0)
+            if inputs.image_embeds is not None:  # float32: what every backend broadcasts
+                dist.broadcast(inputs.image_embeds.float().to(self.device), src=0)
 
     def send_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Rank 0: every rank loads `adapter` (its factors as the driver holds them, not
@@ -78,7 +90,8 @@ class StepChannel:
         """Other ranks: block until the driver's next command."""
         header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
         dist.broadcast(header, src=0)
-        command, arg, tokens, seqs, width, decodes, rows, max_block, padded, prompt_rows, num_segments = header.tolist()
+        (command, arg, tokens, seqs, width, decodes, rows, max_block, padded, prompt_rows, num_segments,
+         image_rows, image_width, image_3d) = header.tolist()
         command = Command(command)
         if command == Command.LOAD_LORA:
             data = torch.empty(tokens, dtype=torch.uint8, device=self.device)
@@ -86,10 +99,12 @@ class StepChannel:
             return Received(command, arg, lora=adapter_from_bytes(data.cpu().numpy().tobytes()))
         if command not in (Command.FORWARD, Command.FORWARD_NO_LOGITS):
             return Received(command, arg)
-        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 3 * num_segments]
+        sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 3 * num_segments,
+                 image_rows, 3 * image_rows * image_3d]
         payload = torch.empty(sum(sizes), dtype=torch.long, device=self.device)
         dist.broadcast(payload, src=0)
-        ids, positions, slots, tables, seq_lens, starts, lm_rows, segments = payload.split(sizes)
+        ids, positions, slots, tables, seq_lens, starts, lm_rows, segments, rows_of_images, image_positions = \
+            payload.split(sizes)
         seq_lens_list, starts_list = seq_lens.tolist(), starts.tolist()
         attn = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.view(seqs, width).int(),
@@ -98,6 +113,13 @@ class StepChannel:
             query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:])],
             has_padding=bool(padded))
         lora_segments = [tuple(segment) for segment in segments.view(-1, 3).tolist()]
-        return Received(command, arg, ModelInputs(
+        inputs = ModelInputs(
             ids, positions, attn, lm_rows, [], max_block, num_prompt_logit_rows=prompt_rows,
-            lora_segments=lora_segments, lora_row_slots=row_slots_for(lora_segments, tokens, self.device)))
+            lora_segments=lora_segments, lora_row_slots=row_slots_for(lora_segments, tokens, self.device))
+        if image_rows:
+            inputs.image_rows = rows_of_images
+            inputs.image_embeds = torch.empty(image_rows, image_width, dtype=torch.float32, device=self.device)
+            dist.broadcast(inputs.image_embeds, src=0)
+            if image_3d:
+                inputs.image_positions = image_positions.view(3, image_rows)
+        return Received(command, arg, inputs)

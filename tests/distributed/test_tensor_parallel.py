@@ -170,8 +170,31 @@ def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     check_tp2_matches_hf(tmp_path, hf)
 
 
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+def test_images_tp2_equal_tp1(kind, tmp_path):
+    """Image features (and M-RoPE's 3-D positions) reach every rank: the same greedy tokens
+    as one rank for prompts with images, text alone, and 8-token chunks that split images."""
+    from tests.conftest import TINY_CORPUS
+    from tests.multimodal.checkpoints import QWEN_IMAGE, make_tiny_llava, make_tiny_qwen2_vl, random_image
+
+    if kind == "llava":
+        make_tiny_llava(tmp_path, TINY_CORPUS, seed=3)
+        placeholder = "<image>"
+    else:
+        make_tiny_qwen2_vl(tmp_path, TINY_CORPUS, seed=3)
+        placeholder = QWEN_IMAGE
+    prompts = [{"prompt": f"The quick {placeholder} brown fox {placeholder} jumps",
+                "multi_modal_data": {"image": [random_image(1, size=(70, 100)), random_image(2)]}},
+               "Paged attention stores", {"prompt": f"A {placeholder} of", "multi_modal_data": {"image": random_image(3)}}]
+    kwargs = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=8, show_progress=False)
+    with LLM(tmp_path, **kwargs) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(), use_tqdm=False)]
+    with LLM(tmp_path, tensor_parallel_size=2, **kwargs) as two:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy(), use_tqdm=False)] == expected
+
+
 def test_every_native_type_claims_tensor_parallel():
-    tested = {"llama", *ZOO}
+    tested = {"llama", *ZOO, "llava", "qwen2_vl", "qwen2_5_vl"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 
 

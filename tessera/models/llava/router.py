@@ -7,3 +7,4 @@ class LlavaRouter(VisionLanguageRouter):
     image takes the same number of tokens."""
     model_types = ("llava",)
     supports_images = True  # tests/multimodal/test_llava.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py

@@ -8,6 +8,7 @@ class Qwen2VLRouter(VisionLanguageRouter):
     Qwen2 language model with M-RoPE positions. Images only (no video yet)."""
     model_types = ("qwen2_vl", "qwen2_5_vl")
     supports_images = True  # tests/multimodal/test_qwen2_vl.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):
