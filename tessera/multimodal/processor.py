@@ -4,6 +4,7 @@ images into the encoder's inputs."""
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +33,9 @@ class ImagePrompts:
     def __init__(self, folder: Path, image_token_id: int):
         self.folder = folder
         self.image_token_id = image_token_id
+        # requests are processed on worker threads; a fast tokenizer shared between
+        # threads can fail with "Already borrowed", so one prompt at a time
+        self._lock = threading.Lock()
         with quiet_transformers():
             self.processor = self.load_processor(folder)
         # what a prompt writes where an image goes (chat templates write it themselves)
@@ -86,9 +90,10 @@ class ImagePrompts:
             raise PromptImageError(
                 f"the prompt has {found} image placeholder{'s' * (found != 1)} ({self.placeholder}) "
                 f"but {len(images)} image{'s' * (len(images) != 1)} came with it")
-        if not images:
-            return list(self.processor.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), None
-        ids, encoder_inputs = self.expand(text, images, add_special_tokens)
+        with self._lock:
+            if not images:
+                return list(self.processor.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), None
+            ids, encoder_inputs = self.expand(text, images, add_special_tokens)
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         counts = self.token_counts(encoder_inputs, len(images), len(positions))
         if sum(counts) != len(positions):

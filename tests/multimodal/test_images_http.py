@@ -149,3 +149,17 @@ def test_a_text_model_server_refuses_image_parts(make_tiny_llama):
         assert running.state.limits.max_body_bytes == 2_000_000  # TGI's limit; 50 MB for image models
     finally:
         running.stop()
+
+
+def test_concurrent_image_requests(vlm_server, client):
+    """Eight clients at once, each its own image (processed on worker threads, batched by
+    the engine): every answer is the one that image gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    urls = [data_url(random_image(30 + i, size=(40 + 3 * i, 50))) for i in range(8)]
+    alone = [chat(client, url).choices[0].message.content for url in urls]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda url: chat(client, url).choices[0].message.content, urls))
+    assert together == alone
+    assert len(set(alone)) > 1
+    vlm_server.assert_idle()
