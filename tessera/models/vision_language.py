@@ -47,6 +47,8 @@ class VisionLanguageRouter(BaseRouter):
     image_token_attrs: ClassVar[tuple[str, ...]] = ("image_token_id", "image_token_index")
     # how prompts and images become token ids and encoder inputs
     image_prompts_cls: ClassVar[type[ImagePrompts]] = ImagePrompts
+    # every image takes the same number of tokens (its processor resizes to one size)
+    same_tokens_per_image: ClassVar[bool] = False
     model_cls = VisionLanguageForCausalLM
 
     @cached_property
@@ -82,7 +84,7 @@ class VisionLanguageRouter(BaseRouter):
 
     @cached_property
     def image_prompts(self) -> ImagePrompts:
-        return self.image_prompts_cls(self.metadata_dir, self.image_token_id)
+        return self.image_prompts_cls(self.metadata_dir, self.image_token_id, self.same_tokens_per_image)
 
     @cached_property
     def chat_template(self) -> str | None:

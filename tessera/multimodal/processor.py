@@ -30,9 +30,10 @@ class ImagePrompts:
     model folder whose processor needs more (its own placeholder expansion, M-RoPE
     positions) subclasses this."""
 
-    def __init__(self, folder: Path, image_token_id: int):
+    def __init__(self, folder: Path, image_token_id: int, same_tokens_per_image: bool = False):
         self.folder = folder
         self.image_token_id = image_token_id
+        self.same_tokens_per_image = same_tokens_per_image
         # requests are processed on worker threads; a fast tokenizer shared between
         # threads can fail with "Already borrowed", so one prompt at a time
         self._lock = threading.Lock()
@@ -71,12 +72,19 @@ class ImagePrompts:
         image = Image.new("RGB", self.largest_image_size(), (127, 127, 127))
         return self.expand(self.placeholder, [image], add_special_tokens=False)[1]
 
-    def token_counts(self, encoder_inputs: dict[str, torch.Tensor], num_images: int,
+    def token_counts(self, encoder_inputs: dict[str, torch.Tensor], images: Sequence[Image.Image],
                      num_tokens: int) -> list[int]:
-        """How many of the prompt's image tokens each image has; by default the same."""
-        if num_tokens % num_images:
-            raise PromptImageError(f"{num_tokens} image tokens do not split evenly over {num_images} images")
-        return [num_tokens // num_images] * num_images
+        """How many of the prompt's image tokens each image has. The counts must be right:
+        they tell which blocks hold which image's tokens, and so what the prefix cache may
+        share. With `same_tokens_per_image` (LLaVA 1.5: every image is resized to one
+        size) the tokens split evenly; otherwise each image is processed alone to count."""
+        if len(images) == 1:
+            return [num_tokens]
+        if self.same_tokens_per_image:
+            if num_tokens % len(images):
+                raise PromptImageError(f"{num_tokens} image tokens do not split evenly over {len(images)} images")
+            return [num_tokens // len(images)] * len(images)
+        return [self.expand(self.placeholder, [image], False)[0].count(self.image_token_id) for image in images]
 
     def add_positions(self, inputs: MultimodalInputs, ids: list[int], counts: list[int]) -> None:
         """Set what a model with positions of its own (M-RoPE) needs; nothing by default."""
@@ -94,8 +102,8 @@ class ImagePrompts:
             if not images:
                 return list(self.processor.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), None
             ids, encoder_inputs = self.expand(text, images, add_special_tokens)
-        positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        counts = self.token_counts(encoder_inputs, len(images), len(positions))
+            positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+            counts = self.token_counts(encoder_inputs, images, len(positions))
         if sum(counts) != len(positions):
             raise PromptImageError(f"the processor wrote {len(positions)} image tokens for images of "
                                    f"{sum(counts)} features")

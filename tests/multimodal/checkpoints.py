@@ -71,6 +71,30 @@ def make_tiny_llava(folder: Path, corpus: list[str], text_model_type: str = "lla
     return model
 
 
+def make_tiny_llava_next(folder: Path, corpus: list[str], seed: int = 0) -> torch.nn.Module:
+    """A LLaVA-NeXT checkpoint: LLaVA's tower and projector with anyres tiling (a 28-pixel
+    base view plus the tiles of a 28 x 56, 56 x 28 or 56 x 56 grid) and a learned newline
+    row: an image's token count depends on its size."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessor, LlavaNextProcessor)
+
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    config = LlavaNextConfig(vision_config=CLIPVisionConfig(**VISION_CONFIG), text_config=LlamaConfig(**TEXT_CONFIG),
+                             image_token_id=3, image_grid_pinpoints=pinpoints, vision_feature_layer=-2,
+                             vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.image_newline.normal_()
+    model.save_pretrained(folder)
+    LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                                image_grid_pinpoints=pinpoints),
+        tokenizer=image_tokenizer(corpus), patch_size=7, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, image_token=IMAGE_TOKEN, chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return model
+
+
 def random_image(seed: int, size: tuple[int, int] = (50, 40)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))

@@ -10,7 +10,7 @@ from tessera.engine.request_checks import RequestError
 from tessera.sampling.params import SamplingParams
 from tests.conftest import TINY_CORPUS
 from tests.multimodal.checkpoints import (TOKENS_PER_IMAGE, data_url, hf_image_generate, hf_image_logprobs,
-                                          make_tiny_llava, random_image)
+                                          make_tiny_llava, make_tiny_llava_next, random_image)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,6 +135,23 @@ def test_llava_with_a_qwen2_language_model(tmp_path):
     with LLM(tmp_path, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
         got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
+
+
+def test_llava_next_images_of_their_own_token_counts(tmp_path):
+    """LLaVA-NeXT's anyres tiling: a wide and a square image take different numbers of
+    tokens; each image's span is its own count (what the prefix cache keys blocks by), and
+    the tokens equal transformers'."""
+    hf = make_tiny_llava_next(tmp_path, TINY_CORPUS)
+    wide, square = random_image(16, size=(100, 40)), random_image(17, size=(40, 40))
+    prompt, want = hf_image_generate(hf, tmp_path, TWO_IMAGES, [wide, square], N)
+    with LLM(tmp_path, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
+        ids, images = llm.engine.process_images(TWO_IMAGES, [wide, square])
+        alone = [llm.engine.process_images("<image>", [image], False)[0].count(3) for image in (wide, square)]
+        assert alone[0] != alone[1]
+        assert [span.end - span.start for span in images.images] == alone
+        got = llm.generate(image_prompt(TWO_IMAGES, [wide, square]), greedy(), use_tqdm=False)[0]
+    assert got.prompt_token_ids == ids == prompt
+    assert got.outputs[0].token_ids == want
 
 
 def test_bad_images_and_prompts_are_clear_errors(llm):

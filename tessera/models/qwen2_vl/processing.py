@@ -69,7 +69,7 @@ class QwenVLImagePrompts(ImagePrompts):
         side = math.isqrt(int(most))
         return (side, side)
 
-    def token_counts(self, encoder_inputs: dict[str, torch.Tensor], num_images: int,
+    def token_counts(self, encoder_inputs: dict[str, torch.Tensor], images: Sequence[Image.Image],
                      num_tokens: int) -> list[int]:
         return (encoder_inputs["image_grid_thw"].prod(-1) // self.merge_size ** 2).tolist()
 
