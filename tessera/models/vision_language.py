@@ -22,6 +22,7 @@ from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.lazy import materialize
 from tessera.weights.loader import load_weights
+from tessera.weights.prequantized import checkpoint_quantization
 
 # checkpoint prefixes of a multimodal model's language model, across transformers' layouts
 # (older: language_model.model.*, language_model.lm_head.*; 4.52+: model.language_model.*,
@@ -60,7 +61,15 @@ class VisionLanguageRouter(BaseRouter):
         text = full.text_config
         if getattr(full, "eos_token_id", None) is not None and getattr(text, "eos_token_id", None) is None:
             text.eos_token_id = full.eos_token_id
+        # transformers ties the LM head by the top level's flag (Qwen2.5-VL-3B ties, 7B does
+        # not; the saved text config says False either way)
+        text.tie_word_embeddings = bool(getattr(full, "tie_word_embeddings", False))
         return text
+
+    @cached_property
+    def checkpoint_quantization(self):
+        """A pre-quantized multimodal checkpoint states its quantization at the top level."""
+        return None if self.source.is_gguf else checkpoint_quantization(self.full_config)
 
     @cached_property
     def text_router(self) -> type[BaseRouter]:

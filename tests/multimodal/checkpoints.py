@@ -142,7 +142,8 @@ QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<image>", QWEN_IMAGE)
 
 
-def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2_5_vl", seed: int = 0) -> torch.nn.Module:
+def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2_5_vl", seed: int = 0,
+                       tie_word_embeddings: bool = False) -> torch.nn.Module:
     """A Qwen2.5-VL (or Qwen2-VL) checkpoint: its vision transformer, 2 x 2 patch merging,
     a Qwen2 language model with M-RoPE sections (2, 3, 3) of head_dim 16; saved with its
     image processor and a tokenizer (transformers' Qwen processor needs torchvision)."""
@@ -170,7 +171,8 @@ def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2
         config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
     config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"], bos_token_id=1, eos_token_id=2)
+                        vision_end_token_id=ids["<|vision_end|>"], bos_token_id=1, eos_token_id=2,
+                        tie_word_embeddings=tie_word_embeddings)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     model.save_pretrained(folder)

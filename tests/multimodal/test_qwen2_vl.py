@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tessera import LLM
 from tessera.sampling.params import SamplingParams
@@ -51,9 +52,13 @@ def test_positions_equal_transformers_rope_index(tiny_qwen25_vl, llm):
     assert inputs.rope_position(len(ids) + 3) == len(ids) + 3 + int(delta)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen2_vl"])
-def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, model_type):
-    hf = make_tiny_qwen2_vl(tmp_path, TINY_CORPUS, model_type=model_type, seed=2)
+@pytest.mark.parametrize("model_type, tied", [("qwen2_5_vl", False), ("qwen2_vl", False), ("qwen2_5_vl", True)])
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, model_type, tied):
+    """Both types; and tied embeddings stated at the top level only (Qwen2.5-VL-3B's config;
+    the saved text config says False, transformers ties by the top level's flag)."""
+    hf = make_tiny_qwen2_vl(tmp_path, TINY_CORPUS, model_type=model_type, seed=2, tie_word_embeddings=tied)
+    if tied:
+        assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     images = [random_image(3, size=(70, 100)), random_image(4, size=(60, 60))]
     prompt, want = hf_qwen_generate(hf, tmp_path, TWO_IMAGES, images, N)
     with LLM(tmp_path, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
