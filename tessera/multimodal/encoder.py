@@ -5,13 +5,11 @@ without the language model, loaded from the checkpoint, and called through the m
 its time; an image is encoded once, when its prompt is computed."""
 from __future__ import annotations
 
-import logging
 import re
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-logger = logging.getLogger(__name__)
 
 # the attribute a transformers multimodal base model keeps its language model under
 LANGUAGE_MODEL_ATTRS = ("language_model", "text_model")

@@ -15,8 +15,6 @@ from PIL import Image
 from tessera.multimodal.images import image_hash
 from tessera.multimodal.inputs import ImageSpan, MultimodalInputs
 
-logger = logging.getLogger(__name__)
-
 # processor outputs that describe the text, not the images
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
 
@@ -26,7 +24,7 @@ class PromptImageError(ValueError):
 
 
 class ImagePrompts:
-    """Loaded once per model; `__call__` is safe from any thread (no state is kept). A
+    """Loaded once per model; any thread may call it (one prompt is processed at a time). A
     model folder whose processor needs more (its own placeholder expansion, M-RoPE
     positions) subclasses this."""
 
