@@ -97,7 +97,10 @@ class Engine:
                 self.loras.add(LoRARequest(name, len(self.loras.adapters()) + 1, path))
         if self.draft is not None:
             load_draft_model(self.draft, config, self.device, show_progress)
-        if self.router.supports_images and config.cache.num_blocks is None:
+        if self.router.supports_images and config.cache.num_blocks is None and self.device.type == "cuda":
+            # the encoder's peak for its largest image counts against the cache (on a GPU:
+            # on a CPU the cache takes a fifth of RAM, and encoding Qwen's largest image,
+            # 16k patches, would take minutes of every start)
             self.runner.image_profile_inputs = self.router.image_prompts.largest_image_inputs()
         self.num_blocks, self.max_model_len = size_kv_cache(
             self.runner, config, self.max_model_len, None if self.draft is None else self.draft.sizing)

@@ -92,3 +92,22 @@ def test_chat_renders_the_vision_tokens(tiny_qwen25_vl, llm):
     rendered = f"user: {QWEN_IMAGE} What is it?\nassistant:"
     _, want = hf_qwen_generate(hf, folder, rendered, [image], N, add_special_tokens=False)
     assert llm.chat(messages, greedy(), use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_warm_up_measures_the_largest_image(llm):
+    """What GPU warm-up encodes: an image at the processor's max_pixels (28 * 28 * 64 here),
+    64 tokens after merging, more than any other image gets; its encoder peak is measured."""
+    from tessera.runner.warmup import profile_image_encoder
+
+    prompts = llm.engine.router.image_prompts
+    largest = prompts.largest_image_inputs()
+    assert int(largest["image_grid_thw"].prod()) // 4 == 64
+    for size in [(500, 300), (64, 64), (1000, 1000)]:
+        _, inputs = llm.engine.process_images(QWEN_IMAGE, [random_image(9, size=size)])
+        assert inputs.num_features <= 64
+    runner = llm.engine.runner
+    runner.image_profile_inputs = largest
+    try:
+        assert profile_image_encoder(runner) >= 0
+    finally:
+        runner.image_profile_inputs = None
