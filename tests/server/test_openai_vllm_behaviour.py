@@ -55,13 +55,18 @@ def test_streamed_chat_has_a_logprob_for_every_token_even_while_text_is_held_bac
 def test_tool_call_turns_render_as_vllm_hands_them_to_templates():
     assistant = ChatMessage(role="assistant", content=None, tool_calls=[
         {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}])
-    message = _template_message(assistant)
-    assert message["content"] == ""
+    message, images = _template_message(assistant, takes_images=False)
+    assert message["content"] == "" and images == []
     assert message["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     odd = ChatMessage(role="assistant", content="", tool_calls=[{"function": {"name": "f", "arguments": "not json"}}])
-    assert _template_message(odd)["tool_calls"][0]["function"]["arguments"] == "not json"
+    assert _template_message(odd, False)[0]["tool_calls"][0]["function"]["arguments"] == "not json"
     parts = ChatMessage(role="user", content=[{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}])
-    assert _template_message(parts)["content"] == "Say\nhi"
+    assert _template_message(parts, False)[0]["content"] == "Say\nhi"
+    # a model that takes images gets transformers' parts, images as {"type": "image"}
+    image = ChatMessage(role="user", content=[{"type": "text", "text": "Say"},
+                                              {"type": "image_url", "image_url": {"url": "http://x/a.png"}}])
+    assert _template_message(image, True) == ({"role": "user", "content": [
+        {"type": "text", "text": "Say"}, {"type": "image"}]}, ["http://x/a.png"])
 
 
 def test_a_tool_call_conversation_is_served(url, server):
