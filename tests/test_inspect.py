@@ -48,12 +48,15 @@ def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     lines = table.splitlines()
     header = lines[0].split("  ")
     assert [h.strip() for h in header if h.strip()] == [
-        "MODEL TYPE", "MODEL CLASS", "GGUF", "SLIDING WINDOW", "MOE", "TENSOR PARALLEL", "LORA"]
+        "MODEL TYPE", "MODEL CLASS", "GGUF", "SLIDING WINDOW", "MOE", "TENSOR PARALLEL", "LORA", "IMAGES"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert rows["llama"][:3] == ["llama", "LlamaForCausalLM", "yes"]
     assert rows["qwen2"][:3] == ["qwen2", "Qwen2ForCausalLM", "yes"]
     assert rows["qwen3"][:3] == ["qwen3", "Qwen3ForCausalLM", "yes"]
-    assert all(row[-2:] == ["yes", "yes"] for row in rows.values())  # every native type: TP and LoRA
+    text = {t: row for t, row in rows.items() if row[-1] == "no"}
+    assert all(row[-3:-1] == ["yes", "yes"] for row in text.values())  # every text type: TP and LoRA
+    assert {t for t, row in rows.items() if row[-1] == "yes"} == {"llava", "llava_next", "qwen2_vl", "qwen2_5_vl"}
+    assert rows["qwen2_5_vl"][1] == "VisionLanguageForCausalLM"
     assert "transformers fallback" in note and "--model-impl" in note
 
 
