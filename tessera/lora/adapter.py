@@ -126,8 +126,12 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no lora_A/lora_B weights")
     weights: dict[str, dict[Hashable, LoRAPair]] = {}
     for module_name, (a, b) in sorted(factors.items()):
-        if model_tensor_name(model, module_name) is None:  # e.g. a vision tower not served
+        ours = model_tensor_name(model, module_name)
+        if ours is None:  # e.g. a vision tower not served
             continue
+        refusal = getattr(model, "lora_refusal", lambda _: None)(ours)
+        if refusal is not None:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {module_name}: {refusal}")
         layer_name, shard, layer = _target_layer(name, model, module_name)
         rank = a.shape[0]
         if rank > max_rank:

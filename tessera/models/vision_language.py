@@ -26,20 +26,19 @@ from tessera.weights.prequantized import checkpoint_quantization
 
 # checkpoint prefixes of a multimodal model's language model, across transformers' layouts
 # (older: language_model.model.*, language_model.lm_head.*; 4.52+: model.language_model.*,
-# lm_head.*; some: model.text_model.*, or a bare model.* beside a vision tower)
-LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "model.text_model.", "language_model.model.",
-                           "language_model.", "text_model.", "model.")
+# lm_head.*; some: model.text_model.*, or a bare model.* beside a vision tower), first match
+# wins -> the native language model's own names
+LANGUAGE_MODEL_PREFIXES = {"language_model.lm_head.": "lm_head.", "lm_head.": "lm_head.",
+                           "model.language_model.": "model.", "model.text_model.": "model.",
+                           "language_model.model.": "model.", "language_model.": "model.",
+                           "text_model.": "model.", "model.": "model."}
 
 
 def language_model_name(name: str) -> str:
     """A language-model checkpoint name as the native model names it (model.* / lm_head.*)."""
-    if name.startswith("language_model.lm_head."):
-        return name.removeprefix("language_model.")
-    if name.startswith("lm_head."):
-        return name
-    for prefix in LANGUAGE_MODEL_PREFIXES:
+    for prefix, replacement in LANGUAGE_MODEL_PREFIXES.items():
         if name.startswith(prefix):
-            return "model." + name[len(prefix):]
+            return replacement + name[len(prefix):]
     return name
 
 
@@ -112,7 +111,13 @@ class VisionLanguageRouter(BaseRouter):
     def build_model(self, target: OpTarget) -> VisionLanguageForCausalLM:
         language_model = self.language_model_cls()(self.config, target)
         vision = VisionEncoder(self.full_config, target.dtype, torch.device(target.device))
-        return VisionLanguageForCausalLM(language_model, vision)
+        model = VisionLanguageForCausalLM(language_model, vision)
+        # how LoRA adapters trained on transformers' model name this one's layers: the vision
+        # side's are refused (model.py), the language model's are ours under language_model.
+        model.checkpoint_prefixes = {
+            **{f"{lead}{top}.": f"vision.{top}." for top in vision.top_names for lead in ("model.", "")},
+            **{prefix: f"language_model.{to}" for prefix, to in LANGUAGE_MODEL_PREFIXES.items()}}
+        return model
 
     def load_weights(self, model: VisionLanguageForCausalLM,
                      progress: Callable[[Iterable], Iterable] = lambda it: it) -> int:

@@ -30,6 +30,17 @@ class VisionLanguageForCausalLM(nn.Module):
         return self.language_model(input_ids, positions, embeds, mrope_rows=image_rows,
                                    mrope_positions=image_positions)
 
+    @property
+    def packed_modules_mapping(self) -> dict:
+        return getattr(self.language_model, "packed_modules_mapping", {})
+
+    def lora_refusal(self, module_name: str) -> str | None:
+        """Why an adapter may not target this module (named as this model names it): LoRA
+        runs on the language model's projections only."""
+        if module_name.startswith("vision."):
+            return "it adapts the vision tower or projector, which run as transformers' modules without LoRA"
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 

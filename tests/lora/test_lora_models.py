@@ -231,7 +231,8 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
     from tessera.config import ConfigError
     from tessera.models.registry import router_classes
 
-    tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral"}
+    tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
+              "llava", "qwen2_vl", "qwen2_5_vl"}  # the last three: tests/multimodal (qwen2_vl shares the router)
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
     folder, _ = make_tiny_llama()
     with pytest.raises(ConfigError, match="does not support LoRA adapters"):

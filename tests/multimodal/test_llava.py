@@ -197,3 +197,30 @@ def test_tessera_generate_with_images(tiny_llava, llm, tmp_path, capsys):
     assert capsys.readouterr().out == plain.outputs[0].text + "\n"
     assert main([*args[:-1], str(tmp_path / "missing.png"), "A <image>"]) != 0
     assert "error: no image file at" in capsys.readouterr().err
+
+
+def test_lora_on_the_language_model_equals_peft(tiny_llava, tmp_path):
+    """A PEFT adapter on LLaVA's language model (trained on transformers' model, so named
+    model.language_model.*): with images, tessera's greedy tokens equal PEFT's; in a batch
+    the base model's rows stay the base model's. An adapter touching the vision tower is
+    refused, never applied in part."""
+    from tessera.lora.adapter import LoRAAdapterError
+    from tessera.lora.request import LoRARequest
+    from tests.lora.peft_adapters import save_peft_adapter
+
+    folder, hf = tiny_llava
+    adapter = tmp_path / "adapter"
+    peft_model = save_peft_adapter(hf, adapter, seed=4, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)")
+    images = [random_image(18)]
+    _, want = hf_image_generate(peft_model, folder, "A picture <image> of", images, N)
+    _, base = hf_image_generate(hf, folder, "A picture <image> of", images, N)
+    assert want != base
+    with LLM(folder, dtype="float32", num_kv_blocks=64, enable_lora=True, show_progress=False) as llm:
+        lora = LoRARequest("a", 1, str(adapter))
+        outs = llm.generate([image_prompt("A picture <image> of", images)] * 2, greedy(), use_tqdm=False,
+                            lora_request=[lora, None])
+        assert [o.outputs[0].token_ids for o in outs] == [want, base]
+        vision = tmp_path / "vision-adapter"
+        save_peft_adapter(hf, vision, seed=5, target_modules=["q_proj", "v_proj"])  # the tower's too
+        with pytest.raises(LoRAAdapterError, match="vision tower"):
+            llm.engine.add_lora(LoRARequest("v", 2, str(vision)))

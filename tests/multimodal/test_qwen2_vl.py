@@ -111,3 +111,22 @@ def test_warm_up_measures_the_largest_image(llm):
         assert profile_image_encoder(runner) >= 0
     finally:
         runner.image_profile_inputs = None
+
+
+def test_lora_on_the_language_model_equals_peft(tiny_qwen25_vl, tmp_path):
+    """A PEFT adapter on Qwen2.5-VL's language model, with images and M-RoPE positions:
+    tessera's greedy tokens equal PEFT's."""
+    from tessera.lora.request import LoRARequest
+    from tests.lora.peft_adapters import save_peft_adapter
+
+    folder, hf = tiny_qwen25_vl
+    adapter = tmp_path / "adapter"
+    peft_model = save_peft_adapter(hf, adapter, seed=6,
+                                   target_modules=r".*language_model.*\.(q_proj|k_proj|o_proj|up_proj)")
+    text, images = f"A {QWEN_IMAGE} picture of", [random_image(10, size=(70, 100))]
+    _, want = hf_qwen_generate(peft_model, folder, text, images, N)
+    assert want != hf_qwen_generate(hf, folder, text, images, N)[1]
+    with LLM(folder, dtype="float32", num_kv_blocks=64, enable_lora=True, show_progress=False) as llm:
+        got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False,
+                           lora_request=LoRARequest("a", 1, str(adapter)))[0].outputs[0].token_ids
+    assert got == want

@@ -9,6 +9,7 @@ class LlavaRouter(VisionLanguageRouter):
     same_tokens_per_image = True  # its processor resizes and crops every image to one size
     supports_images = True  # tests/multimodal/test_llava.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_llava.py, test_qwen2_vl.py
 
 
 class LlavaNextRouter(VisionLanguageRouter):

@@ -9,6 +9,7 @@ class Qwen2VLRouter(VisionLanguageRouter):
     model_types = ("qwen2_vl", "qwen2_5_vl")
     supports_images = True  # tests/multimodal/test_qwen2_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_llava.py, test_qwen2_vl.py
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):
