@@ -95,6 +95,36 @@ def make_tiny_llava_next(folder: Path, corpus: list[str], seed: int = 0) -> torc
     return model
 
 
+def make_tiny_idefics3(folder: Path, corpus: list[str], seed: int = 0) -> torch.nn.Module:
+    """An Idefics3 (SmolVLM) checkpoint: SigLIP over 56-pixel tiles of an image resized to at
+    most 112 pixels, plus its whole view; 2 x 2 pixel shuffle, 4 tokens per tile."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                              Idefics3Processor, LlamaConfig, PreTrainedTokenizerFast)
+
+    specials = ["<unk>", "<s>", "</s>", IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>"] + [
+        f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        extra_special_tokens={"image_token": IMAGE_TOKEN, "fake_image_token": "<fake_token_around_image>",
+                              "global_image_token": "<global-img>"})
+    config = Idefics3Config(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=56, patch_size=14),
+                            text_config=LlamaConfig(**TEXT_CONFIG).to_dict(), image_token_id=3, scale_factor=2)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    Idefics3Processor(image_processor=Idefics3ImageProcessor(size={"longest_edge": 112},
+                                                             max_image_size={"longest_edge": 56}),
+                      tokenizer=tokenizer, image_seq_len=4, chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return model
+
+
 def random_image(seed: int, size: tuple[int, int] = (50, 40)) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))

@@ -1,0 +1,10 @@
+from tessera.models.vision_language import VisionLanguageRouter
+
+
+class Idefics3Router(VisionLanguageRouter):
+    """Idefics3 and SmolVLM (SmolVLM-256M/500M/2.2B-Instruct are idefics3 checkpoints): a
+    SigLIP tower over an image's tiles and a downscaled whole view, a pixel-shuffle
+    connector, and a Llama language model; an image's token count follows its tiles, and
+    row/column marker tokens sit between its runs of image tokens."""
+    model_types = ("idefics3",)
+    supports_images = True  # tests/multimodal/test_idefics3.py
