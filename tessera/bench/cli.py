@@ -1,4 +1,4 @@
-"""`tessera bench throughput | latency | prefix | chunked | speculative | lora | kv-cache`: tessera
+"""`tessera bench throughput | latency | prefix | chunked | speculative | lora | kv-cache | images`: tessera
 beside transformers' `generate` or a feature on and off, one process; `tessera bench serve`: a
 running server over HTTP."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ def positive_float(text: str) -> float:
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
     bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "speculative", "lora",
-                                            "kv-cache", "serve"),
+                                            "kv-cache", "images", "serve"),
                        help="throughput/latency: beside --baseline; prefix: TTFT of a request "
                             "sharing a long prefix, caching on vs off; chunked: decode ITL while a "
                             "long prompt arrives, chunked prefill on vs off; speculative: n-gram "
@@ -55,13 +55,17 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                             "base model vs one adapter vs --max-loras adapters in each batch, per "
                             "--batch-sizes (random adapters of rank --max-lora-rank); kv-cache: the "
                             "model-dtype KV cache vs --kv-cache-dtype (default fp8): bytes per token, "
-                            "prefill and decode speed per --batch-sizes, logprob drift; serve: "
+                            "prefill and decode speed per --batch-sizes, logprob drift; images: what an "
+                            "image of each --image-sizes costs a prompt (encoder time, TTFT, TPOT) beside "
+                            "a text prompt as long (a model that takes images; --preset qwen2.5-vl-3b); serve: "
                             "TTFT, TPOT, ITL and throughput of a running server (--url)")
     bench.add_argument("--num-prompts", type=positive_int, default=32, help="throughput/serve: prompts in the run")
     bench.add_argument("--batch-sizes", type=positive_ints, default=[1], help="latency: comma-separated batch sizes")
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=128)
     bench.add_argument("--repeats", type=positive_int, default=3, help="runs per measurement; the median is reported")
+    bench.add_argument("--image-sizes", type=positive_ints, default=[448],
+                       help="images: comma-separated sides of square images, in pixels")
     bench.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared prefix tokens")
     bench.add_argument("--num-decodes", type=int, default=4, help="chunked: running decode requests")
     bench.add_argument("--long-prompt-len", type=int, default=2048, help="chunked: arriving prompt")
@@ -153,6 +157,21 @@ def _lora(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _images(args: argparse.Namespace, engine) -> int:
+    from tessera.bench.images import images_bench
+
+    rows = images_bench(engine, args.image_sizes, args.input_len, args.output_len, args.repeats)
+    meta = {"workload": "images", "model": engine.router.source.name, "dtype": str(engine.dtype),
+            "threads": torch.get_num_threads(), "text_len": args.input_len, "output_len": args.output_len,
+            "repeats": args.repeats, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+    print(f"\nimages: {meta['model']} {meta['dtype']}, {meta['threads']} threads, about {args.input_len} text "
+          f"tokens beside each image, {args.output_len} out, median of {args.repeats}")
+    print(markdown_table(rows, ["engine", "ttft_ms", "prompt_tokens", "image_tokens", "encode_ms", "tpot_ms"]))
+    if args.output_json:
+        write_json(Path(args.output_json), meta, rows)
+    return 0
+
+
 def _kv_cache(args: argparse.Namespace) -> int:
     """One engine per cache: it cannot share the process's usual single LLM."""
     from tessera.bench.kv_cache import kv_cache_bench
@@ -236,6 +255,8 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
         return _speculative(args, engine)
     if args.workload == "lora":
         return _lora(args, engine)
+    if args.workload == "images":
+        return _images(args, engine)
     sizes = args.batch_sizes if args.workload == "latency" else [args.num_prompts]
     prompts, output_lens = _requests(args, engine, max(sizes), entries)
     rows: list[object] = []

@@ -32,9 +32,37 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Qwen/Qwen2.5-VL-3B-Instruct (its token ids are set where the tokenizer gets the tokens)
+PRESETS["qwen2.5-vl-3b"] = dict(
+    architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", hidden_act="silu",
+    hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+    num_key_value_heads=2, max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    sliding_window=32768, use_sliding_window=False, max_window_layers=70, tie_word_embeddings=True,
+    vocab_size=151936, initializer_range=0.02, torch_dtype="bfloat16",
+    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    vision_config=dict(depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420, num_heads=16,
+                       in_chans=3, out_hidden_size=2048, patch_size=14, spatial_merge_size=2,
+                       spatial_patch_size=14, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+                       tokens_per_second=2, temporal_patch_size=2))
+
+# presets that take images: the tokens their config names (added to the default model's
+# tokenizer, config key -> token) and their image processor's config
+IMAGE_PRESETS: dict[str, tuple[dict[str, str], dict]] = {
+    "qwen2.5-vl-3b": ({"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                       "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"},
+                      {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136,
+                       "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+                       "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                       "image_std": [0.26862954, 0.26130258, 0.27577711], "do_rescale": True,
+                       "do_normalize": True, "do_resize": True, "do_convert_rgb": True}),
+}
+
+
 def write_preset(name: str, cache_dir: Path, folder: Path | None = None) -> Path:
     """`folder` (default <cache_dir>/presets/<name>/) with config.json and the tokenizer
-    files of the default model (whose metadata lives under cache_dir); returns the folder."""
+    files of the default model (whose metadata lives under cache_dir); returns the folder.
+    A preset that takes images also gets its image tokens (added to that tokenizer) and its
+    image processor's config."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}")
     from tessera.config import ModelConfig
@@ -42,9 +70,19 @@ def write_preset(name: str, cache_dir: Path, folder: Path | None = None) -> Path
 
     folder = Path(folder) if folder is not None else Path(cache_dir) / "presets" / name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(PRESETS[name], indent=2) + "\n")
+    config = dict(PRESETS[name])
     tokenizer_dir = get_router(ModelConfig(cache_dir=cache_dir)).metadata_dir  # the default model's
     for item in Path(tokenizer_dir).iterdir():
         if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(item, folder / item.name)
+    if name in IMAGE_PRESETS:
+        from transformers import AutoTokenizer
+
+        tokens, processor = IMAGE_PRESETS[name]
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+        tokenizer.save_pretrained(str(folder))
+        config.update({key: tokenizer.convert_tokens_to_ids(token) for key, token in tokens.items()})
+        (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

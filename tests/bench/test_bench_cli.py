@@ -191,3 +191,28 @@ def test_sizes_and_counts_are_checked_before_anything_loads(flags, message, caps
     with pytest.raises(SystemExit) as exit_:
         main(["bench", *flags])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_images_bench_measures_an_image_beside_text_as_long(tmp_path, capsys, make_tiny_llama):
+    """Per image size: the image request's encoder time, TTFT and TPOT, and a text-only
+    request of the same prompt length; a text model is told it takes no images."""
+    from tests.conftest import TINY_CORPUS
+    from tests.multimodal.checkpoints import make_tiny_qwen2_vl
+
+    folder = tmp_path / "qwen"
+    make_tiny_qwen2_vl(folder, TINY_CORPUS)
+    out = tmp_path / "images.json"
+    assert main(["bench", "images", "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--image-sizes", "56,112", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+                 "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["engine"].split(",")[1].split("(")[0].strip() for r in rows] == [
+        "56x56 image", "text only", "112x112 image", "text only"]
+    assert [r["image_tokens"] for r in rows] == [4, 0, 16, 0]  # 56 / 14 = 4 patches a side, merged 2 x 2
+    assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"] and rows[2]["prompt_tokens"] == rows[3]["prompt_tokens"]
+    assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows) and rows[0]["encode_ms"] > 0
+    assert "| tessera, 56x56 image |" in capsys.readouterr().out
+    text, _ = make_tiny_llama()
+    with pytest.raises(SystemExit, match="takes no images"):
+        main(["bench", "images", "--model", str(text), "--dtype", "float32", "--num-kv-blocks", "64",
+              "--repeats", "1"])
