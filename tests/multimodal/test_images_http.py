@@ -116,6 +116,10 @@ def test_bad_images_are_400s_with_the_openai_error_shape(vlm_server):
     vlm_server.assert_idle()
 
 
+def test_info_names_the_image_pipeline(vlm_server):
+    assert httpx.get(f"{vlm_server.url}/info").json()["model_pipeline_tag"] == "image-text-to-text"  # TGI's, for VLMs
+
+
 def test_tgi_markdown_images(tiny_llava, vlm_server):
     image = random_image(24)
     want = hf_text(tiny_llava, "The quick <image> brown", [image], add_special_tokens=True)
