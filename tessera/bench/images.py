@@ -73,7 +73,7 @@ def images_bench(engine: Engine, image_sizes: list[int], text_len: int, output_l
         encodes, ttfts, tpots = [], [], []
         for _ in range(repeats):
             started = time.perf_counter()
-            engine.model.encode_images(images.encoder_inputs)
+            engine.model.encode_images(images.images[0].encoder_inputs)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize(engine.device)
             encodes.append(time.perf_counter() - started)

@@ -1,34 +1,42 @@
-"""What a request's images become once processed: where their placeholder tokens sit in the
-prompt, the encoder's inputs, and (while the prompt is being computed) the encoder's output."""
+"""What a request's images become once processed: where each image's tokens sit in the
+prompt, its own encoder inputs, and (while the prompt is being computed) its features."""
 from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+Encoder = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
-@dataclass(frozen=True)
-class ImageSpan:
-    """One image's placeholder tokens: prompt positions [start, end) hold them (maybe with
-    text markers in between, as in tiled layouts), and `content_hash` names its pixels."""
+
+@dataclass(eq=False)
+class PromptImage:
+    """One image of a prompt: its tokens lie in prompt positions [start, end) (maybe with
+    text markers in between, as in tiled layouts) and are feature rows [first_feature,
+    first_feature + num_features) of the prompt; `content_hash` names its pixels."""
 
     start: int
     end: int
     content_hash: bytes
+    first_feature: int
+    num_features: int
+    encoder_inputs: dict[str, torch.Tensor] = field(repr=False)  # this image's alone, on the CPU
+    # the encoder's output [num_features, hidden] while steps of the prompt need it
+    embeddings: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def end_feature(self) -> int:
+        return self.first_feature + self.num_features
 
 
 @dataclass(eq=False)
 class MultimodalInputs:
-    images: list[ImageSpan]
+    images: list[PromptImage]
     # the prompt positions whose embedding rows are image features, ascending: the i-th
-    # takes the encoder's i-th output row
+    # takes feature row i (image k's rows are its first_feature ...)
     feature_positions: list[int]
-    # what the model's encoder takes (pixel values and the like), on the CPU
-    encoder_inputs: dict[str, torch.Tensor]
-    # the encoder's output [len(feature_positions), hidden], computed by the runner when a
-    # step first needs it and dropped once the prompt is past its last image
-    embeddings: torch.Tensor | None = field(default=None, repr=False)
     # M-RoPE models: each prompt token's rotary position (a text token's, shared by its
     # three components; for an image token, its temporal one), the image tokens' 3-D
     # positions [3, len(feature_positions)], and what output token p is at: p + rope_delta
@@ -48,6 +56,29 @@ class MultimodalInputs:
     def features_between(self, start: int, end: int) -> tuple[int, int]:
         """[lo, hi): the feature rows of prompt positions in [start, end)."""
         return (bisect_left(self.feature_positions, start), bisect_left(self.feature_positions, end))
+
+    def features(self, lo: int, hi: int, encode: Encoder) -> torch.Tensor:
+        """Feature rows [lo, hi), encoding (one image at a time, so the encoder's peak is one
+        image's) the images not held yet."""
+        parts = []
+        for image in self.images:
+            if image.end_feature <= lo or image.first_feature >= hi:
+                continue
+            if image.embeddings is None:
+                embeddings = encode(image.encoder_inputs)
+                if embeddings.shape[0] != image.num_features:
+                    raise RuntimeError(f"the vision encoder gave {embeddings.shape[0]} features for an image "
+                                       f"of {image.num_features} tokens")
+                image.embeddings = embeddings
+            first = max(lo, image.first_feature) - image.first_feature
+            parts.append(image.embeddings[first:min(hi, image.end_feature) - image.first_feature])
+        return torch.cat(parts)
+
+    def release(self, before: int) -> None:
+        """Let go of the features of images whose rows all lie before row `before`."""
+        for image in self.images:
+            if image.end_feature <= before:
+                image.embeddings = None
 
     def hashes_between(self, start: int, end: int) -> tuple[bytes, ...]:
         """The content hashes of the images with placeholder tokens in [start, end): mixed

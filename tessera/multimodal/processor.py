@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from tessera.multimodal.images import image_hash
-from tessera.multimodal.inputs import ImageSpan, MultimodalInputs
+from tessera.multimodal.inputs import MultimodalInputs, PromptImage
 
 # processor outputs that describe the text, not the images
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -70,22 +70,31 @@ class ImagePrompts:
         image = Image.new("RGB", self.largest_image_size(), (127, 127, 127))
         return self.expand(self.placeholder, [image], add_special_tokens=False)[1]
 
-    def token_counts(self, encoder_inputs: dict[str, torch.Tensor], images: Sequence[Image.Image],
-                     num_tokens: int) -> list[int]:
-        """How many of the prompt's image tokens each image has. The counts must be right:
-        they tell which blocks hold which image's tokens, and so what the prefix cache may
-        share. With `same_tokens_per_image` (LLaVA 1.5: every image is resized to one
-        size) the tokens split evenly; otherwise each image is processed alone to count."""
+    def per_image(self, encoder_inputs: dict[str, torch.Tensor], images: Sequence[Image.Image],
+                  num_tokens: int) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Each image's token count and its own encoder inputs. The counts must be right:
+        they say which blocks hold which image's tokens, and so what the prefix cache may
+        share. With `same_tokens_per_image` (LLaVA 1.5: every image is resized to one size)
+        the tokens split evenly and the inputs along their first dimension; otherwise each
+        image is processed alone."""
         if len(images) == 1:
-            return [num_tokens]
+            return [(num_tokens, encoder_inputs)]
         if self.same_tokens_per_image:
-            if num_tokens % len(images):
-                raise PromptImageError(f"{num_tokens} image tokens do not split evenly over {len(images)} images")
-            return [num_tokens // len(images)] * len(images)
-        return [self.expand(self.placeholder, [image], False)[0].count(self.image_token_id) for image in images]
+            if num_tokens % len(images) or any(v.shape[0] != len(images) for v in encoder_inputs.values()):
+                raise PromptImageError(f"{num_tokens} image tokens and the processor's outputs do not split "
+                                       f"evenly over {len(images)} images")
+            return [(num_tokens // len(images), {k: v[i:i + 1] for k, v in encoder_inputs.items()})
+                    for i in range(len(images))]
+        alone = []
+        for image in images:
+            ids, inputs = self.expand(self.placeholder, [image], add_special_tokens=False)
+            alone.append((ids.count(self.image_token_id), inputs))
+        return alone
 
-    def add_positions(self, inputs: MultimodalInputs, ids: list[int], counts: list[int]) -> None:
-        """Set what a model with positions of its own (M-RoPE) needs; nothing by default."""
+    def add_positions(self, inputs: MultimodalInputs, ids: list[int],
+                      encoder_inputs: dict[str, torch.Tensor]) -> None:
+        """Set what a model with positions of its own (M-RoPE) needs, from the prompt's
+        processed images (`encoder_inputs`: all of them); nothing by default."""
 
     def __call__(self, text: str, images: Sequence[Image.Image],
                  add_special_tokens: bool = True) -> tuple[list[int], MultimodalInputs | None]:
@@ -99,19 +108,24 @@ class ImagePrompts:
         with self._lock:
             if not images:
                 return list(self.processor.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), None
-            ids, encoder_inputs = self.expand(text, images, add_special_tokens)
-            positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-            counts = self.token_counts(encoder_inputs, images, len(positions))
-        if sum(counts) != len(positions):
+            try:
+                ids, encoder_inputs = self.expand(text, images, add_special_tokens)
+                positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
+                each = self.per_image(encoder_inputs, images, len(positions))
+            except PromptImageError:
+                raise
+            except (ValueError, TypeError, IndexError) as exc:  # the processor's own refusals
+                raise PromptImageError(f"the model's processor cannot take these images: {exc}") from exc
+        if sum(count for count, _ in each) != len(positions):
             raise PromptImageError(f"the processor wrote {len(positions)} image tokens for images of "
-                                   f"{sum(counts)} features")
+                                   f"{sum(count for count, _ in each)} features")
         spans, first = [], 0
-        for image, count in zip(images, counts):
+        for image, (count, inputs) in zip(images, each):
             mine = positions[first:first + count]
-            spans.append(ImageSpan(mine[0], mine[-1] + 1, image_hash(image)))
+            spans.append(PromptImage(mine[0], mine[-1] + 1, image_hash(image), first, count, inputs))
             first += count
-        inputs = MultimodalInputs(spans, positions, encoder_inputs)
-        self.add_positions(inputs, ids, counts)
+        inputs = MultimodalInputs(spans, positions)
+        self.add_positions(inputs, ids, encoder_inputs)
         return ids, inputs
 
 

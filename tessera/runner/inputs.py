@@ -48,10 +48,10 @@ class ModelInputs:
     lora_segments: list[tuple[int, int, int]] = field(default_factory=list)
     lora_row_slots: torch.Tensor | None = None
     # images: the token rows that are image placeholders, and for each sequence with some
-    # in this step, (its images, first feature row, end feature row), in the same order;
-    # the runner turns them into `image_embeds` before the model runs
+    # in this step, its feature rows (ImageRows), in the same order; the runner turns them
+    # into `image_embeds` before the model runs
     image_rows: torch.Tensor | None = None
-    image_features: list[tuple[MultimodalInputs, int, int]] = field(default_factory=list)
+    image_slices: list[ImageRows] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None
     image_positions: torch.Tensor | None = None  # M-RoPE: the image rows' 3-D positions
 
@@ -64,6 +64,17 @@ class ModelInputs:
         if self.image_positions is not None:
             kwargs["image_positions"] = self.image_positions
         return kwargs
+
+
+@dataclass
+class ImageRows:
+    """A sequence's image feature rows [lo, hi) in this step; `keep`: its features stay
+    after the step (siblings of its group still to come will read them too)."""
+
+    images: MultimodalInputs
+    lo: int
+    hi: int
+    keep: bool
 
 
 @dataclass
@@ -104,7 +115,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     deferred_rows: list[int] = []
     deferred_indices: list[int] = []
     image_rows: list[int] = []
-    image_features: list[tuple[MultimodalInputs, int, int]] = []
+    image_slices: list[ImageRows] = []
     image_positions: list[torch.Tensor] = []
     # the block tables as one flat, zero-padded list: a single tensor conversion for the
     # step (one per row cost ~20 us each, 5 ms for a 256-row decode step)
@@ -121,7 +132,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
             lo, hi = images.features_between(start, real_end)
             if hi > lo:
                 image_rows.extend(first_row + p - start for p in images.feature_positions[lo:hi])
-                image_features.append((images, lo, hi))
+                group = getattr(seq, "group", None)
+                image_slices.append(ImageRows(images, lo, hi, keep=group is not None and bool(group.pending)))
                 if images.image_rope is not None:
                     image_positions.append(images.image_rope[:, lo:hi])
         if real_end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
@@ -178,7 +190,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     if deferred_rows:
         inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
     if image_rows:
-        inputs.image_rows, inputs.image_features = to(image_rows), image_features
+        inputs.image_rows, inputs.image_slices = to(image_rows), image_slices
         if image_positions:
             inputs.image_positions = to_device(torch.cat(image_positions, dim=1), device)
     return inputs

@@ -157,18 +157,14 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
 
     def _encode_images(self, inputs: ModelInputs) -> None:
-        """The image features of the step's placeholder rows, encoding a prompt's images
-        the first time a step reaches them; a prompt past its last image lets them go."""
+        """The image features of the step's placeholder rows, encoding each image the first
+        time a step reaches it; images a prompt is past are let go (unless siblings of its
+        group will read them)."""
         parts = []
-        for images, lo, hi in inputs.image_features:
-            if images.embeddings is None:
-                images.embeddings = self.model.encode_images(images.encoder_inputs)
-                if images.embeddings.shape[0] != images.num_features:
-                    raise RuntimeError(f"the vision encoder gave {images.embeddings.shape[0]} features for "
-                                       f"{images.num_features} image tokens")
-            parts.append(images.embeddings[lo:hi])
-            if hi == images.num_features:
-                images.embeddings = None
+        for rows in inputs.image_slices:
+            parts.append(rows.images.features(rows.lo, rows.hi, self.model.encode_images))
+            if not rows.keep:
+                rows.images.release(before=rows.hi)
         inputs.image_embeds = torch.cat(parts).to(self.device)
 
     @torch.inference_mode()
@@ -185,7 +181,7 @@ class ModelRunner:
         inputs = build_inputs(scheduled, self.block_size, self.device,
                               None if previous is None else previous.sampled_index,
                               self._activate_loras(scheduled))
-        if inputs.image_features:
+        if inputs.image_slices:
             self._encode_images(inputs)
         if inputs.deferred_rows is not None:
             inputs.input_ids.index_copy_(

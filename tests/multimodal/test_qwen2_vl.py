@@ -40,8 +40,9 @@ def test_positions_equal_transformers_rope_index(tiny_qwen25_vl, llm):
     images = [random_image(1, size=(70, 100)), random_image(2, size=(60, 60))]
     ids, inputs = llm.engine.process_images(TWO_IMAGES, images)
     pad = llm.engine.router.image_token_id
+    grids = torch.cat([image.encoder_inputs["image_grid_thw"] for image in inputs.images])
     want, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == pad).int(),
-                                          image_grid_thw=inputs.encoder_inputs["image_grid_thw"])
+                                          image_grid_thw=grids)
     want = want[:, 0]
     rows = torch.tensor(inputs.feature_positions)
     assert torch.equal(inputs.image_rope, want[:, rows])

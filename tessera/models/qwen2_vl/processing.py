@@ -69,17 +69,23 @@ class QwenVLImagePrompts(ImagePrompts):
         side = math.isqrt(int(most))
         return (side, side)
 
-    def token_counts(self, encoder_inputs: dict[str, torch.Tensor], images: Sequence[Image.Image],
-                     num_tokens: int) -> list[int]:
-        return (encoder_inputs["image_grid_thw"].prod(-1) // self.merge_size ** 2).tolist()
+    def per_image(self, encoder_inputs: dict[str, torch.Tensor], images: Sequence[Image.Image],
+                  num_tokens: int) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """The patch rows of pixel_values are the images' in order, t * h * w each."""
+        grids = encoder_inputs["image_grid_thw"]
+        patches = grids.prod(-1).tolist()
+        rows = encoder_inputs["pixel_values"].split(patches)
+        return [(n // self.merge_size ** 2, {"pixel_values": r, "image_grid_thw": grids[i:i + 1]})
+                for i, (n, r) in enumerate(zip(patches, rows))]
 
-    def add_positions(self, inputs: MultimodalInputs, ids: list[int], counts: list[int]) -> None:
-        grids = inputs.encoder_inputs["image_grid_thw"].tolist()
+    def add_positions(self, inputs: MultimodalInputs, ids: list[int],
+                      encoder_inputs: dict[str, torch.Tensor]) -> None:
+        grids = encoder_inputs["image_grid_thw"].tolist()
         rope: list[int] = []
         image_rope: list[torch.Tensor] = []
         current = 0
-        for span, (t, h, w), count in zip(inputs.images, grids, counts):
-            if span.end - span.start != count:
+        for span, (t, h, w) in zip(inputs.images, grids):
+            if span.end - span.start != span.num_features:
                 raise ValueError("an image's tokens are not one run")
             text = span.start - len(rope)
             rope.extend(range(current, current + text))
