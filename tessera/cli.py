@@ -133,6 +133,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _image_limit(text: str) -> int:
+    """--limit-mm-per-prompt: vLLM's JSON ({"image": N}), or N alone."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected '{{\"image\": N}}', got {text!r}") from None
+    if isinstance(value, dict):
+        unknown = set(value) - {"image"}
+        if unknown:
+            raise argparse.ArgumentTypeError(f"tessera takes images only; got {sorted(unknown)}")
+        value = value.get("image", 8)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise argparse.ArgumentTypeError(f"the image limit is a count >= 0, got {value!r}")
+    return value
+
+
 def _secret_int(text: str) -> int:
     """int(text), with an error that does not print the text (a key)."""
     try:
@@ -267,7 +283,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       reasoning_parser=args.reasoning_parser,
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                       payload_limit=args.payload_limit,
-                      allowed_local_media_path=args.allowed_local_media_path)
+                      allowed_local_media_path=args.allowed_local_media_path,
+                      max_images_per_prompt=args.limit_mm_per_prompt)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -346,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                        help="let requests name image files under DIR (file:// URLs or paths), as "
                             "vLLM's flag; without it only URLs and data URLs are read")
+    serve.add_argument("--limit-mm-per-prompt", type=_image_limit, default=8, metavar="JSON",
+                       help="vLLM's flag: the most images one request may show, '{\"image\": N}' "
+                            "(default 8); more is a 400 / 422 before any image is fetched")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read "
                             "folders on this machine: only for trusted clients)")

@@ -198,6 +198,9 @@ def _engine_prompt(args: argparse.Namespace, llm, prompt: str | list[dict]):
     """What LLM.generate takes for one prompt of the command line or input file."""
     images = [{"type": "image_url", "image_url": {"url": image}} for image in args.image]
     if isinstance(prompt, list):
+        if images:
+            raise SystemExit("--image applies to prompts given as text; a JSONL chat names its images "
+                             'in its messages ({"type": "image_url", "image_url": {"url": ...}})')
         return llm.chat_prompt(prompt)
     if args.chat:
         content = [*images, {"type": "text", "text": prompt}] if images else prompt

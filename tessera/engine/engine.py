@@ -104,6 +104,7 @@ class Engine:
             self.runner.image_profile_inputs = self.router.image_prompts.largest_image_inputs()
         self.num_blocks, self.max_model_len = size_kv_cache(
             self.runner, config, self.max_model_len, None if self.draft is None else self.draft.sizing)
+        self.runner.image_profile_inputs = None  # measured; its pixels need not stay
         self.runner.graph_limits = GraphLimits(max_decode_rows(config), self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.proposer = make_proposer(config, self.draft, self.router.config.vocab_size,
@@ -134,6 +135,11 @@ class Engine:
     @property
     def supports_images(self) -> bool:
         return self.router.supports_images
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """What a prompt writes where an image goes (the model's own, e.g. <image>)."""
+        return self.router.image_prompts.placeholder if self.supports_images else None
 
     def process_images(self, prompt: str, images: Seq, add_special_tokens: bool = True
                        ) -> tuple[list[int], MultimodalInputs | None]:

@@ -53,7 +53,13 @@ class VisionEncoder(nn.Module):
         hf.to_empty(device=device)
         with torch.no_grad():
             hf.init_weights()  # computes the buffers (position ids, rotary tables) meta lost
-        self.hf = hf.to(dtype).eval().requires_grad_(False)
+        # the weights in the model dtype; computed float32 buffers (rotary tables) stay
+        # float32, as transformers keeps them
+        for module in hf.modules():
+            for name, param in module._parameters.items():
+                if param is not None and param.is_floating_point():
+                    module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
+        self.hf = hf.eval().requires_grad_(False)
         self.dtype = dtype
         self.top_names = {name for name, _ in hf.named_children()} | {n for n, _ in hf.named_parameters(recurse=False)}
         self._state = hf.state_dict(keep_vars=True)

@@ -6,6 +6,7 @@ import base64
 import binascii
 import hashlib
 import io
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,10 @@ from PIL import Image, UnidentifiedImageError
 
 # the most an image download or data URL may hold (a 4k PNG is ~10 MB)
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
-FETCH_TIMEOUT_S = 10.0
+# the most pixels an image may decode to (a 5000 x 5000 photo; every processor here scales
+# larger ones down anyway): a small compressed file can decode to gigabytes
+MAX_IMAGE_PIXELS = 25_000_000
+FETCH_TIMEOUT_S = 10.0  # for the whole download, not each read
 
 
 class ImageLoadError(ValueError):
@@ -53,7 +57,11 @@ def _rgb(image: Image.Image) -> Image.Image:
 
 def _decode(data: bytes, what: str) -> Image.Image:
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data))  # reads the header only
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ImageLoadError(f"{what} is {width} x {height} pixels, more than the {MAX_IMAGE_PIXELS} "
+                                 "an image may have")
         image.load()
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ImageLoadError(f"{what} is not an image PIL can read ({exc})") from exc
@@ -75,6 +83,7 @@ def _data_url_bytes(url: str) -> bytes:
 def _fetch(url: str) -> bytes:
     import httpx
 
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
     try:
         with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as response:
             if response.status_code != 200:
@@ -84,6 +93,8 @@ def _fetch(url: str) -> bytes:
                 data += chunk
                 if len(data) > MAX_IMAGE_BYTES:
                     raise ImageLoadError(f"{url} is larger than {MAX_IMAGE_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise ImageLoadError(f"fetching {url} took longer than {FETCH_TIMEOUT_S:.0f} s")
             return bytes(data)
     except httpx.HTTPError as exc:
         raise ImageLoadError(f"fetching {url} failed: {exc}") from exc

@@ -161,10 +161,14 @@ class ModelRunner:
         time a step reaches it; images a prompt is past are let go (unless siblings of its
         group will read them)."""
         parts = []
+        done: dict[int, tuple] = {}  # per prompt (siblings share one): its images, rows all past, kept
         for rows in inputs.image_slices:
             parts.append(rows.images.features(rows.lo, rows.hi, self.model.encode_images))
-            if not rows.keep:
-                rows.images.release(before=rows.hi)
+            _, before, keep = done.get(id(rows.images), (None, rows.hi, False))
+            done[id(rows.images)] = (rows.images, min(before, rows.hi), keep or rows.keep)
+        for images, before, keep in done.values():  # after the step's reads: siblings share its features
+            if not keep:
+                images.release(before=before)
         inputs.image_embeds = torch.cat(parts).to(self.device)
 
     @torch.inference_mode()

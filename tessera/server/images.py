@@ -16,6 +16,10 @@ async def prompt_with_images(state: ServerState, text: str, sources: Sequence[An
                              add_special_tokens: bool, param: str) -> tuple[list[int], MultimodalInputs | None]:
     """The prompt's token ids (image placeholders expanded) and its images' inputs; a bad
     image or a prompt that does not fit its images is a validation error on `param`."""
+    limit = state.limits.max_images_per_prompt
+    if len(sources) > limit:
+        raise ValidationFailed(f"a prompt may show at most {limit} images; this one has {len(sources)} "
+                               "(tessera serve --limit-mm-per-prompt '{\"image\": N}')", param=param)
     core = state.engine.engine
 
     def process() -> tuple[list[int], MultimodalInputs | None]:

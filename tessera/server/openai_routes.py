@@ -122,7 +122,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     served, lora = resolve_model(state, body.model)
     tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
     ids, prompt_text, images = await _chat_prompt(state, body)
-    if images is not None and body.truncate_prompt_tokens is not None:
+    if images is not None and body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < len(ids):
         raise ValidationFailed("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
     ids = truncated(ids, body.truncate_prompt_tokens, state.limits.max_input_tokens)
     # vLLM's reply role: the assistant's, or, when no generation prompt opens a new turn,

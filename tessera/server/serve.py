@@ -36,10 +36,11 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                max_input_tokens: int | None = None, drain_timeout_s: float = 30.0,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                allow_runtime_lora_updating: bool = False, payload_limit: int | None = None,
-               allowed_local_media_path: str | None = None) -> int:
+               allowed_local_media_path: str | None = None, max_images_per_prompt: int = 8) -> int:
     state = ServerState(model_name, ServerLimits(max_concurrent_requests=max_concurrent_requests,
                                                  max_input_tokens=max_input_tokens or 0,
-                                                 max_body_bytes=payload_limit), api_key,
+                                                 max_body_bytes=payload_limit,
+                                                 max_images_per_prompt=max_images_per_prompt), api_key,
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         allow_runtime_lora_updating=allow_runtime_lora_updating,
                         allowed_local_media_path=Path(allowed_local_media_path).expanduser()

@@ -29,6 +29,7 @@ class ServerLimits:
     # bodies larger than this are refused before parsing, let alone tokenizing; None: TGI's
     # 2 MB, or 50 MB for a model that takes images (base64 images are large)
     max_body_bytes: int | None = None
+    max_images_per_prompt: int = 8  # vLLM's --limit-mm-per-prompt '{"image": N}'
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ServerState:
     model_root: str | None = None  # what /v1/models gives as the base model's root: its --model
     # images: whether the model takes them, and where local image paths may be read from
     supports_images: bool = False
+    image_placeholder: str | None = None  # what a prompt writes where an image goes
     allowed_local_media_path: Path | None = None
     metrics: ServerMetrics = field(init=False)
 
@@ -81,6 +83,7 @@ class ServerState:
             self.limits.max_input_tokens = core.max_model_len - 1
         self.limits.max_concurrent_requests = engine.max_concurrent_requests
         self.supports_images = core.supports_images
+        self.image_placeholder = core.image_placeholder
         if self.limits.max_body_bytes is None:
             self.limits.max_body_bytes = 50_000_000 if self.supports_images else 2_000_000
         self.ready = True

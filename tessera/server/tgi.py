@@ -128,7 +128,7 @@ async def _inputs_with_images(state: ServerState, inputs: str) -> tuple[list[int
     if not state.supports_images or not MARKDOWN_IMAGE.search(inputs):
         return None, None
     sources = [m.group(1) for m in MARKDOWN_IMAGE.finditer(inputs)]
-    text = MARKDOWN_IMAGE.sub(lambda _: state.engine.engine.router.image_prompts.placeholder, inputs)
+    text = MARKDOWN_IMAGE.sub(lambda _: state.image_placeholder, inputs)
     return await prompt_with_images(state, text, sources, add_special_tokens=True, param="inputs")
 
 

@@ -167,3 +167,43 @@ def test_concurrent_image_requests(vlm_server, client):
     assert together == alone
     assert len(set(alone)) > 1
     vlm_server.assert_idle()
+
+
+def test_limits_come_before_any_image_is_read(vlm_server, monkeypatch):
+    """More images than --limit-mm-per-prompt is a 400 naming the flag (the URLs are never
+    fetched: nothing listens there); an image of too many pixels is refused from its header
+    (a small file can decode to gigabytes)."""
+    import tessera.multimodal.images as images
+
+    monkeypatch.setattr(vlm_server.state.limits, "max_images_per_prompt", 1)
+    parts = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/never.png"}}] * 2
+    r = httpx.post(f"{vlm_server.url}/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 400 and "--limit-mm-per-prompt" in r.json()["error"]["message"]
+    r = httpx.post(f"{vlm_server.url}/generate", json={"inputs": "![](http://127.0.0.1:9/a.png)![](http://127.0.0.1:9/b.png)",
+                                                       "parameters": {"max_new_tokens": 2}})
+    assert r.status_code == 422 and "at most 1 images" in r.json()["error"]
+    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 50 * 40 - 1)
+    r = httpx.post(f"{vlm_server.url}/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(random_image(1, size=(50, 40)))}}]}]})
+    assert r.status_code == 400 and "50 x 40 pixels" in r.json()["error"]["message"]
+    vlm_server.assert_idle()
+
+
+def test_a_processor_refusal_is_a_400(tmp_path):
+    """Qwen's image processor refuses an aspect ratio over 200: the client hears why."""
+    from tests.conftest import TINY_CORPUS
+    from tests.multimodal.checkpoints import make_tiny_qwen2_vl
+
+    make_tiny_qwen2_vl(tmp_path, TINY_CORPUS)
+    running = start_server(tmp_path)
+    try:
+        r = httpx.post(f"{running.url}/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(random_image(1, size=(2000, 5)))}}]}]})
+        assert r.status_code == 400, r.text
+        assert "cannot take these images" in r.json()["error"]["message"]
+        running.assert_idle()
+    finally:
+        running.stop()

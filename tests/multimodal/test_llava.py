@@ -224,3 +224,35 @@ def test_lora_on_the_language_model_equals_peft(tiny_llava, tmp_path):
         save_peft_adapter(hf, vision, seed=5, target_modules=["q_proj", "v_proj"])  # the tower's too
         with pytest.raises(LoRAAdapterError, match="vision tower"):
             llm.engine.add_lora(LoRARequest("v", 2, str(vision)))
+
+
+def test_preemption_async_scheduling_and_ngram_drafts_keep_the_answers(tiny_llava):
+    """Prompts with images in a cache too small for all of them (preempted, recomputed and
+    re-encoded), with async scheduling and with n-gram drafts: every answer is the one its
+    prompt gets alone."""
+    folder, _ = tiny_llava
+    prompts = [image_prompt(TWO_IMAGES, [random_image(40 + i), random_image(50 + i)]) for i in range(4)]
+    prompts += [image_prompt("A picture <image> of", [random_image(60 + i)]) for i in range(3)]
+    with LLM(folder, dtype="float32", num_kv_blocks=64, enable_prefix_caching=False, show_progress=False) as solo:
+        want = [solo.generate(p, greedy(24), use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    for extra in ({"async_scheduling": True}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}):
+        with LLM(folder, dtype="float32", num_kv_blocks=14, block_size=8, max_num_batched_tokens=16,
+                 max_num_seqs=8, show_progress=False, **extra) as tight:
+            got = tight.generate(prompts, greedy(24), use_tqdm=False)
+            assert tight.engine.stats().num_preemptions > 0 or extra.get("speculative_config")
+            assert tight.engine.block_manager.all_free()
+        assert [o.outputs[0].token_ids for o in got] == want, extra
+
+
+def test_each_image_is_encoded_once_for_a_group_of_siblings(tiny_llava, monkeypatch):
+    """n = 4 sampled completions of a prompt whose image ends in its last block: the
+    siblings read the first one's features (one encode per image, not per sibling)."""
+    folder, _ = tiny_llava
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
+        calls = []
+        encode = llm.engine.model.encode_images
+        monkeypatch.setattr(llm.engine.model, "encode_images", lambda inputs: calls.append(1) or encode(inputs))
+        out = llm.generate(image_prompt("A picture <image>", [random_image(70)]),
+                           SamplingParams(max_tokens=4, n=4, temperature=1.0, seed=3), use_tqdm=False)[0]
+        assert len(out.outputs) == 4 and len(calls) == 1
+        assert llm.engine.block_manager.all_free()
