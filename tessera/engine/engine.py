@@ -146,7 +146,7 @@ class Engine:
         """A prompt with image placeholders (the model's own, e.g. <image>; chat templates
         write them) and its images (PIL images, URLs, data URLs): its token ids and images'
         inputs for add_request. Any thread may call this (it loads and preprocesses)."""
-        if not images:
+        if not images and not (self.supports_images and self.image_placeholder in prompt):
             return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids), None
         if not self.supports_images:
             raise RequestError(f"this model ({self.router.config.model_type}) takes no images")

@@ -9,6 +9,8 @@ import io
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from PIL import Image, UnidentifiedImageError
 
@@ -33,14 +35,38 @@ def load_image(source: Any, *, allowed_local_path: Path | None = None,
         return _rgb(source)
     if isinstance(source, (bytes, bytearray)):
         return _decode(bytes(source), "the image bytes")
+    if hasattr(source, "__array__") and not isinstance(source, str):
+        return _from_array(source)
     if not isinstance(source, str) or not source:
-        raise ImageLoadError(f"an image is a URL, a data URL, a path or a PIL image; got {type(source).__name__}")
+        raise ImageLoadError("an image is a URL, a data URL, a path, a PIL image or an array; got "
+                             f"{type(source).__name__}")
     if source.startswith("data:"):
         return _decode(_data_url_bytes(source), "the data URL")
-    if source.startswith(("http://", "https://")):
+    if is_http_url(source):
         return _decode(_fetch(source), source)
-    path = Path(source[len("file://"):] if source.startswith("file://") else source).expanduser()
-    return _decode(_read_local(path, allowed_local_path, allow_any_path), str(path))
+    return _decode(_read_local(local_path(source), allowed_local_path, allow_any_path), source)
+
+
+def is_http_url(source: object) -> bool:
+    return isinstance(source, str) and source.startswith(("http://", "https://"))
+
+
+def local_path(source: str) -> Path:
+    """The file a path or file:// URL names; other URL schemes are refused."""
+    scheme, sep, _ = source.partition("://")
+    if not sep or "/" in scheme:
+        return Path(source).expanduser()
+    if scheme != "file":
+        raise ImageLoadError(f"image URLs are http(s)://, data: or file:// URLs; got {scheme}://")
+    parsed = urlparse(source)
+    if parsed.netloc not in ("", "localhost"):
+        raise ImageLoadError(f"a file:// URL names this machine's files; got host {parsed.netloc!r}")
+    return Path(url2pathname(parsed.path))
+
+
+def decode_image(data: bytes, what: str) -> Image.Image:
+    """Bytes already fetched (the server downloads them itself) as an RGB image."""
+    return _decode(data, what)
 
 
 def image_hash(image: Image.Image) -> bytes:
@@ -52,7 +78,37 @@ def image_hash(image: Image.Image) -> bytes:
 
 
 def _rgb(image: Image.Image) -> Image.Image:
-    return image if image.mode == "RGB" else image.convert("RGB")
+    """RGB, transparent pixels on white, as transformers' image processors and vLLM do
+    (a plain convert("RGB") keeps whatever colour lies under them)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _from_array(array) -> Image.Image:
+    """A height x width (x channels) array of uint8, or of floats in [0, 1]; a torch tensor
+    may be channels-first."""
+    import numpy as np
+
+    if hasattr(array, "detach"):  # torch: [C, H, W] is its images' layout
+        array = array.detach().cpu()
+        if array.dim() == 3 and array.shape[0] in (1, 3, 4) and array.shape[-1] not in (1, 3, 4):
+            array = array.permute(1, 2, 0)
+    values = np.asarray(array)
+    if values.ndim == 3 and values.shape[-1] == 1:
+        values = values[..., 0]
+    if values.ndim not in (2, 3) or (values.ndim == 3 and values.shape[-1] not in (3, 4)):
+        raise ImageLoadError(f"an image array is height x width (x 3 or 4 channels); got shape {values.shape}")
+    if values.dtype != np.uint8:
+        if not np.issubdtype(values.dtype, np.floating):
+            raise ImageLoadError(f"an image array holds uint8 or floats in [0, 1]; got {values.dtype}")
+        values = (np.clip(values, 0.0, 1.0) * 255).round().astype(np.uint8)
+    if values.shape[0] * values.shape[1] > MAX_IMAGE_PIXELS:
+        raise ImageLoadError(f"the image array has more than the {MAX_IMAGE_PIXELS} pixels an image may have")
+    return _rgb(Image.fromarray(values))
 
 
 def _decode(data: bytes, what: str) -> Image.Image:
@@ -78,6 +134,34 @@ def _data_url_bytes(url: str) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ImageLoadError(f"the image data URL is not valid base64 ({exc})") from exc
+
+
+async def fetch_image_bytes(url: str) -> bytes:
+    """An http(s) image's bytes, within FETCH_TIMEOUT_S in all (headers too: a server that
+    sends them a byte at a time is cut off) and MAX_IMAGE_BYTES; for the server, which
+    awaits this instead of holding a worker thread."""
+    import asyncio
+
+    import httpx
+
+    async def download() -> bytes:
+        async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise ImageLoadError(f"fetching {url} answered HTTP {response.status_code}")
+                data = bytearray()
+                async for chunk in response.aiter_bytes():
+                    data += chunk
+                    if len(data) > MAX_IMAGE_BYTES:
+                        raise ImageLoadError(f"{url} is larger than {MAX_IMAGE_BYTES} bytes")
+                return bytes(data)
+
+    try:
+        return await asyncio.wait_for(download(), FETCH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ImageLoadError(f"fetching {url} took longer than {FETCH_TIMEOUT_S:.0f} s") from None
+    except httpx.HTTPError as exc:
+        raise ImageLoadError(f"fetching {url} failed: {exc}") from exc
 
 
 def _fetch(url: str) -> bytes:

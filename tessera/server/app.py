@@ -44,7 +44,36 @@ class _Guard:
         error = self._check(request)
         if error is not None:
             return await _render(request, error)(scope, receive, send)
+        if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
+            # a chunked body has no length to check up front: count it as it comes
+            messages = []
+            size, limit = 0, self._body_limit()
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                size += len(message.get("body", b""))
+                if size > limit:
+                    return await _render(request, self._too_large(f"more than {limit}", limit))(scope, receive, send)
+                messages.append(message)
+                if not message.get("more_body"):
+                    break
+
+            async def replay():  # the body read above, then the client's later messages (disconnect)
+                return messages.pop(0) if messages else await receive()
+
+            return await self.app(scope, replay, send)
         await self.app(scope, receive, send)
+
+    def _body_limit(self) -> int:
+        return self.state.limits.max_body_bytes or 2_000_000  # unset until the model is known
+
+    @staticmethod
+    def _too_large(size: str, limit: int) -> APIError:
+        err = ValidationFailed(f"request body of {size} bytes exceeds the limit of {limit} bytes "
+                               "(tessera serve --payload-limit)")
+        err.status = 413
+        return err
 
     def _check(self, request: Request) -> APIError | None:
         state = self.state
@@ -56,12 +85,9 @@ class _Guard:
                 err.status, err.error_type, err.openai_type = 401, "authentication", "AuthenticationError"
                 return err
         length = request.headers.get("content-length")
-        limit = state.limits.max_body_bytes or 2_000_000  # unset until the model is known
+        limit = self._body_limit()
         if length is not None and length.isdigit() and int(length) > limit:
-            err = ValidationFailed(f"request body of {length} bytes exceeds the limit of {limit} bytes "
-                                   "(tessera serve --payload-limit)")
-            err.status = 413
-            return err
+            return self._too_large(length, limit)
         if not state.ready and path not in ("/health", "/metrics"):
             return Unavailable("the model is still loading")
         return None

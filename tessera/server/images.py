@@ -6,7 +6,7 @@ import asyncio
 from typing import Any, Sequence
 
 from tessera.engine.request_checks import RequestError
-from tessera.multimodal.images import ImageLoadError, load_image
+from tessera.multimodal.images import ImageLoadError, decode_image, fetch_image_bytes, is_http_url, load_image
 from tessera.multimodal.inputs import MultimodalInputs
 from tessera.server.errors import ValidationFailed
 from tessera.server.state import ServerState
@@ -22,11 +22,16 @@ async def prompt_with_images(state: ServerState, text: str, sources: Sequence[An
                                "(tessera serve --limit-mm-per-prompt '{\"image\": N}')", param=param)
     core = state.engine.engine
 
-    def process() -> tuple[list[int], MultimodalInputs | None]:
-        images = [load_image(source, allowed_local_path=state.allowed_local_media_path) for source in sources]
+    def process(fetched: list) -> tuple[list[int], MultimodalInputs | None]:
+        images = [decode_image(source, f"the image at {url}") if url else
+                  load_image(source, allowed_local_path=state.allowed_local_media_path)
+                  for source, url in fetched]
         return core.process_images(text, images, add_special_tokens)
 
     try:
-        return await asyncio.to_thread(process)
+        # downloads on the event loop (a slow server holds no worker thread), then the
+        # decoding and preprocessing in one
+        fetched = [(await fetch_image_bytes(s), s) if is_http_url(s) else (s, None) for s in sources]
+        return await asyncio.to_thread(process, fetched)
     except (ImageLoadError, RequestError) as exc:
         raise ValidationFailed(str(exc), param=param) from exc

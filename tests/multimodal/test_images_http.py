@@ -103,7 +103,7 @@ def test_local_files_only_under_the_allowed_path(vlm_server, client, tmp_path):
 def test_bad_images_are_400s_with_the_openai_error_shape(vlm_server):
     for url, message in [("data:image/png;base64,@@@", "not valid base64"),
                          ("data:image/png;base64," + "aGVsbG8=", "not an image"),
-                         ("ftp://example/x.png", "local image paths are not allowed")]:
+                         ("ftp://example/x.png", "image URLs are http(s)://, data: or file:// URLs")]:
         r = httpx.post(f"{vlm_server.url}/v1/chat/completions", json={
             "model": "tiny", "max_tokens": 4,
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
@@ -207,3 +207,56 @@ def test_a_processor_refusal_is_a_400(tmp_path):
         running.assert_idle()
     finally:
         running.stop()
+
+
+def test_a_chunked_body_over_the_payload_limit_is_a_413(vlm_server, monkeypatch):
+    """A body sent without content-length (chunked) is counted as it arrives."""
+    monkeypatch.setattr(vlm_server.state.limits, "max_body_bytes", 100_000)
+    body = json.dumps({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(random_image(1, size=(300, 300)))}}]}]}).encode()
+    assert len(body) > 100_000
+    chunks = (body[i:i + 4096] for i in range(0, len(body), 4096))
+    r = httpx.post(f"{vlm_server.url}/v1/chat/completions", content=chunks,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--payload-limit" in r.json()["error"]["message"]
+    small = json.dumps({"inputs": "The quick", "parameters": {"max_new_tokens": 2}}).encode()
+    r = httpx.post(f"{vlm_server.url}/generate", content=iter([small[:5], small[5:]]),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    vlm_server.assert_idle()
+
+
+def test_a_download_has_a_deadline_for_everything_headers_included(vlm_server, client, monkeypatch):
+    """A server that sends its headers a byte at a time is cut off at the deadline, and
+    meanwhile a data-URL request is answered (downloads hold no worker thread)."""
+    import socket
+    import time
+
+    import tessera.multimodal.images as images
+
+    monkeypatch.setattr(images, "FETCH_TIMEOUT_S", 1.5)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not stop.wait(0.2):
+                try:
+                    conn.sendall(b"X")
+                except OSError:
+                    return
+
+    threading.Thread(target=drip, daemon=True).start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="took longer than"):
+            chat(client, f"http://127.0.0.1:{listener.getsockname()[1]}/slow.png")
+        assert time.monotonic() - started < 5
+    finally:
+        stop.set()
+        listener.close()
+    vlm_server.assert_idle()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from PIL import Image
 
 from tessera import LLM
 from tessera.engine.request_checks import RequestError
@@ -256,3 +257,27 @@ def test_each_image_is_encoded_once_for_a_group_of_siblings(tiny_llava, monkeypa
                            SamplingParams(max_tokens=4, n=4, temperature=1.0, seed=3), use_tqdm=False)[0]
         assert len(out.outputs) == 4 and len(calls) == 1
         assert llm.engine.block_manager.all_free()
+
+
+def test_transparent_images_lie_on_white_and_arrays_are_images(tiny_llava, llm):
+    """An RGBA image's transparent pixels are white, as transformers' processors make them
+    (not the colour stored under them); numpy and torch arrays are images too; a
+    placeholder without its image is an error, as are URLs of other schemes."""
+    import numpy as np
+
+    folder, hf = tiny_llava
+    pixels = np.array(random_image(19).convert("RGBA"))
+    pixels[:, :25, 3] = 0
+    rgba = Image.fromarray(pixels)
+    _, want = hf_image_generate(hf, folder, "A <image> of", [rgba], N)
+    got = llm.generate(image_prompt("A <image> of", [rgba]), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    plain = random_image(20)
+    by_image = llm.generate(image_prompt("A <image> of", [plain]), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    array = np.asarray(plain)
+    for same in (array, torch.from_numpy(array).permute(2, 0, 1), array.astype(np.float32) / 255):
+        assert llm.generate(image_prompt("A <image> of", [same]), greedy(), use_tqdm=False)[0].outputs[0].token_ids == by_image
+    with pytest.raises(RequestError, match="1 image placeholder.*0 images"):
+        llm.generate(image_prompt("A <image> of", []), greedy(), use_tqdm=False)
+    with pytest.raises(RequestError, match="http\\(s\\)://, data: or file://"):
+        llm.generate(image_prompt("A <image> of", ["ftp://example/x.png"]), greedy(), use_tqdm=False)
