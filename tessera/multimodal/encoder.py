@@ -2,10 +2,11 @@
 vision tower and projector (whatever the architecture calls them), built from the config
 without the language model, loaded from the checkpoint, and called through the model's
 `get_image_features`. tessera's own ops run the language model, where generation spends
-its time; an image is encoded once, when its prompt is computed."""
+its time; an image is encoded when a step of its prompt first reaches it."""
 from __future__ import annotations
 
 import re
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -105,7 +106,8 @@ class VisionEncoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, encoder_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The image features of one prompt's images, in placeholder order: [N, hidden]."""
+        """The features of the images `encoder_inputs` holds (the runner passes one image's),
+        in placeholder order: [N, hidden]."""
         device = next(self.hf.parameters()).device
         inputs = {k: v.to(device, self.dtype if v.is_floating_point() else v.dtype)
                   for k, v in encoder_inputs.items()}
