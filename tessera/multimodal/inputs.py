@@ -8,7 +8,9 @@ from typing import Callable
 
 import torch
 
-Encoder = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+# an image's features from its encoder inputs and content hash (the runner's encoder, with
+# its cache of images seen before)
+Encoder = Callable[[dict[str, torch.Tensor], bytes], torch.Tensor]
 
 
 @dataclass(eq=False)
@@ -65,7 +67,7 @@ class MultimodalInputs:
             if image.end_feature <= lo or image.first_feature >= hi:
                 continue
             if image.embeddings is None:
-                embeddings = encode(image.encoder_inputs)
+                embeddings = encode(image.encoder_inputs, image.content_hash)
                 if embeddings.shape[0] != image.num_features:
                     raise RuntimeError(f"the vision encoder gave {embeddings.shape[0]} features for an image "
                                        f"of {image.num_features} tokens")

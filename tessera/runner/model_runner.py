@@ -13,6 +13,7 @@ from tessera.engine.scheduler import ScheduledSeq
 from tessera.lora.adapter import LoRAAdapter
 from tessera.lora.layer import LoRAPass, lora_context
 from tessera.lora.slots import LoRASlots
+from tessera.multimodal.encoder_cache import EncoderCache
 from tessera.ops.attention import Attention, attention_context
 from tessera.runner.cuda_graphs import CudaDecodeGraphs
 from tessera.runner.decode_graphs import CpuDecodeGraphs
@@ -66,6 +67,7 @@ class ModelRunner:
         self.lora: LoRASlots | None = None  # adapter slots, once enable_lora ran
         # a multimodal model's encoder inputs for its largest image (warm-up measures it)
         self.image_profile_inputs: dict[str, torch.Tensor] | None = None
+        self.encoder_cache = EncoderCache()  # images seen before, by their pixels' hash
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:
         """Give every linear layer adapter slots (before the KV cache is sized: they take
@@ -163,13 +165,22 @@ class ModelRunner:
         parts = []
         done: dict[int, tuple] = {}  # per prompt (siblings share one): its images, rows all past, kept
         for rows in inputs.image_slices:
-            parts.append(rows.images.features(rows.lo, rows.hi, self.model.encode_images))
+            parts.append(rows.images.features(rows.lo, rows.hi, self._encode_image))
             _, before, keep = done.get(id(rows.images), (None, rows.hi, False))
             done[id(rows.images)] = (rows.images, min(before, rows.hi), keep or rows.keep)
         for images, before, keep in done.values():  # after the step's reads: siblings share its features
             if not keep:
                 images.release(before=before)
         inputs.image_embeds = torch.cat(parts).to(self.device)
+
+    def _encode_image(self, encoder_inputs: dict[str, torch.Tensor], content_hash: bytes) -> torch.Tensor:
+        """One image's features: from the encoder cache when these pixels were seen."""
+        cached = self.encoder_cache.get(content_hash)
+        if cached is not None:
+            return cached.to(self.device, non_blocking=True)
+        features = self.model.encode_images(encoder_inputs)
+        self.encoder_cache.put(content_hash, features)
+        return features
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepResult:

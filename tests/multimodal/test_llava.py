@@ -250,6 +250,7 @@ def test_each_image_is_encoded_once_for_a_group_of_siblings(tiny_llava, monkeypa
     siblings read the first one's features (one encode per image, not per sibling)."""
     folder, _ = tiny_llava
     with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
+        llm.engine.runner.encoder_cache.max_bytes = 0  # no cache across requests: the group's own sharing
         calls = []
         encode = llm.engine.model.encode_images
         monkeypatch.setattr(llm.engine.model, "encode_images", lambda inputs: calls.append(1) or encode(inputs))
@@ -281,3 +282,20 @@ def test_transparent_images_lie_on_white_and_arrays_are_images(tiny_llava, llm):
         llm.generate(image_prompt("A <image> of", []), greedy(), use_tqdm=False)
     with pytest.raises(RequestError, match="http\\(s\\)://, data: or file://"):
         llm.generate(image_prompt("A <image> of", ["ftp://example/x.png"]), greedy(), use_tqdm=False)
+
+
+def test_an_image_seen_before_skips_the_encoder(tiny_llava, monkeypatch):
+    """The same picture after other text (no prefix to reuse) takes its features from the
+    encoder cache; the answer is still transformers'; other pixels are encoded."""
+    folder, hf = tiny_llava
+    image = random_image(71)
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
+        calls = []
+        encode = llm.engine.model.encode_images
+        monkeypatch.setattr(llm.engine.model, "encode_images", lambda inputs: calls.append(1) or encode(inputs))
+        for text in ("A picture <image> of", "Paged attention stores <image> then"):
+            got = llm.generate(image_prompt(text, [image]), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+            assert got == hf_image_generate(hf, folder, text, [image], N)[1]
+        assert len(calls) == 1 and llm.engine.runner.encoder_cache.hits == 1
+        llm.generate(image_prompt("A picture <image> of", [random_image(72)]), greedy(), use_tqdm=False)
+        assert len(calls) == 2
