@@ -110,7 +110,9 @@ class VisionLanguageRouter(BaseRouter):
 
     def build_model(self, target: OpTarget) -> VisionLanguageForCausalLM:
         language_model = self.language_model_cls()(self.config, target)
-        vision = VisionEncoder(self.full_config, target.dtype, torch.device(target.device))
+        # the driver alone encodes (the step channel carries the features to the others)
+        vision = VisionEncoder(self.full_config, target.dtype, torch.device(target.device),
+                               materialize=target.tp_rank == 0)
         model = VisionLanguageForCausalLM(language_model, vision)
         # how LoRA adapters trained on transformers' model name this one's layers: the vision
         # side's are refused (model.py), the language model's are ours under language_model.

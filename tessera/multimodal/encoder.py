@@ -41,7 +41,11 @@ def canonical_name(name: str) -> str:
 
 
 class VisionEncoder(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device):
+    """`materialize=False`: only what the vision side is called, for a tensor-parallel rank
+    other than the driver (which alone encodes): its tensors are recognised and skipped."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                 materialize: bool = True):
         super().__init__()
         with torch.device("meta"):
             hf = _base_model_class(config)._from_config(config)
@@ -51,6 +55,11 @@ class VisionEncoder(nn.Module):
                 break
         else:
             raise ValueError(f"{type(hf).__name__}: no language model under {LANGUAGE_MODEL_ATTRS}")
+        self.top_names = {name for name, _ in hf.named_children()} | {n for n, _ in hf.named_parameters(recurse=False)}
+        self.materialized = materialize
+        if not materialize:
+            self.hf = None
+            return
         hf.to_empty(device=device)
         with torch.no_grad():
             hf.init_weights()  # computes the buffers (position ids, rotary tables) meta lost
@@ -62,7 +71,6 @@ class VisionEncoder(nn.Module):
                     module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
         self.hf = hf.eval().requires_grad_(False)
         self.dtype = dtype
-        self.top_names = {name for name, _ in hf.named_children()} | {n for n, _ in hf.named_parameters(recurse=False)}
         self._state = hf.state_dict(keep_vars=True)
         self._loaded: set[str] = set()
         self._by_canonical: dict[str, str] = {}
@@ -78,6 +86,8 @@ class VisionEncoder(nn.Module):
 
     def load_tensor(self, ckpt_name: str, tensor: torch.Tensor) -> None:
         """Copy one of the vision side's checkpoint tensors in."""
+        if not self.materialized:
+            return
         name = self._by_canonical.get(canonical_name(ckpt_name))
         if name is None and ckpt_name.endswith(RECOMPUTED_SUFFIXES):
             return
@@ -93,6 +103,8 @@ class VisionEncoder(nn.Module):
 
     def check_loaded(self) -> int:
         """After the checkpoint: every weight of the vision side came; returns how many."""
+        if not self.materialized:
+            return 0
         missing = sorted(n for n in self._state if n not in self._loaded and not self._is_buffer(n))
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -108,6 +120,8 @@ class VisionEncoder(nn.Module):
     def forward(self, encoder_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The features of the images `encoder_inputs` holds (the runner passes one image's),
         in placeholder order: [N, hidden]."""
+        if not self.materialized:
+            raise RuntimeError("this tensor-parallel rank holds no vision tower: the driver encodes")
         device = next(self.hf.parameters()).device
         inputs = {k: v.to(device, self.dtype if v.is_floating_point() else v.dtype)
                   for k, v in encoder_inputs.items()}

@@ -191,6 +191,7 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
         expected = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(), use_tqdm=False)]
     with LLM(tmp_path, tensor_parallel_size=2, **kwargs) as two:
         assert [o.outputs[0].token_ids for o in two.generate(prompts, greedy(), use_tqdm=False)] == expected
+        assert two.engine.model.vision.materialized  # the driver's; the other rank's is never built
 
 
 def test_every_native_type_claims_tensor_parallel():
