@@ -3,6 +3,7 @@ it expands each image placeholder of a prompt into the model's image tokens and 
 images into the encoder's inputs."""
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from contextlib import contextmanager
@@ -127,6 +128,16 @@ class ImagePrompts:
         inputs = MultimodalInputs(spans, positions)
         self.add_positions(inputs, ids, encoder_inputs)
         return ids, inputs
+
+
+def folder_chat_template(folder: Path) -> str | None:
+    """A processor's own chat template file in a model folder (chat_template.jinja, or the
+    older chat_template.json), for processors tessera assembles itself."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return None
 
 
 @contextmanager

@@ -251,3 +251,39 @@ def hf_qwen_logprobs(model: torch.nn.Module, folder: Path, text: str, images: li
         logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs).logits[0].float()
     logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+PIXTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0) -> torch.nn.Module:
+    """A Mistral3 (Mistral Small 3.1) checkpoint: a Pixtral tower over 7-pixel patches of an
+    image at most 56 pixels long, 2 x 2 merged (14 pixels a token), a Mistral language
+    model; saved with its image processor, a tokenizer and processor_config.json as
+    transformers' PixtralProcessor writes it (the processor itself needs torchvision)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
+                              PixtralImageProcessor, PixtralVisionConfig, PreTrainedTokenizerFast)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=PIXTRAL_SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", "[IMG]")
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=56, patch_size=7, head_dim=16)
+    config = Mistral3Config(vision_config=vision, text_config=MistralConfig(**TEXT_CONFIG), image_token_index=3,
+                            spatial_merge_size=2, vision_feature_layer=-1)
+    torch.manual_seed(seed)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    PixtralImageProcessor(size={"longest_edge": 56}, patch_size=7).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "processor_config.json").write_text(json.dumps({
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", "image_token": "[IMG]",
+        "patch_size": 7, "processor_class": "PixtralProcessor", "spatial_merge_size": 2}))
+    return model

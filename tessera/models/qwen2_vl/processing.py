@@ -9,7 +9,6 @@ by one; an image's tokens take (t, h, w) = (s, s + row, s + column) from the pos
 starts at, and the text after it goes on from s + max(rows, columns)."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Sequence
@@ -18,7 +17,7 @@ import torch
 from PIL import Image
 
 from tessera.multimodal.inputs import MultimodalInputs
-from tessera.multimodal.processor import ImagePrompts
+from tessera.multimodal.processor import ImagePrompts, folder_chat_template
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -32,16 +31,7 @@ class _Processor:
         self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         self.image_token = IMAGE_PAD
-        self.chat_template = getattr(self.tokenizer, "chat_template", None) or _folder_template(folder)
-
-
-def _folder_template(folder: Path) -> str | None:
-    """A processor's own chat template file (chat_template.json or .jinja)."""
-    if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    if (folder / "chat_template.json").is_file():
-        return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
-    return None
+        self.chat_template = getattr(self.tokenizer, "chat_template", None) or folder_chat_template(folder)
 
 
 class QwenVLImagePrompts(ImagePrompts):
