@@ -170,19 +170,19 @@ def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     check_tp2_matches_hf(tmp_path, hf)
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["llava", "llava_next", "idefics3", "mistral3", "qwen2_5_vl"])
 def test_images_tp2_equal_tp1(kind, tmp_path):
     """Image features (and M-RoPE's 3-D positions) reach every rank: the same greedy tokens
     as one rank for prompts with images, text alone, and 8-token chunks that split images."""
     from tests.conftest import TINY_CORPUS
-    from tests.multimodal.checkpoints import QWEN_IMAGE, make_tiny_llava, make_tiny_qwen2_vl, random_image
+    from tests.multimodal import checkpoints
 
-    if kind == "llava":
-        make_tiny_llava(tmp_path, TINY_CORPUS, seed=3)
-        placeholder = "<image>"
-    else:
-        make_tiny_qwen2_vl(tmp_path, TINY_CORPUS, seed=3)
-        placeholder = QWEN_IMAGE
+    make = {"llava": checkpoints.make_tiny_llava, "llava_next": checkpoints.make_tiny_llava_next,
+            "idefics3": checkpoints.make_tiny_idefics3, "mistral3": checkpoints.make_tiny_mistral3,
+            "qwen2_5_vl": checkpoints.make_tiny_qwen2_vl}[kind]
+    make(tmp_path, TINY_CORPUS, seed=3)
+    placeholder = {"qwen2_5_vl": checkpoints.QWEN_IMAGE, "mistral3": "[IMG]"}.get(kind, "<image>")
+    random_image = checkpoints.random_image
     prompts = [{"prompt": f"The quick {placeholder} brown fox {placeholder} jumps",
                 "multi_modal_data": {"image": [random_image(1, size=(70, 100)), random_image(2)]}},
                "Paged attention stores", {"prompt": f"A {placeholder} of", "multi_modal_data": {"image": random_image(3)}}]
@@ -195,7 +195,7 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
 
 
 def test_every_native_type_claims_tensor_parallel():
-    tested = {"llama", *ZOO, "llava", "qwen2_vl", "qwen2_5_vl"}
+    tested = {"llama", *ZOO, "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 
 

@@ -8,3 +8,5 @@ class Idefics3Router(VisionLanguageRouter):
     row/column marker tokens sit between its runs of image tokens."""
     model_types = ("idefics3",)
     supports_images = True  # tests/multimodal/test_idefics3.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_vlm_lora.py

@@ -17,3 +17,5 @@ class LlavaNextRouter(VisionLanguageRouter):
     of the grid its aspect ratio picks, so its token count depends on its size."""
     model_types = ("llava_next",)
     supports_images = True  # tests/multimodal/test_llava.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_vlm_lora.py

@@ -8,4 +8,6 @@ class Mistral3Router(VisionLanguageRouter):
     language model; [IMG_BREAK] / [IMG_END] tokens sit between an image's rows."""
     model_types = ("mistral3",)
     supports_images = True  # tests/multimodal/test_mistral3.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_vlm_lora.py
     image_prompts_cls = PixtralImagePrompts
