@@ -137,7 +137,8 @@ class VisionLanguageRouter(BaseRouter):
         def language_weights():
             for name, tensor in progress(self.iter_weights()):
                 if vision.owns(name):
-                    vision.load_tensor(name, materialize(tensor))
+                    if vision.materialized:  # (a tensor-parallel rank that is not the driver: skipped unread)
+                        vision.load_tensor(name, materialize(tensor))
                 else:
                     yield language_model_name(name), tensor
 

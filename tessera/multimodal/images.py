@@ -6,7 +6,9 @@ import base64
 import binascii
 import hashlib
 import io
+import ssl
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -40,7 +42,7 @@ def load_image(source: Any, *, allowed_local_path: Path | None = None,
     if not isinstance(source, str) or not source:
         raise ImageLoadError("an image is a URL, a data URL, a path, a PIL image or an array; got "
                              f"{type(source).__name__}")
-    if source.startswith("data:"):
+    if source[:5].lower() == "data:":
         return _decode(_data_url_bytes(source), "the data URL")
     if is_http_url(source):
         return _decode(_fetch(source), source)
@@ -48,7 +50,7 @@ def load_image(source: Any, *, allowed_local_path: Path | None = None,
 
 
 def is_http_url(source: object) -> bool:
-    return isinstance(source, str) and source.startswith(("http://", "https://"))
+    return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
 
 
 def local_path(source: str) -> Path:
@@ -56,7 +58,7 @@ def local_path(source: str) -> Path:
     scheme, sep, _ = source.partition("://")
     if not sep or "/" in scheme:
         return Path(source).expanduser()
-    if scheme != "file":
+    if scheme.lower() != "file":
         raise ImageLoadError(f"image URLs are http(s)://, data: or file:// URLs; got {scheme}://")
     parsed = urlparse(source)
     if parsed.netloc not in ("", "localhost"):
@@ -82,10 +84,8 @@ def _rgb(image: Image.Image) -> Image.Image:
     (a plain convert("RGB") keeps whatever colour lies under them)."""
     if image.mode == "RGB":
         return image
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
+    rgba = image.convert("RGBA")  # every other mode, as transformers' convert_to_rgb
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
 def _from_array(array) -> Image.Image:
@@ -95,6 +95,8 @@ def _from_array(array) -> Image.Image:
 
     if hasattr(array, "detach"):  # torch: [C, H, W] is its images' layout
         array = array.detach().cpu()
+        if array.is_floating_point():
+            array = array.float()  # numpy has no bfloat16
         if array.dim() == 3 and array.shape[0] in (1, 3, 4) and array.shape[-1] not in (1, 3, 4):
             array = array.permute(1, 2, 0)
     values = np.asarray(array)
@@ -103,9 +105,10 @@ def _from_array(array) -> Image.Image:
     if values.ndim not in (2, 3) or (values.ndim == 3 and values.shape[-1] not in (3, 4)):
         raise ImageLoadError(f"an image array is height x width (x 3 or 4 channels); got shape {values.shape}")
     if values.dtype != np.uint8:
-        if not np.issubdtype(values.dtype, np.floating):
-            raise ImageLoadError(f"an image array holds uint8 or floats in [0, 1]; got {values.dtype}")
-        values = (np.clip(values, 0.0, 1.0) * 255).round().astype(np.uint8)
+        if not np.issubdtype(values.dtype, np.floating) or values.size and not 0.0 <= values.min() <= values.max() <= 1.0:
+            raise ImageLoadError(f"an image array holds uint8, or floats in [0, 1]; got {values.dtype}"
+                                 + (f" from {values.min():g} to {values.max():g}" if values.size else ""))
+        values = (values * 255).round().astype(np.uint8)
     if values.shape[0] * values.shape[1] > MAX_IMAGE_PIXELS:
         raise ImageLoadError(f"the image array has more than the {MAX_IMAGE_PIXELS} pixels an image may have")
     return _rgb(Image.fromarray(values))
@@ -145,7 +148,7 @@ async def fetch_image_bytes(url: str) -> bytes:
     import httpx
 
     async def download() -> bytes:
-        async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True) as client:
+        async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True, verify=_ssl_context()) as client:
             async with client.stream("GET", url) as response:
                 if response.status_code != 200:
                     raise ImageLoadError(f"fetching {url} answered HTTP {response.status_code}")
@@ -160,8 +163,20 @@ async def fetch_image_bytes(url: str) -> bytes:
         return await asyncio.wait_for(download(), FETCH_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise ImageLoadError(f"fetching {url} took longer than {FETCH_TIMEOUT_S:.0f} s") from None
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise ImageLoadError(f"fetching {url} failed: {exc}") from exc
+
+
+@lru_cache(maxsize=1)
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context for every download: building one reads the CA bundle (~20 ms, on the
+    server's event loop)."""
+    try:
+        import certifi
+
+        return ssl.create_default_context(cafile=certifi.where())
+    except ImportError:
+        return ssl.create_default_context()
 
 
 def _fetch(url: str) -> bytes:
@@ -180,7 +195,7 @@ def _fetch(url: str) -> bytes:
                 if time.monotonic() > deadline:
                     raise ImageLoadError(f"fetching {url} took longer than {FETCH_TIMEOUT_S:.0f} s")
             return bytes(data)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise ImageLoadError(f"fetching {url} failed: {exc}") from exc
 
 

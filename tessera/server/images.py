@@ -6,7 +6,8 @@ import asyncio
 from typing import Any, Sequence
 
 from tessera.engine.request_checks import RequestError
-from tessera.multimodal.images import ImageLoadError, decode_image, fetch_image_bytes, is_http_url, load_image
+from tessera.multimodal.images import (FETCH_TIMEOUT_S, ImageLoadError, decode_image, fetch_image_bytes,
+                                      is_http_url, load_image)
 from tessera.multimodal.inputs import MultimodalInputs
 from tessera.server.errors import ValidationFailed
 from tessera.server.state import ServerState
@@ -29,9 +30,14 @@ async def prompt_with_images(state: ServerState, text: str, sources: Sequence[An
         return core.process_images(text, images, add_special_tokens)
 
     try:
-        # downloads on the event loop (a slow server holds no worker thread), then the
-        # decoding and preprocessing in one
-        fetched = [(await fetch_image_bytes(s), s) if is_http_url(s) else (s, None) for s in sources]
+        # downloads on the event loop, together, within one deadline (a slow server holds no
+        # worker thread), then the decoding and preprocessing in one
+        urls = [s for s in sources if is_http_url(s)]
+        downloads = await asyncio.wait_for(asyncio.gather(*map(fetch_image_bytes, urls)), FETCH_TIMEOUT_S) if urls else []
+        data = dict(zip(urls, downloads))
+        fetched = [(data[s], s) if is_http_url(s) else (s, None) for s in sources]
         return await asyncio.to_thread(process, fetched)
+    except asyncio.TimeoutError:
+        raise ValidationFailed(f"fetching the images took longer than {FETCH_TIMEOUT_S:.0f} s", param=param) from None
     except (ImageLoadError, RequestError) as exc:
         raise ValidationFailed(str(exc), param=param) from exc

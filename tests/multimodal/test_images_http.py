@@ -103,7 +103,8 @@ def test_local_files_only_under_the_allowed_path(vlm_server, client, tmp_path):
 def test_bad_images_are_400s_with_the_openai_error_shape(vlm_server):
     for url, message in [("data:image/png;base64,@@@", "not valid base64"),
                          ("data:image/png;base64," + "aGVsbG8=", "not an image"),
-                         ("ftp://example/x.png", "image URLs are http(s)://, data: or file:// URLs")]:
+                         ("ftp://example/x.png", "image URLs are http(s)://, data: or file:// URLs"),
+                         ("http://[::1/x.png", "failed")]:
         r = httpx.post(f"{vlm_server.url}/v1/chat/completions", json={
             "model": "tiny", "max_tokens": 4,
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})

@@ -276,8 +276,11 @@ def test_transparent_images_lie_on_white_and_arrays_are_images(tiny_llava, llm):
     plain = random_image(20)
     by_image = llm.generate(image_prompt("A <image> of", [plain]), greedy(), use_tqdm=False)[0].outputs[0].token_ids
     array = np.asarray(plain)
-    for same in (array, torch.from_numpy(array).permute(2, 0, 1), array.astype(np.float32) / 255):
+    tensor = torch.from_numpy(array).permute(2, 0, 1)
+    for same in (array, tensor, array.astype(np.float32) / 255, tensor.to(torch.bfloat16) / 256 * 256 / 255):
         assert llm.generate(image_prompt("A <image> of", [same]), greedy(), use_tqdm=False)[0].outputs[0].token_ids == by_image
+    with pytest.raises(RequestError, match="floats in \\[0, 1\\]; got float32 from"):
+        llm.generate(image_prompt("A <image> of", [array.astype(np.float32)]), greedy(), use_tqdm=False)
     with pytest.raises(RequestError, match="1 image placeholder.*0 images"):
         llm.generate(image_prompt("A <image> of", []), greedy(), use_tqdm=False)
     with pytest.raises(RequestError, match="http\\(s\\)://, data: or file://"):

@@ -61,7 +61,8 @@ class PixtralImagePrompts(ImagePrompts):
         sizes = encoder_inputs["image_sizes"]
         step = self.processor.token_pixels
         return [((h // step) * (w // step),
-                 {"pixel_values": encoder_inputs["pixel_values"][i:i + 1, :, :h, :w], "image_sizes": sizes[i:i + 1]})
+                 {"pixel_values": encoder_inputs["pixel_values"][i:i + 1, :, :h, :w].clone(),  # not a view
+                  "image_sizes": sizes[i:i + 1].clone()})
                 for i, (h, w) in enumerate(sizes.tolist())]
 
     def largest_image_size(self) -> tuple[int, int]:

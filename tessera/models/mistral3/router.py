@@ -1,3 +1,5 @@
+from functools import cached_property
+
 from tessera.models.mistral3.processing import PixtralImagePrompts
 from tessera.models.vision_language import VisionLanguageRouter
 
@@ -11,3 +13,13 @@ class Mistral3Router(VisionLanguageRouter):
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_vlm_lora.py
     image_prompts_cls = PixtralImagePrompts
+
+    @cached_property
+    def image_prompts(self) -> PixtralImagePrompts:
+        prompts = super().image_prompts
+        vision = self.full_config.vision_config
+        model_pixels = vision.patch_size * getattr(self.full_config, "spatial_merge_size", 1)
+        if prompts.processor.token_pixels != model_pixels:
+            raise ValueError(f"processor_config.json makes an image token {prompts.processor.token_pixels} pixels "
+                             f"a side; the model's patches merge to {model_pixels}")
+        return prompts
