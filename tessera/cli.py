@@ -123,16 +123,6 @@ def add_watermark_args(p: argparse.ArgumentParser) -> None:
                         "public 15485863 that TGI and transformers use: set your own to deploy)")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def _image_limit(text: str) -> int:
     """--limit-mm-per-prompt: vLLM's JSON ({"image": N}), or N alone."""
     try:
@@ -331,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tessera.generate_cli import add_generate_parser
     add_generate_parser(sub, _add_engine_args)
 
-    from tessera.bench.cli import add_bench_parser
+    from tessera.bench.cli import add_bench_parser, positive_int
     add_bench_parser(sub, _add_engine_args)
 
     from tessera.watermark_cli import add_detect_parser
@@ -357,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split chat answers into reasoning_content (the <think>...</think> part) and "
                             "content: deepseek_r1 (DeepSeek-R1 and its distills, whose template opens "
                             "<think>) or qwen3 (Qwen3, which writes <think> itself)")
-    serve.add_argument("--payload-limit", type=_positive_int, default=None, metavar="BYTES",
+    serve.add_argument("--payload-limit", type=positive_int, default=None, metavar="BYTES",
                        help="largest request body accepted (TGI's flag; default 2000000, or 50000000 "
                             "for a model that takes images, which come base64-encoded)")
     serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR",

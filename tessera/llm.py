@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
-from typing import Iterator, Sequence as Seq
-
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator, Sequence as Seq
 
 from tqdm.auto import tqdm
 

@@ -20,6 +20,7 @@ from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, r
 from tessera.engine.block_manager import BlockManager
 from tessera.engine.config_checks import check_engine_config
 from tessera.engine.errors import EngineFatalError
+from tessera.engine.image_requests import check_image_request, image_placeholder, process_images
 from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
@@ -32,9 +33,7 @@ from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError
 from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
-from tessera.multimodal.images import ImageLoadError, load_image
 from tessera.multimodal.inputs import MultimodalInputs
-from tessera.multimodal.processor import PromptImageError
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
@@ -97,14 +96,9 @@ class Engine:
                 self.loras.add(LoRARequest(name, len(self.loras.adapters()) + 1, path))
         if self.draft is not None:
             load_draft_model(self.draft, config, self.device, show_progress)
-        if self.router.supports_images and config.cache.num_blocks is None and self.device.type == "cuda":
-            # the encoder's peak for its largest image counts against the cache (on a GPU:
-            # on a CPU the cache takes a fifth of RAM, and encoding Qwen's largest image,
-            # 16k patches, would take minutes of every start)
-            self.runner.image_profile_inputs = self.router.image_prompts.largest_image_inputs()
         self.num_blocks, self.max_model_len = size_kv_cache(
-            self.runner, config, self.max_model_len, None if self.draft is None else self.draft.sizing)
-        self.runner.image_profile_inputs = None  # measured; its pixels need not stay
+            self.runner, config, self.max_model_len, None if self.draft is None else self.draft.sizing,
+            self.router.image_prompts.largest_image_inputs if self.router.supports_images else None)
         self.runner.graph_limits = GraphLimits(max_decode_rows(config), self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.proposer = make_proposer(config, self.draft, self.router.config.vocab_size,
@@ -139,22 +133,13 @@ class Engine:
     @property
     def image_placeholder(self) -> str | None:
         """What a prompt writes where an image goes (the model's own, e.g. <image>)."""
-        return self.router.image_prompts.placeholder if self.supports_images else None
+        return image_placeholder(self.router)
 
     def process_images(self, prompt: str, images: Seq, add_special_tokens: bool = True
                        ) -> tuple[list[int], MultimodalInputs | None]:
-        """A prompt with image placeholders (the model's own, e.g. <image>; chat templates
-        write them) and its images (PIL images, URLs, data URLs): its token ids and images'
-        inputs for add_request. Any thread may call this (it loads and preprocesses)."""
-        if not images and not (self.supports_images and self.image_placeholder in prompt):
-            return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids), None
-        if not self.supports_images:
-            raise RequestError(f"this model ({self.router.config.model_type}) takes no images")
-        try:
-            loaded = [load_image(image, allow_any_path=True) for image in images]
-            return self.router.image_prompts(prompt, loaded, add_special_tokens)
-        except (ImageLoadError, PromptImageError) as exc:
-            raise RequestError(str(exc)) from exc
+        """A prompt with image placeholders (chat templates write them) and its images: its
+        token ids and images' inputs for add_request (engine/image_requests.py)."""
+        return process_images(self.router, self.tokenizer, prompt, images, add_special_tokens)
 
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | None = None,
@@ -174,12 +159,8 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.scheduler.by_priority)
         text = prompt if isinstance(prompt, str) else None
-        if multimodal is not None and text is not None:
-            raise RequestError("a prompt with images comes as the token ids process_images gave")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if multimodal is not None and (not multimodal.feature_positions
-                                       or multimodal.feature_positions[-1] >= len(token_ids)):
-            raise RequestError("the images' placeholder positions do not fit the prompt")
+        check_image_request(multimodal, text is not None, token_ids)
         vocab = self.router.config.vocab_size
         check_prompt(token_ids, vocab, self.max_model_len)
         check_against_vocab(params, vocab)

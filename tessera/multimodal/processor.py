@@ -130,6 +130,25 @@ class ImagePrompts:
         return ids, inputs
 
 
+class OwnExpansionProcessor:
+    """A model's image processor and tokenizer, for the models whose transformers processor
+    needs torchvision: tessera expands their placeholders itself (qwen2_vl/, mistral3/)."""
+
+    def __init__(self, folder: Path, image_token: str):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.image_token = image_token
+        self.chat_template = getattr(self.tokenizer, "chat_template", None) or folder_chat_template(folder)
+
+
+def expand_placeholders(text: str, placeholder: str, expansions: Sequence[str]) -> str:
+    """`text` with its i-th `placeholder` replaced by expansions[i]."""
+    pieces = text.split(placeholder)
+    return pieces[0] + "".join(expansion + piece for expansion, piece in zip(expansions, pieces[1:]))
+
+
 def folder_chat_template(folder: Path) -> str | None:
     """A processor's own chat template file in a model folder (chat_template.jinja, or the
     older chat_template.json), for processors tessera assembles itself."""

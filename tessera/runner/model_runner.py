@@ -65,8 +65,6 @@ class ModelRunner:
                            else CpuDecodeGraphs(model, block_size))
         self.graph_limits: GraphLimits | None = None
         self.lora: LoRASlots | None = None  # adapter slots, once enable_lora ran
-        # a multimodal model's encoder inputs for its largest image (warm-up measures it)
-        self.image_profile_inputs: dict[str, torch.Tensor] | None = None
         self.encoder_cache = EncoderCache()  # images seen before, by their pixels' hash
 
     def enable_lora(self, num_slots: int, max_rank: int) -> None:

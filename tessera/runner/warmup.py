@@ -6,6 +6,7 @@ import gc
 import logging
 import resource
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 import torch
@@ -81,22 +82,23 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int)
     return int(peak)
 
 
-def profile_image_encoder(runner: ModelRunner) -> int:
-    """The bytes the vision encoder needs beyond what is resident, for the largest image."""
+def profile_image_encoder(runner: ModelRunner, image_inputs: dict[str, torch.Tensor]) -> int:
+    """The bytes the vision encoder needs beyond what is resident, for one image (the
+    largest the model's processor makes)."""
     device = runner.device
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        runner.model.encode_images(runner.image_profile_inputs)
+        runner.model.encode_images(image_inputs)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         torch.cuda.empty_cache()
     else:
         _reset_peak_rss()
         rss_before = psutil.Process().memory_info().rss
-        runner.model.encode_images(runner.image_profile_inputs)
+        runner.model.encode_images(image_inputs)
         peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before, 0)
     logger.info("warm-up: encoding the largest image needed %.1f MiB", peak / 2**20)
     return int(peak)
@@ -136,16 +138,21 @@ WORST_CASE_SAMPLING = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p
 
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,
                   max_num_seqs: int, max_model_len: int, max_sampled_rows: int | None = None,
-                  draft: DraftSizing | None = None) -> KVCachePlan:
+                  draft: DraftSizing | None = None,
+                  largest_image: Callable[[], dict[str, torch.Tensor]] | None = None) -> KVCachePlan:
     """`max_sampled_rows`: the most rows a step samples (default max_num_seqs; more with
     speculative decoding, which samples after every draft). `draft`: a draft model, whose
     cache has as many blocks (a block costs both models' bytes) and whose passes (at most
-    a step's tokens within its own context, a row per sequence) run between the target's."""
+    a step's tokens within its own context, a row per sequence) run between the target's.
+    `largest_image`: a multimodal model's encoder inputs for its largest image."""
     num_tokens = min(max_num_batched_tokens, max_model_len)
     # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
     activation = profile_peak_step(runner, num_tokens, max(max_sampled_rows or max_num_seqs, PROMPT_LOGIT_ROWS))
-    if runner.image_profile_inputs is not None:  # a step may encode an image before its forward
-        activation = max(activation, profile_image_encoder(runner))
+    if largest_image is not None and runner.device.type == "cuda":
+        # a step may encode an image before its forward; not measured on a CPU, where the
+        # cache takes a fifth of RAM and encoding Qwen's largest image (16k patches) would
+        # take minutes of every start
+        activation = max(activation, profile_image_encoder(runner, largest_image()))
     if draft is not None:
         activation = max(activation, profile_peak_step(
             draft.runner, min(num_tokens, draft.max_model_len), max_num_seqs))
@@ -180,17 +187,19 @@ def max_decode_rows(config: EngineConfig) -> int:
 
 
 def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int,
-                  draft: DraftSizing | None = None) -> tuple[int, int]:
+                  draft: DraftSizing | None = None,
+                  largest_image: Callable[[], dict[str, torch.Tensor]] | None = None) -> tuple[int, int]:
     """(KV blocks, max_model_len): the configured block count or warm-up's plan; a cache
     that cannot hold max_model_len tokens clamps it. `draft`: a speculative draft model
-    (its cache gets as many blocks)."""
+    (its cache gets as many blocks); `largest_image`: plan_kv_cache's."""
     cache, sched = config.cache, config.scheduler
     num_blocks = cache.num_blocks
     if num_blocks is None:
         plan = plan_kv_cache(runner, memory_fraction=cache.fraction_for(config.device),
                              max_num_batched_tokens=sched.max_num_batched_tokens,
                              max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len,
-                             max_sampled_rows=max_decode_rows(config), draft=draft)
+                             max_sampled_rows=max_decode_rows(config), draft=draft,
+                             largest_image=largest_image)
         num_blocks = plan.num_blocks
     capacity = num_blocks * cache.block_size
     if capacity < cache.block_size:

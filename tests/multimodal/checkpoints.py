@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tessera.sampling.params import SamplingParams
+
 IMAGE_TOKEN = "<image>"
 # renders string content and transformers' content parts, images as the placeholder
 CHAT_TEMPLATE = (
@@ -28,21 +30,35 @@ VISION_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, 
 TOKENS_PER_IMAGE = 16
 
 
-def image_tokenizer(corpus: list[str]):
-    """A byte-level BPE tokenizer whose specials include the image token (id 3)."""
+def bpe_tokenizer(corpus: list[str], specials: list[str], **named: str):
+    """A byte-level BPE tokenizer trained on `corpus`: <unk>, <s>, </s>, then `specials`
+    (ids 3, 4, ...); `named`: what the processor finds them as (image_token=...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", IMAGE_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   extra_special_tokens={"image_token": IMAGE_TOKEN})
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *specials],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   **({"extra_special_tokens": named} if named else {}))
+
+
+def image_tokenizer(corpus: list[str]):
+    """The LLaVA tokenizer: the image token is id 3."""
+    fast = bpe_tokenizer(corpus, [IMAGE_TOKEN], image_token=IMAGE_TOKEN)
     fast.add_bos_token = True
     return fast
+
+
+def greedy(n: int = 16, **kw) -> SamplingParams:
+    """Greedy, EOS ignored: `n` tokens exactly."""
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def image_prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
 def make_tiny_llava(folder: Path, corpus: list[str], text_model_type: str = "llama", seed: int = 0) -> torch.nn.Module:
@@ -98,21 +114,12 @@ def make_tiny_llava_next(folder: Path, corpus: list[str], seed: int = 0) -> torc
 def make_tiny_idefics3(folder: Path, corpus: list[str], seed: int = 0) -> torch.nn.Module:
     """An Idefics3 (SmolVLM) checkpoint: SigLIP over 56-pixel tiles of an image resized to at
     most 112 pixels, plus its whole view; 2 x 2 pixel shuffle, 4 tokens per tile."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
-                              Idefics3Processor, LlamaConfig, PreTrainedTokenizerFast)
+                              Idefics3Processor, LlamaConfig)
 
-    specials = ["<unk>", "<s>", "</s>", IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>"] + [
-        f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        extra_special_tokens={"image_token": IMAGE_TOKEN, "fake_image_token": "<fake_token_around_image>",
-                              "global_image_token": "<global-img>"})
+    tokenizer = bpe_tokenizer(corpus, [IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>"] + [
+        f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)], image_token=IMAGE_TOKEN,
+        fake_image_token="<fake_token_around_image>", global_image_token="<global-img>")
     config = Idefics3Config(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=2, image_size=56, patch_size=14),
                             text_config=LlamaConfig(**TEXT_CONFIG).to_dict(), image_token_id=3, scale_factor=2)
@@ -167,7 +174,7 @@ def hf_image_logprobs(model: torch.nn.Module, folder: Path, text: str, images: l
     return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
-QWEN_SPECIALS = ["<unk>", "<s>", "</s>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<image>", QWEN_IMAGE)
 
@@ -177,16 +184,10 @@ def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2
     """A Qwen2.5-VL (or Qwen2-VL) checkpoint: its vision transformer, 2 x 2 patch merging,
     a Qwen2 language model with M-RoPE sections (2, 3, 3) of head_dim 16; saved with its
     image processor and a tokenizer (transformers' Qwen processor needs torchvision)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                              Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor)
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor)
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN_SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer = bpe_tokenizer(corpus, QWEN_SPECIALS)
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = dict(TEXT_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -253,7 +254,7 @@ def hf_qwen_logprobs(model: torch.nn.Module, folder: Path, text: str, images: li
     return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
 
 
-PIXTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+PIXTRAL_SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
 def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0) -> torch.nn.Module:
@@ -263,16 +264,10 @@ def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0) -> torch.
     transformers' PixtralProcessor writes it (the processor itself needs torchvision)."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
-                              PixtralImageProcessor, PixtralVisionConfig, PreTrainedTokenizerFast)
+                              PixtralImageProcessor, PixtralVisionConfig)
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=PIXTRAL_SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer = bpe_tokenizer(corpus, PIXTRAL_SPECIALS)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", "[IMG]")
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                  image_size=56, patch_size=7, head_dim=16)

@@ -10,21 +10,13 @@ from tessera import LLM
 from tessera.engine.request_checks import RequestError
 from tessera.sampling.params import SamplingParams
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (TOKENS_PER_IMAGE, data_url, hf_image_generate, hf_image_logprobs,
-                                          make_tiny_llava, make_tiny_llava_next, random_image)
+from tests.multimodal.checkpoints import (TOKENS_PER_IMAGE, data_url, greedy, hf_image_generate, hf_image_logprobs,
+                                          image_prompt, make_tiny_llava, make_tiny_llava_next, random_image)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N = 16
 TWO_IMAGES = "The quick <image> brown fox <image> jumps"
-
-
-def greedy(n: int = N, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def image_prompt(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
 @pytest.fixture(scope="module")

@@ -8,23 +8,14 @@ import torch
 from safetensors.torch import load_file
 
 from tessera import LLM
-from tessera.sampling.params import SamplingParams
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (QWEN_IMAGE, hf_qwen_generate, hf_qwen_logprobs, make_tiny_qwen2_vl,
-                                          random_image)
+from tests.multimodal.checkpoints import (QWEN_IMAGE, greedy, hf_qwen_generate, hf_qwen_logprobs, image_prompt,
+                                          make_tiny_qwen2_vl, random_image)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 N = 16
 TWO_IMAGES = f"The quick {QWEN_IMAGE} brown fox {QWEN_IMAGE} jumps"
-
-
-def greedy(n: int = N, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def image_prompt(text: str, images: list) -> dict:
-    return {"prompt": text, "multi_modal_data": {"image": images}}
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +97,7 @@ def test_warm_up_measures_the_largest_image(llm):
     for size in [(500, 300), (64, 64), (1000, 1000)]:
         _, inputs = llm.engine.process_images(QWEN_IMAGE, [random_image(9, size=size)])
         assert inputs.num_features <= 64
-    runner = llm.engine.runner
-    runner.image_profile_inputs = largest
-    try:
-        assert profile_image_encoder(runner) >= 0
-    finally:
-        runner.image_profile_inputs = None
+    assert profile_image_encoder(llm.engine.runner, largest) >= 0
 
 
 def test_lora_on_the_language_model_equals_peft(tiny_qwen25_vl, tmp_path):

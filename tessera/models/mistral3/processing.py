@@ -13,24 +13,19 @@ from typing import Sequence
 import torch
 from PIL import Image
 
-from tessera.multimodal.processor import ImagePrompts, folder_chat_template
+from tessera.multimodal.processor import ImagePrompts, OwnExpansionProcessor, expand_placeholders
 
 
-class _Processor:
+class _Processor(OwnExpansionProcessor):
     def __init__(self, folder: Path):
-        from transformers import AutoImageProcessor, AutoTokenizer
-
         settings = {}
         if (folder / "processor_config.json").is_file():
             settings = json.loads((folder / "processor_config.json").read_text())
-        self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        self.image_token = settings.get("image_token", "[IMG]")
+        super().__init__(folder, settings.get("image_token", "[IMG]"))
         self.image_break_token = settings.get("image_break_token", "[IMG_BREAK]")
         self.image_end_token = settings.get("image_end_token", "[IMG_END]")
         # pixels a side of one merged patch: one image token
         self.token_pixels = int(settings.get("patch_size", 14)) * int(settings.get("spatial_merge_size", 2))
-        self.chat_template = getattr(self.tokenizer, "chat_template", None) or folder_chat_template(folder)
 
 
 def image_tokens(processor: _Processor, height: int, width: int) -> str:
@@ -49,9 +44,7 @@ class PixtralImagePrompts(ImagePrompts):
                add_special_tokens: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
         p = self.processor
         out = p.image_processor(images=list(images), patch_size=p.token_pixels, return_tensors="pt")
-        sizes = out["image_sizes"].tolist()
-        pieces = text.split(p.image_token)
-        expanded = pieces[0] + "".join(image_tokens(p, h, w) + piece for (h, w), piece in zip(sizes, pieces[1:]))
+        expanded = expand_placeholders(text, p.image_token, [image_tokens(p, h, w) for h, w in out["image_sizes"].tolist()])
         ids = p.tokenizer(expanded, add_special_tokens=add_special_tokens).input_ids
         return list(ids), {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}
 

@@ -17,26 +17,14 @@ import torch
 from PIL import Image
 
 from tessera.multimodal.inputs import MultimodalInputs
-from tessera.multimodal.processor import ImagePrompts, folder_chat_template
+from tessera.multimodal.processor import ImagePrompts, OwnExpansionProcessor, expand_placeholders
 
 IMAGE_PAD = "<|image_pad|>"
 
 
-class _Processor:
-    """The two halves of a Qwen VL processor that run without torchvision."""
-
-    def __init__(self, folder: Path):
-        from transformers import AutoImageProcessor, AutoTokenizer
-
-        self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        self.image_token = IMAGE_PAD
-        self.chat_template = getattr(self.tokenizer, "chat_template", None) or folder_chat_template(folder)
-
-
 class QwenVLImagePrompts(ImagePrompts):
-    def load_processor(self, folder: Path) -> _Processor:
-        return _Processor(folder)
+    def load_processor(self, folder: Path) -> OwnExpansionProcessor:
+        return OwnExpansionProcessor(folder, IMAGE_PAD)
 
     @property
     def merge_size(self) -> int:
@@ -46,9 +34,8 @@ class QwenVLImagePrompts(ImagePrompts):
                add_special_tokens: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
         out = self.processor.image_processor(images=list(images), return_tensors="pt")
         grids = out["image_grid_thw"]
-        pieces = text.split(IMAGE_PAD)
         counts = (grids.prod(-1) // self.merge_size ** 2).tolist()
-        expanded = pieces[0] + "".join(IMAGE_PAD * n + piece for n, piece in zip(counts, pieces[1:]))
+        expanded = expand_placeholders(text, IMAGE_PAD, [IMAGE_PAD * n for n in counts])
         ids = self.processor.tokenizer(expanded, add_special_tokens=add_special_tokens).input_ids
         return list(ids), {"pixel_values": out["pixel_values"], "image_grid_thw": grids}
 
