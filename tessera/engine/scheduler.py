@@ -22,6 +22,11 @@ left over, so they never take a step's room from a real token and never cause a
 preemption; drafts that do not fit are dropped (the next step proposes again). The blocks
 that rejected drafts were given are handed back in `step_done`.
 
+A chunk never ends inside an image whose tokens attend to each other (Gemma 3): it stops
+before the image, or, where it starts there, takes the whole image even past the budget (by
+at most one image's tokens; waiting for a step with room would starve the image behind
+running decodes).
+
 With LoRA adapters, the running batch holds sequences of at most `max_loras` distinct
 adapters (the device's slots); a waiting sequence whose adapter would exceed that is passed
 over. Behind it only base-model sequences may go first: another request of a running
@@ -127,6 +132,7 @@ class Scheduler:
             n = min(remaining, budget)
             if not self.config.enable_chunked_prefill and n < remaining:
                 break
+            n = seq.chunk_size(seq.num_computed_tokens, n)
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self._victim()
                 at = self.running.index(victim)
@@ -165,7 +171,7 @@ class Scheduler:
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
-                n = budget
+                n = seq.chunk_size(cached, budget)
             fresh = self.blocks.num_blocks_for(cached + n) - len(match.blocks)
             if fresh + match.num_free > self.blocks.num_free_blocks:
                 break

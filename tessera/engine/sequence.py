@@ -106,6 +106,14 @@ class Sequence:
         images = self.multimodal.hashes_between(start, start + block_size)
         return (tokens, images) if images else tokens
 
+    def chunk_size(self, start: int, n: int) -> int:
+        """How many of the `n` tokens from `start` a step may compute: an image whose tokens
+        attend to each other is never split between steps (so a step may take fewer, or
+        the rest of such an image where it starts in or at one)."""
+        if self.multimodal is None or not self.multimodal.attention_spans:
+            return n
+        return self.multimodal.chunk_end(start, start + n) - start
+
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.read_offset = len(self.prompt_token_ids)

@@ -49,6 +49,9 @@ class VisionLanguageRouter(BaseRouter):
     image_prompts_cls: ClassVar[type[ImagePrompts]] = ImagePrompts
     # every image takes the same number of tokens (its processor resizes to one size)
     same_tokens_per_image: ClassVar[bool] = False
+    # an image's tokens attend to each other, not causally (Gemma 3): the scheduler never
+    # splits a run of them between steps, and its rows get key limits (attention/metadata.py)
+    bidirectional_image_attention: ClassVar[bool] = False
     model_cls = VisionLanguageForCausalLM
 
     @cached_property
@@ -92,7 +95,8 @@ class VisionLanguageRouter(BaseRouter):
 
     @cached_property
     def image_prompts(self) -> ImagePrompts:
-        return self.image_prompts_cls(self.metadata_dir, self.image_token_id, self.same_tokens_per_image)
+        return self.image_prompts_cls(self.metadata_dir, self.image_token_id, self.same_tokens_per_image,
+                                      self.bidirectional_image_attention)
 
     @cached_property
     def chat_template(self) -> str | None:

@@ -45,6 +45,29 @@ class MultimodalInputs:
     rope_positions: list[int] | None = None
     image_rope: torch.Tensor | None = None
     rope_delta: int = 0
+    # models whose image tokens attend to each other (Gemma 3): each run [start, end) of
+    # consecutive image tokens, whose rows all see the whole run; empty: causal throughout
+    attention_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prompt chunk [start, end) may end: never inside an attention span, whose
+        rows need all its keys in one step. Before the span, or, where the chunk starts in
+        it or at it, at its end (past `end`: the step takes the whole span)."""
+        for a, b in self.attention_spans:
+            if a < end < b:
+                return a if a > start else b
+        return end
+
+    def key_limits(self, start: int, end: int) -> list[int] | None:
+        """The last key position each of prompt positions [start, end) sees, or None when
+        each sees up to itself (nothing of an attention span there)."""
+        spans = [(a, b) for a, b in self.attention_spans if a < end and start < b]
+        if not spans:
+            return None
+        limits = list(range(start, end))
+        for a, b in spans:
+            limits[max(a, start) - start:min(b, end) - start] = [b - 1] * (min(b, end) - max(a, start))
+        return limits
 
     def rope_position(self, position: int) -> int:
         if self.rope_positions is None:
@@ -87,3 +110,14 @@ class MultimodalInputs:
         into the prefix-cache key of a block there, so the same placeholder ids with other
         pixels never share KV."""
         return tuple(image.content_hash for image in self.images if image.start < end and start < image.end)
+
+
+def consecutive_runs(positions: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive values in ascending `positions`."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs

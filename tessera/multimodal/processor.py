@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from tessera.multimodal.images import image_hash
-from tessera.multimodal.inputs import MultimodalInputs, PromptImage
+from tessera.multimodal.inputs import MultimodalInputs, PromptImage, consecutive_runs
 
 # processor outputs that describe the text, not the images
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
@@ -29,10 +29,14 @@ class ImagePrompts:
     model folder whose processor needs more (its own placeholder expansion, M-RoPE
     positions) subclasses this."""
 
-    def __init__(self, folder: Path, image_token_id: int, same_tokens_per_image: bool = False):
+    def __init__(self, folder: Path, image_token_id: int, same_tokens_per_image: bool = False,
+                 bidirectional: bool = False):
+        """`bidirectional`: each run of consecutive image tokens attends to itself whole
+        (MultimodalInputs.attention_spans)."""
         self.folder = folder
         self.image_token_id = image_token_id
         self.same_tokens_per_image = same_tokens_per_image
+        self.bidirectional = bidirectional
         # requests are processed on worker threads; a fast tokenizer shared between
         # threads can fail with "Already borrowed", so one prompt at a time
         self._lock = threading.Lock()
@@ -126,6 +130,8 @@ class ImagePrompts:
             spans.append(PromptImage(mine[0], mine[-1] + 1, image_hash(image), first, count, inputs))
             first += count
         inputs = MultimodalInputs(spans, positions)
+        if self.bidirectional:
+            inputs.attention_spans = consecutive_runs(positions)
         self.add_positions(inputs, ids, encoder_inputs)
         return ids, inputs
 

@@ -38,6 +38,9 @@ class OpSpec:
     # attention features a builder may not implement (rejected in its `check`)
     sliding_window: bool = False
     softcap: bool = False
+    # prefill rows that see keys past their own position, up to a per-row limit
+    # (AttentionMetadata.key_limits: a span of tokens attending to each other, Gemma 3's images)
+    key_limits: bool = False
     # the KV cache's storage type when it is not the model dtype (kv_write, paged_attention)
     kv_dtype: torch.dtype | None = None
 
@@ -64,6 +67,7 @@ class OpBuilder:
     quant: tuple[str | None, ...] = (None,)
     kv_dtypes: tuple[torch.dtype | None, ...] = (None,)  # quantized KV caches it reads or writes
     check: Callable[[OpSpec], list[str]] | None = None  # extra, builder-specific reasons
+    key_limits: bool = False  # implements per-row key limits (OpSpec.key_limits)
     # the layout `impl` wants a loaded weight in (e.g. repacked panels), applied once after
     # loading by the layer that owns the weight; None: used as loaded
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -81,6 +85,8 @@ class OpBuilder:
             reasons.append(f"quantization {spec.quant} not supported")
         if spec.kv_dtype not in self.kv_dtypes:
             reasons.append(f"KV cache dtype {spec.kv_dtype} not supported")
+        if spec.key_limits and not self.key_limits:
+            reasons.append("no per-row key limits (rows attending past their own position)")
         if self.check is not None and not reasons:  # a check may build a kernel: only when it could serve
             reasons.extend(self.check(spec))
         return reasons

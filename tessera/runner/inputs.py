@@ -117,6 +117,11 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     image_rows: list[int] = []
     image_slices: list[ImageRows] = []
     image_positions: list[torch.Tensor] = []
+    # per prefill sequence, its rows' key limits (tessera/ops/attention/metadata.py), or
+    # its positions (causal); used when some row of an image attending to itself sees past
+    # its own position
+    key_limits: list[list[int] | range] = []
+    limited = False
     # the block tables as one flat, zero-padded list: a single tensor conversion for the
     # step (one per row cost ~20 us each, 5 ms for a 256-row decode step)
     max_blocks = max(len(s.seq.block_table) for s in rows)
@@ -136,6 +141,10 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                 image_slices.append(ImageRows(images, lo, hi, keep=group is not None and bool(group.pending)))
                 if images.image_rope is not None:
                     image_positions.append(images.image_rope[:, lo:hi])
+        if item.num_real_tokens != 1:  # a prefill row (decode rows are causal)
+            limits = images.key_limits(start, end) if images is not None else None
+            limited = limited or limits is not None
+            key_limits.append(range(start, end) if limits is None else limits)
         if real_end > seq.num_tokens:  # the token at `end - 1` is being sampled by the previous step
             if previous is None or seq not in previous or real_end - 1 != seq.num_tokens:
                 raise RuntimeError(f"request {seq.request_id}: position {real_end - 1} has no token "
@@ -187,6 +196,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     inputs = ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
                          sampled_rows, max_block_id, prompt_rows, len(prompt_indices),
                          lora_segments=segments, lora_row_slots=row_slots_for(segments, len(tokens), device))
+    if limited:
+        attn.key_limits = to([p for limits in key_limits for p in limits])
     if deferred_rows:
         inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
     if image_rows:

@@ -7,16 +7,13 @@ float32 tolerance as the other parity tests (tests/models/parity.py). transforme
 ignores attn_logit_softcapping (only the final soft-cap applies), and so does tessera's."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tessera import LLM
 from tessera.models.registry import router_classes
 from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_greedy_and_logprobs, check_prefill_and_decode_logits, make_tiny,
-                                 prompt_ids)
+                                 check_prefill_and_decode_logits, make_tiny)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,30 +38,6 @@ def make(folder, tokenizer_dir, name: str, **overrides):
 
     return make_tiny(folder, tokenizer_dir, Gemma3TextConfig, Gemma3ForCausalLM, seed=len(name), base=BASE,
                      attn_implementation="eager", **{**CASES.get(name, {}), **overrides})
-
-
-def make_multimodal(folder, tokenizer_dir, seed: int = 3, **top_level):
-    """A tiny Gemma3ForConditionalGeneration (SigLIP tower, projector, the text model above),
-    saved as transformers saves the released 4B-27B checkpoints."""
-    from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig,
-                              SiglipVisionConfig)
-
-    text = Gemma3TextConfig(**BASE, attn_implementation="eager")
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(Gemma3Config(
-        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
-        image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
-        **top_level)).eval()
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "language_model" in name and name.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
-    return model
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -130,24 +103,5 @@ def test_transformers4_style_config(tmp_path, tiny_tokenizer_dir):
             params["full_attention"]["rope_theta"]) == ("linear", 8.0, 1e6)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_multimodal_checkpoint_serves_its_language_model(tied, tmp_path, tiny_tokenizer_dir):
-    """model_type gemma3 (Gemma 3 4B-27B): text_config, language-model weights renamed, the
-    vision tower and projector skipped; text in, the same tokens and logprobs as
-    transformers' Gemma3ForConditionalGeneration given the same text. Tying and the EOS ids
-    are stated at the config's top level (an untied fine-tune; the end-of-turn id)."""
-    hf = make_multimodal(tmp_path, tiny_tokenizer_dir, tie_word_embeddings=tied, eos_token_id=[2, 7])
-    saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["model_type"] == "gemma3" and "vision_config" in saved
-    llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    assert llm.engine.router.config.model_type == "gemma3_text"
-    assert {2, 7} <= llm.engine.router.eos_token_ids
-    model = llm.engine.model
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    prompts = [prompt_ids(n, seed=2) for n in PROMPT_LENGTHS]
-    check_greedy_and_logprobs(llm, hf, prompts, 12)
-
-
 def test_routed_by_model_type():
     assert router_classes()["gemma3_text"].__name__ == "Gemma3Router"
-    assert router_classes()["gemma3"].__name__ == "Gemma3Router"

@@ -168,6 +168,8 @@ def hf_image_logprobs(model: torch.nn.Module, folder: Path, text: str, images: l
     prompt = inputs["input_ids"]
     inputs["input_ids"] = torch.cat([prompt, torch.tensor([tokens])], dim=1)
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if "token_type_ids" in inputs:  # (Gemma 3's image mask) the new tokens are text
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros(1, len(tokens), dtype=torch.long)], 1)
     with torch.no_grad():
         logits = model(**inputs).logits[0].float()
     logp = torch.log_softmax(logits[prompt.shape[1] - 1:-1], dim=-1)
@@ -252,6 +254,45 @@ def hf_qwen_logprobs(model: torch.nn.Module, folder: Path, text: str, images: li
         logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs).logits[0].float()
     logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+
+
+GEMMA3_SPECIALS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>", "<end_of_turn>"]
+GEMMA3_IMAGE = "<start_of_image>"
+
+
+def make_tiny_gemma3(folder: Path, corpus: list[str], seed: int = 0, **top_level) -> torch.nn.Module:
+    """A Gemma 3 (4B-27B shape) checkpoint: SigLIP over 7-pixel patches of a 28-pixel image,
+    average-pooled 2 x 2 to 4 x 4 = 16 tokens an image, and Gemma 3's language model with a
+    sliding window (8) shorter than an image on half its layers; saved with transformers'
+    Gemma3Processor (PIL image processor). `top_level`: Gemma3Config's own fields."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, Gemma3TextConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = bpe_tokenizer(corpus, GEMMA3_SPECIALS, boi_token="<start_of_image>",
+                              image_token="<image_soft_token>", eoi_token="<end_of_image>")
+    tokenizer.add_bos_token = True
+    ids = tokenizer.convert_tokens_to_ids(GEMMA3_SPECIALS[:3])
+    text = Gemma3TextConfig(**{**TEXT_CONFIG, "tie_word_embeddings": True}, head_dim=16, sliding_window=8,
+                            query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                "rope_theta": 100.0}})
+    vision = dict(VISION_CONFIG, model_type="siglip_vision_model")
+    vision.pop("projection_dim")
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
+                          boi_token_index=ids[0], image_token_index=ids[1], eoi_token_index=ids[2], **top_level)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():  # norms away from 0 (stored as w of 1 + w), so a skipped one would show
+        for name, p in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(folder)
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,
+                    image_seq_length=TOKENS_PER_IMAGE,
+                    chat_template=CHAT_TEMPLATE.replace("<image>", GEMMA3_IMAGE)).save_pretrained(folder)
+    return model
 
 
 PIXTRAL_SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]

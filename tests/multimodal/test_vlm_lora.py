@@ -34,10 +34,10 @@ def _hf_tokens(model, folder, kind: str, text: str, images: list, llm: LLM) -> l
 
 
 @pytest.mark.parametrize("kind, placeholder", [("llava_next", "<image>"), ("idefics3", "<image>"),
-                                               ("mistral3", "[IMG]")])
+                                               ("mistral3", "[IMG]"), ("gemma3", checkpoints.GEMMA3_IMAGE)])
 def test_lora_with_images_equals_peft(kind, placeholder, tmp_path):
     make = {"llava_next": checkpoints.make_tiny_llava_next, "idefics3": checkpoints.make_tiny_idefics3,
-            "mistral3": checkpoints.make_tiny_mistral3}[kind]
+            "mistral3": checkpoints.make_tiny_mistral3, "gemma3": checkpoints.make_tiny_gemma3}[kind]
     folder = tmp_path / kind
     hf = make(folder, TINY_CORPUS, seed=5)
     adapter = tmp_path / "adapter"

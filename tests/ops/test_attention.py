@@ -203,9 +203,11 @@ def test_naive_reference_is_not_trivially_equal():
 
 # --- sliding window and soft-capping ----------------------------------------------------------
 
-def naive_windowed(case: Case, window: int | None, softcap: float | None) -> torch.Tensor:
+def naive_windowed(case: Case, window: int | None, softcap: float | None,
+                   limits: list[int] | None = None) -> torch.Tensor:
     """Dense attention in float64 where the query at position p sees keys in (p - window, p]
-    (transformers' sliding-window causal mask) and scores are soft-capped, if asked."""
+    (transformers' sliding-window causal mask) and scores are soft-capped, if asked; with
+    `limits` (one per row), keys in (p - window, limits[row]]."""
     out = []
     group = case.query.shape[1] // case.dense_k[0].shape[1]
     row = 0
@@ -213,10 +215,11 @@ def naive_windowed(case: Case, window: int | None, softcap: float | None) -> tor
         for j in range(q_len):
             pos = ctx - q_len + j
             lo = 0 if window is None else max(0, pos - window + 1)
+            hi = pos if limits is None else limits[row]
             q = case.query[row].double()
             heads = []
             for h in range(q.shape[0]):
-                kh, vh = k[lo:pos + 1, h // group].double(), v[lo:pos + 1, h // group].double()
+                kh, vh = k[lo:hi + 1, h // group].double(), v[lo:hi + 1, h // group].double()
                 scores = kh @ q[h] * case.scale
                 if softcap is not None:
                     scores = softcap * torch.tanh(scores / softcap)
@@ -243,6 +246,46 @@ def test_windowed_softcapped_decode_and_prefill_match_dense(window, softcap, num
         out = layer(case.query.flatten(1), case.key.flatten(1), case.value.flatten(1))
     expected = naive_windowed(case, window, softcap)
     torch.testing.assert_close(out.view_as(case.query), expected, atol=1e-5, rtol=1e-4)
+
+
+def span_limits(case: Case, spans: dict[int, list[tuple[int, int]]]) -> list[int]:
+    """Each row's key limit: its own position, or for a row in one of its sequence's spans
+    [a, b) of absolute positions, b - 1 (the span's tokens see each other)."""
+    limits = []
+    for i, (ctx, q_len) in enumerate(case.specs):
+        for pos in range(ctx - q_len, ctx):
+            ends = [b - 1 for a, b in spans.get(i, []) if a <= pos < b]
+            limits.append(ends[0] if ends else pos)
+    return limits
+
+
+# sequences (decodes first): spans inside each prefill chunk, one at its start after cached
+# context, one ending at its end, one of a single token, two in one chunk
+LIMIT_SPECS = [(9, 1), (30, 1), (12, 12), (40, 24), (25, 9), (16, 16)]
+LIMIT_SPANS = {2: [(3, 9)], 3: [(16, 22), (30, 31), (33, 40)], 4: [(16, 25)], 5: [(0, 16)]}
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (4, None), (None, 2.0), (7, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_limits_let_a_span_see_itself(window, softcap, dtype):
+    """Rows with key limits (an image's tokens attending to each other) see their span's
+    later keys and nothing past it, through the layer: the torch op takes such steps even
+    where a faster prefill kernel (the CPU's bf16 one) serves the others."""
+    case = make_case(LIMIT_SPECS, block_size=4, num_heads=4, num_kv_heads=2, head_size=16, seed=21)
+    limits = span_limits(case, LIMIT_SPANS)
+    nd = case.meta.num_decodes
+    assert limits[:nd] == [ctx - 1 for ctx, _ in LIMIT_SPECS[:nd]]  # decodes: causal
+    case.meta.key_limits = torch.tensor(limits[nd:])
+    layer = Attention(4, 16, 2, case.scale, OpTarget("cpu", dtype), sliding_window=window, softcap=softcap)
+    layer.kv_cache = (case.k_cache.to(dtype), case.v_cache.to(dtype))
+    with attention_context(case.meta):
+        out = layer(*(x.to(dtype).flatten(1) for x in (case.query, case.key, case.value)))
+    expected = naive_windowed(case, window, softcap, limits)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.view_as(case.query).float(), expected, **tol)
+    assert layer._limited is paged_prefill_ref
+    # the spans matter: causal attention gives another answer
+    assert not torch.allclose(naive_windowed(case, window, softcap), expected, atol=1e-3)
 
 
 def test_window_and_softcap_change_the_answer():

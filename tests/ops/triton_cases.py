@@ -132,6 +132,30 @@ def check_paged_prefill(device: str) -> None:
                 assert err < 1e-4, (heads, kv_heads, head_size, block_size, window, softcap, err)
 
 
+def check_paged_prefill_key_limits(device: str) -> None:
+    """Rows with key limits (spans of tokens that see each other, as an image's do in Gemma
+    3): the torch op's answer, with and without a window, over cached context."""
+    from tests.ops.test_attention import LIMIT_SPANS, LIMIT_SPECS, span_limits
+
+    for head_size, block_size in ((16, 4), (64, 16)):
+        for window in (None, 5):
+            case = make_case(LIMIT_SPECS, block_size=block_size, num_heads=4, num_kv_heads=2,
+                             head_size=head_size, seed=head_size)
+            kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+            nd = case.meta.num_decodes
+            case.meta.key_limits = torch.tensor(span_limits(case, LIMIT_SPANS)[nd:])
+            want = paged_prefill_ref(case.query[nd:], case.key[nd:], case.value[nd:], case.k_cache,
+                                     case.v_cache, case.meta, case.scale, window)
+            meta = case.meta
+            for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc", "key_limits"):
+                setattr(meta, name, getattr(meta, name).to(device))
+            got = triton_paged_prefill(case.query[nd:].to(device), case.key[nd:].to(device),
+                                       case.value[nd:].to(device), case.k_cache.to(device),
+                                       case.v_cache.to(device), meta, case.scale, window)
+            err = (got.cpu() - want).abs().max().item()
+            assert err < 1e-4, (head_size, block_size, window, err)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """float32: equal up to float32 rounding. bf16: within a bf16 step of the torch op on a
     GPU (each rounding matches torch's, to nearest even; float32 math may differ in the last
@@ -385,6 +409,7 @@ if __name__ == "__main__":
     check_paged_decode(dev)
     check_paged_decode_skips_dead_partitions(dev)
     check_paged_prefill(dev)
+    check_paged_prefill_key_limits(dev)
     check_pointwise(dev)
     check_bf16_rounding(dev)
     check_skinny_linear(dev)

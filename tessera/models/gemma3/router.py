@@ -3,11 +3,12 @@ from transformers import PretrainedConfig
 from tessera.models.base import BaseRouter
 from tessera.models.gemma2.router import Gemma2Router
 from tessera.models.gemma3.modeling import Gemma3ForCausalLM
+from tessera.models.vision_language import VisionLanguageRouter
 
 
 class Gemma3Router(BaseRouter):
-    # gemma3: the multimodal checkpoints (4B-27B), served text-only through their text_config
-    model_types = ("gemma3_text", "gemma3")
+    # gemma3_text: the 1B checkpoint, and every size's GGUF (llama.cpp writes the text model)
+    model_types = ("gemma3_text",)
     model_cls = Gemma3ForCausalLM
     supports_sliding_window = True  # tests/models/test_gemma3_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
@@ -17,14 +18,24 @@ class Gemma3Router(BaseRouter):
     gguf_names = Gemma2Router.gguf_names
     gguf_norm_offset = 1.0  # every norm, the head norms too, stored as 1 + w
 
+
+class Gemma3VisionRouter(VisionLanguageRouter):
+    """Gemma 3 4B-27B: a SigLIP tower at 896 pixels, a projector that average-pools its patches
+    to 256 tokens an image, and Gemma 3's language model (gemma3_text). Unlike the other
+    image models, an image's tokens attend to each other, not causally (transformers'
+    token_type_ids mask): the scheduler keeps each image's run of tokens in one step and its
+    rows see the whole run (key limits, tessera/ops/attention/metadata.py)."""
+    model_types = ("gemma3",)
+    bidirectional_image_attention = True
+    supports_images = True  # tests/multimodal/test_gemma3.py
+    supports_sliding_window = True  # tests/multimodal/test_gemma3.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_vlm_lora.py
+
     def get_config(self) -> PretrainedConfig:
-        config = super().get_config()
-        text = getattr(config, "text_config", None)
-        if text is None:
-            return config
-        # a multimodal config states these at its top level (the text config keeps defaults):
-        # an untied head, and the end-of-turn id among its EOS ids
-        text.tie_word_embeddings = config.tie_word_embeddings
-        if getattr(config, "eos_token_id", None) is not None:
-            text.eos_token_id = config.eos_token_id
+        text = super().get_config()
+        # the end-of-turn id is among the top level's EOS ids only (the text config keeps
+        # its default, <eos>)
+        if getattr(self.full_config, "eos_token_id", None) is not None:
+            text.eos_token_id = self.full_config.eos_token_id
         return text

@@ -7,7 +7,7 @@ import torch
 
 from tessera.ops.attention.metadata import current_metadata
 from tessera.ops.module import OpModule
-from tessera.ops.registry import OpTarget
+from tessera.ops.registry import OpTarget, get_op
 
 
 class Attention(OpModule):
@@ -31,6 +31,10 @@ class Attention(OpModule):
         self._write = target.op("kv_write", head_size=head_size, kv_dtype=target.kv_cache_dtype)
         self._prefill = target.op("paged_attention", phase="prefill", **features)
         self._decode = target.op("paged_attention", phase="decode", **features)
+        # steps whose rows see past themselves (key limits: an image's tokens attending to
+        # each other) take a builder that implements them, looked up when first needed
+        self._limited_spec = target.spec("paged_attention", phase="prefill", key_limits=True, **features)
+        self._limited = None
         # Bound by the runner once the cache is allocated: (k_cache, v_cache), of this dtype.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.cache_dtype = target.kv_cache_dtype or target.dtype
@@ -47,13 +51,18 @@ class Attention(OpModule):
         self._write(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decode_tokens
         extra = (self.scale, self.sliding_window, self.softcap)
+        prefill = self._prefill
+        if meta.key_limits is not None:
+            if self._limited is None:
+                self._limited = get_op(self._limited_spec)
+            prefill = self._limited
         if nd == q.shape[0]:
             out = self._decode(q, k_cache, v_cache, meta, *extra)
         elif nd == 0:
-            out = self._prefill(q, k, v, k_cache, v_cache, meta, *extra)
+            out = prefill(q, k, v, k_cache, v_cache, meta, *extra)
         else:
             out = torch.cat((
                 self._decode(q[:nd], k_cache, v_cache, meta, *extra),
-                self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, *extra),
+                prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, *extra),
             ))
         return out.flatten(1)

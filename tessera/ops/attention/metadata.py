@@ -24,6 +24,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]         # host copies: no device syncs inside layers
     query_lens_list: list[int]
     has_padding: bool = False        # some slot is -1 (padded graph rows)
+    # [prefill tokens] the last key position each prefill row sees, when some row sees past
+    # its own (the tokens of one image attend to each other: Gemma 3); None: causal
+    key_limits: torch.Tensor | None = None
     # (block_size, sliding_window) -> (tables, mask); a dict because layers may differ in
     # window (gemma2 alternates), and each variant is built once per step
     _decode_views: dict = field(default_factory=dict, repr=False)

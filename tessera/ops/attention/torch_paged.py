@@ -60,7 +60,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 @register_op("paged_attention", name="torch_paged_prefill", priority=0, phases=("prefill",),
-             kv_dtypes=ANY_KV)
+             kv_dtypes=ANY_KV, key_limits=True)
 def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None = None,
@@ -68,7 +68,8 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Causal attention for the prefill rows (after the decode rows), one sequence at a time.
 
     query: [T, Hq, D] for the prefill tokens only; key/value: the same tokens' new K/V.
-    With `sliding_window` w, the query at absolute position p sees keys in (p - w, p].
+    With `sliding_window` w, the query at absolute position p sees keys in (p - w, p]; with
+    `meta.key_limits`, in (p - w, key_limits[row]] (a row may see past its own position).
     Returns [T, Hq, D].
     """
     out = torch.empty_like(query)
@@ -82,12 +83,14 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         else:
             k = _gather_context(k_cache, meta.block_tables[i], ctx_len, query.dtype)
             v = _gather_context(v_cache, meta.block_tables[i], ctx_len, query.dtype)
-        # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it.
+        # Query j sits at absolute position ctx_len - q_len + j and sees keys up to it (or
+        # up to its key limit).
         mask = None
-        if ctx_len != q_len or sliding_window is not None:
+        limits = None if meta.key_limits is None else meta.key_limits[start:start + q_len]
+        if ctx_len != q_len or sliding_window is not None or limits is not None:
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos
+            mask = k_pos <= (q_pos if limits is None else limits.to(q_pos.device).unsqueeze(1))
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
         o = _attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

@@ -3,7 +3,8 @@ queries of one prefill sequence and one head and walks that sequence's cached ke
 (prefix-cached context and this chunk alike: the chunk's K/V are written before attention
 runs) in tiles of TILE_N tokens with an online softmax, looking each token's block up in the
 table, so any power-of-two block size works. Causal by absolute position (key tiles past a
-query tile's last position are never read), with sliding windows and soft-capping; GQA reads
+query tile's last position are never read), or up to each row's key limit where the step has
+them (an image's tokens attending to each other), with sliding windows and soft-capping; GQA reads
 the shared KV head. An 8-bit float cache (kv_quant.py) is read as bytes and widened to the
 query's dtype in-kernel (tessera/ops/triton/fp8.py, as in paged_decode.py)."""
 from __future__ import annotations
@@ -43,12 +44,12 @@ def _kernel():
     # which rows are decodes and how wide the tables are change every step: unspecialised
     # (see paged_decode.py)
     @triton.jit(do_not_specialize=["first_seq", "first_row", "table_width"])
-    def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr,
+    def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, limits_ptr,
                        first_seq, first_row, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
+                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr, HAS_LIMITS: tl.constexpr):
         seq = first_seq + tl.program_id(0)
         head = tl.program_id(1)
         tile = tl.program_id(2)
@@ -68,7 +69,12 @@ def _kernel():
             m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            last = tl.minimum(ctx - q_len + (tile + 1) * BLOCK_M, ctx)  # keys past this are masked
+            if HAS_LIMITS:  # the last key each row sees (its own position, or past it)
+                q_limit = tl.load(limits_ptr + rows, mask=m_mask, other=0)
+                last = tl.minimum(tl.max(tl.where(m_mask, q_limit, 0)) + 1, ctx)
+            else:
+                q_limit = q_pos
+                last = tl.minimum(ctx - q_len + (tile + 1) * BLOCK_M, ctx)  # keys past this are masked
             lowest = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0)
             row = num_kv_heads * head_size
             offs = tl.arange(0, TILE)
@@ -82,7 +88,7 @@ def _kernel():
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
                 if USE_SOFTCAP:
                     s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
-                allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+                allowed = (k_pos[None, :] <= q_limit[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
                 allowed = allowed & m_mask[:, None]
                 s = tl.where(allowed, s, -float("inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -101,7 +107,7 @@ def _kernel():
 
 
 @register_op("paged_attention", name="triton_paged_prefill", priority=20, devices=("cuda",),
-             phases=("prefill",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing)
+             phases=("prefill",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing, key_limits=True)
 def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, sliding_window: int | None = None,
@@ -122,11 +128,12 @@ def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     grid = (num_prefills, num_heads, -(-max_q // block_m))
     hw_fp8 = fp8_in_hardware(k_cache, hardware_fp8)
     k_cache, v_cache, fmt = kv_cache_operands(k_cache, v_cache)
+    limits = meta.key_limits
     _kernel()[grid](
         query.contiguous(), k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, first, meta.num_decode_tokens, scale, softcap or 1.0,
+        meta.query_start_loc, meta.seq_lens if limits is None else limits, first, meta.num_decode_tokens, scale, softcap or 1.0,
         sliding_window or NO_WINDOW, num_heads, num_kv_heads, head_size, meta.block_tables.shape[1],
         BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=block_m,
         TILE=tile, USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(query.dtype),
-        KV_FORMAT=fmt, HW_FP8=hw_fp8)
+        KV_FORMAT=fmt, HW_FP8=hw_fp8, HAS_LIMITS=limits is not None)
     return out
