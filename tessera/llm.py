@@ -168,6 +168,11 @@ class LLM:
         """Forget cached prompt prefixes (e.g. between benchmark repeats of the same prompts)."""
         return self.engine.reset_prefix_cache()
 
+    def reset_mm_cache(self) -> int:
+        """Forget the encoded images kept across requests (vLLM's LLM.reset_mm_cache), so
+        the next prompt with a picture seen before encodes it again; returns how many."""
+        return self.engine.reset_mm_cache()
+
     def detect_watermark(self, output: str | Seq[int], *, prompt: str | Seq[int] | None = None,
                          z_threshold: float = DEFAULT_Z_THRESHOLD,
                          ignore_repeated_bigrams: bool = False) -> WatermarkScore:

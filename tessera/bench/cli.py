@@ -57,7 +57,7 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                             "model-dtype KV cache vs --kv-cache-dtype (default fp8): bytes per token, "
                             "prefill and decode speed per --batch-sizes, logprob drift; images: what an "
                             "image of each --image-sizes costs a prompt (encoder time, TTFT, TPOT) beside "
-                            "a text prompt as long (a model that takes images; --preset qwen2.5-vl-3b); serve: "
+                            "a text prompt as long (a model that takes images; --preset qwen2.5-vl-3b or gemma-3-4b); serve: "
                             "TTFT, TPOT, ITL and throughput of a running server (--url)")
     bench.add_argument("--num-prompts", type=positive_int, default=32, help="throughput/serve: prompts in the run")
     bench.add_argument("--batch-sizes", type=positive_ints, default=[1], help="latency: comma-separated batch sizes")

@@ -3,8 +3,9 @@
 Per --image-sizes (square images of random pixels), one request whose prompt is a short text
 with the image's placeholder, beside one of the same number of text tokens (the baseline):
 - encode: the vision encoder alone on the processed image (median of --repeats);
-- TTFT: from add_request to the first token, the prefix cache reset before each run, so
-  the image request pays its encoding and the prefill of all its tokens;
+- TTFT: from add_request to the first token, the prefix cache and the cache of encoded
+  images reset before each run, so the image request pays its encoding and the prefill of
+  all its tokens;
 - TPOT: the decode steps after it (the image's tokens are ordinary cached context then).
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ def _random_image(side: int, seed: int) -> Image.Image:
 def _run(engine: Engine, ids: list[int], images, output_len: int) -> tuple[float, float]:
     """(TTFT, TPOT) in seconds of one greedy request running alone."""
     engine.reset_prefix_cache()
+    engine.reset_mm_cache()
     request_id = f"bench-images-{next(_ids)}"
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()

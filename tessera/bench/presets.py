@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _LLAMA3 = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
@@ -45,16 +46,49 @@ PRESETS["qwen2.5-vl-3b"] = dict(
                        spatial_patch_size=14, window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
                        tokens_per_second=2, temporal_patch_size=2))
 
-# presets that take images: the tokens their config names (added to the default model's
-# tokenizer, config key -> token) and their image processor's config
-IMAGE_PRESETS: dict[str, tuple[dict[str, str], dict]] = {
-    "qwen2.5-vl-3b": ({"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
-                       "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"},
-                      {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136,
-                       "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-                       "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                       "image_std": [0.26862954, 0.26130258, 0.27577711], "do_rescale": True,
-                       "do_normalize": True, "do_resize": True, "do_convert_rgb": True}),
+# google/gemma-3-4b-it (its token ids are set where the tokenizer gets the tokens); the text
+# config leaves heads (8, 4 KV), head_dim 256, theta 1M (10k local) to Gemma3TextConfig's defaults
+PRESETS["gemma-3-4b"] = dict(
+    architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", eos_token_id=[1, 106],
+    initializer_range=0.02, mm_tokens_per_image=256, torch_dtype="bfloat16",
+    text_config=dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                     sliding_window=1024, vocab_size=262208, max_position_embeddings=131072,
+                     rope_scaling={"factor": 8.0, "rope_type": "linear"}),
+    vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, image_size=896, intermediate_size=4304,
+                       num_attention_heads=16, num_hidden_layers=27, patch_size=14, vision_use_head=False))
+
+
+@dataclass(frozen=True)
+class ImagePreset:
+    """What a preset that takes images adds to the default model's tokenizer and folder."""
+
+    tokens: dict[str, str]  # config key -> token added to the tokenizer (the config gets its id)
+    image_processor: dict   # preprocessor_config.json
+    processor: dict | None = None  # processor_config.json, for processors with settings of their own
+    # tokenizer attribute -> token, what the model's processor finds them as (Gemma 3's boi_token ...)
+    named_tokens: dict[str, str] = field(default_factory=dict)
+
+
+_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+IMAGE_PRESETS: dict[str, ImagePreset] = {
+    "qwen2.5-vl-3b": ImagePreset(
+        {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+         "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"},
+        {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136, "max_pixels": 12845056,
+         "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "image_mean": _CLIP_MEAN,
+         "image_std": _CLIP_STD, "do_rescale": True, "do_normalize": True, "do_resize": True,
+         "do_convert_rgb": True}),
+    "gemma-3-4b": ImagePreset(
+        {"boi_token_index": "<start_of_image>", "image_token_index": "<image_soft_token>",
+         "eoi_token_index": "<end_of_image>"},
+        {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 896, "width": 896},
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2,
+         "rescale_factor": 1 / 255, "do_rescale": True, "do_normalize": True, "do_resize": True,
+         "do_convert_rgb": True},
+        processor={"image_seq_length": 256, "processor_class": "Gemma3Processor"},
+        named_tokens={"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                      "eoi_token": "<end_of_image>"}),
 }
 
 
@@ -78,11 +112,13 @@ def write_preset(name: str, cache_dir: Path, folder: Path | None = None) -> Path
     if name in IMAGE_PRESETS:
         from transformers import AutoTokenizer
 
-        tokens, processor = IMAGE_PRESETS[name]
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        tokenizer.add_special_tokens({"additional_special_tokens": list(tokens.values())})
+        preset = IMAGE_PRESETS[name]
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), extra_special_tokens=preset.named_tokens or None)
+        tokenizer.add_special_tokens({"additional_special_tokens": list(preset.tokens.values())})
         tokenizer.save_pretrained(str(folder))
-        config.update({key: tokenizer.convert_tokens_to_ids(token) for key, token in tokens.items()})
-        (folder / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+        config.update({key: tokenizer.convert_tokens_to_ids(token) for key, token in preset.tokens.items()})
+        (folder / "preprocessor_config.json").write_text(json.dumps(preset.image_processor, indent=2) + "\n")
+        if preset.processor is not None:
+            (folder / "processor_config.json").write_text(json.dumps(preset.processor, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

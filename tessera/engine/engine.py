@@ -248,6 +248,10 @@ class Engine:
         while blocks are in use; this resets what it can); returns the blocks forgotten."""
         return self.block_manager.reset_prefix_cache()
 
+    def reset_mm_cache(self) -> int:
+        """Forget the encoded images kept across requests (vLLM's name); returns how many."""
+        return self.runner.encoder_cache.clear()
+
     def stats(self) -> EngineStats:
         """A snapshot of load and cache counters (what the server's /metrics publishes)."""
         bm, sched = self.block_manager, self.scheduler

@@ -37,3 +37,10 @@ class EncoderCache:
         while self.bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.numel() * old.element_size()
+
+    def clear(self) -> int:
+        """Forget every encoded image; returns how many there were."""
+        count = len(self._entries)
+        self._entries.clear()
+        self.bytes = 0
+        return count

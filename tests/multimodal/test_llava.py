@@ -281,7 +281,8 @@ def test_transparent_images_lie_on_white_and_arrays_are_images(tiny_llava, llm):
 
 def test_an_image_seen_before_skips_the_encoder(tiny_llava, monkeypatch):
     """The same picture after other text (no prefix to reuse) takes its features from the
-    encoder cache; the answer is still transformers'; other pixels are encoded."""
+    encoder cache; the answer is still transformers'; other pixels are encoded, and so is
+    the first picture again once the cache is reset."""
     folder, hf = tiny_llava
     image = random_image(71)
     with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
@@ -294,3 +295,7 @@ def test_an_image_seen_before_skips_the_encoder(tiny_llava, monkeypatch):
         assert len(calls) == 1 and llm.engine.runner.encoder_cache.hits == 1
         llm.generate(image_prompt("A picture <image> of", [random_image(72)]), greedy(), use_tqdm=False)
         assert len(calls) == 2
+        assert llm.reset_mm_cache() == 2 and llm.engine.runner.encoder_cache.bytes == 0
+        llm.reset_prefix_cache()
+        llm.generate(image_prompt("A picture <image> of", [image]), greedy(), use_tqdm=False)
+        assert len(calls) == 3  # (vLLM's reset_mm_cache: encoded again)

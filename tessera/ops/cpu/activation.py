@@ -1,16 +1,21 @@
-"""The fused bf16 SiLU-and-mul builder for `silu_and_mul` on CPU (silu_and_mul_bf16.c).
+"""The fused bf16 gated activations on CPU (silu_and_mul_bf16.c): `silu_and_mul`, and
+`gelu_tanh_and_mul` (Gemma's MLP) from the same source built with TESSERA_GELU_TANH.
 
-torch's version chunks the packed projection and runs silu and mul as two ops with two
-full-size temporaries; at prefill sizes (1024 x 1536 on the default model) that is ~1 ms a
-layer, the kernel a tenth of it. Same rounding as the torch builder (bf16 after each op).
+torch's version chunks the packed projection and runs the activation and mul as two ops
+with two full-size temporaries; at prefill sizes (1024 x 1536 on the default model) that is
+~1 ms a layer, the kernel a tenth of it. Same rounding as the torch builder (bf16 after each
+op). A decode step whose every op is a kernel is captured and replayed (decode_graphs.py):
+with torch's gelu in the MLP, Gemma's steps ran eagerly.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+from typing import Callable
 
 import torch
 
-from tessera.ops.activation import silu_and_mul_ref
+from tessera.ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.registry import register_op
 
@@ -18,17 +23,28 @@ from tessera.ops.registry import register_op
 _KERNEL = Kernel("silu_and_mul_bf16.c", "tessera_silu_and_mul_bf16",
                  (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2 + (ctypes.c_int,), None,
                  fallback_source="silu_and_mul_avx2.c")
+_GELU_KERNEL = dataclasses.replace(_KERNEL, defines=("TESSERA_GELU_TANH 1",))
 
 
 @register_op("silu_and_mul", name="cpu_silu_and_mul_bf16", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16,), check=_KERNEL.check)
 def silu_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    return _gated(_KERNEL, silu_and_mul_ref, gate_up)
+
+
+@register_op("gelu_tanh_and_mul", name="cpu_gelu_tanh_and_mul_bf16", priority=10, devices=("cpu",),
+             dtypes=(torch.bfloat16,), check=_GELU_KERNEL.check)
+def gelu_tanh_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    return _gated(_GELU_KERNEL, gelu_tanh_and_mul_ref, gate_up)
+
+
+def _gated(kernel: Kernel, reference: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype != torch.bfloat16 or gate_up.shape[-1] % 2:
-        return silu_and_mul_ref(gate_up)
+        return reference(gate_up)
     h = gate_up.shape[-1] // 2
     gate_up = gate_up.contiguous()
     out = torch.empty((*gate_up.shape[:-1], h), dtype=torch.bfloat16)
     rows = out.numel() // h if h else 0
     if rows:
-        _KERNEL(gate_up.data_ptr(), out.data_ptr(), rows, h, torch.get_num_threads())
+        kernel(gate_up.data_ptr(), out.data_ptr(), rows, h, torch.get_num_threads())
     return out
