@@ -21,8 +21,11 @@ from tessera.weights.lazy import narrow
 
 
 @register_op("embedding", name="torch_embedding", priority=0)
-def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.embedding(input_ids, weight)
+def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """weight[input_ids], times `scale` if given (computed in float32 for a bf16 table, as
+    torch multiplies a tensor by a Python float)."""
+    rows = F.embedding(input_ids, weight)
+    return rows if scale is None else rows * scale
 
 
 def _vocab_rows_param(vocab_size: int, hidden_size: int, target: OpTarget) -> nn.Parameter:
@@ -42,18 +45,20 @@ def _vocab_rows_param(vocab_size: int, hidden_size: int, target: OpTarget) -> nn
 
 
 class VocabEmbedding(OpModule):
-    def __init__(self, vocab_size: int, hidden_size: int, target: OpTarget):
+    def __init__(self, vocab_size: int, hidden_size: int, target: OpTarget, scale: float | None = None):
+        """`scale`: every row is multiplied by it (Gemma's sqrt(hidden_size)), in the same op."""
         super().__init__()
         self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
         self.tp_size = target.tp_size
+        self.scale = scale
         self._embed = target.op("embedding")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._embed(input_ids, self.weight)
+            return self._embed(input_ids, self.weight, self.scale)
         local = input_ids - self.weight.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = self._embed(local.masked_fill(outside, 0), self.weight)
+        out = self._embed(local.masked_fill(outside, 0), self.weight, self.scale)
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return all_reduce(out, self.tp_size)
 

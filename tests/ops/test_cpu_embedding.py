@@ -25,6 +25,21 @@ def test_matches_f_embedding(dtype, shape):
     assert torch.equal(got, F.embedding(ids, table))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scaled_embedding_rounds_as_torch(dtype):
+    """Gemma's rows times sqrt(hidden) (a bf16-representable scale), in one call: the bits of
+    torch's `rows * scale` (float32 product, rounded to the table's dtype)."""
+    g = torch.Generator().manual_seed(3)
+    table = (10 * torch.randn(50, 24, generator=g)).to(dtype)
+    ids = torch.randint(0, 50, (2, 9), generator=g)
+    scale = torch.tensor(2304 ** 0.5, dtype=dtype).item()
+    got = embedding_cpu(ids, table, scale)
+    assert got.dtype == dtype and torch.equal(got, F.embedding(ids, table) * scale)
+    assert not torch.equal(got, F.embedding(ids, table))
+    with pytest.raises(IndexError):
+        embedding_cpu(torch.tensor([3, 50]), table, scale)
+
+
 @pytest.mark.parametrize("bad", [50, -1])
 def test_an_id_outside_the_table_is_an_index_error(bad):
     table = torch.randn(50, 8)

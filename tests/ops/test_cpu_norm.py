@@ -36,6 +36,26 @@ def test_matches_the_torch_builder(rows, h, with_residual, weight_dtype):
         assert got_res is None
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 5])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_per_head_norm_reads_heads_in_place(tokens, weight_dtype):
+    """[tokens, heads, head_dim] viewed on the query columns of a packed QKV output (each
+    token's heads contiguous, tokens a row of q + k + v apart): the same as the torch op on
+    a copy, and no copy made (a decode graph could not replay one)."""
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (3 * torch.randn(tokens, (4 + 2 + 2) * 16, generator=g)).bfloat16()
+    q = qkv[:, :4 * 16].view(tokens, 4, 16)
+    weight = (1 + 0.2 * torch.randn(16, generator=g)).to(weight_dtype)
+    got, _ = cpu_norm.rms_norm_bf16(q, weight, 1e-6)
+    want, _ = rms_norm_ref(q.contiguous(), weight, 1e-6)
+    assert got.shape == (tokens, 4, 16) and got.is_contiguous()
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2.0 ** -7 + 1e-6).all()
+    assert (got == want).float().mean() >= 0.95
+    k = qkv[:, 4 * 16:6 * 16].view(tokens, 2, 16)  # the key heads: another offset into the rows
+    torch.testing.assert_close(cpu_norm.rms_norm_bf16(k, weight, 1e-6)[0].float(),
+                               rms_norm_ref(k.contiguous(), weight, 1e-6)[0].float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_other_dtypes_and_shapes_go_to_torch():
     x = torch.randn(2, 3, 16)
     w = torch.ones(16)

@@ -99,21 +99,46 @@ def test_graphs_turn_off_for_a_model_without_cpu_kernels(make_tiny_llama):
     assert results[False] == results[True]
 
 
-def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path):
-    """Qwen3's per-head q/k norms reshape a strided slice: a view at one row, a copy from
-    two, so only the 1-row pass is kernels alone."""
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text"])
+def test_head_norms_and_scaled_embeddings_replay_at_every_bucket(kind, tiny_tokenizer_dir, tmp_path):
+    """Qwen3's and Gemma 3's per-head q/k norms read their heads in place from the QKV
+    projection's rows (a reshape would copy from two rows on), Gemma's embedding scale is
+    in the embedding kernel and its GELU MLP a kernel: every bucket is captured, and the
+    replays equal the eager steps."""
+    if kind == "qwen3":
+        from tests.models.test_qwen_parity import make_tiny_qwen
+        make_tiny_qwen(tmp_path, tiny_tokenizer_dir, "qwen3", seed=8, head_dim=16)
+    else:
+        from tests.models.test_gemma3_parity import make
+        make(tmp_path, tiny_tokenizer_dir, "gemma3-tied")
+    assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
+
+
+def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path, monkeypatch):
+    """A pass that runs torch compute from two rows on (here Qwen3's head norms through a
+    reshape, which copies a strided slice from two rows: a view at one) runs eagerly at
+    those buckets only."""
+    from tessera.models.qwen3.modeling import HeadNormForward
     from tests.models.test_qwen_parity import make_tiny_qwen
 
+    monkeypatch.setattr(HeadNormForward, "_head_norm", lambda self, norm, x: norm(
+        x.reshape(-1, self.head_dim)).reshape(x.shape[0], -1))
     make_tiny_qwen(tmp_path, tiny_tokenizer_dir, "qwen3", seed=8, head_dim=16)
+    assert replayed_and_eager_buckets(tmp_path) == ([1], [2, 3])
+
+
+def replayed_and_eager_buckets(folder) -> tuple[list[int], list[int]]:
+    """Three prompts of the model in `folder`, eager and with graphs: the answers must be
+    equal; returns (captured buckets, buckets run eagerly)."""
     results = {}
     for eager in (True, False):
-        with LLM(tmp_path, dtype="bfloat16", num_kv_blocks=64, block_size=8, enforce_eager=eager,
+        with LLM(folder, dtype="bfloat16", num_kv_blocks=64, block_size=8, enforce_eager=eager,
                  show_progress=False) as llm:
             results[eager] = run(llm, count=3)
-            if not eager:
-                graphs = llm.engine.runner.graphs
-                assert graphs.captured_sizes == [1] and graphs.eager_sizes == [2, 3]
+            graphs = llm.engine.runner.graphs
+            buckets = (graphs.captured_sizes, graphs.eager_sizes) if graphs is not None else None
     assert results[False] == results[True]
+    return buckets
 
 
 def test_replacing_the_kv_cache_drops_the_graphs(make_tiny_llama):

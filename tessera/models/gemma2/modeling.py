@@ -102,9 +102,9 @@ class Gemma2Model(nn.Module):
 
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
         # transformers multiplies by sqrt(hidden) rounded to the hidden states' dtype
         self.normalizer = torch.tensor(config.hidden_size ** 0.5, dtype=target.dtype).item()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target, scale=self.normalizer)
         self.make_rotary(config, target)
         self.layers = nn.ModuleList(self.layer_cls(config, i, target)
                                     for i in range(config.num_hidden_layers))
@@ -120,7 +120,7 @@ class Gemma2Model(nn.Module):
         return [self.rotary_emb(positions)] * len(self.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.normalizer
+        return self.embed_tokens(input_ids)  # scaled by the normalizer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

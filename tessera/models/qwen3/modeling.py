@@ -18,9 +18,10 @@ class HeadNormForward:
     head over head_dim before rotary (Qwen3, Gemma 3); mixed in before a LlamaAttention."""
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        # [tokens * heads, head_dim]: every head normalised on its own, with a 2-D input as
-        # every rms_norm builder expects
-        return norm(x.reshape(-1, self.head_dim)).reshape(x.shape[0], -1)
+        # [tokens, heads, head_dim]: every head normalised on its own. `x` is a slice of the
+        # QKV projection's rows, so this is a view (a reshape to [tokens * heads, head_dim]
+        # would copy from two tokens on); the CPU kernel reads it in place
+        return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape[0], -1)
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))

@@ -17,7 +17,7 @@ from tessera.ops.registry import register_op
 
 
 _KERNEL = Kernel("rms_norm_bf16.c", "tessera_rms_norm_bf16",
-                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 2 + (ctypes.c_float, ctypes.c_int), None,
+                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 4 + (ctypes.c_float, ctypes.c_int), None,
                  fallback_source="rms_norm_avx2.c")
 # a float32 weight (Gemma's 1 + w), the normalised row not rounded before it (ops/norm.py)
 _F32_WEIGHT_KERNEL = dataclasses.replace(_KERNEL, defines=("TESSERA_F32_WEIGHT 1",))
@@ -37,14 +37,20 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return rms_norm_ref(x, weight, eps, residual)
     kernel = _F32_WEIGHT_KERNEL if weight.dtype == torch.float32 else _KERNEL
     h = x.shape[-1]
-    x = x.contiguous()
     rows = x.numel() // h if h else 0
-    out = torch.empty_like(x)
+    # [tokens, heads, h] with each token's heads contiguous (a slice of a QKV projection's
+    # rows): read in place, groups of `heads` rows a token stride apart
+    if residual is None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == h and x.shape[0] > 1:
+        group, group_stride = x.shape[1], x.stride(0)
+    else:
+        x = x.contiguous()
+        group, group_stride = max(rows, 1), 0
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = None
     if residual is not None:
         residual = residual.contiguous()
         new_residual = torch.empty_like(x)
     if rows:
         kernel(x.data_ptr(), _ptr(residual), _ptr(new_residual), weight.data_ptr(), out.data_ptr(),
-                rows, h, eps, torch.get_num_threads())
+               rows, h, group, group_stride, eps, torch.get_num_threads())
     return out, new_residual

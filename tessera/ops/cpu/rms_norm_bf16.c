@@ -24,13 +24,16 @@ typedef uint16_t weight_t;
 #define NORMED(v) round_bf16x16(v)
 #endif
 
-/* x, out: [rows, h]; residual_in / residual_out: [rows, h] or NULL (no add); w: [h]. */
+/* out: [rows, h]; residual_in / residual_out: [rows, h] or NULL (no add); w: [h]. x: rows of h
+ * in groups of `group` consecutive rows, a group every `group_stride` values (per-head norms
+ * read the query or key heads of each token where the QKV projection left them, a copy saved
+ * that would keep a decode step from being captured); group = rows: plain [rows, h]. */
 void tessera_rms_norm_bf16(const uint16_t *x, const uint16_t *residual_in, uint16_t *residual_out,
-                           const weight_t *w, uint16_t *out, int64_t rows, int64_t h, float eps,
-                           int threads) {
+                           const weight_t *w, uint16_t *out, int64_t rows, int64_t h, int64_t group,
+                           int64_t group_stride, float eps, int threads) {
 #pragma omp parallel for num_threads(rows >= 16 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * h;
+        const uint16_t *xr = x + (r / group) * group_stride + (r % group) * h;
         __m512 sum = _mm512_setzero_ps();
         if (residual_in) {  /* s = bf16(x + residual), stored as the next residual */
             for (int64_t i = 0; i < h; i += 16) {
