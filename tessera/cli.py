@@ -57,6 +57,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt in one step (needs --max-num-batched-tokens >= max model length)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file overriding the tokenizer's")
+    p.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="models that take images: settings for their image processor (vLLM's flag), e.g. "
+                        "'{\"max_pixels\": 1003520}' to bound Qwen2-VL's image sizes, "
+                        "'{\"do_pan_and_scan\": true}' for Gemma 3's crops")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: seeded random weights for the model's config (benchmark real shapes "
@@ -123,6 +127,16 @@ def add_watermark_args(p: argparse.ArgumentParser) -> None:
                         "public 15485863 that TGI and transformers use: set your own to deploy)")
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _image_limit(text: str) -> int:
     """--limit-mm-per-prompt: vLLM's JSON ({"image": N}), or N alone."""
     try:
@@ -185,7 +199,7 @@ def _engine_config(args: argparse.Namespace):
                chat_template=args.chat_template, cache_dir=cache_dir, logprobs_mode=args.logprobs_mode,
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
-               generation_config=args.generation_config,
+               generation_config=args.generation_config, mm_processor_kwargs=args.mm_processor_kwargs,
                async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
                speculative_config=_speculative_config(args),
                parallel=_parallel_config(args), watermark=watermark_config(args), **_lora_args(args))

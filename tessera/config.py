@@ -62,6 +62,9 @@ class ModelConfig:
     # run every step through the layers' Python (no captured decode graphs)
     enforce_eager: bool = False
     generation_config: str = "auto"
+    # models that take images: settings for their image processor's calls (vLLM's
+    # --mm-processor-kwargs, e.g. {"max_pixels": 1003520} for Qwen2-VL)
+    mm_processor_kwargs: dict | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:
@@ -74,6 +77,8 @@ class ModelConfig:
                  f"generation_config must be one of {GENERATION_CONFIGS}, got {self.generation_config!r}")
         _require(self.model_impl in MODEL_IMPLS,
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        _require(self.mm_processor_kwargs is None or isinstance(self.mm_processor_kwargs, dict),
+                 f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
         self.cache_dir = Path(self.cache_dir)

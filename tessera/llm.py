@@ -84,6 +84,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
                   enforce_eager: bool = False, generation_config: str = "auto",
+                  mm_processor_kwargs: dict | None = None,
                   async_scheduling: bool | None = None,
                   scheduling_policy: str = "fcfs",
                   speculative_config: SpeculativeConfig | dict | None = None,
@@ -116,7 +117,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                dtype=dtype, max_model_len=max_model_len,
                                chat_template=chat_template, model_impl=model_impl,
                                load_format=load_format, quantization=quantization,
-                               enforce_eager=enforce_eager, generation_config=generation_config)
+                               enforce_eager=enforce_eager, generation_config=generation_config,
+                               mm_processor_kwargs=mm_processor_kwargs)
     if cache_dir is not None:
         model_config.cache_dir = Path(cache_dir)
     return EngineConfig(

@@ -22,10 +22,14 @@ def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len:
         if config.model.chat_template:
             router.chat_template  # a --chat-template path that does not exist, too
         router.sampling_defaults  # and generation_config.json sampling values no request could use
+        if config.model.mm_processor_kwargs and router.supports_images:
+            router.image_prompts  # image processor settings it does not take
     except ValueError as exc:  # QuantizedCheckpointError among them
         raise ConfigError(str(exc)) from exc
     features = type(router).features()
     name = f"{type(router).__name__} ({router.config.model_type})"
+    if config.model.mm_processor_kwargs and not router.supports_images:
+        raise ConfigError(f"{name} takes no images: --mm-processor-kwargs has no image processor to set")
     if config.lora.enable_lora and not features["supports_lora"]:
         raise ConfigError(f"{name} does not support LoRA adapters; `tessera models` lists the types that do")
     if config.speculative.enabled and config.speculative.method == "draft_model" and router.supports_images:

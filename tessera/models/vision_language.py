@@ -96,7 +96,7 @@ class VisionLanguageRouter(BaseRouter):
     @cached_property
     def image_prompts(self) -> ImagePrompts:
         return self.image_prompts_cls(self.metadata_dir, self.image_token_id, self.same_tokens_per_image,
-                                      self.bidirectional_image_attention)
+                                      self.bidirectional_image_attention, self.model_config.mm_processor_kwargs)
 
     @cached_property
     def chat_template(self) -> str | None:

@@ -30,9 +30,11 @@ class ImagePrompts:
     positions) subclasses this."""
 
     def __init__(self, folder: Path, image_token_id: int, same_tokens_per_image: bool = False,
-                 bidirectional: bool = False):
+                 bidirectional: bool = False, processor_kwargs: dict | None = None):
         """`bidirectional`: each run of consecutive image tokens attends to itself whole
-        (MultimodalInputs.attention_spans)."""
+        (MultimodalInputs.attention_spans). `processor_kwargs`: settings passed to every
+        call of the image processor (--mm-processor-kwargs); ones it does not take, or
+        cannot use, are a ValueError here."""
         self.folder = folder
         self.image_token_id = image_token_id
         self.same_tokens_per_image = same_tokens_per_image
@@ -46,6 +48,24 @@ class ImagePrompts:
         self.placeholder: str = getattr(self.processor, "image_token", None) or ""
         if not self.placeholder:
             raise ValueError(f"{folder}: the processor names no image token")
+        self.processor_kwargs = dict(processor_kwargs or {})
+        if self.processor_kwargs:
+            self._check_processor_kwargs()
+
+    def _check_processor_kwargs(self) -> None:
+        image_processor = getattr(self.processor, "image_processor", None)
+        valid = getattr(getattr(type(image_processor), "valid_kwargs", None), "__annotations__", None)
+        name = type(image_processor).__name__
+        if valid is not None:
+            unknown = sorted(set(self.processor_kwargs) - set(valid) - {"return_tensors"})
+            if unknown:
+                raise ValueError(f"--mm-processor-kwargs: {name} has no setting {', '.join(unknown)} "
+                                 f"(it takes {', '.join(sorted(valid))})")
+        try:  # values it cannot use fail now, not on every request
+            with self._lock:
+                self.expand(self.placeholder, [Image.new("RGB", (64, 64), (127, 127, 127))], False)
+        except Exception as exc:
+            raise ValueError(f"--mm-processor-kwargs {self.processor_kwargs}: {name} cannot use them: {exc}") from exc
 
     def load_processor(self, folder: Path):
         from transformers import AutoProcessor
@@ -60,7 +80,7 @@ class ImagePrompts:
                add_special_tokens: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
         """The prompt's token ids with each placeholder expanded, and the encoder's inputs."""
         out = self.processor(text=[text], images=list(images), return_tensors="pt",
-                             add_special_tokens=add_special_tokens)
+                             add_special_tokens=add_special_tokens, **self.processor_kwargs)
         encoder_inputs = {k: v for k, v in out.items() if k not in TEXT_KEYS and isinstance(v, torch.Tensor)}
         return out["input_ids"][0].tolist(), encoder_inputs
 

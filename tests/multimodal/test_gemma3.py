@@ -151,3 +151,25 @@ def test_chunk_ends_and_key_limits_of_attention_spans():
 def test_routed_by_model_type():
     assert router_classes()["gemma3"].__name__ == "Gemma3VisionRouter"
     assert router_classes()["gemma3_text"].__name__ == "Gemma3Router"
+
+
+def test_pan_and_scan_crops_through_mm_processor_kwargs(tiny_gemma3):
+    """--mm-processor-kwargs '{"do_pan_and_scan": true, ...}': a wide image becomes itself plus
+    crops, each a run of image tokens with text between; each run attends to itself only,
+    and the answer is transformers' with the same processor settings."""
+    from transformers import AutoProcessor
+
+    folder, hf = tiny_gemma3
+    settings = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 28,
+                "pan_and_scan_min_ratio_to_activate": 1.2}
+    images = [random_image(9, size=(112, 28))]
+    text = f"A {GEMMA3_IMAGE} of"
+    inputs = AutoProcessor.from_pretrained(str(folder))(images=images, text=text, return_tensors="pt", **settings)
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=N, do_sample=False, eos_token_id=None, pad_token_id=0)
+    prompt = inputs["input_ids"][0].tolist()
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, mm_processor_kwargs=settings) as llm:
+        ids, mm = llm.engine.process_images(text, images)
+        assert ids == prompt and len(mm.attention_spans) > 1  # the image and its crops
+        got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == out[0, len(prompt):].tolist()

@@ -117,3 +117,49 @@ def test_lora_on_the_language_model_equals_peft(tiny_qwen25_vl, tmp_path):
         got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False,
                            lora_request=LoRARequest("a", 1, str(adapter)))[0].outputs[0].token_ids
     assert got == want
+
+
+def test_mm_processor_kwargs_bound_the_image_size(tiny_qwen25_vl, tmp_path):
+    """--mm-processor-kwargs '{"max_pixels": N}' (vLLM's flag): a large image is resized to at
+    most N pixels, fewer tokens, and the answer is transformers' with its image processor set
+    the same; settings the image processor does not have, or cannot use, and settings for a
+    model that takes no images, are refused at start-up."""
+    import json
+    import shutil
+
+    from tessera.config import ConfigError
+
+    folder, hf = tiny_qwen25_vl
+    images = [random_image(30, size=(200, 150))]
+    text = f"A {QWEN_IMAGE} of"
+    bounded = tmp_path / "bounded"  # the same checkpoint, its image processor set to the bound
+    shutil.copytree(folder, bounded)
+    config = json.loads((bounded / "preprocessor_config.json").read_text())
+    bound = 56 * 56 * 2
+    config["size"]["longest_edge"] = bound
+    (bounded / "preprocessor_config.json").write_text(json.dumps(config))
+    _, want = hf_qwen_generate(hf, bounded, text, images, N)
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False,
+             mm_processor_kwargs={"max_pixels": bound}) as llm:
+        ids, inputs = llm.engine.process_images(text, images)
+        assert inputs.num_features * 4 * 14 * 14 <= bound
+        assert llm.engine.router.image_prompts.largest_image_size() == (int(bound ** 0.5),) * 2
+        got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as plain:
+        assert plain.engine.process_images(text, images)[1].num_features > inputs.num_features
+    with pytest.raises(ConfigError, match="has no setting max_pixelz"):
+        LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, mm_processor_kwargs={"max_pixelz": 1})
+    with pytest.raises(ConfigError, match="cannot use them"):
+        LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, mm_processor_kwargs={"max_pixels": "big"})
+
+
+def test_mm_processor_kwargs_for_a_text_model_are_refused(make_tiny_llama):
+    from tessera.cli import main
+    from tessera.config import ConfigError
+
+    folder, _ = make_tiny_llama()
+    with pytest.raises(ConfigError, match="takes no images"):
+        LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False, mm_processor_kwargs={"max_pixels": 1})
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(folder), "--mm-processor-kwargs", "[1]", "hi"])

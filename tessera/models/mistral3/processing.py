@@ -43,7 +43,8 @@ class PixtralImagePrompts(ImagePrompts):
     def expand(self, text: str, images: Sequence[Image.Image],
                add_special_tokens: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
         p = self.processor
-        out = p.image_processor(images=list(images), patch_size=p.token_pixels, return_tensors="pt")
+        out = p.image_processor(images=list(images), patch_size=p.token_pixels, return_tensors="pt",
+                                **self.processor_kwargs)
         expanded = expand_placeholders(text, p.image_token, [image_tokens(p, h, w) for h, w in out["image_sizes"].tolist()])
         ids = p.tokenizer(expanded, add_special_tokens=add_special_tokens).input_ids
         return list(ids), {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}
@@ -59,6 +60,6 @@ class PixtralImagePrompts(ImagePrompts):
                 for i, (h, w) in enumerate(sizes.tolist())]
 
     def largest_image_size(self) -> tuple[int, int]:
-        size = getattr(self.processor.image_processor, "size", None) or {}
+        size = self.processor_kwargs.get("size") or getattr(self.processor.image_processor, "size", None) or {}
         edge = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
         return (int(edge or 1540),) * 2

@@ -10,6 +10,7 @@ starts at, and the text after it goes on from s + max(rows, columns)."""
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
@@ -32,17 +33,33 @@ class QwenVLImagePrompts(ImagePrompts):
 
     def expand(self, text: str, images: Sequence[Image.Image],
                add_special_tokens: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
-        out = self.processor.image_processor(images=list(images), return_tensors="pt")
+        out = self.processor.image_processor(images=list(images), return_tensors="pt", **self.image_kwargs)
         grids = out["image_grid_thw"]
         counts = (grids.prod(-1) // self.merge_size ** 2).tolist()
         expanded = expand_placeholders(text, IMAGE_PAD, [IMAGE_PAD * n for n in counts])
         ids = self.processor.tokenizer(expanded, add_special_tokens=add_special_tokens).input_ids
         return list(ids), {"pixel_values": out["pixel_values"], "image_grid_thw": grids}
 
+    @cached_property
+    def image_kwargs(self) -> dict:
+        """--mm-processor-kwargs as the image processor takes them: vLLM's min_pixels /
+        max_pixels become the size's shortest / longest edge (transformers deprecated them
+        as call arguments)."""
+        settings = dict(self.processor_kwargs)
+        if "min_pixels" in settings or "max_pixels" in settings:
+            size = {k: v for k, v in dict(settings.get("size") or self.processor.image_processor.size or {}).items()
+                    if v is not None}
+            for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+                if key in settings:
+                    size[edge] = settings.pop(key)
+            settings["size"] = size
+        return settings
+
     def largest_image_size(self) -> tuple[int, int]:
         processor = self.processor.image_processor
-        size = getattr(processor, "size", None) or {}
-        most = getattr(processor, "max_pixels", None) or size.get("longest_edge") or size.get("max_pixels") or 12845056
+        size = self.image_kwargs.get("size") or getattr(processor, "size", None) or {}
+        most = (size.get("longest_edge") or getattr(processor, "max_pixels", None) or size.get("max_pixels")
+                or 12845056)
         side = math.isqrt(int(most))
         return (side, side)
 
