@@ -8,13 +8,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tessera.server import lora_routes, openai_completions, openai_routes, tgi
+from tessera.server import lora_routes, openai_completions, openai_routes, tgi, tokenize_routes
 from tessera.server.errors import APIError, Unavailable, ValidationFailed, openai_error, tgi_error
 from tessera.server.state import ServerState
 
 
 def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith("/v1/")
+    # /v1/* and the vLLM routes outside it (tokenize_routes.py says which, per request)
+    return request.url.path.startswith("/v1/") or getattr(request.state, "openai_errors", False)
 
 
 def _render(request: Request, exc: APIError) -> JSONResponse:
@@ -132,6 +133,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(tgi.router)
+    app.include_router(tokenize_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
     if state.allow_runtime_lora_updating:

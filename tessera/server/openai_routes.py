@@ -21,7 +21,7 @@ from tessera.server.openai_common import (FINISH, admit, continuous_usage, state
                                           token_label, truncated, usage_of)
 from tessera.server.openai_validation import (MAX_LOGPROBS, output_limit, resolve_model, sampling_params,
                                               wire_prompt_logprobs)
-from tessera.server.protocol import ChatCompletionRequest, ChatMessage, wire_logprob
+from tessera.server.protocol import ChatCompletionRequest, ChatMessage, VllmTokenizeRequest, wire_logprob
 from tessera.server.reasoning import (REASONING_PARSERS, ReasoningStream, prompt_closes_reasoning,
                                      prompt_opens_reasoning, split_reasoning)
 from tessera.server.state import ServerState
@@ -87,9 +87,10 @@ def _template_message(m: ChatMessage, takes_images: bool) -> tuple[dict, list]:
     return msg, images
 
 
-async def _chat_prompt(state: ServerState, body: ChatCompletionRequest
-                       ) -> tuple[list[int], str, MultimodalInputs | None]:
-    """The prompt's token ids, its rendered text and its images' inputs (if it has any)."""
+async def chat_prompt(state: ServerState, body: ChatCompletionRequest | VllmTokenizeRequest,
+                      add_special_tokens: bool = False) -> tuple[list[int], str, MultimodalInputs | None]:
+    """The prompt's token ids, its rendered text and its images' inputs (if it has any).
+    The template writes the special tokens (`add_special_tokens`: add the tokenizer's too)."""
     if not state.chat_template:
         raise ValidationFailed("this model has no chat template; start the server with "
                                "--chat-template FILE", param="messages")
@@ -111,9 +112,10 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest
     except Exception as exc:  # a template error names what the template disliked
         raise ValidationFailed(f"chat template error: {exc}", param="messages") from exc
     if images:
-        ids, inputs = await prompt_with_images(state, text, images, add_special_tokens=False, param="messages")
+        ids, inputs = await prompt_with_images(state, text, images, add_special_tokens=add_special_tokens,
+                                               param="messages")
         return ids, text, inputs
-    return list(state.tokenizer(text, add_special_tokens=False).input_ids), text, None
+    return list(state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), text, None
 
 
 @router.post("/chat/completions")
@@ -121,7 +123,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     state = state_of(request)
     served, lora = resolve_model(state, body.model)
     tools = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_call_parser)
-    ids, prompt_text, images = await _chat_prompt(state, body)
+    ids, prompt_text, images = await chat_prompt(state, body)
     if images is not None and body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < len(ids):
         raise ValidationFailed("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
     ids = truncated(ids, body.truncate_prompt_tokens, state.limits.max_input_tokens)

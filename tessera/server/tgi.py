@@ -1,4 +1,4 @@
-"""TGI's routes: /generate, /generate_stream, / (compat), /info, /tokenize."""
+"""TGI's routes: /generate, /generate_stream, / (compat), /info (/tokenize: tokenize_routes.py)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ from tessera.multimodal.inputs import MultimodalInputs
 from tessera.sampling.params import SamplingParams
 from tessera.server.errors import APIError
 from tessera.server.images import prompt_with_images
-from tessera.server.protocol import (CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest,
+from tessera.server.protocol import (CompatGenerateRequest, GenerateParameters, GenerateRequest,
                                      wire_logprob)
 from tessera.server.state import ServerState
 from tessera.server.tgi_validation import adapter_of, validate_generate
@@ -192,11 +192,3 @@ async def info(request: Request) -> dict:
             "max_total_tokens": lim.max_total_tokens, "validation_workers": 1,
             "max_client_batch_size": lim.max_client_batch_size, "router": "tessera",
             "version": __version__, "sha": None, "docker_label": None}
-
-
-@router.post("/tokenize")
-async def tokenize(request: Request, body: TokenizeRequest) -> list[dict]:
-    state = _state(request)
-    enc = state.tokenizer(body.inputs, return_offsets_mapping=True)
-    return [{"id": t, "text": body.inputs[a:b], "start": a, "stop": b}
-            for t, (a, b) in zip(enc.input_ids, enc.offset_mapping)]
