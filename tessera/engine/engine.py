@@ -98,7 +98,8 @@ class Engine:
             load_draft_model(self.draft, config, self.device, show_progress)
         self.num_blocks, self.max_model_len = size_kv_cache(
             self.runner, config, self.max_model_len, None if self.draft is None else self.draft.sizing,
-            self.router.image_prompts.largest_image_inputs if self.router.supports_images else None)
+            self.router.image_prompts.largest_image_inputs if self.router.supports_images else None,
+            self.router.longest_attention_span)
         self.runner.graph_limits = GraphLimits(max_decode_rows(config), self.max_model_len)
         self.runner.allocate_kv_cache(self.num_blocks)
         self.proposer = make_proposer(config, self.draft, self.router.config.vocab_size,

@@ -170,6 +170,12 @@ class BaseRouter:
                              + (f" stretched by its rope scaling to {limit}" if scaled and scaled > trained else ""))
         return wanted or limit
 
+    @property
+    def longest_attention_span(self) -> int:
+        """The most prompt tokens that attend to each other rather than causally (one image
+        of Gemma 3): a step may take them whole, past its budget; 0: causal throughout."""
+        return 0
+
     def path_note(self) -> str:
         """How this model runs, for `tessera inspect`."""
         return f"native model folder ({type(self).__module__.rsplit('.', 1)[0]})"

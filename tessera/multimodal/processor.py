@@ -29,6 +29,9 @@ class ImagePrompts:
     model folder whose processor needs more (its own placeholder expansion, M-RoPE
     positions) subclasses this."""
 
+    # processor arguments tessera sets itself: not --mm-processor-kwargs'
+    reserved_kwargs: tuple[str, ...] = ("return_tensors", "images", "text")
+
     def __init__(self, folder: Path, image_token_id: int, same_tokens_per_image: bool = False,
                  bidirectional: bool = False, processor_kwargs: dict | None = None):
         """`bidirectional`: each run of consecutive image tokens attends to itself whole
@@ -56,8 +59,11 @@ class ImagePrompts:
         image_processor = getattr(self.processor, "image_processor", None)
         valid = getattr(getattr(type(image_processor), "valid_kwargs", None), "__annotations__", None)
         name = type(image_processor).__name__
+        reserved = sorted(set(self.processor_kwargs) & set(self.reserved_kwargs))
+        if reserved:
+            raise ValueError(f"--mm-processor-kwargs: {', '.join(reserved)} is set by tessera, not by the flag")
         if valid is not None:
-            unknown = sorted(set(self.processor_kwargs) - set(valid) - {"return_tensors"})
+            unknown = sorted(set(self.processor_kwargs) - set(valid))
             if unknown:
                 raise ValueError(f"--mm-processor-kwargs: {name} has no setting {', '.join(unknown)} "
                                  f"(it takes {', '.join(sorted(valid))})")

@@ -139,13 +139,16 @@ WORST_CASE_SAMPLING = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p
 def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batched_tokens: int,
                   max_num_seqs: int, max_model_len: int, max_sampled_rows: int | None = None,
                   draft: DraftSizing | None = None,
-                  largest_image: Callable[[], dict[str, torch.Tensor]] | None = None) -> KVCachePlan:
+                  largest_image: Callable[[], dict[str, torch.Tensor]] | None = None,
+                  overrun_tokens: int = 0) -> KVCachePlan:
     """`max_sampled_rows`: the most rows a step samples (default max_num_seqs; more with
     speculative decoding, which samples after every draft). `draft`: a draft model, whose
     cache has as many blocks (a block costs both models' bytes) and whose passes (at most
     a step's tokens within its own context, a row per sequence) run between the target's.
-    `largest_image`: a multimodal model's encoder inputs for its largest image."""
-    num_tokens = min(max_num_batched_tokens, max_model_len)
+    `largest_image`: a multimodal model's encoder inputs for its largest image.
+    `overrun_tokens`: how far past the budget a step may go (an image whose tokens attend
+    to each other, taken whole: scheduler.py)."""
+    num_tokens = min(max_num_batched_tokens + overrun_tokens, max_model_len)
     # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
     activation = profile_peak_step(runner, num_tokens, max(max_sampled_rows or max_num_seqs, PROMPT_LOGIT_ROWS))
     if largest_image is not None and runner.device.type == "cuda":
@@ -188,10 +191,11 @@ def max_decode_rows(config: EngineConfig) -> int:
 
 def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int,
                   draft: DraftSizing | None = None,
-                  largest_image: Callable[[], dict[str, torch.Tensor]] | None = None) -> tuple[int, int]:
+                  largest_image: Callable[[], dict[str, torch.Tensor]] | None = None,
+                  overrun_tokens: int = 0) -> tuple[int, int]:
     """(KV blocks, max_model_len): the configured block count or warm-up's plan; a cache
     that cannot hold max_model_len tokens clamps it. `draft`: a speculative draft model
-    (its cache gets as many blocks); `largest_image`: plan_kv_cache's."""
+    (its cache gets as many blocks); `largest_image`, `overrun_tokens`: plan_kv_cache's."""
     cache, sched = config.cache, config.scheduler
     num_blocks = cache.num_blocks
     if num_blocks is None:
@@ -199,7 +203,7 @@ def size_kv_cache(runner: ModelRunner, config: EngineConfig, max_model_len: int,
                              max_num_batched_tokens=sched.max_num_batched_tokens,
                              max_num_seqs=sched.max_num_seqs, max_model_len=max_model_len,
                              max_sampled_rows=max_decode_rows(config), draft=draft,
-                             largest_image=largest_image)
+                             largest_image=largest_image, overrun_tokens=overrun_tokens)
         num_blocks = plan.num_blocks
     capacity = num_blocks * cache.block_size
     if capacity < cache.block_size:

@@ -2,7 +2,8 @@
 
 - POST /tokenize: TGI's (`{"inputs"}` -> a list of `{"id", "text", "start", "stop"}`) or
   vLLM's (`{"prompt"}` or chat `{"messages"}` -> `{"count", "max_model_len", "tokens",
-  "token_strs"}`), told apart by the body, and each answering errors in its own shape.
+  "token_strs"}`), told apart by the body (an object without `inputs` is vLLM's; a body
+  that is not JSON, TGI's), and each answering errors in its own shape.
 - POST /detokenize (vLLM): `{"tokens"}` -> `{"prompt"}`.
 - POST /chat_tokenize (TGI): a chat request -> the template's text and its tokens.
 
@@ -60,7 +61,7 @@ def _spans(state: ServerState, text: str, add_special_tokens: bool) -> list[dict
 async def tokenize(request: Request) -> Any:
     state = _state(request)
     raw = await _json(request)
-    if not isinstance(raw, dict) or "inputs" in raw or not ({"prompt", "messages"} & set(raw)):
+    if not isinstance(raw, dict) or "inputs" in raw:
         # TGI's: the tokenizer's special tokens included, as its /generate adds them
         return _spans(state, _validated(raw, TokenizeRequest).inputs, add_special_tokens=True)
     request.state.openai_errors = True

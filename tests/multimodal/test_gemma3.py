@@ -171,5 +171,23 @@ def test_pan_and_scan_crops_through_mm_processor_kwargs(tiny_gemma3):
     with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, mm_processor_kwargs=settings) as llm:
         ids, mm = llm.engine.process_images(text, images)
         assert ids == prompt and len(mm.attention_spans) > 1  # the image and its crops
+        prompts = llm.engine.router.image_prompts  # warm-up's largest image: a strip of 4 crops
+        assert prompts.largest_image_size() == (28 * 4, 28)
+        assert prompts.largest_image_inputs()["pixel_values"].shape[0] == 1 + 4
         got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False)[0].outputs[0].token_ids
     assert got == out[0, len(prompt):].tolist()
+
+
+def test_warm_up_measures_a_step_taking_a_whole_image_past_the_budget(tiny_gemma3, monkeypatch):
+    """A step may go one image past max_num_batched_tokens: warm-up profiles that many tokens."""
+    from tessera.runner import warmup
+
+    folder, _ = tiny_gemma3
+    measured = []
+    profile = warmup.profile_peak_step
+    monkeypatch.setattr(warmup, "profile_peak_step",
+                        lambda runner, num_tokens, rows: measured.append(num_tokens) or profile(runner, num_tokens, rows))
+    with LLM(folder, dtype="float32", max_num_batched_tokens=8, max_num_seqs=8, memory_fraction=0.05,
+             show_progress=False) as llm:
+        assert llm.engine.router.longest_attention_span == TOKENS_PER_IMAGE
+    assert measured == [8 + TOKENS_PER_IMAGE]

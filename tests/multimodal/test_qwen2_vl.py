@@ -150,6 +150,8 @@ def test_mm_processor_kwargs_bound_the_image_size(tiny_qwen25_vl, tmp_path):
         assert plain.engine.process_images(text, images)[1].num_features > inputs.num_features
     with pytest.raises(ConfigError, match="has no setting max_pixelz"):
         LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, mm_processor_kwargs={"max_pixelz": 1})
+    with pytest.raises(ConfigError, match="return_tensors is set by tessera"):
+        LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, mm_processor_kwargs={"return_tensors": "np"})
     with pytest.raises(ConfigError, match="cannot use them"):
         LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, mm_processor_kwargs={"max_pixels": "big"})
 

@@ -3,6 +3,7 @@ from transformers import PretrainedConfig
 from tessera.models.base import BaseRouter
 from tessera.models.gemma2.router import Gemma2Router
 from tessera.models.gemma3.modeling import Gemma3ForCausalLM
+from tessera.models.gemma3.processing import Gemma3ImagePrompts
 from tessera.models.vision_language import VisionLanguageRouter
 
 
@@ -26,11 +27,16 @@ class Gemma3VisionRouter(VisionLanguageRouter):
     token_type_ids mask): the scheduler keeps each image's run of tokens in one step and its
     rows see the whole run (key limits, tessera/ops/attention/metadata.py)."""
     model_types = ("gemma3",)
+    image_prompts_cls = Gemma3ImagePrompts
     bidirectional_image_attention = True
     supports_images = True  # tests/multimodal/test_gemma3.py
     supports_sliding_window = True  # tests/multimodal/test_gemma3.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_vlm_lora.py
+
+    @property
+    def longest_attention_span(self) -> int:
+        return int(self.full_config.mm_tokens_per_image)  # each image, and each pan-and-scan crop
 
     def get_config(self) -> PretrainedConfig:
         text = super().get_config()

@@ -37,6 +37,9 @@ def image_tokens(processor: _Processor, height: int, width: int) -> str:
 
 
 class PixtralImagePrompts(ImagePrompts):
+    # the patch size is the model's (processor_config.json), passed on every call
+    reserved_kwargs = (*ImagePrompts.reserved_kwargs, "patch_size")
+
     def load_processor(self, folder: Path) -> _Processor:
         return _Processor(folder)
 
