@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tessera.server import lora_routes, openai_completions, openai_routes, tgi, tokenize_routes
+from tessera.server import lora_routes, openai_completions, openai_responses, openai_routes, tgi, tokenize_routes
 from tessera.server.errors import APIError, Unavailable, ValidationFailed, openai_error, tgi_error
 from tessera.server.state import ServerState
 
@@ -136,6 +136,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app.include_router(tokenize_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
+    app.include_router(openai_responses.router)
     if state.allow_runtime_lora_updating:
         app.include_router(lora_routes.router)
     return app

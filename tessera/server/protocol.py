@@ -162,6 +162,32 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API request (openai_responses.py: what it takes, what it refuses)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's (text / json_object / json_schema with `json_schema`), or TGI's grammar
     shape (json / regex / json_schema with `value`), which TGI's clients send."""

@@ -65,6 +65,17 @@ def test_chat_with_a_data_url_image(tiny_llava, vlm_server, client):
     vlm_server.assert_idle()
 
 
+def test_responses_api_with_an_input_image(tiny_llava, vlm_server, client):
+    """/v1/responses: an input_image part is the chat request's image_url part."""
+    image = random_image(23)
+    resp = client.responses.create(model="tiny", max_output_tokens=N, temperature=0.0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "What is "},
+                                     {"type": "input_image", "image_url": data_url(image)}]}])
+    assert resp.output_text == hf_text(tiny_llava, RENDERED, [image], add_special_tokens=False)
+    assert resp.usage.input_tokens == chat(client, data_url(image)).usage.prompt_tokens
+    vlm_server.assert_idle()
+
+
 def test_an_http_image_url_is_fetched(tiny_llava, vlm_server, client, tmp_path):
     image = random_image(22)
     (tmp_path / "cat.png").write_bytes(png_bytes(image))
