@@ -8,13 +8,17 @@ or messages whose parts are input_text / input_image / output_text) the conversa
 parser's split). The reply is a `response` object whose output is a message item (after
 a reasoning item when the server has a reasoning parser), or, streamed, the event
 sequence response.created ... response.completed. What it does not do is refused by name:
-tools, stored conversations (`previous_response_id`; nothing is stored), background runs."""
+tools, stored conversations (`previous_response_id`, `conversation`: nothing is stored, and
+`store` is taken but ignored), stored prompts, background runs. Reasoning items sent back
+as input (a client replaying a response's output) are skipped, as chat templates drop
+earlier turns' reasoning; logprobs are not returned."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -29,10 +33,13 @@ from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter(prefix="/v1")
+logger = logging.getLogger(__name__)
 
 # Responses fields the endpoint refuses, with why
 UNSUPPORTED = {"tools": "tools are not supported on /v1/responses yet; /v1/chat/completions takes them",
                "previous_response_id": "responses are not stored: send the whole conversation as `input`",
+               "conversation": "conversations are not stored: send the whole conversation as `input`",
+               "prompt": "stored prompts are not supported: send the text as `input` or `instructions`",
                "background": "background responses are not supported"}
 PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
 
@@ -42,12 +49,11 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     for field, why in UNSUPPORTED.items():
         if getattr(body, field) not in (None, [], False):
             raise ValidationFailed(why, param=field)
-    if body.store:
-        raise ValidationFailed("responses are not stored; send `store: false`", param="store")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
     for i, item in enumerate(items):
-        messages.append(_message(item, f"input[{i}]"))
+        if not (isinstance(item, dict) and item.get("type") == "reasoning"):
+            messages.append(_message(item, f"input[{i}]"))
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p}
     fmt = (body.text or {}).get("format")
@@ -98,7 +104,8 @@ async def responses(request: Request, body: ResponsesRequest):
     thinks = state.reasoning_parser is not None
     opened = thinks and (REASONING_PARSERS[state.reasoning_parser].always_opened
                          or prompt_opens_reasoning(prompt_text))
-    reply = _Reply(f"resp_{uuid.uuid4().hex}", served, body, len(ids))
+    reply = _Reply(f"resp_{uuid.uuid4().hex}", served, body, len(ids),
+                   lambda text: len(state.tokenizer(text, add_special_tokens=False).input_ids))
     stream = run_request(state, reply.id, ids, params, lora, 0, images)
     if body.stream:
         stream = await admit(stream)
@@ -112,14 +119,17 @@ async def responses(request: Request, body: ResponsesRequest):
 class _Reply:
     """One response's ids and the objects it sends."""
 
-    def __init__(self, rid: str, model: str, body: ResponsesRequest, n_prompt: int):
+    def __init__(self, rid: str, model: str, body: ResponsesRequest, n_prompt: int,
+                 count_tokens: Callable[[str], int]):
         self.id, self.model, self.body, self.n_prompt = rid, model, body, n_prompt
+        self.count_tokens = count_tokens  # of the reasoning's text: usage's reasoning_tokens
         self.created = int(time.time())
         self.message_id, self.reasoning_id = f"msg_{uuid.uuid4().hex}", f"rs_{uuid.uuid4().hex}"
         self.sequence = 0
 
     def message(self, text: str, status: str = "completed") -> dict:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [],
+                                                          "logprobs": []}]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def reasoning(self, thought: str) -> dict:
@@ -134,19 +144,28 @@ class _Reply:
             "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
             "status": "in_progress", "error": None, "incomplete_details": None, "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens, "output": [], "parallel_tool_calls": True,
-            "previous_response_id": None, "reasoning": None, "store": False, "temperature": b.temperature,
+            "previous_response_id": None, "reasoning": b.reasoning, "store": False, "temperature": b.temperature,
             "text": {"format": fmt}, "tool_choice": "auto", "tools": [], "top_p": b.top_p,
             "truncation": "disabled", "usage": None, "user": b.user, "metadata": b.metadata or {}}
         if out is None:
             return obj
-        incomplete = out.finish_reason == "length"
-        obj.update(status="incomplete" if incomplete else "completed",
-                   incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-                   output=[*([self.reasoning(thought)] if thought else []), self.message(text)],
-                   usage={"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0},
-                          "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+        status = self.status(out)
+        obj.update(status=status, incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
+                   error={"code": "server_error", "message": "the request was aborted"} if status == "failed" else None,
+                   output=[*([self.reasoning(thought)] if thought else []), self.message(text, self.item_status(out))],
+                   usage={"input_tokens": self.n_prompt,
+                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "output_tokens": len(out.token_ids),
+                          "output_tokens_details": {"reasoning_tokens": self.count_tokens(thought) if thought else 0},
                           "total_tokens": self.n_prompt + len(out.token_ids)})
         return obj
+
+    @staticmethod
+    def status(out: CompletionOutput) -> str:
+        return {"length": "incomplete", "abort": "failed"}.get(out.finish_reason, "completed")
+
+    def item_status(self, out: CompletionOutput | None) -> str:
+        return "completed" if out is None or self.status(out) == "completed" else "incomplete"
 
     def event(self, kind: str, **fields) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -184,11 +203,18 @@ class _Reply:
             part = {"type": "output_text", "text": text, "annotations": []}
             yield self.event("response.output_text.done", output_index=index, **ids, text=text, logprobs=[])
             yield self.event("response.content_part.done", output_index=index, **ids, part=part)
-            yield self.event("response.output_item.done", output_index=index, item=self.message(text))
+            yield self.event("response.output_item.done", output_index=index,
+                             item=self.message(text, self.item_status(out)))
             done = self.response(out, text, thought or None)
             yield self.event(f"response.{done['status']}", response=done)
-        except APIError as exc:
+        except Exception as exc:  # the stream ends with an error event and a failed response
+            if not isinstance(exc, APIError):
+                logger.exception("streaming response failed")
+                exc = APIError(f"internal error: {type(exc).__name__}: {exc}")
             error = openai_error_body(exc)["error"]
             yield self.event("error", code=error["type"], message=error["message"], param=error["param"])
+            failed = {**self.response(None), "status": "failed",
+                      "error": {"code": "server_error", "message": error["message"]}}
+            yield self.event("response.failed", response=failed)
         finally:
             await stream.aclose()

@@ -186,6 +186,16 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     include: list[str] | None = None
     background: bool | None = None
+    prompt: Any = None
+    conversation: Any = None
+    # taken and ignored: hints for OpenAI's service that change nothing here
+    stream_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
 
 
 class ResponseFormat(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -32,8 +33,13 @@ def test_a_response_is_the_chat_completion_of_its_conversation(client, server):
     assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL_NAME
     assert resp.output_text == text and resp.output[0].type == "message" and resp.output[0].role == "assistant"
     assert resp.usage.input_tokens == usage.prompt_tokens and resp.usage.output_tokens == usage.completion_tokens
-    assert finish == "length" and resp.status == "incomplete"
+    assert finish == "length" and resp.status == "incomplete" and resp.output[0].status == "incomplete"
     assert resp.incomplete_details.reason == "max_output_tokens"
+    # every field the SDK's types require, strictly validated
+    from openai.types.responses import Response
+    raw = httpx.post(str(client.base_url) + "responses", json={"model": MODEL_NAME, "input": QUESTION,
+                                                              "max_output_tokens": 4}).json()
+    assert Response.model_validate(raw).usage.input_tokens_details.cache_write_tokens == 0
     # a conversation of messages with parts, developer as system
     convo = client.responses.create(model=MODEL_NAME, max_output_tokens=6, temperature=0, input=[
         {"role": "developer", "content": "Answer briefly."},
@@ -70,7 +76,7 @@ def test_text_format_json_schema_constrains_the_output(client):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]), "tools"),
     (dict(previous_response_id="resp_1"), "previous_response_id"),
-    (dict(store=True), "store"),
+    (dict(extra_body={"conversation": "conv_1"}), "conversation"),
     (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "1"}]), "input"),
 ])
 def test_what_it_does_not_do_is_refused(client, kwargs, param):
@@ -97,3 +103,16 @@ def test_a_reasoning_parser_gives_a_reasoning_item_first(client, server, monkeyp
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     assert added == ["reasoning", "message"]
     assert events[-1].response.output[0].content[0].text == raw
+    # the output sent back as the next turn's input (the stateless pattern): reasoning items skipped
+    history = [item.model_dump(exclude_none=True) for item in resp.output]
+    again = client.responses.create(model=MODEL_NAME, max_output_tokens=4, temperature=0,
+                                    input=[{"role": "user", "content": QUESTION}, *history,
+                                           {"role": "user", "content": "And then?"}])
+    assert again.status == "incomplete" and again.usage.input_tokens > resp.usage.input_tokens
+
+
+def test_hints_for_openais_service_are_taken(client):
+    resp = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, store=True,
+                                   prompt_cache_key="k", safety_identifier="u", service_tier="auto",
+                                   top_logprobs=2, stream_options=None)
+    assert resp.status == "incomplete" and resp.store is False
