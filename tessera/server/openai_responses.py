@@ -132,9 +132,9 @@ class _Reply:
                                                           "logprobs": []}]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
-    def reasoning(self, thought: str) -> dict:
-        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": "completed",
-                "content": [{"type": "reasoning_text", "text": thought}]}
+    def reasoning(self, thought: str, status: str = "completed") -> dict:
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": thought}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status, "content": content}
 
     def response(self, out: CompletionOutput | None, text: str = "", thought: str | None = None) -> dict:
         """The response object: in progress (`out` None), or done with `text`."""
@@ -173,9 +173,11 @@ class _Reply:
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
     async def events(self, stream: AsyncIterator, thinking: ReasoningStream | None) -> AsyncIterator[str]:
-        """The streamed events: the reasoning item (whole, once the answer starts), then the
-        message item with its text deltas, then the completed response."""
-        text, thought, index, opened = "", "", 0, False
+        """The streamed events: the reasoning item with its text deltas (under a reasoning
+        parser, as the model thinks), then the message item with its text deltas, then the
+        finished response."""
+        text, thought, index, state = "", "", 0, "start"  # start -> thinking -> answering
+        thinking_ids = {"item_id": self.reasoning_id, "content_index": 0}
         ids = {"item_id": self.message_id, "content_index": 0}
         try:
             yield self.event("response.created", response=self.response(None))
@@ -185,18 +187,28 @@ class _Reply:
                 out = result.outputs[0]
                 final = out.finish_reason is not None
                 more_thought, delta = thinking.delta(out.delta_text, final) if thinking else ("", out.delta_text)
-                thought += more_thought
-                if not opened and (delta or final):
-                    if thought:
-                        item = self.reasoning(thought)
-                        yield self.event("response.output_item.added", output_index=0, item=item)
-                        yield self.event("response.output_item.done", output_index=0, item=item)
+                if more_thought:
+                    if state == "start":
+                        yield self.event("response.output_item.added", output_index=0,
+                                         item=self.reasoning("", "in_progress"))
+                        yield self.event("response.content_part.added", output_index=0, **thinking_ids,
+                                         part={"type": "reasoning_text", "text": ""})
+                        state = "thinking"
+                    thought += more_thought
+                    yield self.event("response.reasoning_text.delta", output_index=0, **thinking_ids,
+                                     delta=more_thought)
+                if state != "answering" and (delta or final):
+                    if state == "thinking":
+                        part = {"type": "reasoning_text", "text": thought}
+                        yield self.event("response.reasoning_text.done", output_index=0, **thinking_ids, text=thought)
+                        yield self.event("response.content_part.done", output_index=0, **thinking_ids, part=part)
+                        yield self.event("response.output_item.done", output_index=0, item=self.reasoning(thought))
                         index = 1
                     yield self.event("response.output_item.added", output_index=index,
                                      item=self.message("", "in_progress"))
                     yield self.event("response.content_part.added", output_index=index, **ids,
                                      part={"type": "output_text", "text": "", "annotations": []})
-                    opened = True
+                    state = "answering"
                 if delta:
                     text += delta
                     yield self.event("response.output_text.delta", output_index=index, **ids, delta=delta, logprobs=[])

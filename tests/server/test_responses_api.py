@@ -20,6 +20,21 @@ def client(url):
         yield client
 
 
+def strict_events(client, **body) -> list:
+    """A streamed response's events, each validated strictly as the SDK's ResponseStreamEvent
+    (the client itself parses leniently), with its SSE event name equal to its type."""
+    from pydantic import TypeAdapter
+    from openai.types.responses import ResponseStreamEvent
+
+    raw = httpx.post(str(client.base_url) + "responses", json={"model": MODEL_NAME, "stream": True, **body}).text
+    adapter, events = TypeAdapter(ResponseStreamEvent), []
+    for block in raw.strip().split("\n\n"):
+        name, data = (line.split(": ", 1)[1] for line in block.splitlines())
+        events.append(adapter.validate_python(json.loads(data)))
+        assert events[-1].type == name
+    return events
+
+
 def chat_text(client, messages, n: int) -> tuple[str, str, dict]:
     out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=n, temperature=0)
     return out.choices[0].message.content, out.choices[0].finish_reason, out.usage
@@ -61,6 +76,7 @@ def test_streamed_events_add_up_to_the_response(client, server):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-4].text == events[-1].response.output_text
     assert deltas == chat_text(client, [{"role": "user", "content": QUESTION}], 10)[0]
+    assert [e.type for e in strict_events(client, input=QUESTION, max_output_tokens=10, temperature=0)] == kinds
     server.assert_idle()
 
 
@@ -91,7 +107,8 @@ def test_what_it_does_not_do_is_refused(client, kwargs, param):
 def test_a_reasoning_parser_gives_a_reasoning_item_first(client, server, monkeypatch):
     """With --reasoning-parser deepseek_r1 the output starts inside the reasoning (the random
     model never closes it): a reasoning item holding the chat answer's reasoning_content,
-    then the message; streamed, the reasoning item comes whole before the message's events."""
+    then the message; streamed, the reasoning text comes as deltas, its item done before
+    the message's events."""
     monkeypatch.setattr(server.state, "reasoning_parser", "deepseek_r1")
     raw = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION}],
                                          max_tokens=8, temperature=0).choices[0].message.model_extra["reasoning"]
@@ -102,7 +119,12 @@ def test_a_reasoning_parser_gives_a_reasoning_item_first(client, server, monkeyp
                                           stream=True))
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     assert added == ["reasoning", "message"]
-    assert events[-1].response.output[0].content[0].text == raw
+    assert [e.type for e in strict_events(client, input=QUESTION, max_output_tokens=8, temperature=0)] == [
+        e.type for e in events]
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")  # as it thinks
+    assert thinking == raw == events[-1].response.output[0].content[0].text
+    assert [e.type for e in events].index("response.reasoning_text.done") < [e.type for e in events].index(
+        "response.output_item.added", 3)
     # the output sent back as the next turn's input (the stateless pattern): reasoning items skipped
     history = [item.model_dump(exclude_none=True) for item in resp.output]
     again = client.responses.create(model=MODEL_NAME, max_output_tokens=4, temperature=0,
