@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tessera.engine.outputs import CompletionOutput
 from tessera.server.errors import APIError, ValidationFailed, openai_error_body
 from tessera.server.openai_common import admit, state_of
-from tessera.server.openai_routes import chat_prompt
+from tessera.server.openai_routes import chat_prompt, plan_reasoning
 from tessera.server.openai_validation import output_limit, resolve_model, sampling_params
 from tessera.server.protocol import ChatCompletionRequest, ResponsesRequest
-from tessera.server.reasoning import REASONING_PARSERS, ReasoningStream, prompt_opens_reasoning, split_reasoning
+from tessera.server.reasoning import ReasoningStream, split_reasoning
 from tessera.server.tracking import collect, run_request
 
 router = APIRouter(prefix="/v1")
@@ -41,7 +41,7 @@ UNSUPPORTED = {"tools": "tools are not supported on /v1/responses yet; /v1/chat/
                "conversation": "conversations are not stored: send the whole conversation as `input`",
                "prompt": "stored prompts are not supported: send the text as `input` or `instructions`",
                "background": "background responses are not supported"}
-PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -76,7 +76,7 @@ def _message(item: Any, where: str) -> dict:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in PART_TYPES:
+        if kind in TEXT_PARTS:
             parts.append({"type": "text", "text": part.get("text", "")})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
@@ -102,8 +102,7 @@ async def responses(request: Request, body: ResponsesRequest):
     params = sampling_params(chat, output_limit(state, chat.max_tokens, len(ids)), None, tools=None,
                              defaults=state.sampling_defaults)
     thinks = state.reasoning_parser is not None
-    opened = thinks and (REASONING_PARSERS[state.reasoning_parser].always_opened
-                         or prompt_opens_reasoning(prompt_text))
+    opened = plan_reasoning(state, params, prompt_text)
     reply = _Reply(f"resp_{uuid.uuid4().hex}", served, body, len(ids),
                    lambda text: len(state.tokenizer(text, add_special_tokens=False).input_ids))
     stream = run_request(state, reply.id, ids, params, lora, 0, images)

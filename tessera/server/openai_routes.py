@@ -15,6 +15,7 @@ from tessera import __version__
 from tessera.engine.outputs import PositionLogprobs
 from tessera.multimodal.chat import ContentPartError, template_content
 from tessera.multimodal.inputs import MultimodalInputs
+from tessera.sampling.params import SamplingParams
 from tessera.server.errors import ValidationFailed
 from tessera.server.images import prompt_with_images
 from tessera.server.openai_common import (FINISH, admit, continuous_usage, state_of, stream_body,
@@ -22,8 +23,8 @@ from tessera.server.openai_common import (FINISH, admit, continuous_usage, state
 from tessera.server.openai_validation import (MAX_LOGPROBS, output_limit, resolve_model, sampling_params,
                                               wire_prompt_logprobs)
 from tessera.server.protocol import ChatCompletionRequest, ChatMessage, VllmTokenizeRequest, wire_logprob
-from tessera.server.reasoning import (REASONING_PARSERS, ReasoningStream, prompt_closes_reasoning,
-                                     prompt_opens_reasoning, split_reasoning)
+from tessera.server.reasoning import (ReasoningStream, output_opens_inside, prompt_closes_reasoning,
+                                     split_reasoning)
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
@@ -118,6 +119,22 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest | VllmToke
     return list(state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), text, None
 
 
+def plan_reasoning(state: ServerState, params: SamplingParams, prompt_text: str) -> bool:
+    """Under a reasoning parser: whether the output starts inside the reasoning. A
+    constrained output (a schema, a tool) of a reasoning model gets its constraint set to
+    wait for </think>, where the tags are tokens (reasoning.py); an output the prompt has not
+    opened the reasoning for opens it with <think> first, or is the answer at once."""
+    opened = output_opens_inside(state.reasoning_parser, prompt_text)
+    if state.reasoning_parser is not None and params.structured_outputs is not None \
+            and not prompt_closes_reasoning(prompt_text):
+        start, end = state.think_tokens
+        if end is not None and (opened or start is not None):
+            params.reasoning_end_token_id = end
+            params.reasoning_start_token_id = None if opened else start
+    # a constrained output that cannot reason first is the constraint's from its first token
+    return opened and (params.structured_outputs is None or params.reasoning_end_token_id is not None)
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     state = state_of(request)
@@ -140,18 +157,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     params = sampling_params(body, max_tokens, top if body.logprobs else None, tools=tools,
                              defaults=state.sampling_defaults)
     thinks = state.reasoning_parser is not None  # the reply has reasoning fields (null or not)
-    opened = thinks and (REASONING_PARSERS[state.reasoning_parser].always_opened
-                         or prompt_opens_reasoning(prompt_text))
-    if thinks and params.structured_outputs is not None and not prompt_closes_reasoning(prompt_text):
-        # a constrained output (a schema, a tool) of a reasoning model: the constraint waits
-        # for </think>, where the tags are tokens (reasoning.py); an output the prompt has
-        # not opened the reasoning for opens it with <think> first, or is the answer at once
-        start, end = state.think_tokens
-        if end is not None and (opened or start is not None):
-            params.reasoning_end_token_id = end
-            params.reasoning_start_token_id = None if opened else start
-    # a constrained output that cannot reason first is the constraint's from its first token
-    opened = opened and (params.structured_outputs is None or params.reasoning_end_token_id is not None)
+    opened = plan_reasoning(state, params, prompt_text)
     rid, label = f"chatcmpl-{uuid.uuid4().hex}", token_label(state, body)
     created = int(time.time())
     stream = run_request(state, rid, ids, params, lora, body.priority, images)

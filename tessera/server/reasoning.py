@@ -44,6 +44,12 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     return prompt.rstrip().endswith(START)
 
 
+def output_opens_inside(parser: str | None, prompt: str) -> bool:
+    """Whether, under reasoning parser `parser` (None: none), the output starts inside the
+    reasoning: the parser says it always does, or the rendered prompt opened it."""
+    return parser is not None and (REASONING_PARSERS[parser].always_opened or prompt_opens_reasoning(prompt))
+
+
 def prompt_closes_reasoning(prompt: str) -> bool:
     """Whether a rendered chat prompt ends just after `</think>` (a template that turns
     thinking off writes an empty reasoning itself): the output is all content."""

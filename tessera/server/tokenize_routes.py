@@ -38,10 +38,6 @@ async def _json(request: Request) -> Any:
         raise ValidationFailed(f"the body is not JSON: {exc}") from None
 
 
-async def _body(request: Request, model: type[BaseModel], openai: bool) -> Any:
-    """The request body as `model`; `openai`: errors in OpenAI's shape (app.py reads it)."""
-    request.state.openai_errors = openai
-    return _validated(await _json(request), model)
 
 
 def _validated(raw: Any, model: type[BaseModel]) -> Any:
@@ -81,7 +77,8 @@ async def tokenize(request: Request) -> Any:
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict:
     state = _state(request)
-    body = await _body(request, DetokenizeRequest, openai=True)
+    request.state.openai_errors = True  # vLLM's route: OpenAI's error shape (app.py reads it)
+    body = _validated(await _json(request), DetokenizeRequest)
     resolve_model(state, body.model)
     vocab = len(state.tokenizer)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -91,8 +88,7 @@ async def detokenize(request: Request) -> dict:
 
 
 @router.post("/chat_tokenize")
-async def chat_tokenize(request: Request) -> dict:
+async def chat_tokenize(request: Request, body: ChatCompletionRequest) -> dict:
     state = _state(request)
-    body = await _body(request, ChatCompletionRequest, openai=False)
     _, text, _ = await chat_prompt(state, body)
     return {"tokenize_response": _spans(state, text, add_special_tokens=False), "templated_text": text}
