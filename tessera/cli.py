@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tessera.config import (DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FORMATS, MODEL_IMPLS,
-                            QUANTIZATIONS, SCHEDULING_POLICIES, scheduler_defaults)
+                            QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES, scheduler_defaults)
 from tessera.platform import resolve_device
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
@@ -61,6 +61,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="models that take images: settings for their image processor (vLLM's flag), e.g. "
                         "'{\"max_pixels\": 1003520}' to bound Qwen2-VL's image sizes, "
                         "'{\"do_pan_and_scan\": true}' for Gemma 3's crops")
+    p.add_argument("--runner", default="auto", choices=RUNNERS,
+                   help="pooling: serve embeddings (/v1/embeddings, TEI's /embed) from the model's "
+                        "hidden states instead of generating text; auto (default) does so for "
+                        "sentence-transformers folders and bare backbones (architectures *Model)")
+    p.add_argument("--pooler-config", type=_json_object, default=None, metavar="JSON",
+                   help="embedding models: override the checkpoint's pooling, e.g. "
+                        "'{\"pooling_type\": \"MEAN\", \"normalize\": false}' (LAST, MEAN or CLS), "
+                        "'{\"is_matryoshka\": true}' to allow requests' `dimensions`")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: seeded random weights for the model's config (benchmark real shapes "
@@ -200,6 +208,7 @@ def _engine_config(args: argparse.Namespace):
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
                generation_config=args.generation_config, mm_processor_kwargs=args.mm_processor_kwargs,
+               runner=args.runner, pooler_config=args.pooler_config,
                async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
                speculative_config=_speculative_config(args),
                parallel=_parallel_config(args), watermark=watermark_config(args), **_lora_args(args))

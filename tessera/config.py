@@ -24,6 +24,9 @@ QUANTIZATIONS = (None, "int8", "int4")
 # fp8_e4m3fn; fp8_e5m2), half a bf16 cache (tessera/ops/attention/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# generate: text generation; pooling: embeddings (a prompt pooled into one vector, vLLM's
+# --runner pooling); auto: pooling for sentence-transformers folders and bare backbones
+RUNNERS = ("auto", "generate", "pooling")
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,10 @@ class ModelConfig:
     # models that take images: settings for their image processor's calls (vLLM's
     # --mm-processor-kwargs, e.g. {"max_pixels": 1003520} for Qwen2-VL)
     mm_processor_kwargs: dict | None = None
+    runner: str = "auto"
+    # embedding models: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool,
+    # "is_matryoshka": bool} over what the checkpoint's files say (tessera/pooling/config.py)
+    pooler_config: dict | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:
@@ -79,6 +86,9 @@ class ModelConfig:
                  f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.mm_processor_kwargs is None or isinstance(self.mm_processor_kwargs, dict),
                  f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
+        _require(self.runner in RUNNERS, f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        _require(self.pooler_config is None or isinstance(self.pooler_config, dict),
+                 f"pooler_config must be a dict, got {self.pooler_config!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be positive, got {self.max_model_len}")
         self.cache_dir = Path(self.cache_dir)

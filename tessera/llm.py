@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence as Seq
 
@@ -16,6 +16,8 @@ from tessera.engine.outputs import RequestOutput
 from tessera.lora.request import LoRARequest
 from tessera.multimodal.chat import ContentPartError, template_content
 from tessera.platform import async_scheduling_default, resolve_device
+from tessera.pooling.outputs import PoolingRequestOutput
+from tessera.pooling.params import PoolingParams
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.watermark import DEFAULT_Z_THRESHOLD, WatermarkScore, detect_watermark_in_output
 
@@ -85,6 +87,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
                   enforce_eager: bool = False, generation_config: str = "auto",
                   mm_processor_kwargs: dict | None = None,
+                  runner: str = "auto", pooler_config: dict | None = None,
                   async_scheduling: bool | None = None,
                   scheduling_policy: str = "fcfs",
                   speculative_config: SpeculativeConfig | dict | None = None,
@@ -118,7 +121,8 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                chat_template=chat_template, model_impl=model_impl,
                                load_format=load_format, quantization=quantization,
                                enforce_eager=enforce_eager, generation_config=generation_config,
-                               mm_processor_kwargs=mm_processor_kwargs)
+                               mm_processor_kwargs=mm_processor_kwargs, runner=runner,
+                               pooler_config=pooler_config)
     if cache_dir is not None:
         model_config.cache_dir = Path(cache_dir)
     return EngineConfig(
@@ -228,11 +232,38 @@ class LLM:
             for request_id in ids:
                 self.engine.abort(request_id)
 
-    def _pair(self, prompts: Prompt | Seq[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+    def embed(self, prompts: Prompt | Seq[Prompt],
+              pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              use_tqdm: bool | None = None, *, truncate_prompt_tokens: int | None = None,
+              priority: Seq[int] | None = None) -> list[PoolingRequestOutput]:
+        """One embedding per prompt, in order (`output.outputs.embedding`), from an embedding
+        model (a sentence-transformers folder or bare backbone, or runner="pooling").
+        `pooling_params`: one for all prompts or one per prompt (dimensions, normalize);
+        `truncate_prompt_tokens`: keep each prompt's last k tokens (vLLM's)."""
+        if not self.engine.is_pooling:
+            raise ValueError("LLM.embed needs an embedding model: this one generates text "
+                             "(LLM(model, runner='pooling') pools any text model's hidden states)")
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params_list = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        return self._run(prompts, params_list, use_tqdm, [None] * len(prompts),
+                         self._priorities(priority, len(prompts)), what="Embedding")
+
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[str | list[int] | ImagePrompt]:
         if isinstance(prompts, (str, dict, ImagePrompt)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = [_unwrap_prompt(p) for p in prompts]
+        return [_unwrap_prompt(p) for p in prompts]
+
+    def _pair(self, prompts: Prompt | Seq[Prompt], sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        prompts = self._prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
@@ -345,14 +376,15 @@ class LLM:
             raise
         return ids
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool | None,
-             loras: list[LoRARequest | str | None], priorities: list[int]) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[PoolingParams],
+             use_tqdm: bool | None, loras: list[LoRARequest | str | None], priorities: list[int],
+             what: str = "Generating") -> list[RequestOutput] | list[PoolingRequestOutput]:
         engine = self.engine
         ids = self._add(prompts, params, loras, priorities)
         finished: dict[str, RequestOutput] = {}
         show = self.show_progress if use_tqdm is None else use_tqdm
         try:
-            with tqdm(total=len(prompts), desc="Generating", unit=" prompts", disable=not show) as bar:
+            with tqdm(total=len(prompts), desc=what, unit=" prompts", disable=not show) as bar:
                 for out in engine.iter_outputs(ids, stream=False):
                     if out.finished:
                         finished[out.request_id] = out

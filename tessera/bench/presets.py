@@ -32,6 +32,14 @@ PRESETS: dict[str, dict] = {
                                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
 }
 
+# Qwen/Qwen3-Embedding-0.6B (an embedding model: last-token pooling, normalized)
+PRESETS["qwen3-embedding-0.6b"] = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", attention_bias=False,
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    rope_theta=1000000, rope_scaling=None, sliding_window=None, use_sliding_window=False,
+    max_window_layers=28, tie_word_embeddings=True, vocab_size=151669, bos_token_id=151643,
+    eos_token_id=151643, torch_dtype="bfloat16")
 
 # Qwen/Qwen2.5-VL-3B-Instruct (its token ids are set where the tokenizer gets the tokens)
 PRESETS["qwen2.5-vl-3b"] = dict(

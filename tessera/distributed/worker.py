@@ -13,10 +13,12 @@ import torch
 from tessera.config import EngineConfig
 from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankInfo, init_rank, launched_rank_info, rank_device
+from tessera.engine.pooling_requests import resolve_pooler
 from tessera.models.registry import get_router
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
+from tessera.pooling.model import as_pooling_model
 from tessera.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,8 @@ def build_rank_model(config: EngineConfig, rank: int, world_size: int):
     target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization,
                       kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
     model = router.build_model(target).eval()
+    if resolve_pooler(config, router) is not None:  # an embedding model, as on the driver
+        model = as_pooling_model(model)
     router.load_weights(model)
     return router, model
 

@@ -70,6 +70,7 @@ class DraftRow:
     lora: None = None
     needs_prompt_logits: bool = False
     num_pending_tokens: int = 0
+    pooling: None = None
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,8 @@ from tessera.engine.image_requests import check_image_request, image_placeholder
 from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
+from tessera.engine.pooling_requests import (check_pooling_params, pooled_output, pooling_sequence,
+                                             resolve_pooler, truncated_prompt, wrong_kind)
 from tessera.engine.request_checks import RequestError, check_against_vocab, check_priority, check_prompt
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
@@ -37,6 +39,8 @@ from tessera.multimodal.inputs import MultimodalInputs
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
+from tessera.pooling.params import PoolingParams
+from tessera.pooling.pooler import Pooler
 from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.launched_step import LaunchedStep, StepResult
 from tessera.runner.model_runner import ModelRunner
@@ -59,6 +63,8 @@ class Engine:
                                    self.router.implementation == "native", config.model.quantization)
         self.max_model_len = self.router.max_model_len
         check_engine_config(config, self.router, self.max_model_len)
+        # an embedding model's pooling (--runner pooling); None: the engine generates
+        self.pooler_config = resolve_pooler(config, self.router)
         self.draft = find_draft_model(config, self.router)
         tp = config.parallel.tensor_parallel_size
         self._fatal: EngineFatalError | None = None
@@ -78,16 +84,18 @@ class Engine:
         target = OpTarget(self.device.type, self.dtype, tp_size=tp, tp_rank=0,
                           quant=config.model.quantization,
                           kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
-        self.model = load_model(self.router, target, show_progress)
+        pooling = self.pooler_config is not None
+        self.model = load_model(self.router, target, show_progress, pooling=pooling)
         # a GPU sorts a whole vocabulary fast; the CPU's top-p first tries the best 256 tokens
-        sampler = Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode,
-                          top_p_prefix=None if self.device.type == "cuda" else 256,
-                          watermark=config.watermark)
+        sampler = None if pooling else Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode,
+                                               top_p_prefix=None if self.device.type == "cuda" else 256,
+                                               watermark=config.watermark)
         channel = StepChannel(self.device) if self.tp_group is not None else None
         self.runner = ModelRunner(self.model, config.cache.block_size, self.device, self.dtype,
                                   sampler, channel=channel,
                                   ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
-                                  decode_graphs=self._decode_graphs(config))
+                                  decode_graphs=self._decode_graphs(config) and not pooling,
+                                  pooler=Pooler(self.pooler_config) if pooling else None)
         lora = config.lora
         self.loras = LoRARegistry(self.model, lora.max_lora_rank, self.dtype) if lora.enable_lora else None
         if self.loras is not None:  # slots first: the KV cache gets what they leave
@@ -142,8 +150,13 @@ class Engine:
         token ids and images' inputs for add_request (engine/image_requests.py)."""
         return process_images(self.router, self.tokenizer, prompt, images, add_special_tokens)
 
+    @property
+    def is_pooling(self) -> bool:
+        """Whether this engine serves embeddings (PoolingParams requests) instead of text."""
+        return self.pooler_config is not None
+
     def add_request(self, request_id: str, prompt: str | Seq[int],
-                    params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     lora_request: LoRARequest | str | None = None, priority: int = 0,
                     multimodal: MultimodalInputs | None = None) -> Sequence:
         """Queue a request; returns its first sequence (all of them: `seq.group.seqs`).
@@ -154,11 +167,19 @@ class Engine:
         With n / best_of > 1 the request runs as that many independent sequences (seeds
         seed, seed + 1, ... when a seed is given). The first one is scheduled at once; the
         others join when it has computed the prompt, so that they reuse its cached prompt
-        blocks instead of computing the prompt again."""
-        params = params or SamplingParams()
+        blocks instead of computing the prompt again.
+
+        An embedding engine (`is_pooling`) takes PoolingParams: the request ends with one
+        PoolingRequestOutput once its prompt is computed."""
+        params = params or (PoolingParams() if self.is_pooling else SamplingParams())
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         check_priority(priority, self.scheduler.by_priority)
+        mismatch = wrong_kind(params, self.is_pooling)
+        if mismatch is not None:
+            raise mismatch
+        if self.is_pooling:
+            return self._add_pooling_request(request_id, prompt, params, priority, multimodal)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_image_request(multimodal, text is not None, token_ids)
@@ -189,6 +210,22 @@ class Engine:
         self.requests[request_id] = seqs[0]
         self.scheduler.add(seqs[0])
         return seqs[0]
+
+    def _add_pooling_request(self, request_id: str, prompt: str | Seq[int], params: PoolingParams,
+                             priority: int, multimodal: MultimodalInputs | None) -> Sequence:
+        if multimodal is not None:
+            raise RequestError("this embedding model takes text only")
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = truncated_prompt(token_ids, params, self.max_model_len)
+        check_prompt(token_ids, self.router.config.vocab_size, self.max_model_len, generates=False)
+        check_pooling_params(params, self.pooler_config, self.router.config.hidden_size)
+        seq = pooling_sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
+                               self.pooler_config, SamplingParams(), self.max_model_len)
+        seq.group = SequenceGroup(request_id, [seq])
+        seq.priority = priority
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
 
     # --- LoRA adapters ---------------------------------------------------------------------
 
@@ -280,7 +317,7 @@ class Engine:
 
         With async scheduling a call launches the next step first and then reports the
         tokens of the step launched by the previous call."""
-        if self.config.scheduler.async_scheduling:
+        if self.config.scheduler.async_scheduling and not self.is_pooling:
             return self._step_async(stream)
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -349,6 +386,14 @@ class Engine:
     def _process(self, result: StepResult, stream: bool) -> list[RequestOutput]:
         """Append a step's sampled tokens, finish what they end, and build the outputs."""
         now = time.monotonic()
+        pooled = []
+        for seq, vector in result.pooled:  # embedding requests whose prompt is done
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
+                pooled.append(pooled_output(seq, vector, now))
+        if pooled:
+            return pooled
         processor = self.output_processor
         for rows, infos in result.prompt_logprobs:
             processor.record_prompt_logprobs(rows.item.seq, rows.start, infos)

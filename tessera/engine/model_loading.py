@@ -10,15 +10,20 @@ from tqdm.auto import tqdm
 
 from tessera.models.base import BaseRouter
 from tessera.ops.registry import OpTarget
+from tessera.pooling.model import as_pooling_model
 
 logger = logging.getLogger(__name__)
 
 
-def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: str = "weights") -> nn.Module:
-    """The router's model built for `target`, its weights loaded (with a progress bar)."""
+def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: str = "weights",
+               pooling: bool = False) -> nn.Module:
+    """The router's model built for `target`, its weights loaded (with a progress bar);
+    `pooling`: as an embedding model (no LM head; bare-backbone checkpoints load)."""
     started = time.perf_counter()
     try:
         model = router.build_model(target).eval()
+        if pooling:
+            model = as_pooling_model(model)
     except ValueError as exc:
         if router.implementation != "native" or target.tp_size > 1:  # (sharding errors: no hint)
             raise

@@ -26,12 +26,16 @@ def check_priority(priority: Any, by_priority: bool) -> None:
                            param="priority")
 
 
-def check_prompt(token_ids: list[int], vocab: int, max_model_len: int) -> None:
+def check_prompt(token_ids: list[int], vocab: int, max_model_len: int, generates: bool = True) -> None:
+    """`generates`: the prompt must leave room for a token (an embedding's need not)."""
     if not token_ids:
         raise RequestError("prompt is empty")
     if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
         raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-    if len(token_ids) >= max_model_len:
+    if not generates and len(token_ids) > max_model_len:
+        raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len} "
+                           "(truncate_prompt_tokens keeps the last ones)")
+    if generates and len(token_ids) >= max_model_len:
         raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is "
                            f"{max_model_len}, leaving no room to generate")
 

@@ -60,9 +60,10 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence's tokens (so it samples one)."""
+        """Whether this step reaches the end of the sequence's tokens (so it samples one;
+        an embedding request samples nothing)."""
         seq = self.seq
-        return seq.num_computed_tokens + self.num_real_tokens == seq.num_tokens + seq.num_pending_tokens
+        return seq.pooling is None and seq.num_computed_tokens + self.num_real_tokens == seq.num_tokens + seq.num_pending_tokens
 
 
 @dataclass
@@ -163,8 +164,8 @@ class Scheduler:
                                                     and len(adapters) >= (self.max_loras or 0))):
                 passed += 1  # (behind a passed-over one, only the base model goes ahead)
                 continue
-            # prompt logprobs need logits at every prompt position: no cached prefix then
-            match = (PrefixMatch([], [], 0) if seq.needs_prompt_logits
+            # prompt logprobs (and mean pooling) need every prompt position: no cached prefix then
+            match = (PrefixMatch([], [], 0) if seq.computes_whole_prompt
                      else self.blocks.match_prefix(seq))
             cached = len(match.blocks) * self.blocks.block_size
             n = seq.num_tokens - cached

@@ -79,6 +79,9 @@ class Sequence:
     lora: Any = None
     # its prompt's images (tessera.multimodal.inputs.MultimodalInputs), shared by the group
     multimodal: Any = None
+    # an embedding request (tessera.pooling.pooler.PoolingState): its prompt is pooled into
+    # one vector and it ends there, sampling nothing
+    pooling: Any = None
 
     @property
     def active_grammar(self) -> Any:
@@ -139,6 +142,12 @@ class Sequence:
         reuse cached prefix blocks (their positions would not be computed)."""
         return (self.prompt_logprobs is not None
                 and self.num_prompt_logprobs_done < self.num_prompt_tokens - 1)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed here (prompt logprobs, or pooling
+        that reads every position's hidden state): then no cached prefix is reused."""
+        return self.needs_prompt_logits or (self.pooling is not None and self.pooling.every_row)
 
     @property
     def num_tokens(self) -> int:

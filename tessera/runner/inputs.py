@@ -22,6 +22,7 @@ from tessera.engine.sequence import Sequence
 from tessera.lora.layer import row_slots_for
 from tessera.multimodal.inputs import MultimodalInputs
 from tessera.ops.attention import AttentionMetadata
+from tessera.pooling.pooler import PoolingRows
 from tessera.platform import to_device
 
 
@@ -54,6 +55,8 @@ class ModelInputs:
     image_slices: list[ImageRows] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None
     image_positions: torch.Tensor | None = None  # M-RoPE: the image rows' 3-D positions
+    # embedding requests: each one's rows this step, pooled from the final hidden states
+    pooling_rows: list[PoolingRows] = field(default_factory=list)
 
     @property
     def model_kwargs(self) -> dict[str, torch.Tensor]:
@@ -117,6 +120,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     image_rows: list[int] = []
     image_slices: list[ImageRows] = []
     image_positions: list[torch.Tensor] = []
+    pooling_rows: list[PoolingRows] = []
     # per prefill sequence, its rows' key limits (tessera/ops/attention/metadata.py), or
     # its positions (causal); used when some row of an image attending to itself sees past
     # its own position
@@ -172,6 +176,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
             seq_lens.append(row_end)
             query_lens.append(row_len)
             query_start.append(query_start[-1] + row_len)
+        if seq.pooling is not None:
+            pooling_rows.append(PoolingRows(seq, first_row, start, n, ends_prompt=end == seq.num_prompt_tokens))
         if item.samples:  # after the last real token, and after each draft (to verify it)
             lm_head_indices.extend(range(query_start[-1] - 1 - len(item.draft_token_ids), query_start[-1]))
             sampled_rows.append(item)
@@ -195,7 +201,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq_lens_list=seq_lens, query_lens_list=query_lens)
     inputs = ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
                          sampled_rows, max_block_id, prompt_rows, len(prompt_indices),
-                         lora_segments=segments, lora_row_slots=row_slots_for(segments, len(tokens), device))
+                         lora_segments=segments, lora_row_slots=row_slots_for(segments, len(tokens), device),
+                         pooling_rows=pooling_rows)
     if limited:
         attn.key_limits = to([p for limits in key_limits for p in limits])
     if deferred_rows:

@@ -29,6 +29,8 @@ class StepResult:
     prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] = field(default_factory=list)
     # speculative decoding: per sequence that had drafts, how many the step rejected
     num_rejected: dict[Sequence, int] = field(default_factory=dict)
+    # embedding requests whose prompt the step finished: (sequence, embedding on the CPU)
+    pooled: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
 
 def num_accepted(drafts: list[int], sampled: list[int]) -> int:
@@ -49,8 +51,10 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
 class LaunchedStep:
     def __init__(self, inputs: ModelInputs, sampled: SamplerOutput | None = None,
                  prompt_logprobs: list[tuple[PromptRows, list[TokenLogprobs]]] | None = None,
-                 generator_states: dict[Sequence, torch.Tensor] | None = None):
+                 generator_states: dict[Sequence, torch.Tensor] | None = None,
+                 pooled: list[tuple[Sequence, torch.Tensor]] | None = None):
         self.inputs = inputs
+        self.pooled = pooled or []
         # speculative decoding: seeded sequences' generator states before this step's draws
         self.generator_states = generator_states or {}
         self.sampled = sampled  # its logprobs stay on the device until result()
@@ -76,7 +80,8 @@ class LaunchedStep:
         if self.ready is not None:
             self.ready.synchronize()
         if self.host_token_ids is None:
-            return StepResult(prompt_logprobs=self.prompt_logprobs)
+            return StepResult(prompt_logprobs=self.prompt_logprobs,
+                              pooled=[(seq, vector.cpu()) for seq, vector in self.pooled])
         tokens, logprobs = self.host_token_ids.tolist(), self.sampled.logprobs
         result = StepResult(prompt_logprobs=self.prompt_logprobs)
         row = 0

@@ -15,6 +15,7 @@ from tessera.lora.layer import LoRAPass, lora_context
 from tessera.lora.slots import LoRASlots
 from tessera.multimodal.encoder_cache import EncoderCache
 from tessera.ops.attention import Attention, attention_context
+from tessera.pooling.pooler import Pooler
 from tessera.runner.cuda_graphs import CudaDecodeGraphs
 from tessera.runner.decode_graphs import CpuDecodeGraphs
 from tessera.runner.graph_inputs import GraphLimits
@@ -38,8 +39,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device,
                  dtype: torch.dtype, sampler: Sampler | None,
                  channel: StepChannel | None = None, ranks_sharing_memory: int = 1,
-                 decode_graphs: bool = False):
+                 decode_graphs: bool = False, pooler: Pooler | None = None):
         self.model = model
+        self.pooler = pooler  # an embedding model's: pools hidden states, samples nothing
         self.channel = channel
         # ranks whose KV caches come out of the same memory as this one's (CPU ranks on one
         # host); the cache planner divides what it finds among them
@@ -138,11 +140,12 @@ class ModelRunner:
             yield self.model.compute_logits(hidden[start:start + PROMPT_LOGIT_ROWS])
 
     @torch.inference_mode()
-    def forward_no_logits(self, inputs: ModelInputs) -> None:
-        """A step of partial prefill chunks only: fill the cache, no row samples."""
+    def forward_no_logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """A step no row samples in (partial prefill chunks, embedding requests): fill the
+        cache; returns the final hidden states."""
         if self.channel is not None:
             self.channel.send(Command.FORWARD_NO_LOGITS, inputs=inputs)
-        self._run_model(inputs)
+        return self._run_model(inputs)
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
         self._zero_blocks_up_to(inputs.max_block_id + 1)
@@ -199,6 +202,9 @@ class ModelRunner:
         if inputs.deferred_rows is not None:
             inputs.input_ids.index_copy_(
                 0, inputs.deferred_rows, previous.token_ids.index_select(0, inputs.deferred_indices))
+        if inputs.pooling_rows:  # embedding requests (a pooling engine runs nothing else)
+            hidden = self.forward_no_logits(inputs)
+            return LaunchedStep(inputs, pooled=self.pooler.pool(hidden, inputs.pooling_rows))
         if not inputs.sampled_rows and not inputs.prompt_rows:  # only partial prefill chunks
             self.forward_no_logits(inputs)
             return LaunchedStep(inputs)

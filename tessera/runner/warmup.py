@@ -118,7 +118,11 @@ def _reset_peak_rss() -> None:
 
 def _run_step(runner: ModelRunner, inputs: ModelInputs) -> None:
     """The forward passes, and the sampler over the first pass's rows with every processor
-    on (it holds several rows x vocabulary copies: as much as the logits themselves)."""
+    on (it holds several rows x vocabulary copies: as much as the logits themselves). An
+    embedding model's step computes no logits."""
+    if runner.pooler is not None:
+        runner.forward_no_logits(inputs)
+        return
     for index, logits in enumerate(runner.forward(inputs)):
         if index == 0 and runner.sampler is not None:
             rows = logits.shape[0]

@@ -8,9 +8,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tessera.server import lora_routes, openai_completions, openai_responses, openai_routes, tgi, tokenize_routes
+from tessera.server import (embeddings, lora_routes, openai_completions, openai_responses, openai_routes, tgi,
+                            tokenize_routes)
 from tessera.server.errors import APIError, Unavailable, ValidationFailed, openai_error, tgi_error
 from tessera.server.state import ServerState
+
+
+# routes that generate text: an embedding model refuses them (it has no LM head)
+GENERATIVE_PATHS = ("/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def _is_openai(request: Request) -> bool:
@@ -45,6 +50,9 @@ class _Guard:
         error = self._check(request)
         if error is not None:
             return await _render(request, error)(scope, receive, send)
+        if self.state.pooling and scope["path"] == "/" and request.method == "POST":
+            # TEI's root route: clients such as InferenceClient.feature_extraction post there
+            scope = {**scope, "path": "/embed", "raw_path": b"/embed"}
         if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
             # a chunked body has no length to check up front: count it as it comes
             messages = []
@@ -91,6 +99,9 @@ class _Guard:
             return self._too_large(length, limit)
         if not state.ready and path not in ("/health", "/metrics"):
             return Unavailable("the model is still loading")
+        if state.pooling and path in GENERATIVE_PATHS:
+            return ValidationFailed("this server serves an embedding model, which generates no text: "
+                                    "POST /v1/embeddings (OpenAI) or /embed (TEI)")
         return None
 
 
@@ -137,6 +148,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
     app.include_router(openai_responses.router)
+    app.include_router(embeddings.router)
     if state.allow_runtime_lora_updating:
         app.include_router(lora_routes.router)
     return app

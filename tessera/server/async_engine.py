@@ -19,6 +19,8 @@ from tessera.engine.engine import Engine
 from tessera.engine.errors import EngineFatalError
 from tessera.engine.outputs import RequestOutput
 from tessera.multimodal.inputs import MultimodalInputs
+from tessera.pooling.outputs import PoolingRequestOutput
+from tessera.pooling.params import PoolingParams
 from tessera.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     request_id: str
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     sink: "_Sink"
     lora: str | None = None  # a loaded adapter's name
     priority: int = 0
@@ -112,12 +114,14 @@ class AsyncEngine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | PoolingParams,
                        lora: str | None = None, priority: int = 0,
-                       images: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
+                       images: MultimodalInputs | None = None
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Outputs of one request as the engine produces them; the last has finished=True.
         Closing the iterator early aborts the request. `lora`: a loaded adapter's name;
-        `priority`: Engine.add_request's."""
+        `priority`: Engine.add_request's. An embedding request (PoolingParams) has one
+        output, its embedding."""
         if not self.is_alive or self._stopping.is_set():
             raise EngineDeadError(self.dead_reason or "the server is shutting down")
         with self._lock:
@@ -127,7 +131,7 @@ class AsyncEngine:
         sink = _Sink(asyncio.get_running_loop())
         finished = False
         try:
-            if params.structured_outputs is not None:
+            if getattr(params, "structured_outputs", None) is not None:
                 # compile here, off the engine thread, so running streams do not wait for it;
                 # the engine's own compile then hits xgrammar's cache
                 await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)

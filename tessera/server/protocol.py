@@ -70,10 +70,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _OpenAISampling(BaseModel):
-    """Fields common to /v1/completions and /v1/chat/completions (plus vLLM's extras). An
-    explicit null means the default, as in OpenAI's and vLLM's (Optional) fields: TGI's
-    text_generation client sends every unset field as null."""
+class _NullIsTheDefault(BaseModel):
+    """An explicit null means the field's default, as in OpenAI's and vLLM's (Optional)
+    fields: TGI's text_generation client sends every unset field as null."""
 
     @model_validator(mode="before")
     @classmethod
@@ -82,6 +81,10 @@ class _OpenAISampling(BaseModel):
             return data
         return {k: v for k, v in data.items()
                 if v is not None or k not in cls.model_fields or _accepts_none(cls.model_fields[k].annotation)}
+
+
+class _OpenAISampling(_NullIsTheDefault):
+    """Fields common to /v1/completions and /v1/chat/completions (plus vLLM's extras)."""
 
     model: str | None = None
     temperature: float | None = None
@@ -219,3 +222,33 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message left open, continued
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+# a text, texts, token ids, or lists of token ids (OpenAI's embeddings `input`, TEI's `inputs`)
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(_NullIsTheDefault):
+    """OpenAI's /v1/embeddings body, with vLLM's extras."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM extras
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    priority: int = 0
+
+
+class EmbedRequest(BaseModel):
+    """Text Embeddings Inference's /embed body (TGI's sibling server for embeddings)."""
+
+    inputs: EmbeddingInput
+    normalize: bool = True
+    truncate: bool | None = False
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+    prompt_name: str | None = None
+    dimensions: int | None = None

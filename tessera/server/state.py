@@ -54,6 +54,7 @@ class ServerState:
     supports_images: bool = False
     image_placeholder: str | None = None  # what a prompt writes where an image goes
     allowed_local_media_path: Path | None = None
+    pooling: bool = False  # an embedding model: /v1/embeddings and /embed, no generation
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,7 @@ class ServerState:
         self.limits.max_concurrent_requests = engine.max_concurrent_requests
         self.supports_images = core.supports_images
         self.image_placeholder = core.image_placeholder
+        self.pooling = core.is_pooling
         if self.limits.max_body_bytes is None:
             self.limits.max_body_bytes = 50_000_000 if self.supports_images else 2_000_000
         self.ready = True

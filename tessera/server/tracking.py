@@ -12,6 +12,8 @@ from fastapi import Request
 from tessera.engine.engine import RequestError
 from tessera.multimodal.inputs import MultimodalInputs
 from tessera.engine.outputs import RequestOutput
+from tessera.pooling.outputs import PoolingRequestOutput
+from tessera.pooling.params import PoolingParams, PoolingParamsError
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.server.async_engine import EngineDeadError, GenerationError, OverloadedError
 from tessera.server.errors import ClientGone, GenerationFailed, Overloaded, Unavailable, ValidationFailed
@@ -19,10 +21,12 @@ from tessera.server.state import ServerState
 
 
 async def run_request(state: ServerState, request_id: str, prompt_ids: list[int],
-                      params: SamplingParams, lora: str | None = None,
-                      priority: int = 0, images: MultimodalInputs | None = None) -> AsyncIterator[RequestOutput]:
+                      params: SamplingParams | PoolingParams, lora: str | None = None,
+                      priority: int = 0, images: MultimodalInputs | None = None
+                      ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
     """The request's outputs (with the loaded adapter named `lora`, if any); metrics
-    recorded on the way; errors raised as APIError."""
+    recorded on the way; errors raised as APIError. An embedding request's one output
+    counts its prompt tokens and latency."""
     m = state.metrics
     arrival = time.monotonic()
     last = None
@@ -31,7 +35,7 @@ async def run_request(state: ServerState, request_id: str, prompt_ids: list[int]
     try:
         async for out in state.engine.generate(request_id, prompt_ids, params, lora, priority, images):
             now = time.monotonic()
-            new = sum(len(c.delta_token_ids) for c in out.outputs)
+            new = sum(len(c.delta_token_ids) for c in out.outputs) if isinstance(out, RequestOutput) else 0
             if new:
                 if last is None:
                     m.ttft.observe(now - arrival)
@@ -50,7 +54,7 @@ async def run_request(state: ServerState, request_id: str, prompt_ids: list[int]
     except OverloadedError as exc:
         outcome = "overloaded"
         raise Overloaded(str(exc)) from exc
-    except (RequestError, SamplingParamsError) as exc:
+    except (RequestError, SamplingParamsError, PoolingParamsError) as exc:
         outcome = "validation_error"
         refusal = ValidationFailed(str(exc), param=getattr(exc, "param", None))
         refusal.counted = True  # here (finally): the app's error handler must not count it again

@@ -107,9 +107,9 @@ def test_throughput_dataset_errors_name_the_problem(make_tiny_llama, tmp_path, l
         _tiny_bench(folder, "throughput", "--dataset", str(_dataset(tmp_path, lines)), "--num-prompts", "3")
 
 
-def test_dataset_is_for_throughput_and_serve_only(make_tiny_llama, tmp_path):
+def test_dataset_is_for_throughput_embed_and_serve_only(make_tiny_llama, tmp_path):
     folder, _ = make_tiny_llama()
-    with pytest.raises(SystemExit, match="--dataset applies to the throughput and serve"):
+    with pytest.raises(SystemExit, match="--dataset applies to the throughput, embed and serve"):
         _tiny_bench(folder, "latency", "--dataset", str(_dataset(tmp_path, ['{"prompt": "x"}'])))
 
 
@@ -216,3 +216,20 @@ def test_images_bench_measures_an_image_beside_text_as_long(tmp_path, capsys, ma
     with pytest.raises(SystemExit, match="takes no images"):
         main(["bench", "images", "--model", str(text), "--dtype", "float32", "--num-kv-blocks", "64",
               "--repeats", "1"])
+
+
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
+def test_embed_bench_runs_beside_transformers_and_agrees(make_embedder, tmp_path, capsys, pooling):
+    """The baseline's padded, length-sorted batches pool to tessera's vectors (float32)."""
+    embedder = make_embedder("qwen3", pooling, True)
+    out = tmp_path / "embed.json"
+    code = main(["bench", "embed", "--model", str(embedder.folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--num-prompts", "5", "--input-len", "12", "--repeats", "1", "--embed-batch-size", "2",
+                 "--baseline", "transformers", "--output-json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert [r["engine"] for r in data["results"]] == ["tessera", "transformers"]
+    assert data["meta"]["pooling"] == pooling and data["meta"]["prompt_tokens"] == 60
+    assert data["results"][1]["min_cosine"] > 1 - 1e-5
+    assert all(r["tokens_per_s"] > 0 for r in data["results"])
+    assert "speedup vs transformers" in capsys.readouterr().out

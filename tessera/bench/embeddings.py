@@ -1,0 +1,95 @@
+"""`tessera bench embed`: embedding throughput, beside transformers in the same process.
+
+--num-prompts prompts of --input-len random tokens (or --dataset's texts) are embedded by the
+engine (its prefix cache reset before each run, so every prompt is computed), and with
+`--baseline transformers` by transformers' backbone the way sentence-transformers runs it:
+prompts sorted by length, padded batches of --embed-batch-size, pooled as the engine's
+pooler config says. The baseline rows report the least cosine similarity between its
+vectors and tessera's (a model with real weights should give > 0.999)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tessera.bench.workload import median
+from tessera.pooling.config import PoolerConfig
+
+
+@dataclass
+class EmbedBenchResult:
+    engine: str
+    prompts_per_s: float
+    tokens_per_s: float
+    elapsed_s: float
+    padded_batch: int | None = None   # the baseline's batch of padded prompts
+    min_cosine: float | None = None   # baseline vs tessera, over every prompt
+
+
+def tessera_embed(llm, prompts: list[list[int]], repeats: int) -> tuple[EmbedBenchResult, torch.Tensor]:
+    llm.embed(prompts[:1], use_tqdm=False)  # warm
+    times, vectors = [], None
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        started = time.perf_counter()
+        outs = llm.embed(prompts, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+        vectors = torch.stack([o.outputs.data for o in outs])
+    elapsed = median(times)
+    return EmbedBenchResult("tessera", len(prompts) / elapsed, sum(map(len, prompts)) / elapsed, elapsed), vectors
+
+
+def load_transformers_backbone(path: str, dtype: torch.dtype, dummy: bool, device: torch.device):
+    from transformers import AutoConfig, AutoModel
+
+    if dummy:
+        with torch.device(device):
+            return AutoModel.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+    return AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def _pool(hidden: torch.Tensor, lengths: torch.Tensor, config: PoolerConfig) -> torch.Tensor:
+    """Right-padded [B, T, H] hidden states pooled per row (float32)."""
+    hidden = hidden.float()
+    if config.pooling_type == "LAST":
+        vectors = hidden[torch.arange(hidden.shape[0]), lengths - 1]
+    elif config.pooling_type == "CLS":
+        vectors = hidden[:, 0]
+    else:
+        mask = (torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]).float()
+        vectors = (hidden * mask[..., None]).sum(1) / lengths[:, None]
+    return F.normalize(vectors, dim=-1) if config.normalize else vectors
+
+
+def _embed_batches(model, prompts: list[list[int]], config: PoolerConfig, batch_size: int) -> torch.Tensor:
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out = torch.empty(len(prompts), model.config.hidden_size)
+    device = model.device
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            width = max(len(prompts[i]) for i in rows)
+            ids = torch.tensor([prompts[i] + [0] * (width - len(prompts[i])) for i in rows], device=device)
+            lengths = torch.tensor([len(prompts[i]) for i in rows], device=device)
+            mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            out[rows] = _pool(hidden, lengths, config).cpu()
+    return out
+
+
+def transformers_embed(model, prompts: list[list[int]], config: PoolerConfig, batch_size: int, repeats: int,
+                       reference: torch.Tensor) -> EmbedBenchResult:
+    _embed_batches(model, prompts[:1], config, 1)  # warm
+    times, vectors = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        vectors = _embed_batches(model, prompts, config, batch_size)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        times.append(time.perf_counter() - started)
+    elapsed = median(times)
+    agreement = F.cosine_similarity(vectors, reference.to(vectors.dtype), dim=-1).min().item()
+    return EmbedBenchResult("transformers", len(prompts) / elapsed, sum(map(len, prompts)) / elapsed, elapsed,
+                            batch_size, agreement)

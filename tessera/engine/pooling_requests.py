@@ -1,0 +1,96 @@
+"""Embedding requests in the engine: whether it pools at all (--runner), what a request may
+ask of it, and the output once a prompt is pooled."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tessera.config import ConfigError, EngineConfig
+from tessera.engine.request_checks import RequestError
+from tessera.engine.sequence import Sequence
+from tessera.models.base import BaseRouter
+from tessera.pooling.config import PoolerConfig, looks_like_embedding_model, pooler_config_for
+from tessera.pooling.outputs import PoolingOutput, PoolingRequestOutput
+from tessera.pooling.params import PoolingParams
+from tessera.pooling.pooler import PoolingState
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | None:
+    """The pooling of an engine that serves embeddings, None for one that generates."""
+    model = config.model
+    pooling = model.runner == "pooling" or (
+        model.runner == "auto" and router.implementation == "native" and not router.supports_images
+        and looks_like_embedding_model(router.metadata_dir, router.config))
+    if not pooling:
+        if model.pooler_config:
+            raise ConfigError("--pooler-config applies to embedding models (--runner pooling)")
+        return None
+    name = f"{type(router).__name__} ({router.config.model_type})"
+    if router.implementation != "native" or router.supports_images:
+        raise ConfigError(f"{name}: embeddings (--runner pooling) run native text models; "
+                          "`tessera models` lists them")
+    if config.speculative.enabled:
+        raise ConfigError("an embedding model generates nothing to speculate on: drop --speculative-config")
+    if config.lora.enable_lora:
+        raise ConfigError("LoRA adapters are not supported for embedding models (--runner pooling)")
+    return pooler_config_for(router.metadata_dir, router.config, model.pooler_config)
+
+
+def check_pooling_params(params: PoolingParams, pooler: PoolerConfig, hidden_size: int) -> None:
+    dims = params.dimensions
+    if dims is None:
+        return
+    if not pooler.is_matryoshka:
+        raise RequestError("this model does not support Matryoshka dimensions: a shorter vector would not "
+                           "be a useful embedding (--pooler-config '{\"is_matryoshka\": true}' allows "
+                           "it for a model trained that way)", param="dimensions")
+    allowed = pooler.matryoshka_dimensions
+    if allowed and dims not in allowed:
+        raise RequestError(f"dimensions {dims} is not one this model was trained for: {list(allowed)}",
+                           param="dimensions")
+    if dims > hidden_size:
+        raise RequestError(f"dimensions {dims} exceeds the model's embedding size {hidden_size}",
+                           param="dimensions")
+
+
+def truncated_prompt(token_ids: list[int], params: PoolingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len of them)."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return token_ids
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise RequestError(f"truncate_prompt_tokens {keep} exceeds max_model_len {max_model_len}",
+                           param="truncate_prompt_tokens")
+    return token_ids[-keep:]
+
+
+def pooling_sequence(request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
+                     pooler: PoolerConfig, placeholder, max_model_len: int) -> Sequence:
+    """The sequence of an embedding request (`placeholder`: sampling params nothing reads)."""
+    seq = Sequence(request_id, text, token_ids, placeholder, max_model_len)
+    seq.pooling = PoolingState(params, every_row=pooler.needs_every_prompt_row)
+    return seq
+
+
+def pooled_output(seq: Sequence, vector: torch.Tensor, now: float) -> PoolingRequestOutput:
+    metrics = {"arrival_time": seq.arrival_time, "time": now}
+    if seq.first_scheduled_time is not None:
+        metrics["first_scheduled_time"] = seq.first_scheduled_time
+    return PoolingRequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, PoolingOutput(vector),
+                                finished=True, metrics=metrics)
+
+
+def wrong_kind(params: object, pooling: bool) -> RequestError | None:
+    """A generation request to an embedding engine, or the other way round."""
+    if pooling and not isinstance(params, PoolingParams):
+        return RequestError("this engine serves an embedding model (--runner pooling): it pools prompts "
+                            "into embeddings and generates no text")
+    if not pooling and isinstance(params, PoolingParams):
+        return RequestError("this engine serves a generative model: embeddings need an embedding model "
+                            "or --runner pooling")
+    return None
+

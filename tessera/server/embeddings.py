@@ -1,0 +1,129 @@
+"""Embeddings from an embedding model: OpenAI's /v1/embeddings (with vLLM's extras) and Text
+Embeddings Inference's /embed. A POST to the server's root is TEI's too when the model pools
+(app.py routes it here): huggingface_hub's InferenceClient.feature_extraction posts there.
+
+Every input is one engine request; the engine batches them. A request's inputs enter the
+engine at most half the server's --max-concurrent-requests at a time, so one large batch
+(LangChain sends 1000 texts per call) neither exceeds that limit nor starves other clients."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from tessera.pooling.outputs import PoolingRequestOutput
+from tessera.pooling.params import PoolingParams, PoolingParamsError
+from tessera.server.errors import ValidationFailed
+from tessera.server.openai_common import state_of
+from tessera.server.openai_validation import resolve_model
+from tessera.server.protocol import EmbeddingInput, EmbeddingRequest, EmbedRequest
+from tessera.server.state import ServerState
+from tessera.server.tracking import collect, run_request
+
+router = APIRouter()
+
+MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
+
+
+def require_pooling(state: ServerState) -> None:
+    if not state.pooling:
+        raise ValidationFailed("This model does not support the Embeddings API: it generates text. Serve an "
+                               "embedding model (a sentence-transformers folder, or any text model with "
+                               "--runner pooling)")
+
+
+def _pooling_params(**kwargs) -> PoolingParams:
+    try:
+        return PoolingParams(**kwargs)
+    except PoolingParamsError as exc:
+        raise ValidationFailed(str(exc), param=next(iter(k for k in kwargs if k in str(exc)), None)) from exc
+
+
+def _token_ids(state: ServerState, given: EmbeddingInput, field: str, add_special_tokens: bool = True) -> list[list[int]]:
+    """Each input's token ids (texts tokenized here, token ids as given)."""
+    items = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else given
+    if not items:
+        raise ValidationFailed(f"`{field}` cannot be empty", param=field)
+    if len(items) > MAX_INPUTS:
+        raise ValidationFailed(f"`{field}` holds {len(items)} inputs; at most {MAX_INPUTS} go in one request",
+                               param=field)
+    out = []
+    for item in items:
+        ids = (list(state.tokenizer(item, add_special_tokens=add_special_tokens).input_ids)
+               if isinstance(item, str) else list(item))
+        if not ids:
+            raise ValidationFailed(f"`{field}` cannot hold an empty text or token list", param=field)
+        out.append(ids)
+    return out
+
+
+async def embed_all(request: Request, state: ServerState, prompts: list[list[int]], params: PoolingParams,
+                    priority: int = 0) -> list[PoolingRequestOutput]:
+    """The embeddings of `prompts`, in order; a failure (or the client leaving) aborts the rest."""
+    gate = asyncio.Semaphore(max(1, state.limits.max_concurrent_requests // 2))
+    rid = f"embd-{uuid.uuid4().hex}"
+
+    async def one(i: int, ids: list[int]) -> PoolingRequestOutput:
+        async with gate:
+            return await collect(request, run_request(state, f"{rid}-{i}", ids, params, priority=priority))
+
+    tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prompts)]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _encoded(vector, encoding_format: str) -> list[float] | str:
+    """The vector as floats, or (base64) its little-endian float32 bytes: what OpenAI's
+    clients decode, and the openai SDK asks for by default."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request, body: EmbeddingRequest) -> JSONResponse:
+    state = state_of(request)
+    require_pooling(state)
+    served, _ = resolve_model(state, body.model)
+    params = _pooling_params(dimensions=body.dimensions, normalize=body.normalize,
+                             truncate_prompt_tokens=body.truncate_prompt_tokens)
+    prompts = _token_ids(state, body.input, "input", body.add_special_tokens)
+    outputs = await embed_all(request, state, prompts, params, body.priority)
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(out.outputs.data, body.encoding_format)}
+            for i, out in enumerate(outputs)]
+    used = sum(out.num_prompt_tokens for out in outputs)
+    return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                         "model": served, "data": data, "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+
+@router.post("/embed")
+async def embed(request: Request, body: EmbedRequest) -> JSONResponse:
+    """TEI's: a list of vectors; over-long inputs are an error (413) unless `truncate`,
+    which keeps their first tokens (`truncation_direction` "Left": their last)."""
+    state = state_of(request)
+    require_pooling(state)
+    if body.prompt_name is not None:
+        raise ValidationFailed("`prompt_name` is not supported: put the prompt's text before the input",
+                               param="prompt_name")
+    limit = state.limits.max_total_tokens
+    prompts = _token_ids(state, body.inputs, "inputs")
+    for i, ids in enumerate(prompts):
+        if len(ids) <= limit:
+            continue
+        if not body.truncate:
+            err = ValidationFailed(f"`inputs` must have at most {limit} tokens. Given: {len(ids)}", param="inputs")
+            err.status = 413
+            raise err
+        prompts[i] = ids[-limit:] if body.truncation_direction.lower() == "left" else ids[:limit]
+    params = _pooling_params(dimensions=body.dimensions, normalize=body.normalize)
+    outputs = await embed_all(request, state, prompts, params)
+    return JSONResponse([out.outputs.embedding for out in outputs])

@@ -1,0 +1,81 @@
+"""Tiny random embedding checkpoints: a transformers backbone saved bare (as Qwen3-Embedding
+and e5-mistral are: no `model.` prefix, no LM head) with sentence-transformers' module files,
+and transformers' own pooled vectors to compare against."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+BACKBONE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+ST_MODULES = "sentence_transformers.models."
+POOLING_FLAGS = {"LAST": "pooling_mode_lasttoken", "MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token"}
+
+
+@dataclass
+class Embedder:
+    folder: Path
+    hf: torch.nn.Module  # transformers' backbone, float32, eval
+    pooling: str
+    normalize: bool
+
+    def reference(self, token_ids: list[int], pooling: str | None = None, normalize: bool | None = None,
+                  dimensions: int | None = None) -> torch.Tensor:
+        """transformers' pooled vector for one prompt (float32)."""
+        with torch.no_grad():
+            hidden = self.hf(torch.tensor([token_ids])).last_hidden_state[0].float()
+        kind = pooling or self.pooling
+        vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[kind]
+        if dimensions is not None:
+            vector = vector[:dimensions]
+        return F.normalize(vector, dim=-1) if (self.normalize if normalize is None else normalize) else vector
+
+
+def write_sentence_transformers(folder: Path, pooling: str | None, normalize: bool, extra: list[dict] = ()) -> None:
+    modules = [{"idx": 0, "name": "0", "path": "", "type": ST_MODULES + "Transformer"}]
+    if pooling is not None:
+        modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_MODULES + "Pooling"})
+        (folder / "1_Pooling").mkdir(exist_ok=True)
+        flags = {flag: kind == pooling for kind, flag in POOLING_FLAGS.items()}
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **flags}))
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": ST_MODULES + "Normalize"})
+    (folder / "modules.json").write_text(json.dumps([*modules, *extra]))
+
+
+def embedder_factory(tmp_path_factory, tiny_tokenizer_dir: Path) -> Callable[..., Embedder]:
+    """make_embedder(arch="qwen3" | "llama", pooling="LAST", normalize=True,
+    sentence_transformers=True, **config_overrides)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
+
+    made: dict = {}
+
+    def make(arch: str = "qwen3", pooling: str = "LAST", normalize: bool = True,
+             sentence_transformers: bool = True, seed: int = 0, **overrides) -> Embedder:
+        key = (arch, pooling, normalize, sentence_transformers, seed, tuple(sorted(overrides.items())))
+        if key in made:
+            return made[key]
+        config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3Model), "llama": (LlamaConfig, LlamaModel)}[arch]
+        extra = {"head_dim": 16} if arch == "qwen3" else {}
+        torch.manual_seed(seed)
+        model = model_cls(config_cls(**{**BACKBONE, **extra, **overrides})).eval()
+        g = torch.Generator().manual_seed(seed + 7)
+        with torch.no_grad():  # norms around 1: a loader that skipped them would show
+            for name, p in model.named_parameters():
+                if "norm" in name and name.endswith(".weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        folder = tmp_path_factory.mktemp(f"embed-{arch}")
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(folder)
+        if sentence_transformers:
+            write_sentence_transformers(folder, pooling, normalize)
+        made[key] = Embedder(folder, model, pooling, normalize)
+        return made[key]
+
+    return make
