@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import PretrainedConfig
@@ -41,6 +41,9 @@ class PoolerConfig:
     # leading components are an embedding of their own); which sizes, when the config lists them
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # config_sentence_transformers.json's named prompts ({"query": "Instruct: ...\nQuery:"}):
+    # TEI's `prompt_name` puts one before a text
+    prompts: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -83,11 +86,24 @@ def pooler_config_for(metadata_dir: Path, hf_config: PretrainedConfig,
             value = override["pooling_type"]
             settings["pooling_type"] = value.upper() if isinstance(value, str) else value
         settings.update({k: override[k] for k in ("normalize", "is_matryoshka") if k in override})
-    config = PoolerConfig(**settings)
+    config = PoolerConfig(**settings, prompts=_named_prompts(Path(metadata_dir)))
     logger.info("serving embeddings: %s pooling%s%s%s", config.pooling_type,
                 ", normalized" if config.normalize else "", " (sentence-transformers modules)" if modules else "",
                 ", Matryoshka dimensions" if config.is_matryoshka else "")
     return config
+
+
+def _named_prompts(metadata_dir: Path) -> dict[str, str]:
+    path = metadata_dir / "config_sentence_transformers.json"
+    if not path.is_file():
+        return {}
+    try:
+        prompts = json.loads(path.read_text()).get("prompts") or {}
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ConfigError(f"{path} is not a JSON object: {exc}") from exc
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise ConfigError(f"{path}: `prompts` should map names to texts")
+    return prompts
 
 
 def _sentence_transformers_modules(metadata_dir: Path) -> list[dict]:

@@ -105,17 +105,30 @@ async def embeddings(request: Request, body: EmbeddingRequest) -> JSONResponse:
                          "model": served, "data": data, "usage": {"prompt_tokens": used, "total_tokens": used}})
 
 
+def _with_prompt(state: ServerState, inputs: EmbeddingInput, name: str | None) -> EmbeddingInput:
+    """TEI's `prompt_name`: the model's named prompt (config_sentence_transformers.json)
+    before each text, as sentence-transformers' encode(prompt_name=...) puts it."""
+    if name is None:
+        return inputs
+    if name not in state.embedding_prompts:
+        known = ", ".join(map(repr, state.embedding_prompts)) or "none"
+        raise ValidationFailed(f"prompt_name {name!r} is not one of the model's prompts ({known}; "
+                               "config_sentence_transformers.json)", param="prompt_name")
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ValidationFailed("`prompt_name` applies to texts, not token ids", param="prompt_name")
+    prompt = state.embedding_prompts[name]
+    return [prompt + text for text in texts]
+
+
 @router.post("/embed")
 async def embed(request: Request, body: EmbedRequest) -> JSONResponse:
     """TEI's: a list of vectors; over-long inputs are an error (413) unless `truncate`,
     which keeps their first tokens (`truncation_direction` "Left": their last)."""
     state = state_of(request)
     require_pooling(state)
-    if body.prompt_name is not None:
-        raise ValidationFailed("`prompt_name` is not supported: put the prompt's text before the input",
-                               param="prompt_name")
     limit = state.limits.max_total_tokens
-    prompts = _token_ids(state, body.inputs, "inputs")
+    prompts = _token_ids(state, _with_prompt(state, body.inputs, body.prompt_name), "inputs")
     for i, ids in enumerate(prompts):
         if len(ids) <= limit:
             continue

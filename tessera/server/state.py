@@ -55,6 +55,7 @@ class ServerState:
     image_placeholder: str | None = None  # what a prompt writes where an image goes
     allowed_local_media_path: Path | None = None
     pooling: bool = False  # an embedding model: /v1/embeddings and /embed, no generation
+    embedding_prompts: dict[str, str] = field(default_factory=dict)  # TEI's prompt_name -> text
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +87,7 @@ class ServerState:
         self.supports_images = core.supports_images
         self.image_placeholder = core.image_placeholder
         self.pooling = core.is_pooling
+        self.embedding_prompts = core.pooler_config.prompts if core.is_pooling else {}
         if self.limits.max_body_bytes is None:
             self.limits.max_body_bytes = 50_000_000 if self.supports_images else 2_000_000
         self.ready = True

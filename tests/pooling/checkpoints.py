@@ -51,14 +51,16 @@ def write_sentence_transformers(folder: Path, pooling: str | None, normalize: bo
 
 def embedder_factory(tmp_path_factory, tiny_tokenizer_dir: Path) -> Callable[..., Embedder]:
     """make_embedder(arch="qwen3" | "llama", pooling="LAST", normalize=True,
-    sentence_transformers=True, **config_overrides)."""
+    sentence_transformers=True, prompts=None (named prompts), **config_overrides)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
 
     made: dict = {}
 
     def make(arch: str = "qwen3", pooling: str = "LAST", normalize: bool = True,
-             sentence_transformers: bool = True, seed: int = 0, **overrides) -> Embedder:
-        key = (arch, pooling, normalize, sentence_transformers, seed, tuple(sorted(overrides.items())))
+             sentence_transformers: bool = True, seed: int = 0, prompts: dict | None = None,
+             **overrides) -> Embedder:
+        key = (arch, pooling, normalize, sentence_transformers, seed, tuple(sorted((prompts or {}).items())),
+               tuple(sorted(overrides.items())))
         if key in made:
             return made[key]
         config_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3Model), "llama": (LlamaConfig, LlamaModel)}[arch]
@@ -75,6 +77,8 @@ def embedder_factory(tmp_path_factory, tiny_tokenizer_dir: Path) -> Callable[...
         AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(folder)
         if sentence_transformers:
             write_sentence_transformers(folder, pooling, normalize)
+        if prompts:
+            (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
         made[key] = Embedder(folder, model, pooling, normalize)
         return made[key]
 

@@ -148,3 +148,12 @@ def test_bfloat16_embeddings_stay_close(make_embedder):
     with LLM(embedder.folder, dtype="bfloat16", show_progress=False) as llm:
         for ids, out in zip(batch, llm.embed(batch)):
             assert F.cosine_similarity(out.outputs.data, embedder.reference(ids), dim=0) >= 1 - 1e-3
+
+
+def test_tensor_parallel_embeddings_equal_transformers(make_embedder):
+    """Two ranks: each loads its shard of the bare backbone (no LM head either), the driver
+    pools the all-reduced hidden states."""
+    embedder = make_embedder("qwen3", "MEAN", True)
+    with LLM(embedder.folder, dtype="float32", num_kv_blocks=64, show_progress=False,
+             tensor_parallel_size=2) as llm:
+        check_close(embedder, llm, prompts(6, seed=9))

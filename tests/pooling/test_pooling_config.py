@@ -81,3 +81,12 @@ def test_engine_refusals(make_embedder, make_tiny_llama):
         LLM(folder, dtype="float32", show_progress=False, pooler_config={"normalize": False})
     with pytest.raises(ConfigError, match="run native text models"):
         LLM(folder, dtype="float32", show_progress=False, runner="pooling", model_impl="transformers")
+
+
+def test_named_prompts(tmp_path):
+    prompts = {"query": "Instruct: retrieve\nQuery:", "document": ""}
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    assert pooler_config_for(tmp_path, hf_config()).prompts == prompts
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": 3}}))
+    with pytest.raises(ConfigError, match="should map names to texts"):
+        pooler_config_for(tmp_path, hf_config())

@@ -15,11 +15,12 @@ from tests.server.conftest import MODEL_NAME, start_server
 
 ATOL = 1e-5
 TEXTS = ["Paged attention stores the KV cache", "The quick brown fox", "hello"]
+PROMPTS = {"query": "Instruct: find the passage\nQuery:", "document": ""}
 
 
 @pytest.fixture(scope="module")
 def embedder(make_embedder):
-    return make_embedder("qwen3", "MEAN", True)
+    return make_embedder("qwen3", "MEAN", True, prompts=PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +109,12 @@ def test_tei_embed(server, embedder):
     left = httpx.post(f"{server.url}/embed", json={"inputs": [long], "truncate": True,
                                                    "truncation_direction": "Left"}).json()
     close(left[0], embedder.reference(long[-256:]))
-    named = httpx.post(f"{server.url}/embed", json={"inputs": "hi", "prompt_name": "query"})
-    assert named.status_code == 422 and "prompt_name" in named.json()["error"]
+    named = httpx.post(f"{server.url}/embed", json={"inputs": TEXTS[:2], "prompt_name": "query"}).json()
+    for text, vector in zip(TEXTS, named):  # sentence-transformers' encode(prompt_name="query")
+        close(vector, embedder.reference(ids_of(server, PROMPTS["query"] + text)))
+    for body in ({"inputs": "hi", "prompt_name": "passage"}, {"inputs": [5, 6], "prompt_name": "query"}):
+        refused = httpx.post(f"{server.url}/embed", json=body)
+        assert refused.status_code == 422 and "prompt_name" in refused.json()["error"]
 
 
 def test_huggingface_hub_feature_extraction(server, embedder):
