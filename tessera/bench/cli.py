@@ -335,10 +335,11 @@ def _embed(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
     if args.baseline == "transformers":
         if engine.router.source.is_gguf:
             raise SystemExit("embed --baseline transformers: give a Hugging Face folder (or --preset)")
-        model = load_transformers_backbone(str(engine.router.source.path), engine.dtype,
-                                           engine.config.model.load_format == "dummy", engine.runner.device)
+        dummy = engine.config.model.load_format == "dummy"
+        model = load_transformers_backbone(str(engine.router.source.path), engine.dtype, dummy,
+                                           engine.runner.device)
         rows.append(transformers_embed(model, prompts, engine.pooler_config, args.embed_batch_size,
-                                       args.repeats, vectors))
+                                       args.repeats, None if dummy else vectors))
     pooler = engine.pooler_config
     meta = {"workload": "embed", "model": engine.router.source.name, "dtype": str(engine.dtype),
             "pooling": pooler.pooling_type, "normalize": pooler.normalize, "threads": torch.get_num_threads(),
@@ -349,7 +350,8 @@ def _embed(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
     print(markdown_table(rows, ["engine", "tokens_per_s", "prompts_per_s", "elapsed_s", "padded_batch"],
                          "transformers" if len(rows) > 1 else None, higher_is_better=True))
     if len(rows) > 1:
-        print(f"agreement: least cosine similarity of transformers' vectors to tessera's {rows[1].min_cosine:.6f}")
+        print("agreement: not compared (random weights: each engine draws its own)" if rows[1].min_cosine is None
+              else f"agreement: least cosine similarity of transformers' vectors to tessera's {rows[1].min_cosine:.6f}")
     if args.output_json:
         write_json(Path(args.output_json), meta, rows)
     return 0
