@@ -18,6 +18,7 @@ from tessera.multimodal.chat import ContentPartError, template_content
 from tessera.platform import async_scheduling_default, resolve_device
 from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
+from tessera.pooling.scoring import ScoringOutput, ScoringRequestOutput, cosine_scores, pair_indices
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.watermark import DEFAULT_Z_THRESHOLD, WatermarkScore, detect_watermark_in_output
 
@@ -254,6 +255,20 @@ class LLM:
             params_list = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
         return self._run(prompts, params_list, use_tqdm, [None] * len(prompts),
                          self._priorities(priority, len(prompts)), what="Embedding")
+
+    def score(self, data_1: Prompt | Seq[Prompt], data_2: Prompt | Seq[Prompt], use_tqdm: bool | None = None, *,
+              truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """The cosine similarity of text pairs' embeddings (vLLM's LLM.score): one text with
+        each of `data_2`, or `data_1[i]` with `data_2[i]`; one output per pair, in order."""
+        first, second = self._prompt_list(data_1), self._prompt_list(data_2)
+        pairs = pair_indices(len(first), len(second))
+        outs = self.embed(first + second, pooling_params, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
+        vectors = [o.outputs.data for o in outs]
+        scores = cosine_scores(vectors[:len(first)], vectors[len(first):], pairs)
+        return [ScoringRequestOutput(f"score-{next(self._ids)}",
+                                     outs[i].prompt_token_ids + outs[len(first) + j].prompt_token_ids,
+                                     ScoringOutput(score)) for (i, j), score in zip(pairs, scores)]
 
     @staticmethod
     def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[str | list[int] | ImagePrompt]:

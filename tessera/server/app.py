@@ -8,8 +8,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tessera.server import (embeddings, lora_routes, openai_completions, openai_responses, openai_routes, tgi,
-                            tokenize_routes)
+from tessera.server import (embeddings, lora_routes, openai_completions, openai_responses, openai_routes, scores,
+                            tgi, tokenize_routes)
 from tessera.server.errors import APIError, Unavailable, ValidationFailed, openai_error, tgi_error
 from tessera.server.state import ServerState
 
@@ -149,6 +149,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app.include_router(openai_completions.router)
     app.include_router(openai_responses.router)
     app.include_router(embeddings.router)
+    app.include_router(scores.router)
     if state.allow_runtime_lora_updating:
         app.include_router(lora_routes.router)
     return app

@@ -37,14 +37,14 @@ def require_pooling(state: ServerState) -> None:
                                "--runner pooling)")
 
 
-def _pooling_params(**kwargs) -> PoolingParams:
+def pooling_params(**kwargs) -> PoolingParams:
     try:
         return PoolingParams(**kwargs)
     except PoolingParamsError as exc:
         raise ValidationFailed(str(exc), param=next(iter(k for k in kwargs if k in str(exc)), None)) from exc
 
 
-def _token_ids(state: ServerState, given: EmbeddingInput, field: str, add_special_tokens: bool = True) -> list[list[int]]:
+def token_ids(state: ServerState, given: EmbeddingInput, field: str, add_special_tokens: bool = True) -> list[list[int]]:
     """Each input's token ids (texts tokenized here, token ids as given)."""
     items = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else given
     if not items:
@@ -94,9 +94,9 @@ async def embeddings(request: Request, body: EmbeddingRequest) -> JSONResponse:
     state = state_of(request)
     require_pooling(state)
     served, _ = resolve_model(state, body.model)
-    params = _pooling_params(dimensions=body.dimensions, normalize=body.normalize,
+    params = pooling_params(dimensions=body.dimensions, normalize=body.normalize,
                              truncate_prompt_tokens=body.truncate_prompt_tokens)
-    prompts = _token_ids(state, body.input, "input", body.add_special_tokens)
+    prompts = token_ids(state, body.input, "input", body.add_special_tokens)
     outputs = await embed_all(request, state, prompts, params, body.priority)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(out.outputs.data, body.encoding_format)}
             for i, out in enumerate(outputs)]
@@ -121,22 +121,28 @@ def _with_prompt(state: ServerState, inputs: EmbeddingInput, name: str | None) -
     return [prompt + text for text in texts]
 
 
+def tei_fit(state: ServerState, prompts: list[list[int]], field: str, truncate: bool | None, direction: str) -> None:
+    """TEI's rule for inputs past the context: a 413, or with `truncate` their first tokens
+    (`truncation_direction` "Left": their last). Changes `prompts` in place."""
+    limit = state.limits.max_total_tokens
+    for i, ids in enumerate(prompts):
+        if len(ids) <= limit:
+            continue
+        if not truncate:
+            err = ValidationFailed(f"`{field}` must have at most {limit} tokens. Given: {len(ids)}", param=field)
+            err.status = 413
+            raise err
+        prompts[i] = ids[-limit:] if direction.lower() == "left" else ids[:limit]
+
+
 @router.post("/embed")
 async def embed(request: Request, body: EmbedRequest) -> JSONResponse:
     """TEI's: a list of vectors; over-long inputs are an error (413) unless `truncate`,
     which keeps their first tokens (`truncation_direction` "Left": their last)."""
     state = state_of(request)
     require_pooling(state)
-    limit = state.limits.max_total_tokens
-    prompts = _token_ids(state, _with_prompt(state, body.inputs, body.prompt_name), "inputs")
-    for i, ids in enumerate(prompts):
-        if len(ids) <= limit:
-            continue
-        if not body.truncate:
-            err = ValidationFailed(f"`inputs` must have at most {limit} tokens. Given: {len(ids)}", param="inputs")
-            err.status = 413
-            raise err
-        prompts[i] = ids[-limit:] if body.truncation_direction.lower() == "left" else ids[:limit]
-    params = _pooling_params(dimensions=body.dimensions, normalize=body.normalize)
+    prompts = token_ids(state, _with_prompt(state, body.inputs, body.prompt_name), "inputs")
+    tei_fit(state, prompts, "inputs", body.truncate, body.truncation_direction)
+    params = pooling_params(dimensions=body.dimensions, normalize=body.normalize)
     outputs = await embed_all(request, state, prompts, params)
     return JSONResponse([out.outputs.embedding for out in outputs])

@@ -252,3 +252,42 @@ class EmbedRequest(BaseModel):
     truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
     prompt_name: str | None = None
     dimensions: int | None = None
+
+
+class ScoreRequest(_NullIsTheDefault):
+    """vLLM's /score: text_1 scored against each text_2 (or pairwise, lists of one length)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # Cohere's documents may carry more fields
+
+    text: str
+
+
+class RerankRequest(_NullIsTheDefault):
+    """vLLM's /rerank (Jina's and Cohere's shape: `documents`)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = None  # None or 0: every document
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+
+
+class TEIRerankRequest(BaseModel):
+    """Text Embeddings Inference's /rerank (`texts`)."""
+
+    query: str
+    texts: list[str]
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool | None = False
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"

@@ -31,7 +31,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.tessera
 
 
-async def _json(request: Request) -> Any:
+async def read_json(request: Request) -> Any:
     try:
         return json.loads(await request.body() or b"null")
     except json.JSONDecodeError as exc:
@@ -40,7 +40,7 @@ async def _json(request: Request) -> Any:
 
 
 
-def _validated(raw: Any, model: type[BaseModel]) -> Any:
+def validated_body(raw: Any, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -56,12 +56,12 @@ def _spans(state: ServerState, text: str, add_special_tokens: bool) -> list[dict
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Any:
     state = _state(request)
-    raw = await _json(request)
+    raw = await read_json(request)
     if not isinstance(raw, dict) or "inputs" in raw:
         # TGI's: the tokenizer's special tokens included, as its /generate adds them
-        return _spans(state, _validated(raw, TokenizeRequest).inputs, add_special_tokens=True)
+        return _spans(state, validated_body(raw, TokenizeRequest).inputs, add_special_tokens=True)
     request.state.openai_errors = True
-    body = _validated(raw, VllmTokenizeRequest)
+    body = validated_body(raw, VllmTokenizeRequest)
     resolve_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ValidationFailed("give either `prompt` or `messages`", param="prompt")
@@ -78,7 +78,7 @@ async def tokenize(request: Request) -> Any:
 async def detokenize(request: Request) -> dict:
     state = _state(request)
     request.state.openai_errors = True  # vLLM's route: OpenAI's error shape (app.py reads it)
-    body = _validated(await _json(request), DetokenizeRequest)
+    body = validated_body(await read_json(request), DetokenizeRequest)
     resolve_model(state, body.model)
     vocab = len(state.tokenizer)
     bad = [t for t in body.tokens if not 0 <= t < vocab]

@@ -157,3 +157,19 @@ def test_tensor_parallel_embeddings_equal_transformers(make_embedder):
     with LLM(embedder.folder, dtype="float32", num_kv_blocks=64, show_progress=False,
              tensor_parallel_size=2) as llm:
         check_close(embedder, llm, prompts(6, seed=9))
+
+
+def test_score_is_the_cosine_of_the_two_embeddings(make_embedder):
+    embedder = make_embedder("qwen3", "LAST", False)
+    first, second = prompts(2, seed=10), prompts(2, seed=11)
+    with LLM(embedder.folder, dtype="float32", show_progress=False) as llm:
+        one_to_many = llm.score(first[0], second)
+        pairwise = llm.score(first, second)
+        with pytest.raises(ValueError, match="as many as"):
+            llm.score(first, second + first)
+    ref = [embedder.reference(p) for p in first + second]
+    assert [o.outputs.score for o in one_to_many] == pytest.approx(
+        [F.cosine_similarity(ref[0], ref[2 + j], dim=0).item() for j in range(2)], abs=1e-5)
+    assert [o.outputs.score for o in pairwise] == pytest.approx(
+        [F.cosine_similarity(ref[i], ref[2 + i], dim=0).item() for i in range(2)], abs=1e-5)
+    assert one_to_many[1].prompt_token_ids == first[0] + second[1]

@@ -162,3 +162,45 @@ def test_a_generative_model_refuses_embeddings(shared_server):
     assert "does not support the Embeddings API" in reply.json()["error"]["message"]
     reply = httpx.post(f"{shared_server.url}/embed", json={"inputs": "hi"})
     assert reply.status_code == 422 and reply.json()["error_type"] == "validation"
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+def test_score(server, embedder):
+    refs = {t: embedder.reference(ids_of(server, t)) for t in TEXTS}
+    one_to_many = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS}).json()
+    assert one_to_many["object"] == "list" and one_to_many["id"].startswith("score-")
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1, 2]
+    for text, item in zip(TEXTS, one_to_many["data"]):
+        assert item["object"] == "score" and item["score"] == pytest.approx(cosine(refs[TEXTS[0]], refs[text]), abs=1e-5)
+    assert one_to_many["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+    assert one_to_many["usage"]["prompt_tokens"] == sum(len(ids_of(server, t)) for t in [TEXTS[0], *TEXTS])
+    pairwise = httpx.post(f"{server.url}/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [cosine(refs[TEXTS[0]], refs[TEXTS[1]]), cosine(refs[TEXTS[1]], refs[TEXTS[2]])], abs=1e-5)
+    mismatched = httpx.post(f"{server.url}/score", json={"text_1": TEXTS[:2], "text_2": TEXTS})
+    assert mismatched.status_code == 400 and "as many as" in mismatched.json()["error"]["message"]
+
+
+def test_rerank(server, embedder):
+    query, docs = "The quick brown fox", [TEXTS[0], "The quick brown fox", TEXTS[2]]
+    expected = [cosine(embedder.reference(ids_of(server, query)), embedder.reference(ids_of(server, d))) for d in docs]
+    best_first = sorted(range(3), key=lambda i: -expected[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        reply = httpx.post(f"{server.url}{path}", json={"model": MODEL_NAME, "query": query, "documents": docs}).json()
+        assert reply["id"].startswith("rerank-") and reply["usage"]["total_tokens"] > 0
+        assert [r["index"] for r in reply["results"]] == best_first == [1, *best_first[1:]]
+        assert [r["relevance_score"] for r in reply["results"]] == pytest.approx([expected[i] for i in best_first], abs=1e-5)
+        assert [r["document"]["text"] for r in reply["results"]] == [docs[i] for i in best_first]
+    top = httpx.post(f"{server.url}/v1/rerank", json={"query": query, "documents": [{"text": d} for d in docs],
+                                                       "top_n": 2, "return_documents": False}).json()
+    assert [r["index"] for r in top["results"]] == best_first[:2] and "document" not in top["results"][0]
+    tei = httpx.post(f"{server.url}/rerank", json={"query": query, "texts": docs, "return_text": True}).json()
+    assert [(r["index"], r["text"]) for r in tei] == [(i, docs[i]) for i in best_first]
+    assert [r["score"] for r in tei] == pytest.approx([expected[i] for i in best_first], abs=1e-5)
+    empty = httpx.post(f"{server.url}/rerank", json={"query": query, "texts": []})
+    assert empty.status_code == 422 and empty.json()["error_type"] == "validation"
+    empty = httpx.post(f"{server.url}/v1/rerank", json={"query": query, "documents": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
