@@ -307,7 +307,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    columns = [("model_type", "MODEL TYPE"), ("model_class", "MODEL CLASS"), ("supports_gguf", "GGUF"),
+    columns = [("model_type", "MODEL TYPE"), ("model_class", "MODEL CLASS"), ("generates", "GENERATES"),
+               ("supports_gguf", "GGUF"),
                ("supports_sliding_window", "SLIDING WINDOW"), ("is_moe", "MOE"),
                ("supports_tensor_parallel", "TENSOR PARALLEL"), ("supports_lora", "LORA"),
                ("supports_images", "IMAGES")]
@@ -318,7 +319,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     print("\nAny other decoder-only type transformers implements runs on the transformers fallback "
           "(--model-impl auto|transformers): transformers' modeling code with tessera's paged "
-          "attention, no GGUF.")
+          "attention, no GGUF. Types that do not generate (encoders) serve embeddings; any text "
+          "type does with --runner pooling.")
     return 0
 
 

@@ -31,7 +31,7 @@ def model_table() -> list[dict[str, Any]]:
     rows = []
     for model_type, router in sorted(router_classes().items()):
         rows.append({"model_type": model_type, "router": router.__name__,
-                     "model_class": router.model_cls.__name__, **router.features()})
+                     "model_class": router.model_cls.__name__, "generates": router.generates, **router.features()})
     return rows
 
 

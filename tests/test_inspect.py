@@ -48,13 +48,16 @@ def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     lines = table.splitlines()
     header = lines[0].split("  ")
     assert [h.strip() for h in header if h.strip()] == [
-        "MODEL TYPE", "MODEL CLASS", "GGUF", "SLIDING WINDOW", "MOE", "TENSOR PARALLEL", "LORA", "IMAGES"]
+        "MODEL TYPE", "MODEL CLASS", "GENERATES", "GGUF", "SLIDING WINDOW", "MOE", "TENSOR PARALLEL", "LORA",
+        "IMAGES"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert rows["llama"][:3] == ["llama", "LlamaForCausalLM", "yes"]
-    assert rows["qwen2"][:3] == ["qwen2", "Qwen2ForCausalLM", "yes"]
-    assert rows["qwen3"][:3] == ["qwen3", "Qwen3ForCausalLM", "yes"]
-    text = {t: row for t, row in rows.items() if row[-1] == "no"}
-    assert all(row[-3:-1] == ["yes", "yes"] for row in text.values())  # every text type: TP and LoRA
+    assert rows["llama"][:4] == ["llama", "LlamaForCausalLM", "yes", "yes"]
+    assert rows["qwen2"][:4] == ["qwen2", "Qwen2ForCausalLM", "yes", "yes"]
+    assert rows["qwen3"][:4] == ["qwen3", "Qwen3ForCausalLM", "yes", "yes"]
+    encoders = {t for t, row in rows.items() if row[2] == "no"}
+    assert encoders == {"bert", "roberta", "xlm-roberta"}  # embeddings only
+    text = {t: row for t, row in rows.items() if row[-1] == "no" and t not in encoders}
+    assert all(row[-3:-1] == ["yes", "yes"] for row in text.values())  # every generating text type: TP and LoRA
     assert {t for t, row in rows.items() if row[-1] == "yes"} == {"llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl",
                                                                      "gemma3"}
     assert rows["qwen2_5_vl"][1] == "VisionLanguageForCausalLM" and rows["qwen2_5_vl"][-3:] == ["yes"] * 3

@@ -41,6 +41,13 @@ PRESETS["qwen3-embedding-0.6b"] = dict(
     max_window_layers=28, tie_word_embeddings=True, vocab_size=151669, bos_token_id=151643,
     eos_token_id=151643, torch_dtype="bfloat16")
 
+# BAAI/bge-base-en-v1.5 (a BERT encoder: CLS pooling, normalized)
+PRESETS["bge-base-en-v1.5"] = dict(
+    architectures=["BertModel"], model_type="bert", hidden_act="gelu", hidden_size=768, intermediate_size=3072,
+    num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=512, type_vocab_size=2,
+    vocab_size=30522, layer_norm_eps=1e-12, pad_token_id=0, position_embedding_type="absolute",
+    initializer_range=0.02, torch_dtype="float32")
+
 # Qwen/Qwen2.5-VL-3B-Instruct (its token ids are set where the tokenizer gets the tokens)
 PRESETS["qwen2.5-vl-3b"] = dict(
     architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", hidden_act="silu",

@@ -220,7 +220,7 @@ class Engine:
         check_prompt(token_ids, self.router.config.vocab_size, self.max_model_len, generates=False)
         check_pooling_params(params, self.pooler_config, self.router.config.hidden_size)
         seq = pooling_sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
-                               self.pooler_config, SamplingParams(), self.max_model_len)
+                               self.pooler_config, SamplingParams(), self.max_model_len, self.router.bidirectional)
         seq.group = SequenceGroup(request_id, [seq])
         seq.priority = priority
         self.requests[request_id] = seq

@@ -21,6 +21,11 @@ logger = logging.getLogger(__name__)
 def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | None:
     """The pooling of an engine that serves embeddings, None for one that generates."""
     model = config.model
+    name = f"{type(router).__name__} ({router.config.model_type})"
+    if not router.generates:
+        if model.runner == "generate":
+            raise ConfigError(f"{name} is an encoder: it embeds text and cannot generate (--runner pooling)")
+        return _pooler(config, router)
     pooling = model.runner == "pooling" or (
         model.runner == "auto" and router.implementation == "native" and not router.supports_images
         and looks_like_embedding_model(router.metadata_dir, router.config))
@@ -28,15 +33,19 @@ def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | N
         if model.pooler_config:
             raise ConfigError("--pooler-config applies to embedding models (--runner pooling)")
         return None
-    name = f"{type(router).__name__} ({router.config.model_type})"
     if router.implementation != "native" or router.supports_images:
         raise ConfigError(f"{name}: embeddings (--runner pooling) run native text models; "
                           "`tessera models` lists them")
+    return _pooler(config, router)
+
+
+def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:
     if config.speculative.enabled:
         raise ConfigError("an embedding model generates nothing to speculate on: drop --speculative-config")
     if config.lora.enable_lora:
         raise ConfigError("LoRA adapters are not supported for embedding models (--runner pooling)")
-    return pooler_config_for(router.metadata_dir, router.config, model.pooler_config)
+    return pooler_config_for(router.metadata_dir, router.config, config.model.pooler_config,
+                             router.default_pooling_type)
 
 
 def check_pooling_params(params: PoolingParams, pooler: PoolerConfig, hidden_size: int) -> None:
@@ -69,10 +78,13 @@ def truncated_prompt(token_ids: list[int], params: PoolingParams, max_model_len:
 
 
 def pooling_sequence(request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
-                     pooler: PoolerConfig, placeholder, max_model_len: int) -> Sequence:
-    """The sequence of an embedding request (`placeholder`: sampling params nothing reads)."""
+                     pooler: PoolerConfig, placeholder, max_model_len: int, bidirectional: bool) -> Sequence:
+    """The sequence of an embedding request (`placeholder`: sampling params nothing reads;
+    `bidirectional`: an encoder's, whose prompt attends to itself whole)."""
     seq = Sequence(request_id, text, token_ids, placeholder, max_model_len)
-    seq.pooling = PoolingState(params, every_row=pooler.needs_every_prompt_row)
+    # an encoder's cached keys depend on the tokens after them: never reused
+    seq.pooling = PoolingState(params, every_row=pooler.needs_every_prompt_row or bidirectional,
+                               bidirectional=bidirectional)
     return seq
 
 

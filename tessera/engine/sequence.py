@@ -112,7 +112,9 @@ class Sequence:
     def chunk_size(self, start: int, n: int) -> int:
         """How many of the `n` tokens from `start` a step may compute: an image whose tokens
         attend to each other is never split between steps (so a step may take fewer, or
-        the rest of such an image where it starts in or at one)."""
+        the rest of such an image where it starts in or at one), nor an encoder's prompt."""
+        if self.pooling is not None and self.pooling.bidirectional:
+            return self.num_tokens - start  # an encoder's prompt: all of it, in one step
         if self.multimodal is None or not self.multimodal.attention_spans:
             return n
         return self.multimodal.chunk_end(start, start + n) - start

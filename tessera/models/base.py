@@ -64,6 +64,11 @@ class BaseRouter:
     supports_images: ClassVar[bool] = False          # images in prompts (vision_language.py)
 
     implementation: ClassVar[str] = "native"       # "native" folder or "transformers" fallback
+    # encoders (BERT) embed and cannot generate; their prompts attend to themselves whole
+    # and pool by default from the first token (decoders: the last)
+    generates: ClassVar[bool] = True
+    bidirectional: ClassVar[bool] = False
+    default_pooling_type: ClassVar[str] = "LAST"
 
     FEATURES: ClassVar[tuple[str, ...]] = ("supports_gguf", "supports_sliding_window", "is_moe",
                                            "supports_tensor_parallel", "supports_lora", "supports_images")

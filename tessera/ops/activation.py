@@ -1,4 +1,5 @@
-"""Gated activations over a packed gate-up projection."""
+"""Activations: gated ones over a packed gate-up projection (decoders), plain GELU (BERT-style
+encoders)."""
 from __future__ import annotations
 
 import torch
@@ -37,3 +38,24 @@ class GeluTanhAndMul(OpModule):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._act(gate_up)
+
+
+@register_op("gelu", name="torch_gelu", priority=0)
+def gelu_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return F.gelu(x, approximate=approximate)
+
+
+# transformers' hidden_act names -> F.gelu's `approximate`
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+
+class Gelu(OpModule):
+    def __init__(self, hidden_act: str, target: OpTarget):
+        super().__init__()
+        if hidden_act not in GELU_APPROXIMATIONS:
+            raise ValueError(f"hidden_act {hidden_act!r} is not a GELU ({', '.join(GELU_APPROXIMATIONS)})")
+        self.approximate = GELU_APPROXIMATIONS[hidden_act]
+        self._act = target.op("gelu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._act(x, self.approximate)

@@ -1,4 +1,6 @@
-"""RMSNorm with an optional fused residual add: (x + residual) is normalised and also
+"""RMSNorm (decoders) and LayerNorm (BERT-style encoders).
+
+RMSNorm with an optional fused residual add: (x + residual) is normalised and also
 returned as the next residual, so the add costs no extra pass in fused builders.
 
 A weight in the model dtype multiplies the normalised row rounded to that dtype (Llama's
@@ -8,6 +10,7 @@ in float32, as transformers computes them)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
@@ -38,3 +41,21 @@ class RMSNorm(OpModule):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         out, new_residual = self._norm(x, self.weight, self.eps, residual)
         return out if residual is None else (out, new_residual)
+
+
+@register_op("layer_norm", name="torch_layer_norm", priority=0)
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm, computed in float32 and rounded once (as torch's own CPU and CUDA kernels do)."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
+class LayerNorm(OpModule):
+    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param((hidden_size,), target.dtype, target.device)
+        self.bias = make_param((hidden_size,), target.dtype, target.device)
+        self._norm = target.op("layer_norm")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.weight, self.bias, self.eps)

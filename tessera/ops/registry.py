@@ -15,6 +15,7 @@ import torch
 OP_KINDS = (
     "embedding", "linear", "lora_rows", "rms_norm", "rotary", "silu_and_mul",
     "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
+    "layer_norm", "gelu",
 )
 PHASES = (None, "prefill", "decode")
 

@@ -64,10 +64,10 @@ def looks_like_embedding_model(metadata_dir: Path, hf_config: PretrainedConfig) 
 
 
 def pooler_config_for(metadata_dir: Path, hf_config: PretrainedConfig,
-                      override: dict | None = None) -> PoolerConfig:
-    """The folder's pooling (sentence-transformers files, else LAST and normalized), with
-    `override` (--pooler-config) applied over it."""
-    settings: dict = {"pooling_type": "LAST", "normalize": True}
+                      override: dict | None = None, default_type: str = "LAST") -> PoolerConfig:
+    """The folder's pooling (sentence-transformers files, else `default_type`, normalized:
+    LAST for decoders, CLS for encoders), with `override` (--pooler-config) applied over it."""
+    settings: dict = {"pooling_type": default_type, "normalize": True}
     modules = _sentence_transformers_modules(metadata_dir)
     if modules:
         settings.update(_from_sentence_transformers(metadata_dir, modules))

@@ -19,6 +19,7 @@ from tessera.pooling.params import PoolingParams
 class PoolingState:
     params: PoolingParams
     every_row: bool = False  # the pooling reads every prompt position (no cached prefix then)
+    bidirectional: bool = False  # an encoder's prompt: computed in one step, attending to itself whole
     partial: torch.Tensor | None = None  # MEAN: sum of the rows so far; CLS: the first row
 
 

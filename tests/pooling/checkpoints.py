@@ -83,3 +83,52 @@ def embedder_factory(tmp_path_factory, tiny_tokenizer_dir: Path) -> Callable[...
         return made[key]
 
     return make
+
+
+ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               hidden_act="gelu", layer_norm_eps=1e-12)
+
+
+def write_wordpiece_tokenizer(folder: Path, corpus: list[str]) -> int:
+    """A BERT-style tokenizer ([CLS] text [SEP]) trained on `corpus`; returns its vocabulary size."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(folder)
+    return tok.get_vocab_size()
+
+
+def make_encoder(folder: Path, kind: str, pooling: str | None, normalize: bool, corpus: list[str],
+                 seed: int = 0, **overrides) -> Embedder:
+    """A tiny random BERT or XLM-RoBERTa saved bare (as sentence-transformers saves them)."""
+    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+
+    vocab = write_wordpiece_tokenizer(folder, corpus)
+    torch.manual_seed(seed)
+    if kind == "bert":
+        config = BertConfig(vocab_size=vocab, max_position_embeddings=128, type_vocab_size=2, pad_token_id=0,
+                            **{**ENCODER, **overrides})
+        model = BertModel(config, add_pooling_layer=True)
+    else:  # positions from padding_idx + 1 = 2
+        config = XLMRobertaConfig(vocab_size=vocab, max_position_embeddings=130, type_vocab_size=1,
+                                  pad_token_id=1, **{**ENCODER, **overrides})
+        model = XLMRobertaModel(config, add_pooling_layer=False)
+    model.eval()
+    with torch.no_grad():  # norms and biases away from their 1 / 0 defaults: skipping one would show
+        g = torch.Generator().manual_seed(seed + 3)
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith(".bias"):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(folder)
+    if pooling is not None:
+        write_sentence_transformers(folder, pooling, normalize)
+    return Embedder(folder, model, pooling or "CLS", normalize)

@@ -204,3 +204,22 @@ def test_rerank(server, embedder):
     assert empty.status_code == 422 and empty.json()["error_type"] == "validation"
     empty = httpx.post(f"{server.url}/v1/rerank", json={"query": query, "documents": []})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
+
+
+def test_an_encoder_served(tmp_path, monkeypatch):
+    """A BERT checkpoint: the TEI and OpenAI routes answer with transformers' CLS vectors."""
+    from tests.conftest import TINY_CORPUS
+    from tests.pooling.checkpoints import make_encoder
+
+    bert = make_encoder(tmp_path, "bert", "CLS", True, TINY_CORPUS)
+    running = start_server(bert.folder, max_concurrent_requests=8)
+    try:
+        text = "Paged attention stores the KV cache"
+        ids = ids_of(running, text)
+        close(httpx.post(f"{running.url}/embed", json={"inputs": text}).json()[0], bert.reference(ids))
+        reply = httpx.post(f"{running.url}/v1/embeddings", json={"input": [text], "encoding_format": "float"}).json()
+        close(reply["data"][0]["embedding"], bert.reference(ids))
+        assert httpx.post(f"{running.url}/generate", json={"inputs": text}).status_code == 422
+        running.assert_idle()
+    finally:
+        running.stop()

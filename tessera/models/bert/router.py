@@ -1,0 +1,28 @@
+from functools import cached_property
+
+from tessera.models.base import BaseRouter
+from tessera.models.bert.modeling import BertForEmbedding, position_offset
+
+
+class BertRouter(BaseRouter):
+    """Encoders for embeddings (sentence-transformers' BERT, MiniLM, BGE, E5, GTE, and
+    XLM-RoBERTa's multilingual ones): they pool, never generate."""
+
+    model_types = ("bert", "roberta", "xlm-roberta")
+    model_cls = BertForEmbedding
+    generates = False
+    bidirectional = True
+    default_pooling_type = "CLS"
+
+    @cached_property
+    def max_model_len(self) -> int:
+        """The position table's rows past RoBERTa's offset."""
+        limit = self.config.max_position_embeddings - position_offset(self.config)
+        wanted = self.model_config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the encoder's {limit} positions")
+        return wanted or limit
+
+    @property
+    def longest_attention_span(self) -> int:
+        return self.max_model_len  # a whole prompt attends to itself
