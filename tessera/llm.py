@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence as Seq
 
@@ -16,9 +16,9 @@ from tessera.engine.outputs import RequestOutput
 from tessera.lora.request import LoRARequest
 from tessera.multimodal.chat import ContentPartError, template_content
 from tessera.platform import async_scheduling_default, resolve_device
+from tessera.llm_pooling import PoolingMethods
 from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
-from tessera.pooling.scoring import ScoringOutput, ScoringRequestOutput, cosine_scores, pair_indices
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.watermark import DEFAULT_Z_THRESHOLD, WatermarkScore, detect_watermark_in_output
 
@@ -152,7 +152,7 @@ def _watermark_config(watermark: WatermarkConfig | dict | None) -> WatermarkConf
     return WatermarkConfig(**(watermark or {}))
 
 
-class LLM:
+class LLM(PoolingMethods):
     """`model=None` loads the embedded default model (SmolLM2-135M-Instruct). Keyword
     arguments are engine_config's; `tensor_parallel_size` > 1 shards the model over that
     many ranks started on this machine, `parallel` gives the whole ParallelConfig (ports,
@@ -232,43 +232,6 @@ class LLM:
         finally:  # closed early, or a step raised: free whatever is still running
             for request_id in ids:
                 self.engine.abort(request_id)
-
-    def embed(self, prompts: Prompt | Seq[Prompt],
-              pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
-              use_tqdm: bool | None = None, *, truncate_prompt_tokens: int | None = None,
-              priority: Seq[int] | None = None) -> list[PoolingRequestOutput]:
-        """One embedding per prompt, in order (`output.outputs.embedding`), from an embedding
-        model (a sentence-transformers folder or bare backbone, or runner="pooling").
-        `pooling_params`: one for all prompts or one per prompt (dimensions, normalize);
-        `truncate_prompt_tokens`: keep each prompt's last k tokens (vLLM's)."""
-        if not self.engine.is_pooling:
-            raise ValueError("LLM.embed needs an embedding model: this one generates text "
-                             "(LLM(model, runner='pooling') pools any text model's hidden states)")
-        prompts = self._prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompts)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)} pooling params for {len(prompts)} prompts")
-        if truncate_prompt_tokens is not None:
-            params_list = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
-        return self._run(prompts, params_list, use_tqdm, [None] * len(prompts),
-                         self._priorities(priority, len(prompts)), what="Embedding")
-
-    def score(self, data_1: Prompt | Seq[Prompt], data_2: Prompt | Seq[Prompt], use_tqdm: bool | None = None, *,
-              truncate_prompt_tokens: int | None = None,
-              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
-        """The cosine similarity of text pairs' embeddings (vLLM's LLM.score): one text with
-        each of `data_2`, or `data_1[i]` with `data_2[i]`; one output per pair, in order."""
-        first, second = self._prompt_list(data_1), self._prompt_list(data_2)
-        pairs = pair_indices(len(first), len(second))
-        outs = self.embed(first + second, pooling_params, use_tqdm, truncate_prompt_tokens=truncate_prompt_tokens)
-        vectors = [o.outputs.data for o in outs]
-        scores = cosine_scores(vectors[:len(first)], vectors[len(first):], pairs)
-        return [ScoringRequestOutput(f"score-{next(self._ids)}",
-                                     outs[i].prompt_token_ids + outs[len(first) + j].prompt_token_ids,
-                                     ScoringOutput(score)) for (i, j), score in zip(pairs, scores)]
 
     @staticmethod
     def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[str | list[int] | ImagePrompt]:

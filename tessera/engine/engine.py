@@ -24,8 +24,8 @@ from tessera.engine.image_requests import check_image_request, image_placeholder
 from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.pooling_requests import (check_pooling_params, pooled_output, pooling_sequence,
-                                             resolve_pooler, truncated_prompt, wrong_kind)
+from tessera.engine.pooling_requests import (check_pooling_params, check_token_types, pooled_output,
+                                             pooling_sequence, resolve_pooler, truncated_prompt, wrong_kind)
 from tessera.engine.request_checks import RequestError, check_against_vocab, check_priority, check_prompt
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
@@ -39,7 +39,7 @@ from tessera.multimodal.inputs import MultimodalInputs
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
-from tessera.pooling.params import PoolingParams
+from tessera.pooling.params import PoolingParams, TokenTypedPrompt
 from tessera.pooling.pooler import Pooler
 from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.launched_step import LaunchedStep, StepResult
@@ -211,16 +211,20 @@ class Engine:
         self.scheduler.add(seqs[0])
         return seqs[0]
 
-    def _add_pooling_request(self, request_id: str, prompt: str | Seq[int], params: PoolingParams,
-                             priority: int, multimodal: MultimodalInputs | None) -> Sequence:
+    def _add_pooling_request(self, request_id: str, prompt: str | Seq[int] | TokenTypedPrompt,
+                             params: PoolingParams, priority: int, multimodal: MultimodalInputs | None) -> Sequence:
         if multimodal is not None:
             raise RequestError("this embedding model takes text only")
+        types = None
+        if isinstance(prompt, TokenTypedPrompt):
+            prompt, types = prompt.token_ids, prompt.token_type_ids
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        token_ids = truncated_prompt(token_ids, params, self.max_model_len)
+        token_ids, types = truncated_prompt(token_ids, params, self.max_model_len, types)
         check_prompt(token_ids, self.router.config.vocab_size, self.max_model_len, generates=False)
         check_pooling_params(params, self.pooler_config, self.router.config.hidden_size)
         seq = pooling_sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
                                self.pooler_config, SamplingParams(), self.max_model_len, self.router.bidirectional)
+        seq.pooling.token_type_ids = check_token_types(types, self.router.config)
         seq.group = SequenceGroup(request_id, [seq])
         seq.priority = priority
         self.requests[request_id] = seq

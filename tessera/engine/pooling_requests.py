@@ -10,7 +10,7 @@ from tessera.config import ConfigError, EngineConfig
 from tessera.engine.request_checks import RequestError
 from tessera.engine.sequence import Sequence
 from tessera.models.base import BaseRouter
-from tessera.pooling.config import PoolerConfig, looks_like_embedding_model, pooler_config_for
+from tessera.pooling.config import PoolerConfig, classifier_config, looks_like_embedding_model, pooler_config_for
 from tessera.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
 from tessera.pooling.pooler import PoolingState
@@ -26,7 +26,7 @@ def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | N
         if model.runner == "generate":
             raise ConfigError(f"{name} is an encoder: it embeds text and cannot generate (--runner pooling)")
         return _pooler(config, router)
-    pooling = model.runner == "pooling" or (
+    pooling = model.runner == "pooling" or router.classifies or (
         model.runner == "auto" and router.implementation == "native" and not router.supports_images
         and looks_like_embedding_model(router.metadata_dir, router.config))
     if not pooling:
@@ -40,6 +40,13 @@ def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | N
 
 
 def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:
+    if router.classifies:
+        if router.generates:
+            raise ConfigError(f"{type(router).__name__}: sequence-classification heads are served for encoders "
+                              "(BERT, RoBERTa, XLM-RoBERTa) only")
+        if config.model.pooler_config:
+            raise ConfigError("--pooler-config applies to embedding models, not to classifiers")
+        return classifier_config(router.config, router.default_pooling_type)
     if config.speculative.enabled:
         raise ConfigError("an embedding model generates nothing to speculate on: drop --speculative-config")
     if config.lora.enable_lora:
@@ -65,16 +72,31 @@ def check_pooling_params(params: PoolingParams, pooler: PoolerConfig, hidden_siz
                            param="dimensions")
 
 
-def truncated_prompt(token_ids: list[int], params: PoolingParams, max_model_len: int) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len of them)."""
+def truncated_prompt(token_ids: list[int], params: PoolingParams, max_model_len: int,
+                     token_type_ids: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+    """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len of them), and
+    their token types."""
     keep = params.truncate_prompt_tokens
     if keep is None:
-        return token_ids
+        return token_ids, token_type_ids
     keep = max_model_len if keep == -1 else keep
     if keep > max_model_len:
         raise RequestError(f"truncate_prompt_tokens {keep} exceeds max_model_len {max_model_len}",
                            param="truncate_prompt_tokens")
-    return token_ids[-keep:]
+    return token_ids[-keep:], None if token_type_ids is None else token_type_ids[-keep:]
+
+
+def check_token_types(types: list[int] | None, hf_config) -> list[int] | None:
+    """Segment ids the model has rows for (config.type_vocab_size; a model without that
+    takes none)."""
+    if types is None:
+        return None
+    rows = getattr(hf_config, "type_vocab_size", 0)
+    bad = [t for t in types if not isinstance(t, int) or not 0 <= t < rows]
+    if bad:
+        raise RequestError(f"token type ids must be in [0, {rows}) for this model, got {bad[0]!r}"
+                           if rows else "this model takes no token type ids")
+    return types
 
 
 def pooling_sequence(request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,

@@ -175,6 +175,11 @@ class BaseRouter:
                              + (f" stretched by its rope scaling to {limit}" if scaled and scaled > trained else ""))
         return wanted or limit
 
+    @cached_property
+    def classifies(self) -> bool:
+        """A sequence-classification checkpoint (a classifier, or a cross-encoder reranker)."""
+        return any(a.endswith("ForSequenceClassification") for a in getattr(self.config, "architectures", None) or ())
+
     @property
     def longest_attention_span(self) -> int:
         """The most prompt tokens that attend to each other rather than causally (one image

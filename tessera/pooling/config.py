@@ -44,6 +44,13 @@ class PoolerConfig:
     # config_sentence_transformers.json's named prompts ({"query": "Instruct: ...\nQuery:"}):
     # TEI's `prompt_name` puts one before a text
     prompts: dict[str, str] = field(default_factory=dict, compare=False)
+    # "embed": the pooled vector is the output; "classify": the model's classification head
+    # turns it into `labels` logits (a cross-encoder reranker: one, its relevance score)
+    task: str = "embed"
+    labels: tuple[str, ...] = ()
+    # a one-label classifier's score: "sigmoid" (sentence-transformers' CrossEncoder
+    # default) or "identity" (the raw logit, where the checkpoint says so)
+    score_activation: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -53,6 +60,25 @@ class PoolerConfig:
     def needs_every_prompt_row(self) -> bool:
         """Whether every prompt position's hidden state is read (so no cached prefix is reused)."""
         return self.pooling_type != "LAST"
+
+
+def classifier_config(hf_config: PretrainedConfig, pooling_type: str) -> PoolerConfig:
+    """A *ForSequenceClassification checkpoint: its head reads the `pooling_type` row."""
+    labels = getattr(hf_config, "id2label", None) or {0: "LABEL_0"}
+    names = tuple(str(labels[i]) for i in sorted(labels, key=int))
+    # sentence-transformers' CrossEncoder records its activation in config.json (older and
+    # newer key); transformers' plain classifiers leave it out: sigmoid for one label
+    st = getattr(hf_config, "sentence_transformers", None)
+    activation = (st.get("activation_fn") if isinstance(st, dict) else None) or getattr(
+        hf_config, "sbert_ce_default_activation_function", None) or "Sigmoid"
+    kind = str(activation).rsplit(".", 1)[-1]
+    if kind not in ("Sigmoid", "Identity"):
+        raise ConfigError(f"the cross-encoder activation {activation!r} is not supported (Sigmoid, Identity)")
+    config = PoolerConfig(pooling_type, normalize=False, task="classify", labels=names,
+                          score_activation=kind.lower())
+    logger.info("serving a classifier: %d label%s from the %s row%s", len(names), "s" * (len(names) > 1),
+                pooling_type, f", scores through {kind.lower()}" if len(names) == 1 else "")
+    return config
 
 
 def looks_like_embedding_model(metadata_dir: Path, hf_config: PretrainedConfig) -> bool:

@@ -35,3 +35,22 @@ class PoolingRequestOutput:
 
 # vLLM's name for what LLM.embed returns (`output.outputs.embedding`)
 EmbeddingRequestOutput = PoolingRequestOutput
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax over the labels
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What LLM.classify returns per prompt (vLLM's shape: `output.outputs.probs`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True

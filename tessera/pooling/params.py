@@ -31,3 +31,20 @@ class PoolingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class TokenTypedPrompt:
+    """Token ids with their segment ids (vLLM's TokensPrompt with token_type_ids): a text
+    pair for a cross-encoder, its first text 0 and its second 1, as the tokenizer encodes a
+    pair."""
+
+    token_ids: list[int]
+    token_type_ids: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.token_type_ids):
+            raise PoolingParamsError(f"{len(self.token_type_ids)} token type ids for {len(self.token_ids)} tokens")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)

@@ -20,6 +20,7 @@ class PoolingState:
     params: PoolingParams
     every_row: bool = False  # the pooling reads every prompt position (no cached prefix then)
     bidirectional: bool = False  # an encoder's prompt: computed in one step, attending to itself whole
+    token_type_ids: list[int] | None = None  # a text pair's segments (TokenTypedPrompt)
     partial: torch.Tensor | None = None  # MEAN: sum of the rows so far; CLS: the first row
 
 

@@ -1,12 +1,17 @@
-"""Scoring text pairs with an embedding model (vLLM's LLM.score, /score, /rerank): each text
-is embedded once, a pair's score is the cosine similarity of its two vectors. (A cross-
-encoder reads both texts together and scores better; tessera serves none yet.)"""
+"""Scoring text pairs (vLLM's LLM.score, /score, /rerank). With an embedding model each text
+is embedded once and a pair's score is the cosine similarity of its two vectors; with a
+cross-encoder (a one-label sequence classifier) the pair is one prompt, the two texts
+encoded together as its tokenizer encodes a pair, and its score is the classifier's logit
+through the model's activation (sigmoid unless the checkpoint says otherwise)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tessera.pooling.config import PoolerConfig
+from tessera.pooling.params import TokenTypedPrompt
 
 
 class PairingError(ValueError):
@@ -46,3 +51,25 @@ class ScoringRequestOutput:
     prompt_token_ids: list[int]  # the two texts' tokens, one after the other
     outputs: ScoringOutput
     finished: bool = True
+
+
+def encode_pair(tokenizer, first: str, second: str, max_length: int | None = None) -> TokenTypedPrompt:
+    """A cross-encoder's prompt: the pair as its tokenizer encodes one (BERT: [CLS] a [SEP] b
+    [SEP], segments 0 then 1). `max_length`: cut the second text to fit."""
+    if not isinstance(first, str) or not isinstance(second, str):
+        raise PairingError("a cross-encoder scores texts, not token ids")
+    cut = {} if max_length is None else {"truncation": "only_second", "max_length": max_length}
+    encoded = tokenizer(first, second, return_token_type_ids=True, **cut)
+    return TokenTypedPrompt(list(encoded.input_ids), list(encoded.token_type_ids))
+
+
+def cross_encoder_score(logits: torch.Tensor, config: PoolerConfig) -> float:
+    """A one-label classifier's relevance score from its logits."""
+    logit = logits[0]
+    return float(torch.sigmoid(logit) if config.score_activation == "sigmoid" else logit)
+
+
+def require_one_label(config: PoolerConfig) -> None:
+    if len(config.labels) != 1:
+        raise PairingError(f"scores come from a one-label cross-encoder; this classifier has {len(config.labels)} "
+                           "labels (classify its inputs instead)")

@@ -55,12 +55,16 @@ class ModelInputs:
     image_slices: list[ImageRows] = field(default_factory=list)
     image_embeds: torch.Tensor | None = None
     image_positions: torch.Tensor | None = None  # M-RoPE: the image rows' 3-D positions
-    # embedding requests: each one's rows this step, pooled from the final hidden states
+    # embedding requests: each one's rows this step, pooled from the final hidden states,
+    # and, where a step holds text pairs (cross-encoders), every row's segment id
     pooling_rows: list[PoolingRows] = field(default_factory=list)
+    token_type_ids: torch.Tensor | None = None
 
     @property
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """What the model takes beyond token ids and positions this step."""
+        if self.token_type_ids is not None:
+            return {"token_type_ids": self.token_type_ids}
         if self.image_rows is None:
             return {}
         kwargs = {"image_rows": self.image_rows, "image_embeds": self.image_embeds}
@@ -121,6 +125,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     image_slices: list[ImageRows] = []
     image_positions: list[torch.Tensor] = []
     pooling_rows: list[PoolingRows] = []
+    typed = False  # some pooling row has token types (a text pair)
     # per prefill sequence, its rows' key limits (tessera/ops/attention/metadata.py), or
     # its positions (causal); used when some row of an image attending to itself sees past
     # its own position
@@ -181,6 +186,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
             query_start.append(query_start[-1] + row_len)
         if seq.pooling is not None:
             pooling_rows.append(PoolingRows(seq, first_row, start, n, ends_prompt=end == seq.num_prompt_tokens))
+            if seq.pooling.token_type_ids is not None:
+                typed = True
         if item.samples:  # after the last real token, and after each draft (to verify it)
             lm_head_indices.extend(range(query_start[-1] - 1 - len(item.draft_token_ids), query_start[-1]))
             sampled_rows.append(item)
@@ -208,6 +215,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                          pooling_rows=pooling_rows)
     if limited:
         attn.key_limits = to([p for limits in key_limits for p in limits])
+    if typed:
+        inputs.token_type_ids = to([t for r in pooling_rows for t in _row_types(r)])
     if deferred_rows:
         inputs.deferred_rows, inputs.deferred_indices = to(deferred_rows), to(deferred_indices)
     if image_rows:
@@ -215,6 +224,11 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         if image_positions:
             inputs.image_positions = to_device(torch.cat(image_positions, dim=1), device)
     return inputs
+
+
+def _row_types(rows: PoolingRows) -> list[int]:
+    types = rows.seq.pooling.token_type_ids
+    return [0] * rows.count if types is None else types[rows.start:rows.start + rows.count]
 
 
 def _add_segment(segments: list[tuple[int, int, int]], slot: int, start: int, end: int) -> None:

@@ -204,7 +204,7 @@ class ModelRunner:
                 0, inputs.deferred_rows, previous.token_ids.index_select(0, inputs.deferred_indices))
         if inputs.pooling_rows:  # embedding requests (a pooling engine runs nothing else)
             hidden = self.forward_no_logits(inputs)
-            return LaunchedStep(inputs, pooled=self.pooler.pool(hidden, inputs.pooling_rows))
+            return LaunchedStep(inputs, pooled=self._classified(self.pooler.pool(hidden, inputs.pooling_rows)))
         if not inputs.sampled_rows and not inputs.prompt_rows:  # only partial prefill chunks
             self.forward_no_logits(inputs)
             return LaunchedStep(inputs)
@@ -220,6 +220,13 @@ class ModelRunner:
             if self.channel is not None:  # the other ranks join every pass's all-gather, even
                 for _ in passes:          # when sampling failed here: run what is left
                     pass
+
+    def _classified(self, pooled: list[tuple]) -> list[tuple]:
+        """A classifier's pooled rows through its head: each prompt's label logits (float32)."""
+        if self.pooler.config.task != "classify" or not pooled:
+            return pooled
+        logits = self.model.classify(torch.stack([vector for _, vector in pooled]).to(self.dtype)).float()
+        return [(seq, row) for (seq, _), row in zip(pooled, logits)]
 
     def _activate_loras(self, scheduled: list[ScheduledSeq]) -> dict[int, int] | None:
         """The slot of each adapter the step uses, loading those not resident (on every

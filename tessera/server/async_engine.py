@@ -20,7 +20,7 @@ from tessera.engine.errors import EngineFatalError
 from tessera.engine.outputs import RequestOutput
 from tessera.multimodal.inputs import MultimodalInputs
 from tessera.pooling.outputs import PoolingRequestOutput
-from tessera.pooling.params import PoolingParams
+from tessera.pooling.params import PoolingParams, TokenTypedPrompt
 from tessera.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class AsyncEngine:
                 # compile here, off the engine thread, so running streams do not wait for it;
                 # the engine's own compile then hits xgrammar's cache
                 await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
-            self._commands.put(_Add(request_id, prompt if isinstance(prompt, str) else list(prompt),
+            self._commands.put(_Add(request_id, prompt if isinstance(prompt, (str, TokenTypedPrompt)) else list(prompt),
                                     params, sink, lora, priority, images))
             while True:
                 item = await sink.queue.get()

@@ -30,11 +30,16 @@ router = APIRouter()
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
 
-def require_pooling(state: ServerState) -> None:
+def require_pooling(state: ServerState, task: str | None = "embed") -> None:
+    """The server's model pools (and, given `task`, does that task: "embed" or "classify")."""
     if not state.pooling:
         raise ValidationFailed("This model does not support the Embeddings API: it generates text. Serve an "
                                "embedding model (a sentence-transformers folder, or any text model with "
                                "--runner pooling)")
+    if task is not None and state.pooler.task != task:
+        raise ValidationFailed("this model is a classifier (a cross-encoder): POST /classify, /score or /rerank"
+                               if state.pooler.task == "classify" else
+                               "this model embeds: it has no classification head (POST /v1/embeddings)")
 
 
 def pooling_params(**kwargs) -> PoolingParams:

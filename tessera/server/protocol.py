@@ -291,3 +291,13 @@ class TEIRerankRequest(BaseModel):
     return_text: bool = False
     truncate: bool | None = False
     truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"
+
+
+class ClassifyRequest(_NullIsTheDefault):
+    """vLLM's /classify."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    priority: int = 0

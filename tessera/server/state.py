@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tessera.engine.detokenizer import TokenTexts, fast_decoder
 from tessera.engine.stats import EngineStats
+from tessera.pooling.config import PoolerConfig
 from tessera.server.async_engine import AsyncEngine
 from tessera.server.metrics import ServerMetrics
 from tessera.server.reasoning import END, START, tag_token
@@ -55,6 +56,7 @@ class ServerState:
     image_placeholder: str | None = None  # what a prompt writes where an image goes
     allowed_local_media_path: Path | None = None
     pooling: bool = False  # an embedding model: /v1/embeddings and /embed, no generation
+    pooler: PoolerConfig | None = None  # its pooling (`task`: embed, or classify: a cross-encoder)
     embedding_prompts: dict[str, str] = field(default_factory=dict)  # TEI's prompt_name -> text
     metrics: ServerMetrics = field(init=False)
 
@@ -87,6 +89,7 @@ class ServerState:
         self.supports_images = core.supports_images
         self.image_placeholder = core.image_placeholder
         self.pooling = core.is_pooling
+        self.pooler = core.pooler_config
         self.embedding_prompts = core.pooler_config.prompts if core.is_pooling else {}
         if self.limits.max_body_bytes is None:
             self.limits.max_body_bytes = 50_000_000 if self.supports_images else 2_000_000

@@ -89,8 +89,9 @@ ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
                hidden_act="gelu", layer_norm_eps=1e-12)
 
 
-def write_wordpiece_tokenizer(folder: Path, corpus: list[str]) -> int:
-    """A BERT-style tokenizer ([CLS] text [SEP]) trained on `corpus`; returns its vocabulary size."""
+def write_wordpiece_tokenizer(folder: Path, corpus: list[str], second_segment: int = 1) -> int:
+    """A BERT-style tokenizer ([CLS] text [SEP]) trained on `corpus`, a pair's second text of
+    segment `second_segment` (0 as RoBERTa's tokenizers give); returns its vocabulary size."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -100,7 +101,7 @@ def write_wordpiece_tokenizer(folder: Path, corpus: list[str]) -> int:
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials))
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        single="[CLS] $A [SEP]", pair=f"[CLS] $A [SEP] $B:{second_segment} [SEP]:{second_segment}",
         special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
                             sep_token="[SEP]", mask_token="[MASK]").save_pretrained(folder)
@@ -132,3 +133,31 @@ def make_encoder(folder: Path, kind: str, pooling: str | None, normalize: bool, 
     if pooling is not None:
         write_sentence_transformers(folder, pooling, normalize)
     return Embedder(folder, model, pooling or "CLS", normalize)
+
+
+def make_cross_encoder(folder: Path, kind: str, corpus: list[str], num_labels: int = 1, seed: int = 0,
+                       **config_extra) -> torch.nn.Module:
+    """A tiny random BertForSequenceClassification or XLMRobertaForSequenceClassification (a
+    cross-encoder with one label); returns transformers' model (float32, eval)."""
+    from transformers import (BertConfig, BertForSequenceClassification, XLMRobertaConfig,
+                              XLMRobertaForSequenceClassification)
+
+    vocab = write_wordpiece_tokenizer(folder, corpus, second_segment=1 if kind == "bert" else 0)
+    torch.manual_seed(seed)
+    labels = {"num_labels": num_labels, **config_extra}
+    if kind == "bert":
+        model = BertForSequenceClassification(BertConfig(vocab_size=vocab, max_position_embeddings=128,
+                                                         type_vocab_size=2, pad_token_id=0, **ENCODER, **labels))
+    else:
+        model = XLMRobertaForSequenceClassification(XLMRobertaConfig(
+            vocab_size=vocab, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1, **ENCODER, **labels))
+    model.eval()
+    with torch.no_grad():  # token types apart, so that a pair's segments matter
+        g = torch.Generator().manual_seed(seed + 5)
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith(".bias") or "token_type" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            if "classifier" in name or "pooler" in name:
+                p.mul_(20.0)  # logits of order 1, not 0.1: differences show
+    model.save_pretrained(folder)
+    return model

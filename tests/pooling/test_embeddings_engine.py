@@ -134,7 +134,7 @@ def test_request_options(make_embedder):
 def test_embed_refused_by_a_generative_model(make_tiny_llama):
     folder, _ = make_tiny_llama(seed=5)
     with LLM(folder, dtype="float32", show_progress=False) as llm:
-        with pytest.raises(ValueError, match="needs an embedding model"):
+        with pytest.raises(ValueError, match="needs an embedding model or a classifier"):
             llm.embed(["hello"])
         with pytest.raises(RequestError, match="generative model"):
             llm.engine.add_request("x", [3, 4], PoolingParams())

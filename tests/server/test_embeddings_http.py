@@ -223,3 +223,39 @@ def test_an_encoder_served(tmp_path, monkeypatch):
         running.assert_idle()
     finally:
         running.stop()
+
+
+def test_a_cross_encoder_served(tmp_path):
+    """A BERT cross-encoder: /rerank (vLLM's and TEI's), /score and /classify read each pair
+    as one prompt; its embeddings route is refused."""
+    from tests.conftest import TINY_CORPUS
+    from tests.pooling.checkpoints import make_cross_encoder
+
+    hf = make_cross_encoder(tmp_path, "bert", TINY_CORPUS)
+    running = start_server(tmp_path, max_concurrent_requests=8)
+    try:
+        tokenizer = running.state.tokenizer
+        query, docs = "What stores the KV cache?", TEXTS
+
+        def logit(a: str, b: str) -> float:
+            encoded = tokenizer(a, b, return_token_type_ids=True, return_tensors="pt")
+            with torch.no_grad():
+                return hf(**encoded).logits[0, 0].item()
+
+        logits = [logit(query, d) for d in docs]
+        best_first = sorted(range(len(docs)), key=lambda i: -logits[i])
+        reply = httpx.post(f"{running.url}/v1/rerank", json={"query": query, "documents": docs}).json()
+        assert [r["index"] for r in reply["results"]] == best_first
+        assert [r["relevance_score"] for r in reply["results"]] == pytest.approx(
+            [torch.sigmoid(torch.tensor(logits[i])).item() for i in best_first], abs=1e-5)
+        tei = httpx.post(f"{running.url}/rerank", json={"query": query, "texts": docs, "raw_scores": True}).json()
+        assert [(r["index"], r["score"]) for r in tei] == [(i, pytest.approx(logits[i], abs=1e-5)) for i in best_first]
+        scored = httpx.post(f"{running.url}/score", json={"text_1": query, "text_2": docs[0]}).json()
+        assert scored["data"][0]["score"] == pytest.approx(torch.sigmoid(torch.tensor(logits[0])).item(), abs=1e-5)
+        classified = httpx.post(f"{running.url}/classify", json={"input": docs[:2]}).json()
+        assert [d["probs"] for d in classified["data"]] == [[1.0], [1.0]] and classified["data"][0]["num_classes"] == 1
+        refused = httpx.post(f"{running.url}/v1/embeddings", json={"input": "hi"})
+        assert refused.status_code == 400 and "classifier" in refused.json()["error"]["message"]
+        running.assert_idle()
+    finally:
+        running.stop()

@@ -34,10 +34,13 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = LayerNorm(hidden, config.layer_norm_eps, target)
         self.offset = position_offset(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # one text per prompt: every token is of type 0
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`token_type_ids`: a text pair's segments (a cross-encoder's query 0, document 1);
+        None: every token is of type 0 (one text)."""
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         rows = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.offset)
-                + self.token_type_embeddings(torch.zeros_like(input_ids)))
+                + self.token_type_embeddings(types))
         return self.LayerNorm(rows)
 
 
@@ -104,17 +107,30 @@ class BertEncoder(nn.Module):
         self.layer = nn.ModuleList(BertLayer(config, target) for _ in range(config.num_hidden_layers))
 
 
-class BertModel(nn.Module):
+class BertPooler(nn.Module):
+    """BERT's pooler (dense, tanh over the first token), read by its classification head."""
+
     def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size, target, bias=True)
+
+    def forward(self, first_rows: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first_rows))
+
+
+class BertModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, with_pooler: bool = False):
         super().__init__()
         kind = getattr(config, "position_embedding_type", "absolute")
         if kind != "absolute":
             raise ValueError(f"position_embedding_type {kind!r} is not supported (absolute only)")
         self.embeddings = BertEmbeddings(config, target)
         self.encoder = BertEncoder(config, target)
+        self.pooler = BertPooler(config, target) if with_pooler else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embeddings(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             hidden = layer(hidden)
         return hidden
@@ -136,8 +152,9 @@ class BertForEmbedding(nn.Module):
         self.config = config
         self.model = BertModel(config, target)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, token_type_ids)
 
     @staticmethod
     def map_weight_name(name: str) -> tuple[str, None] | None:
@@ -147,3 +164,34 @@ class BertForEmbedding(nn.Module):
         if name.endswith(".beta"):
             return name[:-len("beta")] + "bias", None
         return None
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.hidden_size, target, bias=True)
+        self.out_proj = Linear(config.hidden_size, config.num_labels, target, bias=True)
+
+    def forward(self, first_rows: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(first_rows)))
+
+
+class BertForClassification(BertForEmbedding):
+    """A cross-encoder or classifier (BertForSequenceClassification and the RoBERTa kinds):
+    the engine pools each prompt's first row and `classify` turns it into label logits."""
+
+    checkpoint_prefixes = {"bert.": "model.", "roberta.": "model.", "cls.": None, "classifier.": "classifier."}
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        nn.Module.__init__(self)
+        self.config = config
+        roberta = config.model_type in ("roberta", "xlm-roberta")
+        self.model = BertModel(config, target, with_pooler=not roberta)
+        self.classifier = (RobertaClassificationHead(config, target) if roberta
+                           else Linear(config.hidden_size, config.num_labels, target, bias=True))
+
+    def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] first-token rows -> [N, labels] logits."""
+        if self.model.pooler is None:
+            return self.classifier(first_rows)
+        return self.classifier(self.model.pooler(first_rows))

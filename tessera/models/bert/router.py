@@ -1,7 +1,8 @@
 from functools import cached_property
 
 from tessera.models.base import BaseRouter
-from tessera.models.bert.modeling import BertForEmbedding, position_offset
+from tessera.models.bert.modeling import BertForClassification, BertForEmbedding, position_offset
+from tessera.ops.registry import OpTarget
 
 
 class BertRouter(BaseRouter):
@@ -13,6 +14,9 @@ class BertRouter(BaseRouter):
     generates = False
     bidirectional = True
     default_pooling_type = "CLS"
+
+    def build_model(self, target: OpTarget):
+        return (BertForClassification if self.classifies else BertForEmbedding)(self.config, target)
 
     @cached_property
     def max_model_len(self) -> int:
