@@ -68,7 +68,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooler-config", type=_json_object, default=None, metavar="JSON",
                    help="embedding models: override the checkpoint's pooling, e.g. "
                         "'{\"pooling_type\": \"MEAN\", \"normalize\": false}' (LAST, MEAN or CLS), "
-                        "'{\"is_matryoshka\": true}' to allow requests' `dimensions`")
+                        "'{\"is_matryoshka\": true}' to allow requests' `dimensions`; "
+                        "'{\"classifier_from_token\": [\"no\", \"yes\"]}' scores pairs by a causal LM's "
+                        "logits of those tokens (Qwen3-Reranker)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: seeded random weights for the model's config (benchmark real shapes "

@@ -46,8 +46,8 @@ class PoolingMethods:
         if config is not None and config.task == "classify":
             require_one_label(config)
             cut = None if truncate_prompt_tokens is None or truncate_prompt_tokens < 0 else truncate_prompt_tokens
-            prompts = [encode_pair(self.tokenizer, first[i], second[j], cut or self.engine.max_model_len)
-                       for i, j in pairs]
+            prompts = [encode_pair(self.tokenizer, first[i], second[j], cut or self.engine.max_model_len,
+                                   config.pair_segments) for i, j in pairs]
             outs = self._run(prompts, [PoolingParams()] * len(prompts), use_tqdm, [None] * len(prompts),
                              [0] * len(prompts), what="Scoring")
             return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,

@@ -33,8 +33,9 @@ def build_rank_model(config: EngineConfig, rank: int, world_size: int):
     target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization,
                       kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
     model = router.build_model(target).eval()
-    if resolve_pooler(config, router) is not None:  # an embedding model, as on the driver
-        model = as_pooling_model(model)
+    pooler = resolve_pooler(config, router)
+    if pooler is not None:  # an embedding model, as on the driver
+        model = as_pooling_model(model, pooler, target)
     router.load_weights(model)
     return router, model
 

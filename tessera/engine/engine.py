@@ -85,7 +85,7 @@ class Engine:
                           quant=config.model.quantization,
                           kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
         pooling = self.pooler_config is not None
-        self.model = load_model(self.router, target, show_progress, pooling=pooling)
+        self.model = load_model(self.router, target, show_progress, pooling=self.pooler_config)
         # a GPU sorts a whole vocabulary fast; the CPU's top-p first tries the best 256 tokens
         sampler = None if pooling else Sampler(config.seed, self.router.eos_token_ids, config.logprobs_mode,
                                                top_p_prefix=None if self.device.type == "cuda" else 256,

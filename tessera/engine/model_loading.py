@@ -10,20 +10,21 @@ from tqdm.auto import tqdm
 
 from tessera.models.base import BaseRouter
 from tessera.ops.registry import OpTarget
+from tessera.pooling.config import PoolerConfig
 from tessera.pooling.model import as_pooling_model
 
 logger = logging.getLogger(__name__)
 
 
 def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: str = "weights",
-               pooling: bool = False) -> nn.Module:
+               pooling: PoolerConfig | None = None) -> nn.Module:
     """The router's model built for `target`, its weights loaded (with a progress bar);
-    `pooling`: as an embedding model (no LM head; bare-backbone checkpoints load)."""
+    `pooling`: as an embedding model or classifier (pooling/model.py)."""
     started = time.perf_counter()
     try:
         model = router.build_model(target).eval()
-        if pooling:
-            model = as_pooling_model(model)
+        if pooling is not None:
+            model = as_pooling_model(model, pooling, target)
     except ValueError as exc:
         if router.implementation != "native" or target.tp_size > 1:  # (sharding errors: no hint)
             raise

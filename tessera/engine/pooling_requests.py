@@ -40,19 +40,37 @@ def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | N
 
 
 def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:
-    if router.classifies:
-        if router.generates:
-            raise ConfigError(f"{type(router).__name__}: sequence-classification heads are served for encoders "
-                              "(BERT, RoBERTa, XLM-RoBERTa) only")
-        if config.model.pooler_config:
-            raise ConfigError("--pooler-config applies to embedding models, not to classifiers")
-        return classifier_config(router.config, router.default_pooling_type)
+    override = config.model.pooler_config or {}
+    if router.classifies or "classifier_from_token" in override:
+        if config.parallel.tensor_parallel_size > 1:
+            raise ConfigError("classifiers run on one rank (no --tensor-parallel-size)")
+        if router.classifies and override:
+            raise ConfigError("--pooler-config applies to embedding models and classifier_from_token, "
+                              "not to a sequence-classification checkpoint")
+        return classifier_config(router.config, router.default_pooling_type,
+                                 _classifier_tokens(router, override) if override else None)
     if config.speculative.enabled:
         raise ConfigError("an embedding model generates nothing to speculate on: drop --speculative-config")
     if config.lora.enable_lora:
         raise ConfigError("LoRA adapters are not supported for embedding models (--runner pooling)")
     return pooler_config_for(router.metadata_dir, router.config, config.model.pooler_config,
                              router.default_pooling_type)
+
+
+def _classifier_tokens(router: BaseRouter, override: dict) -> dict[str, int]:
+    """--pooler-config '{"classifier_from_token": ["no", "yes"]}': each a token of the vocabulary."""
+    if set(override) != {"classifier_from_token"}:
+        raise ConfigError("classifier_from_token goes alone in --pooler-config (the classifier pools the last token)")
+    tokens = override["classifier_from_token"]
+    if router.classifies or not router.generates:
+        raise ConfigError("classifier_from_token scores with a causal LM's own logits; this model has no LM head")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ConfigError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    vocab = router.tokenizer.get_vocab()
+    unknown = [t for t in tokens if t not in vocab]
+    if unknown:
+        raise ConfigError(f"classifier_from_token: {unknown} not tokens of the vocabulary (each must be one token)")
+    return {t: vocab[t] for t in tokens}
 
 
 def check_pooling_params(params: PoolingParams, pooler: PoolerConfig, hidden_size: int) -> None:

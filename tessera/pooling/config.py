@@ -30,7 +30,7 @@ SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_m
 UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                      "pooling_mode_weightedmean_tokens")
 ST_MODULE = "sentence_transformers.models."
-OVERRIDE_KEYS = ("pooling_type", "normalize", "is_matryoshka")
+OVERRIDE_KEYS = ("pooling_type", "normalize", "is_matryoshka", "classifier_from_token")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ class PoolerConfig:
     # a one-label classifier's score: "sigmoid" (sentence-transformers' CrossEncoder
     # default) or "identity" (the raw logit, where the checkpoint says so)
     score_activation: str = "sigmoid"
+    # a causal LM classifying from tokens' logits (Qwen3-Reranker's "no", "yes"); empty: a head
+    classifier_token_ids: tuple[int, ...] = ()
+    # a pair's second text has its own segment id (BERT's token types; decoders have none)
+    pair_segments: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -62,10 +66,15 @@ class PoolerConfig:
         return self.pooling_type != "LAST"
 
 
-def classifier_config(hf_config: PretrainedConfig, pooling_type: str) -> PoolerConfig:
-    """A *ForSequenceClassification checkpoint: its head reads the `pooling_type` row."""
+def classifier_config(hf_config: PretrainedConfig, pooling_type: str,
+                      from_tokens: dict[str, int] | None = None) -> PoolerConfig:
+    """A *ForSequenceClassification checkpoint: its head reads the `pooling_type` row. With
+    `from_tokens` (token -> id), a causal LM's logits at those tokens are the labels (two: one
+    label, the second's logit minus the first's)."""
     labels = getattr(hf_config, "id2label", None) or {0: "LABEL_0"}
     names = tuple(str(labels[i]) for i in sorted(labels, key=int))
+    if from_tokens:
+        names = ("score",) if len(from_tokens) == 2 else tuple(from_tokens)
     # sentence-transformers' CrossEncoder records its activation in config.json (older and
     # newer key); transformers' plain classifiers leave it out: sigmoid for one label
     st = getattr(hf_config, "sentence_transformers", None)
@@ -75,7 +84,8 @@ def classifier_config(hf_config: PretrainedConfig, pooling_type: str) -> PoolerC
     if kind not in ("Sigmoid", "Identity"):
         raise ConfigError(f"the cross-encoder activation {activation!r} is not supported (Sigmoid, Identity)")
     config = PoolerConfig(pooling_type, normalize=False, task="classify", labels=names,
-                          score_activation=kind.lower())
+                          score_activation=kind.lower(), classifier_token_ids=tuple((from_tokens or {}).values()),
+                          pair_segments=bool(getattr(hf_config, "type_vocab_size", 0)))
     logger.info("serving a classifier: %d label%s from the %s row%s", len(names), "s" * (len(names) > 1),
                 pooling_type, f", scores through {kind.lower()}" if len(names) == 1 else "")
     return config

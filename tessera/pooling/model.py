@@ -1,22 +1,67 @@
-"""A text model as an embedding model: its backbone without the LM head.
+"""A text model as an embedding model or a classifier: its backbone, and no LM head or a
+classification head instead.
 
 Embedding checkpoints often hold the bare backbone (saved as Qwen3Model / MistralModel:
 tensors named `layers.0...`, `norm.weight`, no `model.` prefix, no `lm_head`); a generative
 checkpoint run with --runner pooling holds an LM head nothing reads. Both load: the LM head
 is dropped before loading (an untied one would be vocabulary x hidden of memory for
-nothing) and unprefixed names are taken as the backbone's."""
+nothing) and unprefixed names are taken as the backbone's.
+
+A decoder classifier (Qwen3ForSequenceClassification, LlamaForSequenceClassification, ...)
+has a `score` projection instead of the LM head. A causal LM asked to classify from tokens
+(Qwen3-Reranker: --pooler-config '{"classifier_from_token": ["no", "yes"]}') keeps its LM
+head and scores by those tokens' logits: two tokens make one label, the second's logit
+minus the first's (the log-odds of "yes" against "no")."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from tessera.ops.linear import Linear
+from tessera.ops.registry import OpTarget
+from tessera.pooling.config import PoolerConfig
 
-def as_pooling_model(model: nn.Module) -> nn.Module:
-    """`model` (a native causal LM: backbone `model`, head `lm_head`) changed in place."""
+
+class TokenLogitsHead(nn.Module):
+    """Label logits from the LM head's logits at the classifier tokens."""
+
+    def __init__(self, lm_head: nn.Module, token_ids: tuple[int, ...]):
+        super().__init__()
+        self._lm_head = [lm_head]  # the model's own (a list: not registered a second time)
+        self.register_buffer("token_ids", torch.tensor(token_ids), persistent=False)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head[0](rows).index_select(-1, self.token_ids.to(rows.device))
+        return logits[:, 1:] - logits[:, :1] if logits.shape[-1] == 2 else logits
+
+
+def as_pooling_model(model: nn.Module, config: PoolerConfig | None = None, target: OpTarget | None = None
+                     ) -> nn.Module:
+    """`model` (a native causal LM: backbone `model`, head `lm_head`) changed in place for
+    `config` (default: embeddings). A model with its own `classify` (an encoder's classifier)
+    keeps it."""
     if not isinstance(getattr(model, "model", None), nn.Module) or not hasattr(model, "lm_head"):
         raise ValueError(f"{type(model).__name__} has no `model` backbone and `lm_head` to pool from")
-    model.lm_head = None
     own = dict(getattr(model, "checkpoint_prefixes", {}))
-    # first match wins: the head is skipped, the model's own renames apply, prefixed names
-    # stay, and anything else is the bare backbone's
-    model.checkpoint_prefixes = {"lm_head.": None, **own, "model.": "model.", "": "model."}
+    heads: dict[str, str | None] = {"lm_head.": None}  # what the LM head's tensors become
+    if config is not None and config.task == "classify" and not hasattr(model, "classify"):
+        if config.classifier_token_ids:
+            model.score = TokenLogitsHead(model.lm_head, config.classifier_token_ids)
+            heads = {"lm_head.": "lm_head."}  # kept: it scores
+        else:  # a *ForSequenceClassification checkpoint's projection
+            model.score = Linear(model.config.hidden_size, len(config.labels), target)
+            model.lm_head = None
+            heads = {"lm_head.": None, "score.": "score."}
+    else:
+        model.lm_head = None
+    # first match wins: the heads as above, the model's own renames, prefixed names as they
+    # are, and anything else is the bare backbone's
+    model.checkpoint_prefixes = {**heads, **own, "model.": "model.", "": "model."}
     return model
+
+
+def classify_rows(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """A classifier's label logits for its pooled rows: the model's own head (encoders) or
+    the one as_pooling_model gave it (decoders)."""
+    head = getattr(model, "classify", None)
+    return head(rows) if head is not None else model.score(rows)

@@ -53,13 +53,17 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
-def encode_pair(tokenizer, first: str, second: str, max_length: int | None = None) -> TokenTypedPrompt:
+def encode_pair(tokenizer, first: str, second: str, max_length: int | None = None,
+                segments: bool = True) -> TokenTypedPrompt | list[int]:
     """A cross-encoder's prompt: the pair as its tokenizer encodes one (BERT: [CLS] a [SEP] b
-    [SEP], segments 0 then 1). `max_length`: cut the second text to fit."""
+    [SEP], segments 0 then 1; a decoder's tokenizer: the two texts' tokens one after the
+    other, no segments). `max_length`: cut the second text to fit."""
     if not isinstance(first, str) or not isinstance(second, str):
         raise PairingError("a cross-encoder scores texts, not token ids")
     cut = {} if max_length is None else {"truncation": "only_second", "max_length": max_length}
-    encoded = tokenizer(first, second, return_token_type_ids=True, **cut)
+    encoded = tokenizer(first, second, return_token_type_ids=segments, **cut)
+    if not segments:
+        return list(encoded.input_ids)
     return TokenTypedPrompt(list(encoded.input_ids), list(encoded.token_type_ids))
 
 

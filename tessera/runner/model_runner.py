@@ -15,6 +15,7 @@ from tessera.lora.layer import LoRAPass, lora_context
 from tessera.lora.slots import LoRASlots
 from tessera.multimodal.encoder_cache import EncoderCache
 from tessera.ops.attention import Attention, attention_context
+from tessera.pooling.model import classify_rows
 from tessera.pooling.pooler import Pooler
 from tessera.runner.cuda_graphs import CudaDecodeGraphs
 from tessera.runner.decode_graphs import CpuDecodeGraphs
@@ -225,7 +226,7 @@ class ModelRunner:
         """A classifier's pooled rows through its head: each prompt's label logits (float32)."""
         if self.pooler.config.task != "classify" or not pooled:
             return pooled
-        logits = self.model.classify(torch.stack([vector for _, vector in pooled]).to(self.dtype)).float()
+        logits = classify_rows(self.model, torch.stack([vector for _, vector in pooled]).to(self.dtype)).float()
         return [(seq, row) for (seq, _), row in zip(pooled, logits)]
 
     def _activate_loras(self, scheduled: list[ScheduledSeq]) -> dict[int, int] | None:

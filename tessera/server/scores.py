@@ -39,8 +39,8 @@ async def _scores(request: Request, state: ServerState, first: list, second: lis
         pairs = pair_indices(len(first), len(second))
         if state.pooler.task == "classify":
             require_one_label(state.pooler)
-            prompts = [encode_pair(state.tokenizer, first[i], second[j], pair_length or state.limits.max_total_tokens)
-                       for i, j in pairs]
+            prompts = [encode_pair(state.tokenizer, first[i], second[j], pair_length or state.limits.max_total_tokens,
+                                   state.pooler.pair_segments) for i, j in pairs]
     except PairingError as exc:
         raise ValidationFailed(str(exc)) from exc
     if state.pooler.task == "classify":
