@@ -38,30 +38,55 @@ class KVCachePlan:
     bytes_per_block: int
 
 
-def _dummy_inputs(num_tokens: int, num_logit_rows: int, block_size: int,
-                  device: torch.device) -> ModelInputs:
-    """One sequence of `num_tokens` prompt tokens in blocks 0.., logits for the last rows."""
-    num_blocks = (num_tokens + block_size - 1) // block_size
+def _blocks_for(lengths: list[int], block_size: int) -> int:
+    return sum(-(-n // block_size) for n in lengths)
+
+
+def _split(num_tokens: int, max_seq_len: int | None) -> list[int]:
+    """A step of `num_tokens` prompt tokens as sequences of at most `max_seq_len` each."""
+    size = num_tokens if max_seq_len is None else max_seq_len
+    return [min(size, num_tokens - start) for start in range(0, num_tokens, size)]
+
+
+def _dummy_inputs(lengths: list[int], num_logit_rows: int, block_size: int, device: torch.device) -> ModelInputs:
+    """Prompts of `lengths` tokens, each in its own consecutive blocks, logits for the last rows."""
+    slots, tables, positions = [], [], []
+    first_block = 0
+    width = max(-(-n // block_size) for n in lengths)
+    for n in lengths:
+        blocks = -(-n // block_size)
+        slots.append(torch.arange(n) + first_block * block_size)
+        table = list(range(first_block, first_block + blocks))
+        tables.append(table + [0] * (width - blocks))
+        positions.append(torch.arange(n))
+        first_block += blocks
+    num_tokens = sum(lengths)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
     attn = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        num_decodes=0, num_decode_tokens=0, seq_lens_list=[num_tokens], query_lens_list=[num_tokens])
+        slot_mapping=torch.cat(slots).to(device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        num_decodes=0, num_decode_tokens=0, seq_lens_list=list(lengths), query_lens_list=list(lengths))
     return ModelInputs(
         input_ids=torch.zeros(num_tokens, dtype=torch.long, device=device),
-        positions=torch.arange(num_tokens, device=device), attn=attn,
+        positions=torch.cat(positions).to(device), attn=attn,
         lm_head_indices=torch.arange(num_tokens - num_logit_rows, num_tokens, device=device),
-        sampled_rows=[], max_block_id=num_blocks - 1)
+        sampled_rows=[], max_block_id=first_block - 1)
 
 
-def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int) -> int:
+def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int,
+                      max_seq_len: int | None = None) -> int:
     """Run the largest step once with a scratch cache; returns the bytes it needed beyond
-    what was resident before (an upper bound on CPU, exact on CUDA)."""
+    what was resident before (an upper bound on CPU, exact on CUDA). `max_seq_len`: the
+    step's tokens as several prompts of at most this many (a step holds several sequences;
+    none is longer than max_model_len)."""
     device = runner.device
-    num_blocks = (num_tokens + runner.block_size - 1) // runner.block_size
-    runner.allocate_kv_cache(num_blocks)
-    inputs = _dummy_inputs(num_tokens, min(num_logit_rows, num_tokens), runner.block_size, device)
+    lengths = _split(num_tokens, max_seq_len)
+    runner.allocate_kv_cache(_blocks_for(lengths, runner.block_size))
+    inputs = _dummy_inputs(lengths, min(num_logit_rows, num_tokens), runner.block_size, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -152,9 +177,11 @@ def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batche
     `largest_image`: a multimodal model's encoder inputs for its largest image.
     `overrun_tokens`: how far past the budget a step may go (an image whose tokens attend
     to each other, taken whole: scheduler.py)."""
-    num_tokens = min(max_num_batched_tokens + overrun_tokens, max_model_len)
+    # a step's tokens over as many sequences as it may hold, none past max_model_len
+    num_tokens = min(max_num_batched_tokens + overrun_tokens, max_num_seqs * max_model_len)
     # the LM head's largest pass: every row sampling, or one pass of prompt-logprob rows
-    activation = profile_peak_step(runner, num_tokens, max(max_sampled_rows or max_num_seqs, PROMPT_LOGIT_ROWS))
+    activation = profile_peak_step(runner, num_tokens, max(max_sampled_rows or max_num_seqs, PROMPT_LOGIT_ROWS),
+                                   max_seq_len=max_model_len)
     if largest_image is not None and runner.device.type == "cuda":
         # a step may encode an image before its forward; not measured on a CPU, where the
         # cache takes a fifth of RAM and encoding Qwen's largest image (16k patches) would
@@ -162,7 +189,7 @@ def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batche
         activation = max(activation, profile_image_encoder(runner, largest_image()))
     if draft is not None:
         activation = max(activation, profile_peak_step(
-            draft.runner, min(num_tokens, draft.max_model_len), max_num_seqs))
+            draft.runner, num_tokens, max_num_seqs, max_seq_len=min(max_model_len, draft.max_model_len)))
     available = available_memory_bytes(str(runner.device))
     per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
     if draft is not None:

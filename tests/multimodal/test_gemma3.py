@@ -186,7 +186,8 @@ def test_warm_up_measures_a_step_taking_a_whole_image_past_the_budget(tiny_gemma
     measured = []
     profile = warmup.profile_peak_step
     monkeypatch.setattr(warmup, "profile_peak_step",
-                        lambda runner, num_tokens, rows: measured.append(num_tokens) or profile(runner, num_tokens, rows))
+                        lambda runner, num_tokens, rows, **kw: measured.append(num_tokens)
+                        or profile(runner, num_tokens, rows, **kw))
     with LLM(folder, dtype="float32", max_num_batched_tokens=8, max_num_seqs=8, memory_fraction=0.05,
              show_progress=False) as llm:
         assert llm.engine.router.longest_attention_span == TOKENS_PER_IMAGE

@@ -57,3 +57,23 @@ def test_warm_up_is_not_charged_an_earlier_peak_of_the_process(make_tiny_llama):
     del big
     peak = profile_peak_step(llm.engine.runner, num_tokens=64, num_logit_rows=64)
     assert peak < 2**28, peak  # the tiny model's step needs a few MiB
+
+
+def test_warm_up_profiles_the_whole_budget_over_several_sequences(make_tiny_llama, monkeypatch):
+    """A step may hold max_num_batched_tokens over several sequences even where one sequence
+    is shorter (max_model_len 64, budget 256): warm-up profiles all 256 tokens, as prompts of
+    at most 64."""
+    from tessera.runner import warmup
+
+    folder, _ = make_tiny_llama()
+    measured = []
+    profile = warmup.profile_peak_step
+    monkeypatch.setattr(warmup, "profile_peak_step", lambda runner, num_tokens, rows, **kw: measured.append(
+        (num_tokens, kw.get("max_seq_len"))) or profile(runner, num_tokens, rows, **kw))
+    with LLM(folder, dtype="float32", max_model_len=64, max_num_batched_tokens=256, max_num_seqs=8,
+             memory_fraction=0.05, show_progress=False) as llm:
+        assert measured == [(256, 64)]
+        profile(llm.engine.runner, 100, 4, max_seq_len=30)  # four prompts (30, 30, 30, 10) run as one step
+        inputs = warmup._dummy_inputs(warmup._split(100, 30), 4, 16, torch.device("cpu"))
+        assert inputs.attn.seq_lens_list == [30, 30, 30, 10] and inputs.positions[30].item() == 0
+        assert inputs.attn.slot_mapping[30].item() == 2 * 16  # each prompt in blocks of its own
