@@ -20,6 +20,7 @@ from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams, PoolingParamsError
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import state_of
+from tessera.server.openai_routes import chat_prompt
 from tessera.server.openai_validation import resolve_model
 from tessera.server.protocol import EmbeddingInput, EmbeddingRequest, EmbedRequest
 from tessera.server.state import ServerState
@@ -101,7 +102,11 @@ async def embeddings(request: Request, body: EmbeddingRequest) -> JSONResponse:
     served, _ = resolve_model(state, body.model)
     params = pooling_params(dimensions=body.dimensions, normalize=body.normalize,
                              truncate_prompt_tokens=body.truncate_prompt_tokens)
-    prompts = token_ids(state, body.input, "input", body.add_special_tokens)
+    if body.messages is not None:  # a conversation: the chat template writes its special tokens
+        ids, _, _ = await chat_prompt(state, body, add_special_tokens=bool(body.add_special_tokens))
+        prompts = [ids]
+    else:
+        prompts = token_ids(state, body.input, "input", body.add_special_tokens is not False)
     outputs = await embed_all(request, state, prompts, params, body.priority)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(out.outputs.data, body.encoding_format)}
             for i, out in enumerate(outputs)]

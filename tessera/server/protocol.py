@@ -229,18 +229,30 @@ EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
 class EmbeddingRequest(_NullIsTheDefault):
-    """OpenAI's /v1/embeddings body, with vLLM's extras."""
+    """OpenAI's /v1/embeddings body, with vLLM's extras: `messages` instead of `input` embeds a
+    conversation rendered by the chat template (vLLM's chat embedding request)."""
 
     model: str | None = None
-    input: EmbeddingInput
+    input: EmbeddingInput | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     # vLLM extras
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for `input`, False for `messages`
     normalize: bool | None = None
     priority: int = 0
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _input_or_messages(self) -> "EmbeddingRequest":
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give `input` or `messages` (a conversation), not both and not neither")
+        return self
 
 
 class EmbedRequest(BaseModel):

@@ -259,3 +259,19 @@ def test_a_cross_encoder_served(tmp_path):
         running.assert_idle()
     finally:
         running.stop()
+
+
+def test_a_conversation_embedded(server, embedder):
+    """vLLM's chat embedding request: `messages` rendered by the chat template (no generation
+    prompt unless asked), its special tokens the template's own."""
+    messages = [{"role": "user", "content": "Paged attention"}, {"role": "assistant", "content": "stores blocks"}]
+    tokenizer = server.state.tokenizer
+    for extra in ({}, {"add_generation_prompt": True}):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **extra)
+        ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+        reply = httpx.post(f"{server.url}/v1/embeddings", json={"messages": messages, "encoding_format": "float",
+                                                                **extra}).json()
+        assert reply["usage"]["prompt_tokens"] == len(ids)
+        close(reply["data"][0]["embedding"], embedder.reference(ids))
+    both = httpx.post(f"{server.url}/v1/embeddings", json={"messages": messages, "input": "x"})
+    assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
