@@ -83,8 +83,9 @@ class ServerState:
         tags = (tag_token(core.tokenizer, START), tag_token(core.tokenizer, END))
         self.think_tokens = tuple(t if t is not None and t < vocab else None for t in tags)
         self.limits.max_total_tokens = core.max_model_len
-        if not self.limits.max_input_tokens or self.limits.max_input_tokens >= core.max_model_len:
-            self.limits.max_input_tokens = core.max_model_len - 1
+        room = 0 if core.is_pooling else 1  # a prompt to pool may fill the context
+        if not self.limits.max_input_tokens or self.limits.max_input_tokens > core.max_model_len - room:
+            self.limits.max_input_tokens = core.max_model_len - room
         self.limits.max_concurrent_requests = engine.max_concurrent_requests
         self.supports_images = core.supports_images
         self.image_placeholder = core.image_placeholder
@@ -94,6 +95,13 @@ class ServerState:
         if self.limits.max_body_bytes is None:
             self.limits.max_body_bytes = 50_000_000 if self.supports_images else 2_000_000
         self.ready = True
+
+    @property
+    def pipeline_tag(self) -> str:
+        """The Hugging Face task of what this server serves (TGI's /info model_pipeline_tag)."""
+        if self.pooling:
+            return "text-classification" if self.pooler.task == "classify" else "feature-extraction"
+        return "image-text-to-text" if self.supports_images else "text-generation"
 
     def lora_names(self) -> list[str]:
         """The loaded LoRA adapters' names (clients pass one as `model` or `adapter_id`)."""

@@ -186,7 +186,7 @@ async def compat_generate(request: Request, body: CompatGenerateRequest) -> Resp
 async def info(request: Request) -> dict:
     state = _state(request)
     lim = state.limits
-    return {"model_id": state.model_name, "model_sha": None, "model_pipeline_tag": "image-text-to-text" if state.supports_images else "text-generation",
+    return {"model_id": state.model_name, "model_sha": None, "model_pipeline_tag": state.pipeline_tag,
             "max_concurrent_requests": lim.max_concurrent_requests, "max_best_of": lim.max_best_of,
             "max_stop_sequences": lim.max_stop_sequences, "max_input_tokens": lim.max_input_tokens,
             "max_total_tokens": lim.max_total_tokens, "validation_workers": 1,

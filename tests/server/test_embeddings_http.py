@@ -143,6 +143,12 @@ def test_generation_routes_are_refused(server):
     assert reply.status_code == 422 and "embedding model" in reply.json()["error"]
 
 
+def test_info_says_what_is_served(server):
+    info = httpx.get(f"{server.url}/info").json()
+    assert info["model_pipeline_tag"] == "feature-extraction"
+    assert info["max_input_tokens"] == info["max_total_tokens"] == 256
+
+
 def test_metrics_count_embedding_requests(server):
     before = httpx.get(f"{server.url}/metrics").text
     httpx.post(f"{server.url}/v1/embeddings", json={"input": [[5, 6, 7]]})
@@ -252,6 +258,7 @@ def test_a_cross_encoder_served(tmp_path):
         assert [(r["index"], r["score"]) for r in tei] == [(i, pytest.approx(logits[i], abs=1e-5)) for i in best_first]
         scored = httpx.post(f"{running.url}/score", json={"text_1": query, "text_2": docs[0]}).json()
         assert scored["data"][0]["score"] == pytest.approx(torch.sigmoid(torch.tensor(logits[0])).item(), abs=1e-5)
+        assert httpx.get(f"{running.url}/info").json()["model_pipeline_tag"] == "text-classification"
         classified = httpx.post(f"{running.url}/classify", json={"input": docs[:2]}).json()
         assert [d["probs"] for d in classified["data"]] == [[1.0], [1.0]] and classified["data"][0]["num_classes"] == 1
         refused = httpx.post(f"{running.url}/v1/embeddings", json={"input": "hi"})
