@@ -47,6 +47,7 @@ case "${1:-}" in
     python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests/ops/test_triton_kernels.py tests/runner/test_cuda_graphs.py \
         tests/models/test_gpu_parity.py tests/engine/test_async_scheduling.py tests/engine/test_speculative.py \
         tests/lora/test_lora_models.py tests/ops/test_triton_fp8_kv.py tests/server/test_gpu_http.py \
+        tests/pooling/test_gpu_pooling.py \
         -k "gpu or cuda" 2>&1 | tee "$out/tests.log" ;;
   latency)
     tessera bench latency "${dummy[@]}" --batch-sizes 1,8,64 --input-len 128 --output-len 256 \
