@@ -337,7 +337,7 @@ def _embed(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
             raise SystemExit("embed --baseline transformers: give a Hugging Face folder (or --preset)")
         dummy = engine.config.model.load_format == "dummy"
         model = load_transformers_backbone(str(engine.router.source.path), engine.dtype, dummy,
-                                           engine.runner.device)
+                                           engine.runner.device, classifier=engine.pooler_config.task == "classify")
         rows.append(transformers_embed(model, prompts, engine.pooler_config, args.embed_batch_size,
                                        args.repeats, None if dummy else vectors))
     pooler = engine.pooler_config
@@ -345,13 +345,19 @@ def _embed(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
             "pooling": pooler.pooling_type, "normalize": pooler.normalize, "threads": torch.get_num_threads(),
             "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "repeats": args.repeats,
             "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
-    print(f"\nembed: {meta['model']} {meta['dtype']}, {pooler.pooling_type} pooling, {meta['threads']} threads, "
+    meta["task"] = pooler.task
+    print(f"\nembed: {meta['model']} {meta['dtype']}, {pooler.task}, {pooler.pooling_type} pooling, {meta['threads']} threads, "
           f"{len(prompts)} prompts ({meta['prompt_tokens']} tokens), median of {args.repeats}")
     print(markdown_table(rows, ["engine", "tokens_per_s", "prompts_per_s", "elapsed_s", "padded_batch"],
                          "transformers" if len(rows) > 1 else None, higher_is_better=True))
     if len(rows) > 1:
-        print("agreement: not compared (random weights: each engine draws its own)" if rows[1].min_cosine is None
-              else f"agreement: least cosine similarity of transformers' vectors to tessera's {rows[1].min_cosine:.6f}")
+        base = rows[1]
+        if base.max_logit_diff is not None:
+            print(f"agreement: largest |logit difference| between transformers and tessera {base.max_logit_diff:.6f}")
+        elif base.min_cosine is not None:
+            print(f"agreement: least cosine similarity of transformers' vectors to tessera's {base.min_cosine:.6f}")
+        else:
+            print("agreement: not compared (random weights: each engine draws its own)")
     if args.output_json:
         write_json(Path(args.output_json), meta, rows)
     return 0

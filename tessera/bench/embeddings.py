@@ -26,29 +26,40 @@ class EmbedBenchResult:
     tokens_per_s: float
     elapsed_s: float
     padded_batch: int | None = None   # the baseline's batch of padded prompts
-    min_cosine: float | None = None   # baseline vs tessera, over every prompt
+    min_cosine: float | None = None   # baseline vs tessera, over every prompt (embeddings)
+    max_logit_diff: float | None = None  # baseline vs tessera (classifiers)
 
 
 def tessera_embed(llm, prompts: list[list[int]], repeats: int) -> tuple[EmbedBenchResult, torch.Tensor]:
-    llm.embed(prompts[:1], use_tqdm=False)  # warm
+    """Embeddings, or a classifier's label logits (each prompt one input of the classifier)."""
+    classify = llm.engine.pooler_config.task == "classify"
+
+    def run(batch: list[list[int]]):
+        # a classifier's raw logits (LLM.classify returns their softmax: all 1.0 for one label)
+        return llm._pool(batch, None, False, None, None, "Classifying") if classify else llm.embed(batch, use_tqdm=False)
+
+    run(prompts[:1])  # warm
     times, vectors = [], None
     for _ in range(repeats):
         llm.reset_prefix_cache()
         started = time.perf_counter()
-        outs = llm.embed(prompts, use_tqdm=False)
+        outs = run(prompts)
         times.append(time.perf_counter() - started)
         vectors = torch.stack([o.outputs.data for o in outs])
     elapsed = median(times)
     return EmbedBenchResult("tessera", len(prompts) / elapsed, sum(map(len, prompts)) / elapsed, elapsed), vectors
 
 
-def load_transformers_backbone(path: str, dtype: torch.dtype, dummy: bool, device: torch.device):
-    from transformers import AutoConfig, AutoModel
+def load_transformers_backbone(path: str, dtype: torch.dtype, dummy: bool, device: torch.device,
+                               classifier: bool = False):
+    """transformers' AutoModel (or AutoModelForSequenceClassification) of the folder."""
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
+    auto = AutoModelForSequenceClassification if classifier else AutoModel
     if dummy:
         with torch.device(device):
-            return AutoModel.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
-    return AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
+            return auto.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+    return auto.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
 def _pool(hidden: torch.Tensor, lengths: torch.Tensor, config: PoolerConfig) -> torch.Tensor:
@@ -66,7 +77,8 @@ def _pool(hidden: torch.Tensor, lengths: torch.Tensor, config: PoolerConfig) -> 
 
 def _embed_batches(model, prompts: list[list[int]], config: PoolerConfig, batch_size: int) -> torch.Tensor:
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out = torch.empty(len(prompts), model.config.hidden_size)
+    width = len(config.labels) if config.task == "classify" else model.config.hidden_size
+    out = torch.empty(len(prompts), width)
     device = model.device
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
@@ -75,8 +87,9 @@ def _embed_batches(model, prompts: list[list[int]], config: PoolerConfig, batch_
             ids = torch.tensor([prompts[i] + [0] * (width - len(prompts[i])) for i in rows], device=device)
             lengths = torch.tensor([len(prompts[i]) for i in rows], device=device)
             mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
-            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            out[rows] = _pool(hidden, lengths, config).cpu()
+            result = model(input_ids=ids, attention_mask=mask)
+            out[rows] = (result.logits.float() if config.task == "classify"
+                         else _pool(result.last_hidden_state, lengths, config)).cpu()
     return out
 
 
@@ -93,7 +106,10 @@ def transformers_embed(model, prompts: list[list[int]], config: PoolerConfig, ba
             torch.cuda.synchronize(model.device)
         times.append(time.perf_counter() - started)
     elapsed = median(times)
-    agreement = (None if reference is None
-                 else F.cosine_similarity(vectors, reference.to(vectors.dtype), dim=-1).min().item())
-    return EmbedBenchResult("transformers", len(prompts) / elapsed, sum(map(len, prompts)) / elapsed, elapsed,
-                            batch_size, agreement)
+    result = EmbedBenchResult("transformers", len(prompts) / elapsed, sum(map(len, prompts)) / elapsed, elapsed,
+                              batch_size)
+    if reference is not None and config.task == "classify":
+        result.max_logit_diff = (vectors - reference.to(vectors.dtype)).abs().max().item()
+    elif reference is not None:
+        result.min_cosine = F.cosine_similarity(vectors, reference.to(vectors.dtype), dim=-1).min().item()
+    return result

@@ -48,6 +48,14 @@ PRESETS["bge-base-en-v1.5"] = dict(
     vocab_size=30522, layer_norm_eps=1e-12, pad_token_id=0, position_embedding_type="absolute",
     initializer_range=0.02, torch_dtype="float32")
 
+# BAAI/bge-reranker-base (an XLM-RoBERTa cross-encoder: one label, the CLS row)
+PRESETS["bge-reranker-base"] = dict(
+    architectures=["XLMRobertaForSequenceClassification"], model_type="xlm-roberta", hidden_act="gelu",
+    hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    max_position_embeddings=514, type_vocab_size=1, vocab_size=250002, layer_norm_eps=1e-5, pad_token_id=1,
+    bos_token_id=0, eos_token_id=2, position_embedding_type="absolute", id2label={"0": "LABEL_0"},
+    label2id={"LABEL_0": 0}, initializer_range=0.02, torch_dtype="float32")
+
 # Qwen/Qwen2.5-VL-3B-Instruct (its token ids are set where the tokenizer gets the tokens)
 PRESETS["qwen2.5-vl-3b"] = dict(
     architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", hidden_act="silu",

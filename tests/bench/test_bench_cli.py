@@ -233,3 +233,19 @@ def test_embed_bench_runs_beside_transformers_and_agrees(make_embedder, tmp_path
     assert data["results"][1]["min_cosine"] > 1 - 1e-5
     assert all(r["tokens_per_s"] > 0 for r in data["results"])
     assert "speedup vs transformers" in capsys.readouterr().out
+
+
+def test_embed_bench_on_a_cross_encoder(tmp_path, capsys):
+    """A classifier's logits (one prompt per input) beside transformers' ForSequenceClassification."""
+    from tests.conftest import TINY_CORPUS
+    from tests.pooling.checkpoints import make_cross_encoder
+
+    make_cross_encoder(tmp_path / "ce", "xlm-roberta", TINY_CORPUS)
+    out = tmp_path / "ce.json"
+    code = main(["bench", "embed", "--model", str(tmp_path / "ce"), "--dtype", "float32", "--num-kv-blocks", "64",
+                 "--num-prompts", "4", "--input-len", "12", "--repeats", "1", "--baseline", "transformers",
+                 "--output-json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["task"] == "classify" and data["results"][1]["max_logit_diff"] < 1e-4
+    assert "largest |logit difference|" in capsys.readouterr().out
