@@ -313,3 +313,12 @@ class ClassifyRequest(_NullIsTheDefault):
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
     priority: int = 0
+
+
+class PredictRequest(BaseModel):
+    """Text Embeddings Inference's /predict: a text, a pair [a, b], or a batch of either."""
+
+    inputs: str | list[str] | list[list[str]]
+    raw_scores: bool = False
+    truncate: bool | None = False
+    truncation_direction: Literal["Left", "Right", "left", "right"] = "Right"

@@ -21,7 +21,7 @@ from tessera.server.embeddings import embed_all, pooling_params, require_pooling
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import state_of
 from tessera.server.openai_validation import resolve_model
-from tessera.server.protocol import ClassifyRequest, RerankRequest, ScoreRequest, TEIRerankRequest
+from tessera.server.protocol import ClassifyRequest, PredictRequest, RerankRequest, ScoreRequest, TEIRerankRequest
 from tessera.server.state import ServerState
 from tessera.server.tokenize_routes import read_json, validated_body
 
@@ -133,6 +133,41 @@ async def classify(request: Request, body: ClassifyRequest) -> JSONResponse:
     used = sum(o.num_prompt_tokens for o in outs)
     return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                          "model": served, "data": data, "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+
+@router.post("/predict")
+async def predict(request: Request, body: PredictRequest) -> JSONResponse:
+    """TEI's classifier route: per input, every label with its score, best first (softmax
+    over the labels, sigmoid for one label; `raw_scores`: the logits). An input is a text
+    or a pair [a, b]; a list of three or more texts, or of pairs, is a batch."""
+    state = state_of(request)
+    require_pooling(state, task="classify")
+    given = body.inputs
+    single = isinstance(given, str) or (len(given) == 2 and all(isinstance(t, str) for t in given))
+    items = [given] if single else given
+    if not items:
+        raise ValidationFailed("`inputs` cannot be empty", param="inputs")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):  # over-long: as /embed treats it
+            prompt = token_ids(state, item, "inputs")
+            tei_fit(state, prompt, "inputs", body.truncate, body.truncation_direction)
+            prompts.append(prompt[0])
+        elif len(item) == 2:  # a pair: its second text cut to fit with `truncate`
+            prompts.append(encode_pair(state.tokenizer, item[0], item[1],
+                                       state.limits.max_total_tokens if body.truncate else None,
+                                       state.pooler.pair_segments))
+        else:
+            raise ValidationFailed("an input is a text or a pair [a, b]", param="inputs")
+    outs = await embed_all(request, state, prompts, PoolingParams())
+    labels = state.pooler.labels
+    answers = []
+    for out in outs:
+        logits = out.outputs.data
+        scores = logits if body.raw_scores else (torch.sigmoid(logits) if len(labels) == 1 else torch.softmax(logits, -1))
+        ranked = sorted(zip(scores.tolist(), labels), key=lambda pair: -pair[0])
+        answers.append([{"score": s, "label": label} for s, label in ranked])
+    return JSONResponse(answers[0] if single else answers)
 
 
 def _listed(texts: str | list[str]) -> list[str]:

@@ -261,6 +261,12 @@ def test_a_cross_encoder_served(tmp_path):
         assert httpx.get(f"{running.url}/info").json()["model_pipeline_tag"] == "text-classification"
         classified = httpx.post(f"{running.url}/classify", json={"input": docs[:2]}).json()
         assert [d["probs"] for d in classified["data"]] == [[1.0], [1.0]] and classified["data"][0]["num_classes"] == 1
+        predicted = httpx.post(f"{running.url}/predict", json={"inputs": [query, docs[0]]}).json()
+        assert predicted == [{"score": pytest.approx(torch.sigmoid(torch.tensor(logits[0])).item(), abs=1e-5),
+                              "label": "LABEL_0"}]
+        batch = httpx.post(f"{running.url}/predict", json={"inputs": [[query, d] for d in docs],
+                                                           "raw_scores": True}).json()
+        assert [b[0]["score"] for b in batch] == pytest.approx(logits, abs=1e-5)
         refused = httpx.post(f"{running.url}/v1/embeddings", json={"input": "hi"})
         assert refused.status_code == 400 and "classifier" in refused.json()["error"]["message"]
         running.assert_idle()
@@ -282,3 +288,28 @@ def test_a_conversation_embedded(server, embedder):
         close(reply["data"][0]["embedding"], embedder.reference(ids))
     both = httpx.post(f"{server.url}/v1/embeddings", json={"messages": messages, "input": "x"})
     assert both.status_code == 400 and "not both" in both.json()["error"]["message"]
+
+
+def test_a_label_classifier_served(tmp_path):
+    """TEI's /predict and vLLM's /classify on a three-label classifier: softmax over the labels."""
+    from tests.conftest import TINY_CORPUS
+    from tests.pooling.checkpoints import make_cross_encoder
+
+    labels = {0: "neg", 1: "neutral", 2: "pos"}
+    hf = make_cross_encoder(tmp_path, "xlm-roberta", TINY_CORPUS, num_labels=3, id2label=labels,
+                            label2id={v: k for k, v in labels.items()})
+    running = start_server(tmp_path, max_concurrent_requests=8)
+    try:
+        text = "I loved the quick brown fox"
+        with torch.no_grad():
+            probs = torch.softmax(hf(**running.state.tokenizer(text, return_tensors="pt")).logits[0], -1).tolist()
+        predicted = httpx.post(f"{running.url}/predict", json={"inputs": text}).json()
+        order = sorted(range(3), key=lambda i: -probs[i])
+        assert [p["label"] for p in predicted] == [labels[i] for i in order]
+        assert [p["score"] for p in predicted] == pytest.approx([probs[i] for i in order], abs=1e-5)
+        classified = httpx.post(f"{running.url}/v1/classify", json={"input": [text]}).json()["data"][0]
+        assert classified["label"] == labels[order[0]] and classified["probs"] == pytest.approx(probs, abs=1e-5)
+        assert httpx.post(f"{running.url}/predict", json={"inputs": []}).status_code == 422
+        running.assert_idle()
+    finally:
+        running.stop()
