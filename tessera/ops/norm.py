@@ -45,8 +45,8 @@ class RMSNorm(OpModule):
 
 @register_op("layer_norm", name="torch_layer_norm", priority=0)
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm, computed in float32 and rounded once (as torch's own CPU and CUDA kernels do)."""
-    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+    """torch's LayerNorm, as transformers runs it (its bf16 kernels accumulate in float32)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 class LayerNorm(OpModule):

@@ -41,21 +41,23 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, softcap: float | None) -> torch.Tensor:
-    """q [B, Hq, Lq, D], k/v [B, Hk, Lk, D]; mask True = attend (None = causal, Lq == Lk).
+            scale: float, softcap: float | None, causal: bool = True) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k/v [B, Hk, Lk, D]; mask True = attend (None: causal, Lq == Lk, or
+    with `causal` False every query sees every key).
 
     Without soft-capping this is SDPA; with it (gemma2) scores become
     softcap * tanh(scores / softcap) before masking, which SDPA cannot express.
     """
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
-    if mask is None:
+    if mask is None and causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
 
 
@@ -87,14 +89,18 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         # up to its key limit).
         mask = None
         limits = None if meta.key_limits is None else meta.key_limits[start:start + q_len]
-        if ctx_len != q_len or sliding_window is not None or limits is not None:
+        # every row sees the whole context (an encoder's prompt): no mask at all, which
+        # SDPA runs far faster than an all-true one
+        full = (limits is not None and sliding_window is None and ctx_len == q_len
+                and bool((limits >= ctx_len - 1).all()))
+        if not full and (ctx_len != q_len or sliding_window is not None or limits is not None):
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)
             mask = k_pos <= (q_pos if limits is None else limits.to(q_pos.device).unsqueeze(1))
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
         o = _attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
+                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, causal=not full)
         out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
         start += q_len
     return out
