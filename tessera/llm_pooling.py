@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence as Seq
 
-import torch
-
 from tessera.pooling.outputs import ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
 from tessera.pooling.scoring import (ScoringOutput, ScoringRequestOutput, cosine_scores,
-                                     cross_encoder_score, encode_pair, pair_indices, require_one_label)
+                                     cross_encoder_score, encode_pair, label_probabilities, pair_indices,
+                                     require_one_label)
 
 
 class PoolingMethods:
@@ -27,11 +26,11 @@ class PoolingMethods:
     def classify(self, prompts, use_tqdm: bool | None = None, *, truncate_prompt_tokens: int | None = None,
                  priority: Seq[int] | None = None) -> list[ClassificationRequestOutput]:
         """A sequence classifier's label probabilities per prompt (`output.outputs.probs`, in
-        the order of the config's id2label)."""
+        the order of the config's id2label; one label: the sigmoid of its logit)."""
         self._require_task("classify", "LLM.classify")
         outs = self._pool(prompts, None, use_tqdm, truncate_prompt_tokens, priority, "Classifying")
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
-                                            ClassificationOutput(torch.softmax(o.outputs.data, -1).tolist()))
+                                            ClassificationOutput(label_probabilities(o.outputs.data).tolist()))
                 for o in outs]
 
     def score(self, data_1, data_2, use_tqdm: bool | None = None, *, truncate_prompt_tokens: int | None = None,

@@ -219,7 +219,7 @@ class Engine:
         if isinstance(prompt, TokenTypedPrompt):
             prompt, types = prompt.token_ids, prompt.token_type_ids
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        token_ids, types = truncated_prompt(token_ids, params, self.max_model_len, types)
+        token_ids, types = truncated_prompt(self.tokenizer, token_ids, params, self.max_model_len, types)
         check_prompt(token_ids, self.router.config.vocab_size, self.max_model_len, generates=False)
         check_pooling_params(params, self.pooler_config, self.router.config.hidden_size)
         seq = pooling_sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,

@@ -14,6 +14,7 @@ from tessera.pooling.config import PoolerConfig, classifier_config, looks_like_e
 from tessera.pooling.outputs import PoolingOutput, PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
 from tessera.pooling.pooler import PoolingState
+from tessera.pooling.truncation import TruncationError, truncate_ids
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,15 @@ def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | N
     """The pooling of an engine that serves embeddings, None for one that generates."""
     model = config.model
     name = f"{type(router).__name__} ({router.config.model_type})"
-    if not router.generates:
+    if not router.generates or router.classifies:
         if model.runner == "generate":
-            raise ConfigError(f"{name} is an encoder: it embeds text and cannot generate (--runner pooling)")
+            raise ConfigError(f"{name}: " + ("a sequence-classification checkpoint has no LM head to generate with"
+                                             if router.classifies else "an encoder embeds text and cannot generate")
+                              + " (--runner pooling)")
+        if router.implementation != "native":
+            raise ConfigError(f"{name}: classifiers run native types; `tessera models` lists them")
         return _pooler(config, router)
-    pooling = model.runner == "pooling" or router.classifies or (
+    pooling = model.runner == "pooling" or (
         model.runner == "auto" and router.implementation == "native" and not router.supports_images
         and looks_like_embedding_model(router.metadata_dir, router.config))
     if not pooling:
@@ -41,6 +46,10 @@ def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | N
 
 def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:
     override = config.model.pooler_config or {}
+    if config.speculative.enabled:
+        raise ConfigError("a pooling model generates nothing to speculate on: drop --speculative-config")
+    if config.lora.enable_lora:
+        raise ConfigError("LoRA adapters are not supported for pooling models (embeddings, classifiers)")
     if router.classifies or "classifier_from_token" in override:
         if config.parallel.tensor_parallel_size > 1:
             raise ConfigError("classifiers run on one rank (no --tensor-parallel-size)")
@@ -49,10 +58,6 @@ def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:
                               "not to a sequence-classification checkpoint")
         return classifier_config(router.config, router.default_pooling_type,
                                  _classifier_tokens(router, override) if override else None)
-    if config.speculative.enabled:
-        raise ConfigError("an embedding model generates nothing to speculate on: drop --speculative-config")
-    if config.lora.enable_lora:
-        raise ConfigError("LoRA adapters are not supported for embedding models (--runner pooling)")
     return pooler_config_for(router.metadata_dir, router.config, config.model.pooler_config,
                              router.default_pooling_type)
 
@@ -90,18 +95,24 @@ def check_pooling_params(params: PoolingParams, pooler: PoolerConfig, hidden_siz
                            param="dimensions")
 
 
-def truncated_prompt(token_ids: list[int], params: PoolingParams, max_model_len: int,
+def truncated_prompt(tokenizer, token_ids: list[int], params: PoolingParams, max_model_len: int,
                      token_type_ids: list[int] | None = None) -> tuple[list[int], list[int] | None]:
-    """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len of them), and
-    their token types."""
+    """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len of them), its
+    leading and trailing special tokens kept (pooling/truncation.py), and their token types
+    (a pair's: cut from the end as they are)."""
     keep = params.truncate_prompt_tokens
-    if keep is None:
+    if keep is None or len(token_ids) <= keep:
         return token_ids, token_type_ids
     keep = max_model_len if keep == -1 else keep
     if keep > max_model_len:
         raise RequestError(f"truncate_prompt_tokens {keep} exceeds max_model_len {max_model_len}",
                            param="truncate_prompt_tokens")
-    return token_ids[-keep:], None if token_type_ids is None else token_type_ids[-keep:]
+    if token_type_ids is not None:
+        return token_ids[-keep:], token_type_ids[-keep:]
+    try:
+        return truncate_ids(tokenizer, token_ids, keep), None
+    except TruncationError as exc:
+        raise RequestError(str(exc), param="truncate_prompt_tokens") from exc
 
 
 def check_token_types(types: list[int] | None, hf_config) -> list[int] | None:

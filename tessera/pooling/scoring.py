@@ -57,11 +57,20 @@ def encode_pair(tokenizer, first: str, second: str, max_length: int | None = Non
                 segments: bool = True) -> TokenTypedPrompt | list[int]:
     """A cross-encoder's prompt: the pair as its tokenizer encodes one (BERT: [CLS] a [SEP] b
     [SEP], segments 0 then 1; a decoder's tokenizer: the two texts' tokens one after the
-    other, no segments). `max_length`: cut the second text to fit."""
+    other, no segments). `max_length`: cut the longer text to fit, a token at a time."""
     if not isinstance(first, str) or not isinstance(second, str):
         raise PairingError("a cross-encoder scores texts, not token ids")
-    cut = {} if max_length is None else {"truncation": "only_second", "max_length": max_length}
-    encoded = tokenizer(first, second, return_token_type_ids=segments, **cut)
+    cut = {}
+    if max_length is not None:
+        specials = tokenizer.num_special_tokens_to_add(pair=True)
+        if max_length < specials + 2:
+            raise PairingError(f"truncating a pair to {max_length} tokens leaves no room for its texts beside "
+                               f"the tokenizer's {specials} special tokens")
+        cut = {"truncation": "longest_first", "max_length": max_length}  # vLLM's: the longer text first
+    try:
+        encoded = tokenizer(first, second, return_token_type_ids=segments, **cut)
+    except Exception as exc:  # the tokenizer's own refusal (a text it cannot cut to fit)
+        raise PairingError(f"the pair cannot be tokenized to fit: {exc}") from exc
     if not segments:
         return list(encoded.input_ids)
     return TokenTypedPrompt(list(encoded.input_ids), list(encoded.token_type_ids))
@@ -77,3 +86,9 @@ def require_one_label(config: PoolerConfig) -> None:
     if len(config.labels) != 1:
         raise PairingError(f"scores come from a one-label cross-encoder; this classifier has {len(config.labels)} "
                            "labels (classify its inputs instead)")
+
+
+def label_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """A classifier's probabilities: softmax over its labels, the sigmoid of a lone label's
+    logit (a softmax over one label is always 1)."""
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1)

@@ -51,8 +51,10 @@ class _Guard:
         if error is not None:
             return await _render(request, error)(scope, receive, send)
         if self.state.pooling and scope["path"] == "/" and request.method == "POST":
-            # TEI's root route: clients such as InferenceClient.feature_extraction post there
-            scope = {**scope, "path": "/embed", "raw_path": b"/embed"}
+            # TEI's root route: clients such as InferenceClient.feature_extraction (or, for a
+            # classifier, text_classification) post there
+            path = "/predict" if self.state.pooler.task == "classify" else "/embed"
+            scope = {**scope, "path": path, "raw_path": path.encode()}
         if "content-length" not in request.headers and request.method in ("POST", "PUT", "PATCH"):
             # a chunked body has no length to check up front: count it as it comes
             messages = []

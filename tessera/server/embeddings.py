@@ -2,9 +2,10 @@
 Embeddings Inference's /embed. A POST to the server's root is TEI's too when the model pools
 (app.py routes it here): huggingface_hub's InferenceClient.feature_extraction posts there.
 
-Every input is one engine request; the engine batches them. A request's inputs enter the
-engine at most half the server's --max-concurrent-requests at a time, so one large batch
-(LangChain sends 1000 texts per call) neither exceeds that limit nor starves other clients."""
+Every input is one engine request; the engine batches them. Inputs enter the engine through
+one server-wide gate of --max-concurrent-requests slots, in arrival order, so large batches
+(LangChain sends 1000 texts per call), even several at once, wait for room instead of
+failing with 429 part-way."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams, PoolingParamsError
+from tessera.pooling.truncation import truncate_ids
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import state_of
 from tessera.server.openai_routes import chat_prompt
@@ -71,7 +73,7 @@ def token_ids(state: ServerState, given: EmbeddingInput, field: str, add_special
 async def embed_all(request: Request, state: ServerState, prompts: list[list[int]], params: PoolingParams,
                     priority: int = 0) -> list[PoolingRequestOutput]:
     """The embeddings of `prompts`, in order; a failure (or the client leaving) aborts the rest."""
-    gate = asyncio.Semaphore(max(1, state.limits.max_concurrent_requests // 2))
+    gate = state.pooling_gate
     rid = f"embd-{uuid.uuid4().hex}"
 
     async def one(i: int, ids: list[int]) -> PoolingRequestOutput:
@@ -133,7 +135,8 @@ def _with_prompt(state: ServerState, inputs: EmbeddingInput, name: str | None) -
 
 def tei_fit(state: ServerState, prompts: list[list[int]], field: str, truncate: bool | None, direction: str) -> None:
     """TEI's rule for inputs past the context: a 413, or with `truncate` their first tokens
-    (`truncation_direction` "Left": their last). Changes `prompts` in place."""
+    (`truncation_direction` "Left": their last), the tokenizer's special tokens kept.
+    Changes `prompts` in place."""
     limit = state.limits.max_total_tokens
     for i, ids in enumerate(prompts):
         if len(ids) <= limit:
@@ -142,7 +145,7 @@ def tei_fit(state: ServerState, prompts: list[list[int]], field: str, truncate: 
             err = ValidationFailed(f"`{field}` must have at most {limit} tokens. Given: {len(ids)}", param=field)
             err.status = 413
             raise err
-        prompts[i] = ids[-limit:] if direction.lower() == "left" else ids[:limit]
+        prompts[i] = truncate_ids(state.tokenizer, ids, limit, "left" if direction.lower() == "left" else "right")
 
 
 @router.post("/embed")

@@ -8,15 +8,13 @@ from __future__ import annotations
 import time
 import uuid
 
-import torch
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
-from tessera.pooling.scoring import (PairingError, cosine_scores, cross_encoder_score, encode_pair, pair_indices,
-                                     require_one_label)
+from tessera.pooling.scoring import (PairingError, cosine_scores, cross_encoder_score, encode_pair,
+                                     label_probabilities, pair_indices, require_one_label)
 from tessera.server.embeddings import embed_all, pooling_params, require_pooling, tei_fit, token_ids
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import state_of
@@ -127,7 +125,7 @@ async def classify(request: Request, body: ClassifyRequest) -> JSONResponse:
     labels = state.pooler.labels
     data = []
     for i, out in enumerate(outs):
-        probs = torch.softmax(out.outputs.data, -1)
+        probs = label_probabilities(out.outputs.data)
         data.append({"index": i, "label": labels[int(probs.argmax())], "probs": probs.tolist(),
                      "num_classes": len(labels)})
     used = sum(o.num_prompt_tokens for o in outs)
@@ -164,7 +162,7 @@ async def predict(request: Request, body: PredictRequest) -> JSONResponse:
     answers = []
     for out in outs:
         logits = out.outputs.data
-        scores = logits if body.raw_scores else (torch.sigmoid(logits) if len(labels) == 1 else torch.softmax(logits, -1))
+        scores = logits if body.raw_scores else label_probabilities(logits)
         ranked = sorted(zip(scores.tolist(), labels), key=lambda pair: -pair[0])
         answers.append([{"score": s, "label": label} for s, label in ranked])
     return JSONResponse(answers[0] if single else answers)

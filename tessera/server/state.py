@@ -3,6 +3,7 @@ The HTTP server starts before the model has loaded (so /health can say 503 meanw
 `attach` completes the state once warm-up is done."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,8 @@ class ServerState:
     pooling: bool = False  # an embedding model: /v1/embeddings and /embed, no generation
     pooler: PoolerConfig | None = None  # its pooling (`task`: embed, or classify: a cross-encoder)
     embedding_prompts: dict[str, str] = field(default_factory=dict)  # TEI's prompt_name -> text
+    # what pooling inputs pass to enter the engine: never more than the in-flight limit at once
+    pooling_gate: asyncio.Semaphore | None = None
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -92,6 +95,7 @@ class ServerState:
         self.pooling = core.is_pooling
         self.pooler = core.pooler_config
         self.embedding_prompts = core.pooler_config.prompts if core.is_pooling else {}
+        self.pooling_gate = asyncio.Semaphore(engine.max_concurrent_requests)
         if self.limits.max_body_bytes is None:
             self.limits.max_body_bytes = 50_000_000 if self.supports_images else 2_000_000
         self.ready = True

@@ -44,13 +44,14 @@ def test_segments_matter(tmp_path):
     with LLM(tmp_path, dtype="float32", show_progress=False) as llm:
         encoded = llm.tokenizer(QUERY, DOCS[0], return_token_type_ids=True)
         assert set(encoded.token_type_ids) == {0, 1}
-        as_one_text = llm.classify([list(encoded.input_ids)])[0].outputs.probs  # one label: softmax is 1
-        assert as_one_text == [1.0]
         with torch.no_grad():
             typed = hf(input_ids=torch.tensor([encoded.input_ids]),
                        token_type_ids=torch.tensor([encoded.token_type_ids])).logits[0, 0]
             untyped = hf(input_ids=torch.tensor([encoded.input_ids])).logits[0, 0]
         assert abs(typed - untyped) > 1e-3
+        # the same ids as one text (segment 0 throughout); a lone label's probability is its sigmoid
+        as_one_text = llm.classify([list(encoded.input_ids)])[0].outputs.probs
+        assert as_one_text == pytest.approx([torch.sigmoid(untyped).item()], abs=1e-5)
         assert llm.score(QUERY, DOCS[0])[0].outputs.score == pytest.approx(torch.sigmoid(typed).item(), abs=1e-5)
 
 
@@ -70,3 +71,14 @@ def test_identity_activation_and_multi_label_classifiers(tmp_path):
             assert out.outputs.probs == pytest.approx(expected, abs=1e-5) and out.outputs.num_classes == 3
         with pytest.raises(ValueError, match="one-label cross-encoder"):
             llm.score(QUERY, DOCS)
+
+
+def test_classifier_refusals(tmp_path):
+    from tessera.config import ConfigError
+
+    make_cross_encoder(tmp_path, "bert", TINY_CORPUS)
+    with pytest.raises(ConfigError, match="no LM head to generate with"):
+        LLM(tmp_path, dtype="float32", show_progress=False, runner="generate")
+    with pytest.raises(ConfigError, match="speculate"):
+        LLM(tmp_path, dtype="float32", show_progress=False,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -86,5 +86,21 @@ def test_bfloat16_and_refusals(encoders):
         assert llm.engine.pooler_config.pooling_type == "CLS" and llm.engine.pooler_config.normalize
         for ids, out in zip(batch, llm.embed(batch)):
             assert F.cosine_similarity(out.outputs.data, embedder.reference(ids), dim=0) >= 1 - 1e-3
-    with pytest.raises(ConfigError, match="encoder: it embeds text and cannot generate"):
+    with pytest.raises(ConfigError, match="an encoder embeds text and cannot generate"):
         LLM(embedder.folder, dtype="float32", show_progress=False, runner="generate")
+
+
+def test_truncation_keeps_the_special_tokens(encoders):
+    """truncate_prompt_tokens cuts the text between [CLS] and [SEP], which CLS pooling reads."""
+    from tessera.engine.request_checks import RequestError
+
+    embedder = encoders("bert", "CLS")
+    text = "Paged attention stores the KV cache in fixed-size blocks"
+    with LLM(embedder.folder, dtype="float32", show_progress=False) as llm:
+        ids = list(llm.tokenizer(text).input_ids)
+        out, = llm.embed([text], truncate_prompt_tokens=6)
+        kept = out.prompt_token_ids
+        assert kept == [ids[0], *ids[-5:-1], ids[-1]] and kept[0] == llm.tokenizer.cls_token_id
+        torch.testing.assert_close(out.outputs.data, embedder.reference(kept), atol=ATOL, rtol=0)
+        with pytest.raises(RequestError, match="no room for the text"):
+            llm.embed([text], truncate_prompt_tokens=2)

@@ -260,7 +260,11 @@ def test_a_cross_encoder_served(tmp_path):
         assert scored["data"][0]["score"] == pytest.approx(torch.sigmoid(torch.tensor(logits[0])).item(), abs=1e-5)
         assert httpx.get(f"{running.url}/info").json()["model_pipeline_tag"] == "text-classification"
         classified = httpx.post(f"{running.url}/classify", json={"input": docs[:2]}).json()
-        assert [d["probs"] for d in classified["data"]] == [[1.0], [1.0]] and classified["data"][0]["num_classes"] == 1
+        assert classified["data"][0]["num_classes"] == 1  # a lone label: the sigmoid of its logit
+        for text, item in zip(docs[:2], classified["data"]):
+            with torch.no_grad():
+                alone = hf(**tokenizer(text, return_token_type_ids=True, return_tensors="pt")).logits[0, 0]
+            assert item["probs"] == pytest.approx([torch.sigmoid(alone).item()], abs=1e-5)
         predicted = httpx.post(f"{running.url}/predict", json={"inputs": [query, docs[0]]}).json()
         assert predicted == [{"score": pytest.approx(torch.sigmoid(torch.tensor(logits[0])).item(), abs=1e-5),
                               "label": "LABEL_0"}]
@@ -310,6 +314,61 @@ def test_a_label_classifier_served(tmp_path):
         classified = httpx.post(f"{running.url}/v1/classify", json={"input": [text]}).json()["data"][0]
         assert classified["label"] == labels[order[0]] and classified["probs"] == pytest.approx(probs, abs=1e-5)
         assert httpx.post(f"{running.url}/predict", json={"inputs": []}).status_code == 422
+        running.assert_idle()
+    finally:
+        running.stop()
+
+
+def test_truncation_and_long_pairs_over_http(tmp_path):
+    """TEI's truncate keeps [CLS] / [SEP]; a cross-encoder pair longer than the context is cut
+    to fit (the longer text first, as sentence-transformers' CrossEncoder does), one cut too
+    short to hold its texts is a 400, never a 500; POST / of a classifier server is TEI's
+    /predict."""
+    from tests.conftest import TINY_CORPUS
+    from tests.pooling.checkpoints import make_cross_encoder, make_encoder
+
+    bert = make_encoder(tmp_path / "bert", "bert", "CLS", True, TINY_CORPUS)
+    running = start_server(bert.folder, max_concurrent_requests=8)
+    try:
+        text = "hello world " * 80  # over the 128-token context
+        ids = ids_of(running, text)
+        for direction, kept in (("Right", ids[:127] + ids[-1:]), ("Left", ids[:1] + ids[-128:][1:])):
+            vector = httpx.post(f"{running.url}/embed", json={"inputs": text, "truncate": True,
+                                                               "truncation_direction": direction}).json()[0]
+            assert len(kept) == 128 and kept[0] == running.state.tokenizer.cls_token_id
+            close(vector, bert.reference(kept))
+    finally:
+        running.stop()
+    make_cross_encoder(tmp_path / "ce", "bert", TINY_CORPUS)
+    running = start_server(tmp_path / "ce", max_concurrent_requests=8)
+    try:
+        long_query = "hello world " * 80
+        fitted = httpx.post(f"{running.url}/score", json={"text_1": long_query, "text_2": "the fox"})
+        assert fitted.status_code == 200 and fitted.json()["usage"]["prompt_tokens"] == 128
+        reply = httpx.post(f"{running.url}/score", json={"text_1": "a query", "text_2": "the fox",
+                                                         "truncate_prompt_tokens": 3})
+        assert reply.status_code == 400 and "no room" in reply.json()["error"]["message"]
+        reply = httpx.post(f"{running.url}/predict", json={"inputs": [long_query, "the fox"], "truncate": True})
+        assert reply.status_code in (200, 422), reply.text
+        root = httpx.post(f"{running.url}/", json={"inputs": "the quick brown fox"}).json()
+        assert root[0]["label"] == "LABEL_0" and 0 < root[0]["score"] < 1
+        running.assert_idle()
+    finally:
+        running.stop()
+
+
+def test_concurrent_large_batches_all_succeed(embedder):
+    """Three 60-input requests at once through a server that admits 4 engine requests: they
+    wait at the gate, none fails with 429."""
+    import concurrent.futures
+
+    running = start_server(embedder.folder, max_concurrent_requests=4)
+    try:
+        body = {"input": [[5 + i % 50, 6, 7] for i in range(60)], "encoding_format": "float"}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            codes = list(pool.map(lambda _: httpx.post(f"{running.url}/v1/embeddings", json=body,
+                                                       timeout=120).status_code, range(3)))
+        assert codes == [200, 200, 200]
         running.assert_idle()
     finally:
         running.stop()
