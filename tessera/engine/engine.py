@@ -19,19 +19,18 @@ from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, rank_device
 from tessera.engine.block_manager import BlockManager
 from tessera.engine.config_checks import check_engine_config
+from tessera.engine.engine_lora import LoRAMethods
 from tessera.engine.errors import EngineFatalError
 from tessera.engine.image_requests import check_image_request, image_placeholder, process_images
 from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.pooling_requests import (check_pooling_params, check_token_types, pooled_output,
-                                             pooling_sequence, resolve_pooler, truncated_prompt, wrong_kind)
+from tessera.engine.pooling_requests import pooled_output, pooling_sequence, resolve_pooler, wrong_kind
 from tessera.engine.request_checks import RequestError, check_against_vocab, check_priority, check_prompt
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.speculation import find_draft_model, load_draft_model, make_proposer
 from tessera.engine.stats import EngineStats
-from tessera.lora.adapter import LoRAAdapter, LoRAAdapterError
 from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
@@ -53,7 +52,7 @@ from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, 
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(LoRAMethods):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
         self.router = get_router(config.model)
@@ -215,48 +214,11 @@ class Engine:
                              params: PoolingParams, priority: int, multimodal: MultimodalInputs | None) -> Sequence:
         if multimodal is not None:
             raise RequestError("this embedding model takes text only")
-        types = None
-        if isinstance(prompt, TokenTypedPrompt):
-            prompt, types = prompt.token_ids, prompt.token_type_ids
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        token_ids, types = truncated_prompt(self.tokenizer, token_ids, params, self.max_model_len, types)
-        check_prompt(token_ids, self.router.config.vocab_size, self.max_model_len, generates=False)
-        check_pooling_params(params, self.pooler_config, self.router.config.hidden_size)
-        seq = pooling_sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params,
-                               self.pooler_config, SamplingParams(), self.max_model_len, self.router.bidirectional)
-        seq.pooling.token_type_ids = check_token_types(types, self.router.config)
-        seq.group = SequenceGroup(request_id, [seq])
+        seq = pooling_sequence(request_id, prompt, params, self.pooler_config, self.router, self.max_model_len)
         seq.priority = priority
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
-
-    # --- LoRA adapters ---------------------------------------------------------------------
-
-    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
-        """Load an adapter (a no-op when that name is loaded from that folder); any thread."""
-        return self._require_lora().add(request)
-
-    def remove_lora(self, name: str) -> bool:
-        """Unload the adapter `name` (requests already running with it finish with it)."""
-        return self._require_lora().remove(name)
-
-    def list_loras(self) -> list[LoRAAdapter]:
-        return [] if self.loras is None else self.loras.adapters()
-
-    def _require_lora(self) -> LoRARegistry:
-        if self.loras is None:
-            raise RequestError("LoRA adapters are not enabled: start with --enable-lora "
-                               "(LLM(..., enable_lora=True))")
-        return self.loras
-
-    def _resolve_lora(self, request: LoRARequest | str | None) -> LoRAAdapter | None:
-        if request is None:
-            return None
-        try:
-            return self._require_lora().resolve(request)
-        except LoRAAdapterError as exc:
-            raise RequestError(str(exc)) from exc
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Compile a structured-output constraint (cached); any thread may call this, so a

@@ -7,14 +7,15 @@ import logging
 import torch
 
 from tessera.config import ConfigError, EngineConfig
-from tessera.engine.request_checks import RequestError
-from tessera.engine.sequence import Sequence
+from tessera.engine.request_checks import RequestError, check_prompt
+from tessera.engine.sequence import Sequence, SequenceGroup
 from tessera.models.base import BaseRouter
 from tessera.pooling.config import PoolerConfig, classifier_config, looks_like_embedding_model, pooler_config_for
 from tessera.pooling.outputs import PoolingOutput, PoolingRequestOutput
-from tessera.pooling.params import PoolingParams
+from tessera.pooling.params import PoolingParams, TokenTypedPrompt
 from tessera.pooling.pooler import PoolingState
 from tessera.pooling.truncation import TruncationError, truncate_ids
+from tessera.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +129,26 @@ def check_token_types(types: list[int] | None, hf_config) -> list[int] | None:
     return types
 
 
-def pooling_sequence(request_id: str, text: str | None, token_ids: list[int], params: PoolingParams,
-                     pooler: PoolerConfig, placeholder, max_model_len: int, bidirectional: bool) -> Sequence:
-    """The sequence of an embedding request (`placeholder`: sampling params nothing reads;
-    `bidirectional`: an encoder's, whose prompt attends to itself whole)."""
-    seq = Sequence(request_id, text, token_ids, placeholder, max_model_len)
-    # an encoder's cached keys depend on the tokens after them: never reused
-    seq.pooling = PoolingState(params, every_row=pooler.needs_every_prompt_row or bidirectional,
-                               bidirectional=bidirectional)
+def pooling_sequence(request_id: str, prompt: str | list[int] | TokenTypedPrompt, params: PoolingParams,
+                     pooler: PoolerConfig, router: BaseRouter, max_model_len: int) -> Sequence:
+    """An embedding (or classification) request's sequence, checked: its prompt tokenized,
+    truncated as asked, within the context and the vocabulary, its token types (a pair's)
+    ones the model has. Its sampling params are defaults nothing reads; an encoder's prompt
+    attends to itself whole (`bidirectional`) and, its keys depending on later tokens, is
+    never served from cached blocks."""
+    types = None
+    if isinstance(prompt, TokenTypedPrompt):
+        prompt, types = prompt.token_ids, prompt.token_type_ids
+    text = prompt if isinstance(prompt, str) else None
+    token_ids = list(router.tokenizer(prompt).input_ids) if text is not None else list(prompt)
+    token_ids, types = truncated_prompt(router.tokenizer, token_ids, params, max_model_len, types)
+    check_prompt(token_ids, router.config.vocab_size, max_model_len, generates=False)
+    check_pooling_params(params, pooler, router.config.hidden_size)
+    seq = Sequence(request_id, text, token_ids, SamplingParams(), max_model_len)
+    seq.pooling = PoolingState(params, every_row=pooler.needs_every_prompt_row or router.bidirectional,
+                               bidirectional=router.bidirectional,
+                               token_type_ids=check_token_types(types, router.config))
+    seq.group = SequenceGroup(request_id, [seq])
     return seq
 
 
