@@ -15,13 +15,27 @@ from tessera.pooling.scoring import (ScoringOutput, ScoringRequestOutput, cosine
 class PoolingMethods:
     def embed(self, prompts, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
               use_tqdm: bool | None = None, *, truncate_prompt_tokens: int | None = None,
-              priority: Seq[int] | None = None) -> list[PoolingRequestOutput]:
+              priority: Seq[int] | None = None, prompt_name: str | None = None) -> list[PoolingRequestOutput]:
         """One embedding per prompt, in order (`output.outputs.embedding`), from an embedding
         model (a sentence-transformers folder or bare backbone, an encoder, or
         runner="pooling"). `pooling_params`: one for all prompts or one per prompt
-        (dimensions, normalize); `truncate_prompt_tokens`: keep each prompt's last k tokens."""
+        (dimensions, normalize); `truncate_prompt_tokens`: keep each prompt's last k tokens;
+        `prompt_name`: one of the model's named prompts (config_sentence_transformers.json,
+        e.g. "query") put before each text, as sentence-transformers' encode does."""
         self._require_task("embed", "LLM.embed")
+        if prompt_name is not None:
+            prompts = self._with_named_prompt(prompts, prompt_name)
         return self._pool(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, priority, "Embedding")
+
+    def _with_named_prompt(self, prompts, name: str) -> list[str]:
+        named = self.engine.pooler_config.prompts
+        if name not in named:
+            raise ValueError(f"prompt_name {name!r} is not one of the model's prompts "
+                             f"({', '.join(map(repr, named)) or 'none'}; config_sentence_transformers.json)")
+        texts = self._prompt_list(prompts)
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("prompt_name applies to text prompts, not token ids")
+        return [named[name] + text for text in texts]
 
     def classify(self, prompts, use_tqdm: bool | None = None, *, truncate_prompt_tokens: int | None = None,
                  priority: Seq[int] | None = None) -> list[ClassificationRequestOutput]:

@@ -173,3 +173,18 @@ def test_score_is_the_cosine_of_the_two_embeddings(make_embedder):
     assert [o.outputs.score for o in pairwise] == pytest.approx(
         [F.cosine_similarity(ref[i], ref[2 + i], dim=0).item() for i in range(2)], abs=1e-5)
     assert one_to_many[1].prompt_token_ids == first[0] + second[1]
+
+
+def test_named_prompts(make_embedder, tiny_tokenizer_dir):
+    """prompt_name puts the model's named prompt before each text (sentence-transformers' encode)."""
+    prompts_ = {"query": "Instruct: find the passage\nQuery:", "document": ""}
+    embedder = make_embedder("qwen3", "LAST", True, prompts=prompts_)
+    with LLM(embedder.folder, dtype="float32", show_progress=False) as llm:
+        out, = llm.embed(["what stores the KV cache?"], prompt_name="query")
+        ids = list(llm.tokenizer(prompts_["query"] + "what stores the KV cache?").input_ids)
+        assert out.prompt_token_ids == ids
+        torch.testing.assert_close(out.outputs.data, embedder.reference(ids), atol=ATOL, rtol=0)
+        with pytest.raises(ValueError, match="not one of the model's prompts"):
+            llm.embed(["x"], prompt_name="passage")
+        with pytest.raises(ValueError, match="text prompts"):
+            llm.embed([[5, 6]], prompt_name="query")
