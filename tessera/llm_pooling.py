@@ -8,8 +8,7 @@ from typing import Sequence as Seq
 from tessera.pooling.outputs import ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
 from tessera.pooling.scoring import (ScoringOutput, ScoringRequestOutput, cosine_scores,
-                                     cross_encoder_score, encode_pair, label_probabilities, pair_indices,
-                                     require_one_label)
+                                     cross_encoder_prompts, cross_encoder_score, label_probabilities, pair_indices)
 
 
 class PoolingMethods:
@@ -57,10 +56,9 @@ class PoolingMethods:
         pairs = pair_indices(len(first), len(second))
         config = self.engine.pooler_config
         if config is not None and config.task == "classify":
-            require_one_label(config)
             cut = None if truncate_prompt_tokens is None or truncate_prompt_tokens < 0 else truncate_prompt_tokens
-            prompts = [encode_pair(self.tokenizer, first[i], second[j], cut or self.engine.max_model_len,
-                                   config.pair_segments) for i, j in pairs]
+            prompts = cross_encoder_prompts(self.tokenizer, first, second, pairs, config,
+                                            cut or self.engine.max_model_len)
             outs = self._run(prompts, [PoolingParams()] * len(prompts), use_tqdm, [None] * len(prompts),
                              [0] * len(prompts), what="Scoring")
             return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,

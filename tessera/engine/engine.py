@@ -20,12 +20,13 @@ from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, r
 from tessera.engine.block_manager import BlockManager
 from tessera.engine.config_checks import check_engine_config
 from tessera.engine.engine_lora import LoRAMethods
+from tessera.engine.engine_pooling import PoolingRequests
 from tessera.engine.errors import EngineFatalError
 from tessera.engine.image_requests import check_image_request, image_placeholder, process_images
 from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.outputs import RequestOutput
-from tessera.engine.pooling_requests import pooled_output, pooling_sequence, resolve_pooler, wrong_kind
+from tessera.engine.pooling_requests import resolve_pooler, wrong_kind
 from tessera.engine.request_checks import RequestError, check_against_vocab, check_priority, check_prompt
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
@@ -38,7 +39,7 @@ from tessera.multimodal.inputs import MultimodalInputs
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
 from tessera.platform import resolve_dtype
-from tessera.pooling.params import PoolingParams, TokenTypedPrompt
+from tessera.pooling.params import PoolingParams
 from tessera.pooling.pooler import Pooler
 from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.launched_step import LaunchedStep, StepResult
@@ -52,7 +53,7 @@ from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, 
 logger = logging.getLogger(__name__)
 
 
-class Engine(LoRAMethods):
+class Engine(LoRAMethods, PoolingRequests):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
         self.router = get_router(config.model)
@@ -149,11 +150,6 @@ class Engine(LoRAMethods):
         token ids and images' inputs for add_request (engine/image_requests.py)."""
         return process_images(self.router, self.tokenizer, prompt, images, add_special_tokens)
 
-    @property
-    def is_pooling(self) -> bool:
-        """Whether this engine serves embeddings (PoolingParams requests) instead of text."""
-        return self.pooler_config is not None
-
     def add_request(self, request_id: str, prompt: str | Seq[int],
                     params: SamplingParams | PoolingParams | None = None,
                     lora_request: LoRARequest | str | None = None, priority: int = 0,
@@ -209,16 +205,6 @@ class Engine(LoRAMethods):
         self.requests[request_id] = seqs[0]
         self.scheduler.add(seqs[0])
         return seqs[0]
-
-    def _add_pooling_request(self, request_id: str, prompt: str | Seq[int] | TokenTypedPrompt,
-                             params: PoolingParams, priority: int, multimodal: MultimodalInputs | None) -> Sequence:
-        if multimodal is not None:
-            raise RequestError("this embedding model takes text only")
-        seq = pooling_sequence(request_id, prompt, params, self.pooler_config, self.router, self.max_model_len)
-        seq.priority = priority
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Compile a structured-output constraint (cached); any thread may call this, so a
@@ -352,14 +338,8 @@ class Engine(LoRAMethods):
     def _process(self, result: StepResult, stream: bool) -> list[RequestOutput]:
         """Append a step's sampled tokens, finish what they end, and build the outputs."""
         now = time.monotonic()
-        pooled = []
-        for seq, vector in result.pooled:  # embedding requests whose prompt is done
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-                self.requests.pop(seq.request_id, None)
-                pooled.append(pooled_output(seq, vector, now))
-        if pooled:
-            return pooled
+        if result.pooled:  # a pooling engine's step: its finished prompts' outputs
+            return self._finish_pooled(result.pooled, now)
         processor = self.output_processor
         for rows, infos in result.prompt_logprobs:
             processor.record_prompt_logprobs(rows.item.seq, rows.start, infos)

@@ -92,3 +92,10 @@ def label_probabilities(logits: torch.Tensor) -> torch.Tensor:
     """A classifier's probabilities: softmax over its labels, the sigmoid of a lone label's
     logit (a softmax over one label is always 1)."""
     return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1)
+
+
+def cross_encoder_prompts(tokenizer, first: list, second: list, pairs: list[tuple[int, int]],
+                          config: PoolerConfig, max_length: int) -> list[TokenTypedPrompt | list[int]]:
+    """A one-label cross-encoder's prompt for each pair (encode_pair's, cut to `max_length`)."""
+    require_one_label(config)
+    return [encode_pair(tokenizer, first[i], second[j], max_length, config.pair_segments) for i, j in pairs]

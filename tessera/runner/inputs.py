@@ -152,8 +152,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                     image_positions.append(images.image_rope[:, lo:hi])
         if item.num_real_tokens != 1:  # a prefill row (decode rows are causal)
             limits = images.key_limits(start, end) if images is not None else None
-            pooling = getattr(seq, "pooling", None)
-            if pooling is not None and pooling.bidirectional:  # an encoder: every row sees the whole prompt
+            if seq.pooling is not None and seq.pooling.bidirectional:  # an encoder: every row sees the whole prompt
                 limits = [end - 1] * (end - start)
             limited = limited or limits is not None
             key_limits.append(range(start, end) if limits is None else limits)

@@ -13,7 +13,6 @@ import base64
 import time
 import uuid
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -26,7 +25,7 @@ from tessera.server.openai_routes import chat_prompt
 from tessera.server.openai_validation import resolve_model
 from tessera.server.protocol import EmbeddingInput, EmbeddingRequest, EmbedRequest
 from tessera.server.state import ServerState
-from tessera.server.tracking import collect, run_request
+from tessera.server.tracking import final_output, run_request, until_done
 
 router = APIRouter()
 
@@ -72,17 +71,18 @@ def token_ids(state: ServerState, given: EmbeddingInput, field: str, add_special
 
 async def embed_all(request: Request, state: ServerState, prompts: list[list[int]], params: PoolingParams,
                     priority: int = 0) -> list[PoolingRequestOutput]:
-    """The embeddings of `prompts`, in order; a failure (or the client leaving) aborts the rest."""
+    """The embeddings of `prompts`, in order; a failure (or the client leaving, watched once
+    for the whole request) aborts the rest."""
     gate = state.pooling_gate
     rid = f"embd-{uuid.uuid4().hex}"
 
     async def one(i: int, ids: list[int]) -> PoolingRequestOutput:
         async with gate:
-            return await collect(request, run_request(state, f"{rid}-{i}", ids, params, priority=priority))
+            return await final_output(run_request(state, f"{rid}-{i}", ids, params, priority=priority))
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prompts)]
     try:
-        return await asyncio.gather(*tasks)
+        return await until_done(request, asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 
 from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
-from tessera.pooling.scoring import (PairingError, cosine_scores, cross_encoder_score, encode_pair,
-                                     label_probabilities, pair_indices, require_one_label)
+from tessera.pooling.scoring import (PairingError, cosine_scores, cross_encoder_prompts, cross_encoder_score,
+                                     encode_pair, label_probabilities, pair_indices)
 from tessera.server.embeddings import embed_all, pooling_params, require_pooling, tei_fit, token_ids
 from tessera.server.errors import ValidationFailed
 from tessera.server.openai_common import state_of
@@ -36,9 +36,8 @@ async def _scores(request: Request, state: ServerState, first: list, second: lis
     try:
         pairs = pair_indices(len(first), len(second))
         if state.pooler.task == "classify":
-            require_one_label(state.pooler)
-            prompts = [encode_pair(state.tokenizer, first[i], second[j], pair_length or state.limits.max_total_tokens,
-                                   state.pooler.pair_segments) for i, j in pairs]
+            prompts = cross_encoder_prompts(state.tokenizer, first, second, pairs, state.pooler,
+                                            pair_length or state.limits.max_total_tokens)
     except PairingError as exc:
         raise ValidationFailed(str(exc)) from exc
     if state.pooler.task == "classify":

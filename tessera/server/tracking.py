@@ -70,16 +70,20 @@ async def run_request(state: ServerState, request_id: str, prompt_ids: list[int]
         m.requests.labels(outcome=outcome).inc()
 
 
-async def collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The final output of a non-streaming request; aborts it if the client disconnects."""
-
-    async def consume() -> RequestOutput:
-        final = None
+async def final_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The last output of a request's stream (closed on the way out, aborting it if cut short)."""
+    final = None
+    try:
         async for out in outputs:
             final = out
-        return final
+    finally:
+        await outputs.aclose()
+    return final
 
-    task = asyncio.ensure_future(consume())
+
+async def until_done(request: Request, task: asyncio.Future):
+    """`task`'s result; cancelled (and ClientGone raised) if the client disconnects first.
+    One watcher per HTTP request, however many engine requests `task` waits on."""
     try:
         while not task.done():  # polled: a step of a small model is well under a millisecond
             done, _ = await asyncio.wait({task}, timeout=0.1)
@@ -92,4 +96,13 @@ async def collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> Re
     finally:
         if not task.done():
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def collect(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The final output of a non-streaming request; aborts it if the client disconnects."""
+    try:
+        return await until_done(request, asyncio.ensure_future(final_output(outputs)))
+    finally:
         await outputs.aclose()
