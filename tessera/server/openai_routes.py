@@ -51,7 +51,7 @@ async def models(request: Request) -> dict:
 
 # --- /v1/chat/completions ---------------------------------------------------------------------
 
-def _chat_logprobs(state: ServerState, ids: list[int], lps: list[PositionLogprobs], top: int,
+def chat_logprobs(state: ServerState, ids: list[int], lps: list[PositionLogprobs], top: int,
                    label: Callable[[int], str]) -> dict:
     def entry(t: int, logprob: float) -> dict:
         return {"token": label(t), "logprob": wire_logprob(logprob),
@@ -184,7 +184,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                     n_out += len(c.delta_token_ids)
                     logprobs = None
                     if body.logprobs and c.delta_logprobs is not None:
-                        logprobs = _chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top, label)
+                        logprobs = chat_logprobs(state, c.delta_token_ids, c.delta_logprobs, top, label)
                     finish = FINISH.get(c.finish_reason) if c.finish_reason else None
                     thought, text = "", c.delta_text
                     if thinks:
@@ -210,7 +210,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     choices, n_out = [], 0
     for c in out.outputs:
         n_out += len(c.token_ids)
-        logprobs = _chat_logprobs(state, c.token_ids, c.logprobs, top, label) if body.logprobs and c.logprobs else None
+        logprobs = chat_logprobs(state, c.token_ids, c.logprobs, top, label) if body.logprobs and c.logprobs else None
         thought, text = split_reasoning(c.text, opened) if thinks else (None, c.text)
         message, finish = {"role": role, "content": text}, FINISH.get(c.finish_reason)
         content, made = tool_calls(tools, text or "") if tools is not None else (text, None)

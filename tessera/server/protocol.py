@@ -166,7 +166,7 @@ class DetokenizeRequest(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    """OpenAI's Responses API request (openai_responses.py: what it takes, what it refuses)."""
+    """OpenAI's Responses API request (responses_input.py: what it takes, what it refuses)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -90,10 +90,9 @@ def test_text_format_json_schema_constrains_the_output(client):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]), "tools"),
     (dict(previous_response_id="resp_1"), "previous_response_id"),
     (dict(extra_body={"conversation": "conv_1"}), "conversation"),
-    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "1"}]), "input"),
+    (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input"),
 ])
 def test_what_it_does_not_do_is_refused(client, kwargs, param):
     args = dict(model=MODEL_NAME, input=QUESTION, max_output_tokens=4)

@@ -163,7 +163,7 @@ def test_an_unexpected_error_is_an_error_body_and_frees_the_request(url, server,
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(routes, "_chat_logprobs", broken)
+    monkeypatch.setattr(routes, "chat_logprobs", broken)
     body = {"messages": CHAT, "max_tokens": 4, "logprobs": True}
     r = httpx.post(url + "/v1/chat/completions", json=body)
     assert openai_error(r, 500)["message"] == "internal error: RuntimeError: boom"
