@@ -70,7 +70,7 @@ async def responses(request: Request, body: ResponsesRequest):
     writer.delta(thought or "", {"content": content, "tool_calls": [{"index": i, **call}
                                                                     for i, call in enumerate(made or [])]},
                  logprobs(out.token_ids, out.logprobs))
-    writer.finish(out)
+    writer.finish_output(out)
     return JSONResponse(writer.response(out))
 
 
@@ -91,7 +91,7 @@ async def _events(writer: ResponseWriter, stream: AsyncIterator, thinking: Reaso
                 yield event
         if out is None:
             raise APIError("the request ended without output")
-        for event in writer.finish(out):
+        for event in writer.finish_output(out):
             yield event
         done = writer.response(out)
         yield writer.event(f"response.{done['status']}", response=done)
