@@ -8,14 +8,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tessera.server import (embeddings, lora_routes, openai_completions, openai_responses, openai_routes, scores,
-                            tgi, tokenize_routes)
-from tessera.server.errors import APIError, Unavailable, ValidationFailed, openai_error, tgi_error
+from tessera.server import (anthropic_messages, embeddings, lora_routes, openai_completions, openai_responses,
+                            openai_routes, scores, tgi, tokenize_routes)
+from tessera.server.errors import APIError, Unavailable, ValidationFailed, anthropic_error, openai_error, tgi_error
 from tessera.server.state import ServerState
 
 
 # routes that generate text: an embedding model refuses them (it has no LM head)
-GENERATIVE_PATHS = ("/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATIVE_PATHS = ("/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions", "/v1/responses",
+                    "/v1/messages")
 
 
 def _is_openai(request: Request) -> bool:
@@ -24,6 +25,8 @@ def _is_openai(request: Request) -> bool:
 
 
 def _render(request: Request, exc: APIError) -> JSONResponse:
+    if request.url.path.startswith("/v1/messages"):  # Anthropic's routes
+        return anthropic_error(exc)
     return openai_error(exc) if _is_openai(request) else tgi_error(exc)
 
 
@@ -90,8 +93,10 @@ class _Guard:
         state = self.state
         path = request.url.path
         if state.api_key and path != "/health":
+            # OpenAI's clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY"
             given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            if not (hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode())
+                    or hmac.compare_digest(request.headers.get("x-api-key", "").encode(), state.api_key.encode())):
                 err = APIError("invalid or missing API key")
                 err.status, err.error_type, err.openai_type = 401, "authentication", "AuthenticationError"
                 return err
@@ -150,6 +155,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
     app.include_router(openai_responses.router)
+    app.include_router(anthropic_messages.router)
     app.include_router(embeddings.router)
     app.include_router(scores.router)
     if state.allow_runtime_lora_updating:

@@ -1,5 +1,6 @@
-"""Errors and their two wire shapes: TGI's {"error", "error_type"} and OpenAI's
-{"error": {"message", "type", "param", "code"}}."""
+"""Errors and their wire shapes: TGI's {"error", "error_type"}, OpenAI's
+{"error": {"message", "type", "param", "code"}} and Anthropic's
+{"type": "error", "error": {"type", "message"}}."""
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
@@ -73,3 +74,18 @@ def openai_error_body(exc: APIError) -> dict:
 
 def openai_error(exc: APIError) -> JSONResponse:
     return JSONResponse(openai_error_body(exc), status_code=_openai_status(exc))
+
+
+# Anthropic's error types, by the status it answers with
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(exc: APIError) -> dict:
+    status = _openai_status(exc)
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": exc.message}}
+
+
+def anthropic_error(exc: APIError) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(exc), status_code=_openai_status(exc))

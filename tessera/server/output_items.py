@@ -10,6 +10,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from tessera.engine.outputs import CompletionOutput
+from tessera.server.errors import APIError
+
 
 @dataclass
 class OutputItem:
@@ -43,6 +46,30 @@ class OutputItems:
         raise NotImplementedError
 
     def closed(self, item: OutputItem) -> list[str]:
+        raise NotImplementedError
+
+    # --- and the reply around the items (chat_items.respond sends them) ---------------------
+
+    id: str  # the reply's id, which the engine's request carries too
+
+    def started(self) -> list[str]:
+        """The events before the first item."""
+        raise NotImplementedError
+
+    def close_output(self, out: CompletionOutput) -> list[str]:
+        """Close the items once the output has ended (`finish` with the API's rules)."""
+        raise NotImplementedError
+
+    def ended(self, out: CompletionOutput) -> list[str]:
+        """The events after the last item."""
+        raise NotImplementedError
+
+    def failed(self, exc: APIError) -> list[str]:
+        """The events that end a stream that failed."""
+        raise NotImplementedError
+
+    def reply(self, out: CompletionOutput) -> dict:
+        """The whole reply, once the items are closed."""
         raise NotImplementedError
 
     # --- the items --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable
 
 from tessera.engine.outputs import CompletionOutput
+from tessera.server.errors import APIError, openai_error_body
 from tessera.server.output_items import OutputItem, OutputItems
 from tessera.server.protocol import ResponsesRequest
 
@@ -79,8 +80,27 @@ class ResponseWriter(OutputItems):
                                  item_id=item.id, arguments=item.text)]
         return events + [self.event("response.output_item.done", output_index=item.index, item=wire_item(item))]
 
-    def finish_output(self, out: CompletionOutput) -> list[str]:
+    def started(self) -> list[str]:
+        return [self.event("response.created", response=self.response(None)),
+                self.event("response.in_progress", response=self.response(None))]
+
+    def close_output(self, out: CompletionOutput) -> list[str]:
         return self.finish(response_status(out) == "completed", needs_text=True)
+
+    def ended(self, out: CompletionOutput) -> list[str]:
+        done = self.response(out)
+        return [self.event(f"response.{done['status']}", response=done)]
+
+    def failed(self, exc: APIError) -> list[str]:
+        """An error event, then the failed response."""
+        error = openai_error_body(exc)["error"]
+        failed = {**self.response(None), "status": "failed",
+                  "error": {"code": "server_error", "message": error["message"]}}
+        return [self.event("error", code=error["type"], message=error["message"], param=error["param"]),
+                self.event("response.failed", response=failed)]
+
+    def reply(self, out: CompletionOutput) -> dict:
+        return self.response(out)
 
     def response(self, out: CompletionOutput | None) -> dict:
         """The response object: in progress (`out` None), or done with the items made."""

@@ -216,7 +216,7 @@ def test_the_writer_opens_each_item_in_turn_and_closes_the_one_before():
         {"index": 1, "id": "y", "type": "function", "function": {"name": "get_time", "arguments": "{"}}]})
     raw += writer.delta("", {"tool_calls": [{"index": 1, "function": {"arguments": '"zone": "CET"}'}}]})
     out = CompletionOutput(index=0, text="", token_ids=[1, 2, 3], finish_reason="eos_token")
-    raw += writer.finish_output(out)
+    raw += writer.close_output(out)
     adapter = TypeAdapter(ResponseStreamEvent)
     events = [adapter.validate_python(json.loads(block.split("data: ", 1)[1])) for block in raw]
     assert [e.sequence_number for e in events] == list(range(len(events)))

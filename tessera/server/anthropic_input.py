@@ -1,0 +1,194 @@
+"""An Anthropic Messages request (`POST /v1/messages`, as the `anthropic` SDK and Claude
+Code send it) as the chat request it runs as.
+
+`system` is the system message; a message's content blocks become chat's: text and image
+blocks its parts, an assistant's `tool_use` blocks its `tool_calls`, a user's
+`tool_result` blocks `tool` messages (before the user's own text, where Anthropic puts
+them). Thinking blocks sent back are skipped, as chat templates drop earlier turns'
+reasoning. A conversation that ends with an assistant's text is continued from it
+(Anthropic's prefill). Tools are custom tools (`name`, `description`, `input_schema`);
+`tool_choice` auto / any / tool / none is chat's auto / required / a named function / none.
+What needs Anthropic's servers (server tools, documents, MCP) is refused by name."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tessera.server.errors import ValidationFailed
+from tessera.server.protocol import ChatCompletionRequest
+
+
+class MessagesRequest(BaseModel):
+    """Anthropic's /v1/messages body (and /v1/messages/count_tokens', without max_tokens)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[Any]
+    max_tokens: int | None = None  # required by /v1/messages (checked there)
+    system: str | list[Any] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its `format` (a JSON schema) constrains the text
+    # taken and ignored: thinking is the model's and the --reasoning-parser's to split (no
+    # budget or effort is enforced); the rest are hints for Anthropic's service
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None  # prefix caching needs no marks here
+    diagnostics: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
+    """The chat request a Messages request is (validated as one)."""
+    messages: list[dict] = []
+    if body.system:
+        messages.append({"role": "system", "content": body.system if isinstance(body.system, str)
+                         else _joined_text(body.system, "system")})
+    for i, message in enumerate(body.messages):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            raise ValidationFailed(f"{where}.role must be \"user\" or \"assistant\" (the system prompt is "
+                                   "`system`)", param="messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+        elif role == "user":
+            messages += _user_turn(content, where)
+        else:
+            messages.append(_assistant_turn(content, where))
+    last = messages[-1] if messages else None
+    # Anthropic's prefill: a last assistant turn of text is continued, not answered
+    prefill = last is not None and last["role"] == "assistant" and "tool_calls" not in last
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
+                            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+                            "stop": body.stop_sequences, "add_generation_prompt": not prefill,
+                            "continue_final_message": prefill}
+    if body.tools:
+        chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        chat["tool_choice"], parallel = _chat_tool_choice(body.tool_choice)
+        chat["parallel_tool_calls"] = parallel
+    fmt = (body.output_config or {}).get("format")
+    if fmt is not None:
+        if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+            raise ValidationFailed("`output_config.format` must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                                   param="output_config")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValueError as exc:
+        raise ValidationFailed(str(exc), param="messages") from None
+
+
+def _blocks(content: Any, where: str) -> list[dict]:
+    if not isinstance(content, list) or not all(isinstance(block, dict) for block in content):
+        raise ValidationFailed(f"{where}.content must be a string or a list of content blocks", param="messages")
+    return content
+
+
+def _joined_text(content: Any, where: str) -> str:
+    texts = []
+    for j, block in enumerate(_blocks(content, where)):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise ValidationFailed(f"{where}[{j}]: only text blocks are taken here, got {block.get('type')!r}",
+                                   param="messages")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _image_part(block: dict, where: str) -> dict:
+    source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+    elif source.get("type") == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise ValidationFailed(f"{where}: an image's source is base64 (`media_type`, `data`) or a `url`",
+                               param="messages")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_turn(content: Any, where: str) -> list[dict]:
+    """A user's blocks: its tool results as tool messages, its text and images as a message."""
+    turn, parts = [], []
+    for j, block in enumerate(_blocks(content, where)):
+        kind, at = block.get("type"), f"{where}.content[{j}]"
+        if kind == "text":
+            parts.append({"type": "text", "text": block.get("text", "")})
+        elif kind == "image":
+            parts.append(_image_part(block, at))
+        elif kind == "tool_result":
+            if parts:  # text before a result stays before it
+                turn.append({"role": "user", "content": parts})
+                parts = []
+            result = block.get("content", "")
+            tool_use_id = block.get("tool_use_id")
+            if not isinstance(tool_use_id, str):
+                raise ValidationFailed(f"{at}: a tool_result needs `tool_use_id`", param="messages")
+            text = result if isinstance(result, str) else _joined_text(result, f"{at}.content")
+            turn.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
+        else:
+            raise ValidationFailed(f"{at}: user blocks are text, image and tool_result, got {kind!r}",
+                                   param="messages")
+    if parts:
+        turn.append({"role": "user", "content": parts})
+    return turn
+
+
+def _assistant_turn(content: Any, where: str) -> dict:
+    texts, calls = [], []
+    for j, block in enumerate(_blocks(content, where)):
+        kind, at = block.get("type"), f"{where}.content[{j}]"
+        if kind == "text":
+            texts.append(block.get("text", ""))
+        elif kind == "tool_use":
+            if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+                    and isinstance(block.get("input", {}), dict)):
+                raise ValidationFailed(f"{at}: a tool_use needs `id`, `name` and an `input` object", param="messages")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+        elif kind not in ("thinking", "redacted_thinking"):
+            raise ValidationFailed(f"{at}: assistant blocks are text, tool_use and thinking, got {kind!r}",
+                                   param="messages")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _chat_tool(tool: Any, i: int) -> dict:
+    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "input_schema" not in tool:
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise ValidationFailed(f"`tools[{i}]`: only custom tools (`name`, `description`, `input_schema`) are "
+                               f"served; {kind!r} is one of Anthropic's server tools", param="tools")
+    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: dict) -> tuple[Any, bool | None]:
+    """Chat's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise ValidationFailed("`tool_choice.type` must be \"auto\", \"any\", \"none\" or \"tool\" (with `name`)",
+                           param="tool_choice")
