@@ -299,7 +299,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                       payload_limit=args.payload_limit,
                       allowed_local_media_path=args.allowed_local_media_path,
-                      max_images_per_prompt=args.limit_mm_per_prompt)
+                      max_images_per_prompt=args.limit_mm_per_prompt,
+                      responses_store_size=args.responses_store_size)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -348,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tessera.generate_cli import add_generate_parser
     add_generate_parser(sub, _add_engine_args)
 
-    from tessera.bench.cli import add_bench_parser, positive_int
+    from tessera.bench.cli import add_bench_parser, int_at_least, positive_int
     add_bench_parser(sub, _add_engine_args)
 
     from tessera.watermark_cli import add_detect_parser
@@ -364,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight beyond which clients get 429 'Model is overloaded'")
     serve.add_argument("--max-input-tokens", type=int, default=None,
                        help="longest prompt accepted (default: max model length - 1)")
+    serve.add_argument("--responses-store-size", type=int_at_least(0), default=1000, metavar="N",
+                       help="keep the last N finished /v1/responses in memory (unless a request sets store: "
+                            "false), for previous_response_id and GET /v1/responses/{id}; 0 keeps none")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="read tool calls in the model's own syntax, which enables tool_choice \"auto\" "
                             "(hermes: <tool_call>{...}</tool_call>, as Qwen 2.5/3 and Hermes models write; "

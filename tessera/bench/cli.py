@@ -16,15 +16,20 @@ from tessera.bench.report import markdown_table, plot_latency_sweep, write_json
 from tessera.bench.workload import DatasetEntry, Workload, read_dataset
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (a size, a count), refused before any model loads."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(least: int):
+    """An argparse type: an integer >= `least` (a size, a count), refused before any model loads."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def positive_ints(text: str) -> list[int]:

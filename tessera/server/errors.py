@@ -43,8 +43,12 @@ class GenerationFailed(APIError):
         return f"Request failed during generation: {self.message}"
 
 
-class ModelNotFound(APIError):
+class NotFound(APIError):
     status, error_type, openai_type = 404, "validation", "NotFoundError"
+
+
+class ModelNotFound(NotFound):
+    pass
 
 
 class Unavailable(APIError):

@@ -16,21 +16,27 @@ from tessera.server.openai_validation import MAX_LOGPROBS
 from tessera.server.protocol import ChatCompletionRequest, ResponsesRequest
 
 # Responses fields the endpoint refuses, with why
-UNSUPPORTED = {"previous_response_id": "responses are not stored: send the whole conversation as `input`",
-               "conversation": "conversations are not stored: send the whole conversation as `input`",
+UNSUPPORTED = {"conversation": "the Conversations API is not served: continue by `previous_response_id`, or send "
+                               "the whole conversation as `input`",
                "prompt": "stored prompts are not supported: send the text as `input` or `instructions`",
                "background": "background responses are not supported"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the message's logprobs
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses request is (validated as one)."""
+def input_items(body: ResponsesRequest) -> list:
+    """The request's own input as items (a string is one user message)."""
+    return [{"role": "user", "content": body.input}] if isinstance(body.input, str) else list(body.input)
+
+
+def chat_request(body: ResponsesRequest, items: list | None = None) -> ChatCompletionRequest:
+    """The chat request a Responses request is (validated as one). `items`: the whole
+    conversation (earlier turns of a previous response first); by default the input's."""
     for field, why in UNSUPPORTED.items():
         if getattr(body, field) not in (None, [], False):
             raise ValidationFailed(why, param=field)
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    items = input_items(body) if items is None else items
     calls: dict[str, str] = {}  # call_id -> function name, for the results that answer them
     for i, item in enumerate(items):
         where = f"input[{i}]"

@@ -34,10 +34,11 @@ class ResponseWriter(OutputItems):
     """One response: its objects, its output items and the events that make them."""
 
     def __init__(self, rid: str, model: str, body: ResponsesRequest, n_prompt: int,
-                 count_tokens: Callable[[str], int]):
+                 count_tokens: Callable[[str], int], keep: Callable[[dict], None] | None = None):
         super().__init__()
         self.id, self.model, self.body, self.n_prompt = rid, model, body, n_prompt
         self.count_tokens = count_tokens  # of the reasoning's text: usage's reasoning_tokens
+        self.keep = keep  # stores the finished response (None: it is not stored)
         self.created = int(time.time())
         self.sequence = 0
 
@@ -88,7 +89,7 @@ class ResponseWriter(OutputItems):
         return self.finish(response_status(out) == "completed", needs_text=True)
 
     def ended(self, out: CompletionOutput) -> list[str]:
-        done = self.response(out)
+        done = self.reply(out)
         return [self.event(f"response.{done['status']}", response=done)]
 
     def failed(self, exc: APIError) -> list[str]:
@@ -100,7 +101,10 @@ class ResponseWriter(OutputItems):
                 self.event("response.failed", response=failed)]
 
     def reply(self, out: CompletionOutput) -> dict:
-        return self.response(out)
+        done = self.response(out)
+        if self.keep is not None:
+            self.keep(done)
+        return done
 
     def response(self, out: CompletionOutput | None) -> dict:
         """The response object: in progress (`out` None), or done with the items made."""
@@ -111,7 +115,7 @@ class ResponseWriter(OutputItems):
             "status": "in_progress", "error": None, "incomplete_details": None, "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens, "output": [],
             "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": b.reasoning, "store": False, "temperature": b.temperature,
+            "previous_response_id": b.previous_response_id, "reasoning": b.reasoning, "store": self.keep is not None, "temperature": b.temperature,
             "text": {"format": fmt}, "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
             "tools": b.tools or [], "top_p": b.top_p, "top_logprobs": b.top_logprobs,
             "truncation": "disabled", "usage": None, "user": b.user, "metadata": b.metadata or {}}

@@ -13,6 +13,7 @@ import uvicorn
 from tessera.engine.engine import Engine
 from tessera.server.app import create_app
 from tessera.server.async_engine import AsyncEngine
+from tessera.server.responses_store import ResponseStore
 from tessera.server.state import ServerLimits, ServerState
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                max_input_tokens: int | None = None, drain_timeout_s: float = 30.0,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                allow_runtime_lora_updating: bool = False, payload_limit: int | None = None,
-               allowed_local_media_path: str | None = None, max_images_per_prompt: int = 8) -> int:
+               allowed_local_media_path: str | None = None, max_images_per_prompt: int = 8,
+               responses_store_size: int = 1000) -> int:
     state = ServerState(model_name, ServerLimits(max_concurrent_requests=max_concurrent_requests,
                                                  max_input_tokens=max_input_tokens or 0,
                                                  max_body_bytes=payload_limit,
@@ -44,7 +46,8 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                         allow_runtime_lora_updating=allow_runtime_lora_updating,
                         allowed_local_media_path=Path(allowed_local_media_path).expanduser()
-                        if allowed_local_media_path else None)
+                        if allowed_local_media_path else None,
+                        responses=ResponseStore(responses_store_size))
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

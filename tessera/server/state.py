@@ -15,6 +15,7 @@ from tessera.pooling.config import PoolerConfig
 from tessera.server.async_engine import AsyncEngine
 from tessera.server.metrics import ServerMetrics
 from tessera.server.reasoning import END, START, tag_token
+from tessera.server.responses_store import ResponseStore
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ServerState:
     embedding_prompts: dict[str, str] = field(default_factory=dict)  # TEI's prompt_name -> text
     # what pooling inputs pass to enter the engine: never more than the in-flight limit at once
     pooling_gate: asyncio.Semaphore | None = None
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for later turns
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -136,4 +136,4 @@ def test_hints_for_openais_service_are_taken(client):
     resp = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, store=True,
                                    prompt_cache_key="k", safety_identifier="u", service_tier="auto",
                                    top_logprobs=2, stream_options=None)
-    assert resp.status == "incomplete" and resp.store is False
+    assert resp.status == "incomplete" and resp.store is True

@@ -1,0 +1,42 @@
+"""Finished Responses kept in memory, so that a client can continue a conversation by
+`previous_response_id` (sending only the new turn), fetch a response again
+(GET /v1/responses/{id}) or delete it. OpenAI stores responses unless `store` is false;
+here they live as long as the server, the oldest dropped beyond --responses-store-size."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from threading import Lock
+
+
+@dataclass
+class StoredResponse:
+    response: dict  # the response object as it was sent
+    conversation: list  # the input items it answered, earlier turns included
+
+
+class ResponseStore:
+    """At most `capacity` responses by id, the least recently stored or used dropped first."""
+
+    def __init__(self, capacity: int = 1000):
+        self.capacity = capacity
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = Lock()
+
+    def put(self, response: dict, conversation: list) -> None:
+        with self._lock:
+            self._responses[response["id"]] = StoredResponse(response, conversation)
+            self._responses.move_to_end(response["id"])
+            while len(self._responses) > self.capacity:
+                self._responses.popitem(last=False)
+
+    def get(self, rid: str) -> StoredResponse | None:
+        with self._lock:
+            stored = self._responses.get(rid)
+            if stored is not None:
+                self._responses.move_to_end(rid)
+            return stored
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            return self._responses.pop(rid, None) is not None

@@ -1,0 +1,74 @@
+"""Stored responses through the real `openai` client: a response continued by
+`previous_response_id` is the chat completion of the whole conversation, a response can be
+fetched again and deleted, `store: false` keeps nothing, and the store keeps only the
+newest --responses-store-size responses."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tessera.server.responses_store import ResponseStore
+from tests.server.conftest import MODEL_NAME
+from tests.server.test_responses_tools import TIME, create
+
+
+@pytest.fixture
+def client(url):
+    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def test_previous_response_id_continues_the_conversation(client, server):
+    first = create(client, input="Paged attention", instructions="Answer briefly.", max_output_tokens=6)
+    assert first.store is True and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = create(client, input="And then?", previous_response_id=first.id, max_output_tokens=6)
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "Paged attention"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And then?"}])  # the first instructions are not carried over
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    # a chain: the third turn sees both earlier ones
+    third = create(client, input="Why?", previous_response_id=second.id, max_output_tokens=2)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    server.assert_idle()
+
+
+def test_a_function_call_answered_by_previous_response_id(client, server):
+    call = create(client, tools=[TIME], tool_choice={"type": "function", "name": "get_time"})
+    (item,) = call.output
+    result = create(client, previous_response_id=call.id, tools=[TIME], tool_choice="none", max_output_tokens=4,
+                    input=[{"type": "function_call_output", "call_id": item.call_id, "output": "noon"}])
+    assert result.output[0].type == "message" and result.usage.input_tokens > call.usage.input_tokens
+    server.assert_idle()
+
+
+def test_streamed_responses_are_stored_and_store_false_keeps_nothing(client, server):
+    events = list(client.responses.create(model=MODEL_NAME, input="Paged attention", max_output_tokens=4,
+                                          temperature=0, stream=True))
+    assert events[0].response.store is True
+    assert client.responses.retrieve(events[-1].response.id).model_dump() == events[-1].response.model_dump()
+    unstored = create(client, max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as err:
+        create(client, previous_response_id=unstored.id, max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id" and "not found" in err.value.body["message"]
+    server.assert_idle()
+
+
+def test_delete_and_the_store_size(client, server, monkeypatch):
+    kept = create(client, max_output_tokens=2)
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(kept.id)
+    monkeypatch.setattr(server.state, "responses", ResponseStore(2))
+    ids = [create(client, max_output_tokens=1).id for _ in range(3)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])  # the oldest went
+    assert [client.responses.retrieve(rid).id for rid in ids[1:]] == ids[1:]
+    monkeypatch.setattr(server.state, "responses", ResponseStore(0))
+    assert create(client, max_output_tokens=1).store is False
