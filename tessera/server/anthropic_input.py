@@ -52,10 +52,14 @@ class MessagesRequest(BaseModel):
 
 def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat request a Messages request is (validated as one)."""
+    if body.temperature is not None and not 0 <= body.temperature <= 1:
+        raise ValidationFailed("temperature: must be between 0 and 1", param="temperature")
     messages: list[dict] = []
     if body.system:
         messages.append({"role": "system", "content": body.system if isinstance(body.system, str)
                          else _joined_text(body.system, "system")})
+    names: dict[str, str] = {}  # tool_use id -> its tool, for the results that answer it
+    unanswered: list[str] = []  # the last assistant turn's tool_use ids
     for i, message in enumerate(body.messages):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
@@ -64,11 +68,20 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
                                    "`system`)", param="messages")
         content = message.get("content")
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
+            turn = [{"role": role, "content": content}]
         elif role == "user":
-            messages += _user_turn(content, where)
+            turn = _user_turn(content, where, names)
         else:
-            messages.append(_assistant_turn(content, where))
+            turn = [_assistant_turn(content, where, names)]
+        answered = [m["tool_call_id"] for m in turn if m["role"] == "tool"]
+        if sorted(answered) != sorted(unanswered) or any(m["role"] != "tool" for m in turn[:len(answered)]):
+            raise ValidationFailed(f"{where}: the tool_use ids {unanswered} need their tool_result blocks, and only "
+                                   f"those, first in the next user message (got {answered})", param="messages")
+        unanswered = [c["id"] for c in turn[0].get("tool_calls", [])] if role == "assistant" else []
+        messages += turn
+    if unanswered:
+        raise ValidationFailed(f"the tool_use ids {unanswered} of the last assistant turn have no tool_result",
+                               param="messages")
     last = messages[-1] if messages else None
     # Anthropic's prefill: a last assistant turn of text is continued, not answered
     prefill = last is not None and last["role"] == "assistant" and "tool_calls" not in last
@@ -96,16 +109,24 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
 def _blocks(content: Any, where: str) -> list[dict]:
     if not isinstance(content, list) or not all(isinstance(block, dict) for block in content):
         raise ValidationFailed(f"{where}.content must be a string or a list of content blocks", param="messages")
+    if not content:
+        raise ValidationFailed(f"{where}.content cannot be empty", param="messages")
     return content
+
+
+def _text(block: dict, where: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise ValidationFailed(f"{where}: a text block's `text` must be a string", param="messages")
+    return block["text"]
 
 
 def _joined_text(content: Any, where: str) -> str:
     texts = []
     for j, block in enumerate(_blocks(content, where)):
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if block.get("type") != "text":
             raise ValidationFailed(f"{where}[{j}]: only text blocks are taken here, got {block.get('type')!r}",
                                    param="messages")
-        texts.append(block["text"])
+        texts.append(_text(block, f"{where}[{j}]"))
     return "\n".join(texts)
 
 
@@ -121,13 +142,13 @@ def _image_part(block: dict, where: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _user_turn(content: Any, where: str) -> list[dict]:
+def _user_turn(content: Any, where: str, names: dict[str, str]) -> list[dict]:
     """A user's blocks: its tool results as tool messages, its text and images as a message."""
     turn, parts = [], []
     for j, block in enumerate(_blocks(content, where)):
         kind, at = block.get("type"), f"{where}.content[{j}]"
         if kind == "text":
-            parts.append({"type": "text", "text": block.get("text", "")})
+            parts.append({"type": "text", "text": _text(block, at)})
         elif kind == "image":
             parts.append(_image_part(block, at))
         elif kind == "tool_result":
@@ -138,8 +159,12 @@ def _user_turn(content: Any, where: str) -> list[dict]:
             tool_use_id = block.get("tool_use_id")
             if not isinstance(tool_use_id, str):
                 raise ValidationFailed(f"{at}: a tool_result needs `tool_use_id`", param="messages")
-            text = result if isinstance(result, str) else _joined_text(result, f"{at}.content")
-            turn.append({"role": "tool", "tool_call_id": tool_use_id, "content": text})
+            text = result if isinstance(result, str) else _joined_text(result, f"{at}.content") if result else ""
+            message = {"role": "tool", "tool_call_id": tool_use_id, "content": text,
+                       "name": names.get(tool_use_id)}
+            if block.get("is_error"):  # for templates that mark a failed call (the text says why)
+                message["is_error"] = True
+            turn.append(message)
         else:
             raise ValidationFailed(f"{at}: user blocks are text, image and tool_result, got {kind!r}",
                                    param="messages")
@@ -148,18 +173,19 @@ def _user_turn(content: Any, where: str) -> list[dict]:
     return turn
 
 
-def _assistant_turn(content: Any, where: str) -> dict:
+def _assistant_turn(content: Any, where: str, names: dict[str, str]) -> dict:
     texts, calls = [], []
     for j, block in enumerate(_blocks(content, where)):
         kind, at = block.get("type"), f"{where}.content[{j}]"
         if kind == "text":
-            texts.append(block.get("text", ""))
+            texts.append(_text(block, at))
         elif kind == "tool_use":
             if not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
                     and isinstance(block.get("input", {}), dict)):
                 raise ValidationFailed(f"{at}: a tool_use needs `id`, `name` and an `input` object", param="messages")
             calls.append({"id": block["id"], "type": "function",
                           "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
+            names[block["id"]] = block["name"]
         elif kind not in ("thinking", "redacted_thinking"):
             raise ValidationFailed(f"{at}: assistant blocks are text, tool_use and thinking, got {kind!r}",
                                    param="messages")
@@ -170,10 +196,14 @@ def _assistant_turn(content: Any, where: str) -> dict:
 
 
 def _chat_tool(tool: Any, i: int) -> dict:
-    if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or "input_schema" not in tool:
-        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+    if not isinstance(tool, dict):
+        raise ValidationFailed(f"`tools[{i}]` must be an object (`name`, `description`, `input_schema`)",
+                               param="tools")
+    if tool.get("type", "custom") != "custom":
         raise ValidationFailed(f"`tools[{i}]`: only custom tools (`name`, `description`, `input_schema`) are "
-                               f"served; {kind!r} is one of Anthropic's server tools", param="tools")
+                               f"served; {tool.get('type')!r} is one of Anthropic's server tools", param="tools")
+    if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+        raise ValidationFailed(f"`tools[{i}]` needs a `name` and an `input_schema` object", param="tools")
     function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
     if tool.get("description") is not None:
         function["description"] = tool["description"]

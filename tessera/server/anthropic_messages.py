@@ -21,6 +21,9 @@ from tessera.server.openai_common import state_of
 from tessera.server.openai_routes import chat_prompt
 from tessera.server.openai_validation import resolve_model
 from tessera.server.output_items import OutputItem, OutputItems
+from tessera.server.protocol import ChatCompletionRequest
+from tessera.server.state import ServerState
+from tessera.server.partial_json import partial_object
 
 router = APIRouter(prefix="/v1")
 
@@ -59,23 +62,25 @@ class MessageWriter(OutputItems):
         if item.kind == "reasoning":
             return {"type": "thinking", "thinking": item.text, "signature": ""}
         if item.kind == "call":
+            # arguments cut short (max_tokens, a stop sequence) give what the SDK reads from
+            # the same stream: their complete members
             try:
                 arguments = json.loads(item.text)
-            except json.JSONDecodeError:
+            except ValueError:
                 arguments = None
-            if isinstance(arguments, dict):
-                return {"type": "tool_use", "id": item.id, "name": item.name, "input": arguments}
-            # arguments cut short by max_tokens: not an input object, so the text as it is
+            if not isinstance(arguments, dict):
+                arguments = partial_object(item.text)
+            return {"type": "tool_use", "id": item.id, "name": item.name, "input": arguments}
         return {"type": "text", "text": item.text}
 
     def stop(self, out: CompletionOutput) -> dict:
         """stop_reason and stop_sequence, as Anthropic says them."""
         if out.finish_reason == "length":
             return {"stop_reason": "max_tokens", "stop_sequence": None}
-        if any(item.kind == "call" for item in self.items):
-            return {"stop_reason": "tool_use", "stop_sequence": None}
         if out.finish_reason == "stop_sequence" and out.stop_reason in self.stop_sequences:
             return {"stop_reason": "stop_sequence", "stop_sequence": out.stop_reason}
+        if any(item.kind == "call" for item in self.items):
+            return {"stop_reason": "tool_use", "stop_sequence": None}
         return {"stop_reason": "end_turn", "stop_sequence": None}
 
     def started(self) -> list[str]:
@@ -104,6 +109,18 @@ class MessageWriter(OutputItems):
                 **stop, "usage": usage}
 
 
+def _chat_request(state: ServerState, body: MessagesRequest) -> ChatCompletionRequest:
+    """The chat request, with what the chat route would refuse in its words said in Anthropic's."""
+    chat = chat_request(body)
+    auto = body.tool_choice is None or body.tool_choice.get("type") == "auto"
+    if body.tools and auto and state.tool_call_parser is None:
+        raise ValidationFailed("tool_choice auto (the default with tools) needs a parser of the model's own "
+                               "tool-call syntax: start the server with --tool-call-parser (hermes for Qwen and "
+                               "Hermes models, llama3_json, mistral, pythonic), or send tool_choice "
+                               "{\"type\": \"any\"} or {\"type\": \"tool\", \"name\": ...}", param="tool_choice")
+    return chat
+
+
 @router.post("/messages")
 async def messages(request: Request, body: MessagesRequest):
     state = state_of(request)
@@ -111,7 +128,7 @@ async def messages(request: Request, body: MessagesRequest):
         raise ValidationFailed("max_tokens: Field required", param="max_tokens")
     if body.max_tokens < 1:  # 0 warms Anthropic's prompt cache; here prefix caching needs no warming
         raise ValidationFailed("max_tokens: must be at least 1", param="max_tokens")
-    chat = await prepare_chat(state, chat_request(body), logprobs_param="messages")
+    chat = await prepare_chat(state, _chat_request(state, body), logprobs_param="messages")
     return await respond(request, state, chat, MessageWriter(chat.served, len(chat.ids), body.stop_sequences),
                          body.stream)
 
@@ -121,5 +138,5 @@ async def count_tokens(request: Request, body: MessagesRequest) -> dict:
     """The prompt's tokens, as a /v1/messages request of the same body would run it."""
     state = state_of(request)
     resolve_model(state, body.model)
-    ids, _, _ = await chat_prompt(state, chat_request(body))
+    ids, _, _ = await chat_prompt(state, _chat_request(state, body))
     return {"input_tokens": len(ids)}

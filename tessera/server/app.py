@@ -4,9 +4,11 @@ from __future__ import annotations
 import hmac
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from tessera.server import (anthropic_messages, embeddings, lora_routes, openai_completions, openai_responses,
                             openai_routes, scores, tgi, tokenize_routes)
@@ -131,6 +133,16 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         # a bug: still the route's error body, not a bare text 500 (the traceback is logged)
         return _render(request, APIError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.exception_handler(HTTPException)
+    async def route_error(request: Request, exc: HTTPException) -> Response:
+        # no such route or method: Anthropic's clients read their own error shape (the
+        # others get FastAPI's {"detail"}, as vLLM and TGI answer)
+        if not request.url.path.startswith("/v1/messages"):
+            return await http_exception_handler(request, exc)
+        error = APIError(str(exc.detail))
+        error.status = exc.status_code
+        return anthropic_error(error)
 
     @app.exception_handler(RequestValidationError)
     async def body_error(request: Request, exc: RequestValidationError) -> JSONResponse:

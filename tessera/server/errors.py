@@ -82,7 +82,7 @@ def openai_error(exc: APIError) -> JSONResponse:
 
 # Anthropic's error types, by the status it answers with
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                    503: "overloaded_error", 529: "overloaded_error"}
 
 

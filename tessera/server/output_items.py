@@ -79,9 +79,10 @@ class OutputItems:
         last = self.items[-1] if self.items else None
         return last if last is not None and last.status == "in_progress" else None
 
-    def _open(self, kind: str) -> list[str]:
+    def _open(self, kind: str, name: str = "") -> list[str]:
         events = self._close("completed")
-        self.items.append(OutputItem(kind, len(self.items), f"{self.ID_PREFIXES[kind]}_{uuid.uuid4().hex}"))
+        self.items.append(OutputItem(kind, len(self.items), f"{self.ID_PREFIXES[kind]}_{uuid.uuid4().hex}",
+                                     name=name))
         return events + self.opened(self.items[-1])
 
     def _close(self, status: str) -> list[str]:
@@ -103,10 +104,9 @@ class OutputItems:
         events = []
         for call in calls:
             function = call.get("function") or {}
-            if "name" in function:
-                events += self._open("call")
-                item = self.calls[call["index"]] = self.items[-1]
-                item.name = function["name"]
+            if "name" in function:  # the opening events carry the name
+                events += self._open("call", function["name"])
+                self.calls[call["index"]] = self.items[-1]
             item = self.calls[call["index"]]
             if function.get("arguments"):
                 item.text += function["arguments"]

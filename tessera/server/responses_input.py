@@ -22,6 +22,11 @@ UNSUPPORTED = {"conversation": "the Conversations API is not served: continue by
                "background": "background responses are not supported"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the message's logprobs
+# what `include` may name (OpenAI's values); only LOGPROBS adds anything here: the others
+# are of hosted tools' items, image URLs and encrypted reasoning, none of which a reply has
+INCLUDABLE = {LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
+              "computer_call_output.output.image_url"}
 
 
 def input_items(body: ResponsesRequest) -> list:
@@ -63,6 +68,9 @@ def chat_request(body: ResponsesRequest, items: list | None = None) -> ChatCompl
     fmt = (body.text or {}).get("format")
     if fmt is not None:
         chat["response_format"] = _response_format(fmt)
+    unknown = set(body.include or ()) - INCLUDABLE
+    if unknown:
+        raise ValidationFailed(f"`include` takes {sorted(INCLUDABLE)}, got {sorted(unknown)}", param="include")
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValueError as exc:
@@ -92,7 +100,9 @@ def _parts(content: Any, where: str, images: bool) -> list[dict]:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS:
-            parts.append({"type": "text", "text": part.get("text", "")})
+            if not isinstance(part.get("text"), str):
+                raise ValidationFailed(f"{where}.content[{j}].text must be a string", param="input")
+            parts.append({"type": "text", "text": part["text"]})
         elif images and kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
@@ -122,17 +132,23 @@ def _add_call(messages: list[dict], item: dict, where: str, calls: dict[str, str
 
 def _call_output(item: dict, where: str, calls: dict[str, str]) -> dict:
     call_id, output = _text(item, "call_id", where), item.get("output")
+    if call_id not in calls:
+        raise ValidationFailed(f"{where}: no function_call with call_id {call_id!r} comes before this output",
+                               param="input")
     if not isinstance(output, str):  # a list of parts: their text (images and files are not taken here)
         output = "".join(part["text"] for part in _parts(output, f"{where}.output", images=False))
-    message = {"role": "tool", "tool_call_id": call_id, "content": output}
-    if call_id in calls:  # some templates name the function a result answers
-        message["name"] = calls[call_id]
-    return message
+    # some templates name the function a result answers
+    return {"role": "tool", "tool_call_id": call_id, "content": output, "name": calls[call_id]}
 
 
 def _chat_tool(tool: Any, i: int) -> dict:
     """A Responses function tool (its fields beside `type`) as chat's nested form."""
-    kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+    if not isinstance(tool, dict):
+        raise ValidationFailed(f"`tools[{i}]` must be an object", param="tools")
+    kind = tool.get("type")
+    if kind == "custom":
+        raise ValidationFailed(f"`tools[{i}]`: custom tools (free-form input) are not served; function tools "
+                               "(`parameters`, a JSON schema) are", param="tools")
     if kind != "function":
         raise ValidationFailed(f"`tools[{i}]`: only function tools are served (the model's own calls, run by the "
                                f"client); {kind!r} is one of OpenAI's hosted tools", param="tools")
@@ -150,8 +166,12 @@ def _chat_tool_choice(choice: Any) -> Any:
                            f"{{\"type\": \"function\", \"name\": ...}}, got {kind!r}", param="tool_choice")
 
 
-def _response_format(fmt: dict) -> dict:
+def _response_format(fmt: Any) -> dict:
     """Responses' text.format (name and schema beside the type) as chat's response_format."""
+    if not isinstance(fmt, dict):
+        raise ValidationFailed("`text.format` must be an object with a `type`", param="text")
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise ValidationFailed("`text.format` of type json_schema needs a `schema` object", param="text")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     return {"type": fmt.get("type")}

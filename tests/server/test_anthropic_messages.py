@@ -137,16 +137,25 @@ def test_a_forced_tool_gives_a_tool_use_block_streamed_and_not(client, url, serv
                                 tool_choice=choice, messages=[{"role": "user", "content": QUESTION}]) as stream:
         final = stream.get_final_message()
     assert final.content[0].input == block.input and final.stop_reason == "tool_use"
+    assert final.content[0].name == "get_weather"
     events = raw_events(url, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=80)
     partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
     assert json.loads(partial) == block.input and events[1].content_block.type == "tool_use"
+    assert events[1].content_block.name == "get_weather"  # the block opens with its tool's name
     # "any" with parallel use disabled: exactly one call
     one = create(client, tools=[WEATHER, TIME], tool_choice={"type": "any", "disable_parallel_tool_use": True},
                  max_tokens=200)
     assert [b.type for b in one.content] == ["tool_use"] and valid_input(one.content[0])
-    # cut short, the arguments are no input object: the text as it is
-    short = create(client, tools=[WEATHER], tool_choice=choice, max_tokens=3)
-    assert short.stop_reason == "max_tokens" and [b.type for b in short.content] == ["text"]
+    # cut short (max_tokens, a stop sequence inside the arguments): a tool_use of the complete
+    # members, whole as the SDK reads them from the stream
+    for cut, reason in (({"max_tokens": 9}, "max_tokens"), ({"stop_sequences": ["metric"]}, "stop_sequence")):
+        short = create(client, tools=[WEATHER], tool_choice=choice, **{"max_tokens": 80, **cut})
+        with client.messages.stream(model=MODEL_NAME, extra_body=GREEDY, tools=[WEATHER], tool_choice=choice,
+                                    messages=[{"role": "user", "content": QUESTION}],
+                                    **{"max_tokens": 80, **cut}) as stream:
+            streamed = stream.get_final_message()
+        assert [b.type for b in short.content] == ["tool_use"] and short.stop_reason == streamed.stop_reason == reason
+        assert short.content[0].input == streamed.content[0].input and set(short.content[0].input) < {"city", "metric"}
     server.assert_idle()
 
 
@@ -156,7 +165,7 @@ CONVERSATION = [
                                       {"type": "text", "text": "Checking."},
                                       {"type": "tool_use", "id": "toolu_a", "name": "get_time",
                                        "input": {"zone": "CET"}}]},
-    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a",
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "is_error": True,
                                   "content": [{"type": "text", "text": "12:00"}]},
                                  {"type": "text", "text": "And now?"}]},
 ]
@@ -164,7 +173,7 @@ AS_CHAT = [
     {"role": "user", "content": "Time in Oslo?"},
     {"role": "assistant", "content": "Checking.", "tool_calls": [
         {"id": "toolu_a", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]},
-    {"role": "tool", "tool_call_id": "toolu_a", "content": "12:00"},
+    {"role": "tool", "tool_call_id": "toolu_a", "content": "12:00", "name": "get_time", "is_error": True},
     {"role": "user", "content": [{"type": "text", "text": "And now?"}]},
 ]
 
@@ -204,8 +213,19 @@ def test_auth_by_x_api_key(url, server, monkeypatch):
     ({"tool_choice": {"type": "any"}}, "invalid_request_error", "needs `tools`"),
     ({"tools": [TIME]}, "invalid_request_error", "--tool-call-parser"),
     ({"unknown_field": 1}, "invalid_request_error", "unknown_field"),
+    ({"temperature": 5}, "invalid_request_error", "between 0 and 1"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "invalid_request_error",
+     "must be a string"),
+    ({"messages": [{"role": "user", "content": []}]}, "invalid_request_error", "cannot be empty"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "get_time", "input": {}}]}]}, "invalid_request_error",
+     "no tool_result"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "x"}]}]},
+     "invalid_request_error", "only those"),
 ])
 def test_errors_are_anthropics(url, server, body, kind, message):
+    """Anthropic's error shape, what the real API refuses refused (a tool_use needs its
+    tool_result next, and a result its tool_use), in Anthropic's words."""
     full = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": QUESTION}], **body}
     r = httpx.post(url + "/v1/messages", json={k: v for k, v in full.items() if v is not None})
     assert r.status_code == (404 if kind == "not_found_error" else 400), r.text
@@ -222,3 +242,9 @@ def test_output_config_format_constrains_the_text(client):
     assert json.loads(msg.content[0].text)["city"] in ("Paris", "Oslo") and msg.stop_reason == "end_turn"
     with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
         create(client, output_config={"format": {"type": "regex"}})
+
+
+def test_no_such_route_or_method_is_an_anthropic_error(url):
+    r = httpx.get(url + "/v1/messages")
+    assert r.status_code == 405 and r.json()["type"] == "error"
+    assert httpx.get(url + "/v1/nowhere").json() == {"detail": "Not Found"}  # elsewhere FastAPI's, as vLLM's

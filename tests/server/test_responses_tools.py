@@ -183,8 +183,15 @@ def test_message_logprobs_are_the_chat_ones_streamed_and_not(client, server):
     ({"tools": [TIME], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not among `tools`"),
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "`call_id`"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]}, "input",
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "get_time", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]}, "input",
      "input_text"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input", "no function_call"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input", "must be a string"),
+    ({"tools": [{"type": "custom", "name": "patch"}], "tool_choice": "required"}, "tools", "custom tools"),
+    ({"text": {"format": "json"}}, "text", "must be an object"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs a `schema`"),
+    ({"include": ["everything"]}, "include", "everything"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "'item_reference'"),
     ({"tools": [TIME], "tool_choice": "required", "include": ["message.output_text.logprobs"]}, "include",
      "plain answers"),
@@ -223,6 +230,8 @@ def test_the_writer_opens_each_item_in_turn_and_closes_the_one_before():
     added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
     done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
     assert added == done == [(0, "reasoning"), (1, "message"), (2, "function_call"), (3, "function_call")]
+    assert [e.item.name for e in events if e.type == "response.output_item.added" and e.output_index > 1] == [
+        "get_time", "get_time"]  # a call's item opens with its function's name
     kinds = [(e.type, e.output_index) for e in events if hasattr(e, "output_index")]
     for index in range(3):  # an item is done before the next is added
         assert kinds.index(("response.output_item.done", index)) < kinds.index(("response.output_item.added", index + 1))
