@@ -119,14 +119,22 @@ class VisionEncoder(nn.Module):
     @torch.inference_mode()
     def forward(self, encoder_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The features of the images `encoder_inputs` holds (the runner passes one image's),
-        in placeholder order: [N, hidden]."""
+        in placeholder order: [N, hidden], or [N, hidden * (1 + k)] with k DeepStack levels."""
         if not self.materialized:
             raise RuntimeError("this tensor-parallel rank holds no vision tower: the driver encodes")
         device = next(self.hf.parameters()).device
         inputs = {k: v.to(device, self.dtype if v.is_floating_point() else v.dtype)
                   for k, v in encoder_inputs.items()}
         out = self.hf.get_image_features(**inputs)
-        features = getattr(out, "pooler_output", out)
-        if isinstance(features, torch.Tensor):
-            features = [features]
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+        features = _rows(getattr(out, "pooler_output", out))
+        # Qwen3-VL's DeepStack: features of earlier vision layers, which the language model
+        # adds after its first layers; they travel beside the main ones, [N, hidden * (1 + k)]
+        levels = getattr(out, "deepstack_features", None) or []
+        return torch.cat([features, *(_rows(level) for level in levels)], dim=-1)
+
+
+def _rows(features: torch.Tensor | list | tuple) -> torch.Tensor:
+    """Features given whole or per image, as one [N, width] tensor."""
+    if isinstance(features, torch.Tensor):
+        features = [features]
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in features])

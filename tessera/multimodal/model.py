@@ -24,11 +24,16 @@ class VisionLanguageForCausalLM(nn.Module):
         if image_rows is None:
             return self.language_model(input_ids, positions)
         embeds = self.language_model.model.embed(input_ids)
-        embeds = embeds.index_copy(0, image_rows, image_embeds.to(embeds.dtype))
+        width = embeds.shape[-1]
+        embeds = embeds.index_copy(0, image_rows, image_embeds[:, :width].to(embeds.dtype))
+        extra = {}
+        if image_embeds.shape[-1] > width:  # DeepStack levels (encoder.py; an M-RoPE model's): added
+            # to the image rows after the language model's first layers
+            extra = {"deepstack": image_embeds[:, width:].reshape(len(image_rows), -1, width)}
         if image_positions is None:
             return self.language_model(input_ids, positions, embeds)
         return self.language_model(input_ids, positions, embeds, mrope_rows=image_rows,
-                                   mrope_positions=image_positions)
+                                   mrope_positions=image_positions, **extra)
 
     @property
     def packed_modules_mapping(self) -> dict:

@@ -264,18 +264,23 @@ class RotaryEmbedding(OpModule):
 class MRotaryEmbedding(RotaryEmbedding):
     """Qwen2-VL's multimodal rotary embedding (M-RoPE): the frequencies come in three
     sections (`mrope_section`, summing to head_size / 2) that rotate by a token's temporal,
-    height and width positions. A text token has the same position in all three, which is
+    height and width positions, as three blocks or (`interleaved`, Qwen3-VL) in turn. A text token has the same position in all three, which is
     plain rotary at that position; so a step passes 1-D positions, and only its image
     tokens' rows (`mrope_rows`) take their 3-D positions (`mrope_positions`, [3, rows])."""
 
     def __init__(self, head_size: int, max_position: int, params: dict, target: OpTarget,
-                 mrope_section: list[int]):
+                 mrope_section: list[int], interleaved: bool = False):
         if sum(mrope_section) != head_size // 2:
             raise ValueError(f"mrope_section {mrope_section} must sum to head_size / 2 = {head_size // 2}")
         super().__init__(head_size, max_position, params, target)
         if self.length_dependent:
             raise ValueError(f"M-RoPE with rope_type {params['rope_type']!r} is not supported")
-        section = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        if interleaved:  # Qwen3-VL: frequencies cycle t, h, w while h and w last, then t alone
+            j = torch.arange(head_size // 2)
+            section = torch.where((j % 3 == 1) & (j < 3 * mrope_section[1]), 1,
+                                  torch.where((j % 3 == 2) & (j < 3 * mrope_section[2]), 2, 0))
+        else:  # Qwen2-VL: a block of t frequencies, then h, then w
+            section = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
         # the section of each column of a (cos, cos, sin, sin) row
         self.register_buffer("column_section", section.repeat(4).to(target.device), persistent=False)
 

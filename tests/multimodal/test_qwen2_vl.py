@@ -9,8 +9,10 @@ from safetensors.torch import load_file
 
 from tessera import LLM
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (QWEN_IMAGE, greedy, hf_qwen_generate, hf_qwen_logprobs, image_prompt,
+from tests.multimodal.checkpoints import (QWEN_IMAGE, greedy, hf_qwen_generate, image_prompt,
                                           make_tiny_qwen2_vl, random_image)
+from tests.multimodal.qwen_checks import (check_batched_chunked_and_text_only, check_greedy_tokens_and_logprobs,
+                                          check_lora_equals_peft)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,29 +53,12 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, model_type, tie
     hf = make_tiny_qwen2_vl(tmp_path, TINY_CORPUS, model_type=model_type, seed=2, tie_word_embeddings=tied)
     if tied:
         assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
-    images = [random_image(3, size=(70, 100)), random_image(4, size=(60, 60))]
-    prompt, want = hf_qwen_generate(hf, tmp_path, TWO_IMAGES, images, N)
     with LLM(tmp_path, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
-        out = llm.generate(image_prompt(TWO_IMAGES, images), greedy(logprobs=0), use_tqdm=False)[0]
-    assert out.prompt_token_ids == prompt
-    got = out.outputs[0].token_ids
-    assert got == want
-    logprobs = [lp[t].logprob for t, lp in zip(got, out.outputs[0].logprobs)]
-    assert logprobs == pytest.approx(hf_qwen_logprobs(hf, tmp_path, TWO_IMAGES, images, got), abs=1e-4)
+        check_greedy_tokens_and_logprobs(tmp_path, hf, llm)
 
 
 def test_batched_chunked_and_text_only(tiny_qwen25_vl, llm):
-    """Images of two sizes and a text prompt in one batch, then again in 8-token steps
-    (the images split over steps, text after them in steps with no image row)."""
-    folder, hf = tiny_qwen25_vl
-    cases = [(TWO_IMAGES, [random_image(5, size=(56, 112)), random_image(6, size=(90, 50))]),
-             ("Paged attention stores", []), (f"A {QWEN_IMAGE} picture of", [random_image(7)])]
-    want = [hf_qwen_generate(hf, folder, text, images, N)[1] for text, images in cases]
-    prompts = [image_prompt(text, images) if images else text for text, images in cases]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)] == want
-    with LLM(folder, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8, max_num_seqs=8,
-             show_progress=False) as chunked:
-        assert [o.outputs[0].token_ids for o in chunked.generate(prompts, greedy(), use_tqdm=False)] == want
+    check_batched_chunked_and_text_only(*tiny_qwen25_vl, llm)
 
 
 def test_chat_renders_the_vision_tokens(tiny_qwen25_vl, llm):
@@ -101,22 +86,7 @@ def test_warm_up_measures_the_largest_image(llm):
 
 
 def test_lora_on_the_language_model_equals_peft(tiny_qwen25_vl, tmp_path):
-    """A PEFT adapter on Qwen2.5-VL's language model, with images and M-RoPE positions:
-    tessera's greedy tokens equal PEFT's."""
-    from tessera.lora.request import LoRARequest
-    from tests.lora.peft_adapters import save_peft_adapter
-
-    folder, hf = tiny_qwen25_vl
-    adapter = tmp_path / "adapter"
-    peft_model = save_peft_adapter(hf, adapter, seed=6,
-                                   target_modules=r".*language_model.*\.(q_proj|k_proj|o_proj|up_proj)")
-    text, images = f"A {QWEN_IMAGE} picture of", [random_image(10, size=(70, 100))]
-    _, want = hf_qwen_generate(peft_model, folder, text, images, N)
-    assert want != hf_qwen_generate(hf, folder, text, images, N)[1]
-    with LLM(folder, dtype="float32", num_kv_blocks=64, enable_lora=True, show_progress=False) as llm:
-        got = llm.generate(image_prompt(text, images), greedy(), use_tqdm=False,
-                           lora_request=LoRARequest("a", 1, str(adapter)))[0].outputs[0].token_ids
-    assert got == want
+    check_lora_equals_peft(*tiny_qwen25_vl, tmp_path, "q_proj|k_proj|o_proj|up_proj")
 
 
 def test_mm_processor_kwargs_bound_the_image_size(tiny_qwen25_vl, tmp_path):

@@ -1,0 +1,17 @@
+from tessera.models.qwen2_vl.processing import QwenVLImagePrompts
+from tessera.models.qwen3_vl.modeling import Qwen3VLForCausalLM
+from tessera.models.vision_language import VisionLanguageRouter
+
+
+class Qwen3VLRouter(VisionLanguageRouter):
+    """Qwen3-VL (dense): transformers' vision transformer, whose DeepStack features the
+    native Qwen3 language model adds after its first layers, with interleaved M-RoPE
+    positions. Images only (no video yet)."""
+    model_types = ("qwen3_vl",)
+    supports_images = True  # tests/multimodal/test_qwen3_vl.py
+    supports_tensor_parallel = True  # tests/multimodal/test_qwen3_vl.py
+    supports_lora = True  # tests/multimodal/test_qwen3_vl.py
+    image_prompts_cls = QwenVLImagePrompts
+
+    def language_model_cls(self):
+        return Qwen3VLForCausalLM

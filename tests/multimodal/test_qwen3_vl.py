@@ -1,0 +1,93 @@
+"""Qwen3-VL against transformers (float32): the native Qwen3 language model with
+interleaved M-RoPE positions and DeepStack (features of earlier vision layers added after
+its first layers), transformers' vision transformer, tessera's placeholder expansion."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import LLM
+from tests.conftest import TINY_CORPUS
+from tests.multimodal.checkpoints import (QWEN_IMAGE, hf_qwen_generate, hf_qwen_logprobs, make_tiny_qwen3_vl,
+                                          random_image)
+from tests.multimodal.qwen_checks import (check_batched_chunked_and_text_only, check_greedy_tokens_and_logprobs,
+                                          check_lora_equals_peft)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N = 16
+TWO_IMAGES = f"The quick {QWEN_IMAGE} brown fox {QWEN_IMAGE} jumps"
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    return folder, make_tiny_qwen3_vl(folder, TINY_CORPUS, seed=2)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_vl):
+    with LLM(tiny_qwen3_vl[0], dtype="float32", num_kv_blocks=128, show_progress=False) as llm:
+        yield llm
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers(tiny_qwen3_vl, llm):
+    check_greedy_tokens_and_logprobs(*tiny_qwen3_vl, llm)
+
+
+def test_deepstack_and_interleaving_change_the_answer(tiny_qwen3_vl, monkeypatch):
+    """The parity above would catch a skipped DeepStack level or block-wise M-RoPE: each
+    changes transformers' own log-probabilities by far more than its tolerance."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as hf_module
+
+    folder, hf = tiny_qwen3_vl
+    images = [random_image(3, size=(70, 100)), random_image(4, size=(60, 60))]
+    tokens = hf_qwen_generate(hf, folder, TWO_IMAGES, images, 8)[1]
+    base = hf_qwen_logprobs(hf, folder, TWO_IMAGES, images, tokens)
+    with monkeypatch.context() as m:
+        m.setattr(hf_module.Qwen3VLTextModel, "_deepstack_process", lambda self, hidden, *args: hidden)
+        assert max(abs(a - b) for a, b in zip(base, hf_qwen_logprobs(hf, folder, TWO_IMAGES, images, tokens))) > 1e-3
+    with monkeypatch.context() as m:  # blocks of t, h, w frequencies (Qwen2-VL's) instead of turns
+        def blocks(self, freq):
+            section = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
+            mixed = freq[0].clone()
+            for axis in (1, 2):
+                mixed[..., section == axis] = freq[axis][..., section == axis]
+            return torch.cat((mixed, mixed), dim=-1)
+        m.setattr(hf_module.Qwen3VLTextRotaryEmbedding, "recomposition_frequencies", blocks)
+        assert max(abs(a - b) for a, b in zip(base, hf_qwen_logprobs(hf, folder, TWO_IMAGES, images, tokens))) > 1e-3
+
+
+def test_positions_equal_transformers_rope_index(tiny_qwen3_vl, llm):
+    folder, hf = tiny_qwen3_vl
+    images = [random_image(1, size=(70, 100)), random_image(2, size=(60, 60))]
+    ids, inputs = llm.engine.process_images(TWO_IMAGES, images)
+    pad = llm.engine.router.image_token_id
+    grids = torch.cat([image.encoder_inputs["image_grid_thw"] for image in inputs.images])
+    want, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == pad).int(),
+                                          image_grid_thw=grids)
+    rows = torch.tensor(inputs.feature_positions)
+    assert torch.equal(inputs.image_rope, want[:, 0][:, rows])
+    assert inputs.rope_delta == int(delta) < 0
+
+
+def test_batched_chunked_and_text_only(tiny_qwen3_vl, llm):
+    check_batched_chunked_and_text_only(*tiny_qwen3_vl, llm)
+
+
+def test_lora_on_the_language_model_equals_peft(tiny_qwen3_vl, tmp_path):
+    check_lora_equals_peft(*tiny_qwen3_vl, tmp_path, "q_proj|v_proj|o_proj|down_proj")
+
+
+def test_warm_up_measures_the_largest_image(llm):
+    """What GPU warm-up encodes: an image at the processor's max_pixels (32 * 32 * 64 here),
+    64 tokens after merging, with its DeepStack levels beside them."""
+    from tessera.runner.warmup import profile_image_encoder
+
+    largest = llm.engine.router.image_prompts.largest_image_inputs()
+    assert int(largest["image_grid_thw"].prod()) // 4 == 64
+    features = llm.engine.model.encode_images(largest)
+    assert features.shape == (64, 64 * 3)  # the main features and two levels, 64 wide each
+    assert profile_image_encoder(llm.engine.runner, largest) >= 0
