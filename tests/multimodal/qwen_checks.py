@@ -1,5 +1,6 @@
-"""Checks both Qwen VL test files run (Qwen2-VL / Qwen2.5-VL and Qwen3-VL): batched and
-chunked prompts with images equal transformers, and a LoRA adapter equals PEFT's."""
+"""Checks both Qwen VL test files run (Qwen2-VL / Qwen2.5-VL and Qwen3-VL): M-RoPE positions
+equal transformers' get_rope_index, greedy tokens and logprobs, batched and chunked
+prompts with images equal transformers, and a LoRA adapter equals PEFT's."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,25 @@ from tests.multimodal.checkpoints import (QWEN_IMAGE, greedy, hf_qwen_generate, 
 
 N = 16
 TWO_IMAGES = f"The quick {QWEN_IMAGE} brown fox {QWEN_IMAGE} jumps"
+
+
+def check_positions_equal_rope_index(folder: Path, hf: torch.nn.Module, llm: LLM) -> None:
+    """The prompt's M-RoPE positions (3-D for image tokens, compressed after each image)
+    and the offset of the output's are transformers' get_rope_index."""
+    images = [random_image(1, size=(70, 100)), random_image(2, size=(60, 60))]
+    ids, inputs = llm.engine.process_images(TWO_IMAGES, images)
+    pad = llm.engine.router.image_token_id
+    grids = torch.cat([image.encoder_inputs["image_grid_thw"] for image in inputs.images])
+    want, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == pad).int(),
+                                          image_grid_thw=grids)
+    want = want[:, 0]
+    rows = torch.tensor(inputs.feature_positions)
+    assert torch.equal(inputs.image_rope, want[:, rows])
+    text_rows = [i for i in range(len(ids)) if i not in set(inputs.feature_positions)]
+    assert [inputs.rope_positions[i] for i in text_rows] == want[0, text_rows].tolist()
+    assert want[:, text_rows].eq(want[0, text_rows]).all()  # a text token's three components agree
+    assert inputs.rope_delta == int(delta) < 0  # images take fewer positions than tokens
+    assert inputs.rope_position(len(ids) + 3) == len(ids) + 3 + int(delta)
 
 
 def check_greedy_tokens_and_logprobs(folder: Path, hf: torch.nn.Module, llm: LLM) -> None:

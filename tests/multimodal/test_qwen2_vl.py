@@ -4,7 +4,6 @@ expansion (transformers' Qwen processor needs torchvision)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tessera import LLM
@@ -12,7 +11,7 @@ from tests.conftest import TINY_CORPUS
 from tests.multimodal.checkpoints import (QWEN_IMAGE, greedy, hf_qwen_generate, image_prompt,
                                           make_tiny_qwen2_vl, random_image)
 from tests.multimodal.qwen_checks import (check_batched_chunked_and_text_only, check_greedy_tokens_and_logprobs,
-                                          check_lora_equals_peft)
+                                          check_lora_equals_peft, check_positions_equal_rope_index)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,23 +26,7 @@ def llm(tiny_qwen25_vl):
 
 
 def test_positions_equal_transformers_rope_index(tiny_qwen25_vl, llm):
-    """The prompt's M-RoPE positions (3-D for image tokens, compressed after each image)
-    and the offset of the output's are transformers' get_rope_index."""
-    folder, hf = tiny_qwen25_vl
-    images = [random_image(1, size=(70, 100)), random_image(2, size=(60, 60))]
-    ids, inputs = llm.engine.process_images(TWO_IMAGES, images)
-    pad = llm.engine.router.image_token_id
-    grids = torch.cat([image.encoder_inputs["image_grid_thw"] for image in inputs.images])
-    want, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == pad).int(),
-                                          image_grid_thw=grids)
-    want = want[:, 0]
-    rows = torch.tensor(inputs.feature_positions)
-    assert torch.equal(inputs.image_rope, want[:, rows])
-    text_rows = [i for i in range(len(ids)) if i not in set(inputs.feature_positions)]
-    assert [inputs.rope_positions[i] for i in text_rows] == want[0, text_rows].tolist()
-    assert want[:, text_rows].eq(want[0, text_rows]).all()  # a text token's three components agree
-    assert inputs.rope_delta == int(delta) < 0  # images take fewer positions than tokens
-    assert inputs.rope_position(len(ids) + 3) == len(ids) + 3 + int(delta)
+    check_positions_equal_rope_index(*tiny_qwen25_vl, llm)
 
 
 @pytest.mark.parametrize("model_type, tied", [("qwen2_5_vl", False), ("qwen2_vl", False), ("qwen2_5_vl", True)])

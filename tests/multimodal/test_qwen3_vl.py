@@ -13,7 +13,7 @@ from tests.conftest import TINY_CORPUS
 from tests.multimodal.checkpoints import (QWEN_IMAGE, hf_qwen_generate, hf_qwen_logprobs, make_tiny_qwen3_vl,
                                           random_image)
 from tests.multimodal.qwen_checks import (check_batched_chunked_and_text_only, check_greedy_tokens_and_logprobs,
-                                          check_lora_equals_peft)
+                                          check_lora_equals_peft, check_positions_equal_rope_index)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,16 +61,7 @@ def test_deepstack_and_interleaving_change_the_answer(tiny_qwen3_vl, monkeypatch
 
 
 def test_positions_equal_transformers_rope_index(tiny_qwen3_vl, llm):
-    folder, hf = tiny_qwen3_vl
-    images = [random_image(1, size=(70, 100)), random_image(2, size=(60, 60))]
-    ids, inputs = llm.engine.process_images(TWO_IMAGES, images)
-    pad = llm.engine.router.image_token_id
-    grids = torch.cat([image.encoder_inputs["image_grid_thw"] for image in inputs.images])
-    want, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == pad).int(),
-                                          image_grid_thw=grids)
-    rows = torch.tensor(inputs.feature_positions)
-    assert torch.equal(inputs.image_rope, want[:, 0][:, rows])
-    assert inputs.rope_delta == int(delta) < 0
+    check_positions_equal_rope_index(*tiny_qwen3_vl, llm)
 
 
 def test_batched_chunked_and_text_only(tiny_qwen3_vl, llm):
