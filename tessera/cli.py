@@ -300,7 +300,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       payload_limit=args.payload_limit,
                       allowed_local_media_path=args.allowed_local_media_path,
                       max_images_per_prompt=args.limit_mm_per_prompt,
-                      responses_store_size=args.responses_store_size)
+                      responses_store_size=args.responses_store_size,
+                      prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -365,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight beyond which clients get 429 'Model is overloaded'")
     serve.add_argument("--max-input-tokens", type=int, default=None,
                        help="longest prompt accepted (default: max model length - 1)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="give usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache "
+                            "held) on /v1/chat/completions and /v1/completions, as vLLM's flag does; "
+                            "/v1/responses and /v1/messages always report them")
     serve.add_argument("--responses-store-size", type=int_at_least(0), default=1000, metavar="N",
                        help="keep the last N finished /v1/responses in memory (unless a request sets store: "
                             "false), for previous_response_id and GET /v1/responses/{id}; 0 keeps none")

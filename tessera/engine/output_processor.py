@@ -151,7 +151,8 @@ class OutputProcessor:
             group.request_id, first.prompt, first.prompt_token_ids,
             [self.completion(s, deltas.get(s)) for s in seqs], finished=finished,
             metrics=self._metrics(group, now),
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None)
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
+            num_cached_tokens=max(s.num_cached_tokens for s in group.seqs))
 
 
 def _accepts(matcher, token: int) -> bool:

@@ -61,3 +61,4 @@ class RequestOutput:
     # Per prompt token when `prompt_logprobs` was asked for; the first is None (nothing
     # predicts it). Complete from the first output on.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's field)

@@ -184,6 +184,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n

@@ -42,6 +42,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # under the "priority" policy: lower is scheduled sooner
     first_scheduled_time: float | None = None  # first admission to the running batch
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # tokens sampled by launched steps whose results the host has not read yet (async

@@ -101,8 +101,11 @@ class MessageWriter(OutputItems):
 
     def message(self, out: CompletionOutput | None) -> dict:
         """The message: as it starts (`out` None), or done with its blocks."""
-        usage = {"input_tokens": self.n_prompt, "output_tokens": 0 if out is None else len(out.token_ids),
-                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        # Anthropic counts the prompt as input_tokens + cache reads (+ cache writes, which
+        # prefix caching does not charge for: 0)
+        usage = {"input_tokens": self.n_prompt - self.cached_tokens,
+                 "output_tokens": 0 if out is None else len(out.token_ids),
+                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached_tokens}
         stop = {"stop_reason": None, "stop_sequence": None} if out is None else self.stop(out)
         content = [] if out is None else [self._block(item) for item in self.items]
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,

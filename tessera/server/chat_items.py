@@ -92,7 +92,8 @@ async def respond(request: Request, state: ServerState, chat: PreparedChat, item
     if stream:
         outputs = await admit(outputs)
         return StreamingResponse(_events(chat, outputs, items), media_type="text/event-stream")
-    out = (await collect(request, outputs)).outputs[0]
+    result = await collect(request, outputs)
+    out, items.cached_tokens = result.outputs[0], result.num_cached_tokens
     feed_whole(chat, out, items)
     items.close_output(out)
     return JSONResponse(items.reply(out))
@@ -100,10 +101,12 @@ async def respond(request: Request, state: ServerState, chat: PreparedChat, item
 
 async def _events(chat: PreparedChat, outputs: AsyncIterator[RequestOutput], items: OutputItems) -> AsyncIterator[str]:
     try:
+        first = await outputs.__anext__()  # (already here: `admit` waited for it)
+        items.cached_tokens = first.num_cached_tokens  # the opening events report it
         for event in items.started():
             yield event
         out = None
-        async for out, events in feed_stream(chat, outputs, items):
+        async for out, events in feed_stream(chat, _chain(first, outputs), items):
             for event in events:
                 yield event
         if out is None:
@@ -118,3 +121,9 @@ async def _events(chat: PreparedChat, outputs: AsyncIterator[RequestOutput], ite
             yield event
     finally:
         await outputs.aclose()
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for result in rest:
+        yield result

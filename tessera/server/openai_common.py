@@ -23,8 +23,13 @@ def state_of(request: Request) -> ServerState:
     return request.app.state.tessera
 
 
-def usage_of(n_prompt: int, n_completion: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def usage_of(n_prompt: int, n_completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached` (with --enable-prompt-tokens-details, as vLLM): how many
+    prompt tokens the prefix cache held."""
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def continuous_usage(body: _OpenAISampling) -> bool:

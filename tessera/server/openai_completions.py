@@ -90,6 +90,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         streams = admitted
     n_prompt = sum(len(ids) for _, ids in prompts)
 
+    def details(cached: int) -> int | None:  # usage's prompt_tokens_details, when the server gives them
+        return cached if state.prompt_tokens_details else None
+
     def echo_text(i: int) -> str:
         text, ids = prompts[i]
         return text if text is not None else state.tokenizer.decode(ids)
@@ -100,7 +103,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
             echoed: set[int] = set()
             offsets: dict[int, int] = {}  # a choice's next text_offset
             ended: set[int] = set()
+            cached: dict[int, int] = {}  # per prompt: its tokens the prefix cache held
             async for i, out in merge_streams(streams):
+                cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     if (i, c.index) in ended or (not c.delta_token_ids and c.finish_reason is None):
                         continue
@@ -125,11 +130,11 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                                           "finish_reason": FINISH.get(c.finish_reason) if c.finish_reason else None,
                                           "stop_reason": c.stop_reason}]}
                     if continuous_usage(body):
-                        chunk["usage"] = usage_of(n_prompt, n_out)
+                        chunk["usage"] = usage_of(n_prompt, n_out, details(sum(cached.values())))
                     yield chunk
             if body.stream_options and body.stream_options.include_usage:
                 yield {"id": rid, "object": "text_completion", "created": created, "model": served,
-                       "choices": [], "usage": usage_of(n_prompt, n_out)}
+                       "choices": [], "usage": usage_of(n_prompt, n_out, details(sum(cached.values())))}
 
         return StreamingResponse(stream_body(chunks(), *streams), media_type="text/event-stream")
 
@@ -151,4 +156,5 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                             **({"prompt_logprobs": wire_prompt_logprobs(out, state.token_text)}
                                if body.prompt_logprobs is not None else {})})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": served,
-                         "choices": choices, "usage": usage_of(n_prompt, n_out)})
+                         "choices": choices,
+                         "usage": usage_of(n_prompt, n_out, details(sum(f.num_cached_tokens for f in finals)))})

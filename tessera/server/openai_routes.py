@@ -167,7 +167,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         async def chunks() -> AsyncIterator[dict]:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served,
                     "system_fingerprint": SYSTEM_FINGERPRINT}
-            usage = {"usage": usage_of(len(ids), 0)} if continuous_usage(body) else {}
+            cached = 0 if state.prompt_tokens_details else None  # from the outputs
+            usage = {"usage": usage_of(len(ids), 0, cached)} if continuous_usage(body) else {}
             for i in range(body.n):
                 yield {**base, "choices": [{"index": i, "delta": {"role": role, "content": ""},
                                             "logprobs": None, "finish_reason": None}], **usage}
@@ -176,6 +177,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             calls = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
             thinking = {i: ReasoningStream(opened) for i in range(body.n)} if thinks else {}
             async for out in stream:
+                cached = out.num_cached_tokens if cached is not None else None
                 for c in out.outputs:
                     if c.index in ended or (not c.delta_token_ids and c.finish_reason is None):
                         continue
@@ -198,11 +200,11 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                     if not delta and finish is None and logprobs is None:
                         continue  # held back: a list of calls shows once complete, a tag once whole
                     if usage:
-                        usage = {"usage": usage_of(len(ids), n_out)}
+                        usage = {"usage": usage_of(len(ids), n_out, cached)}
                     yield {**base, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
                                                 "finish_reason": finish, "stop_reason": c.stop_reason}], **usage}
             if body.stream_options and body.stream_options.include_usage:
-                yield {**base, "choices": [], "usage": usage_of(len(ids), n_out)}
+                yield {**base, "choices": [], "usage": usage_of(len(ids), n_out, cached)}
 
         return StreamingResponse(stream_body(chunks(), stream), media_type="text/event-stream")
 
@@ -223,5 +225,6 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                         "finish_reason": finish, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": served,
                          "system_fingerprint": SYSTEM_FINGERPRINT,
-                         "choices": choices, "usage": usage_of(len(ids), n_out),
+                         "choices": choices,
+                         "usage": usage_of(len(ids), n_out, out.num_cached_tokens if state.prompt_tokens_details else None),
                          **({"prompt_logprobs": wire_prompt_logprobs(out, state.token_text)} if body.prompt_logprobs is not None else {})})

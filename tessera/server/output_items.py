@@ -33,6 +33,7 @@ class OutputItems:
     ID_PREFIXES = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
     def __init__(self):
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (chat_items sets it)
         self.items: list[OutputItem] = []
         self.calls: dict[int, OutputItem] = {}  # chat's tool-call index -> its item
         self.pending: list[dict] = []  # logprobs of tokens whose text is not out yet (part of a character)

@@ -127,7 +127,7 @@ class ResponseWriter(OutputItems):
                    error={"code": "server_error", "message": "the request was aborted"} if status == "failed" else None,
                    output=[wire_item(item) for item in self.items],
                    usage={"input_tokens": self.n_prompt,
-                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                          "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
                           "output_tokens": len(out.token_ids),
                           "output_tokens_details": {"reasoning_tokens": self.count_tokens(thought) if thought else 0},
                           "total_tokens": self.n_prompt + len(out.token_ids)})

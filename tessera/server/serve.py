@@ -38,7 +38,7 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                allow_runtime_lora_updating: bool = False, payload_limit: int | None = None,
                allowed_local_media_path: str | None = None, max_images_per_prompt: int = 8,
-               responses_store_size: int = 1000) -> int:
+               responses_store_size: int = 1000, prompt_tokens_details: bool = False) -> int:
     state = ServerState(model_name, ServerLimits(max_concurrent_requests=max_concurrent_requests,
                                                  max_input_tokens=max_input_tokens or 0,
                                                  max_body_bytes=payload_limit,
@@ -47,7 +47,7 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                         allow_runtime_lora_updating=allow_runtime_lora_updating,
                         allowed_local_media_path=Path(allowed_local_media_path).expanduser()
                         if allowed_local_media_path else None,
-                        responses=ResponseStore(responses_store_size))
+                        responses=ResponseStore(responses_store_size), prompt_tokens_details=prompt_tokens_details)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

@@ -63,6 +63,7 @@ class ServerState:
     # what pooling inputs pass to enter the engine: never more than the in-flight limit at once
     pooling_gate: asyncio.Semaphore | None = None
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for later turns
+    prompt_tokens_details: bool = False  # OpenAI usage's cached_tokens on chat and completions (vLLM's flag)
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:

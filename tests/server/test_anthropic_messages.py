@@ -46,6 +46,11 @@ def create(client, **kw):
     return client.messages.create(model=MODEL_NAME, **kw)
 
 
+def prompt_tokens(msg) -> int:
+    """The whole prompt: Anthropic counts the tokens read from the cache apart."""
+    return msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+
+
 def raw_events(url: str, **body) -> list:
     """A streamed message's events, each validated as the SDK's RawMessageStreamEvent, with its
     SSE event name equal to its type."""
@@ -71,15 +76,14 @@ def test_a_message_is_the_chat_completion_of_its_conversation(client, chat_clien
     assert block.type == "text" and block.text == chat.choices[0].message.content
     assert msg.id.startswith("msg_") and msg.model == MODEL_NAME and msg.role == "assistant"
     assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None
-    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (chat.usage.prompt_tokens,
-                                                                 chat.usage.completion_tokens)
+    assert (prompt_tokens(msg), msg.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     from anthropic.types import Message
     raw = httpx.post(url + "/v1/messages", json={"model": MODEL_NAME, "max_tokens": 4, "messages": [
         {"role": "user", "content": [{"type": "text", "text": QUESTION, "cache_control": {"type": "ephemeral"}}]}],
         "system": [{"type": "text", "text": "Answer briefly."}]}).json()
-    assert Message.model_validate(raw).usage.cache_read_input_tokens == 0
+    assert Message.model_validate(raw).usage.cache_creation_input_tokens == 0
     assert client.messages.count_tokens(model=MODEL_NAME, system="Answer briefly.", messages=[
-        {"role": "user", "content": QUESTION}]).input_tokens == msg.usage.input_tokens
+        {"role": "user", "content": QUESTION}]).input_tokens == prompt_tokens(msg)
     server.assert_idle()
 
 
@@ -96,7 +100,8 @@ def test_streamed_events_add_up_to_the_message(client, url, server):
     assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
         "content_block_stop", "message_delta", "message_stop"]
     assert set(kinds[2:-3]) == {"content_block_delta"}
-    assert events[0].message.usage.input_tokens == whole.usage.input_tokens and events[0].message.content == []
+    start = events[0].message.usage
+    assert start.input_tokens + start.cache_read_input_tokens == prompt_tokens(whole) and events[0].message.content == []
     assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 12
     server.assert_idle()
 
@@ -117,7 +122,7 @@ def test_stop_sequences_and_prefill(client, chat_client, server):
                                                extra_body={"add_generation_prompt": False,
                                                            "continue_final_message": True})
     assert more.content[0].text == same.choices[0].message.content
-    assert more.usage.input_tokens == same.usage.prompt_tokens
+    assert prompt_tokens(more) == same.usage.prompt_tokens
     server.assert_idle()
 
 
@@ -189,7 +194,7 @@ def test_tool_results_sent_back_are_the_chat_conversation(client, chat_client, s
                                                tools=[{"type": "function", "function": {
                                                    "name": "get_time", "parameters": TIME["input_schema"]}}],
                                                tool_choice="none")
-    assert msg.usage.input_tokens == same.usage.prompt_tokens and msg.content[0].text == same.choices[0].message.content
+    assert prompt_tokens(msg) == same.usage.prompt_tokens and msg.content[0].text == same.choices[0].message.content
     server.assert_idle()
 
 
