@@ -20,7 +20,7 @@ from tessera.ops.linear import Linear
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param
-from tessera.weights.lazy import narrow
+from tessera.weights.lazy import materialize, narrow
 
 
 @register_op("moe_routing", name="torch_softmax_topk", priority=0)
@@ -108,6 +108,10 @@ class StackedExperts(OpModule):
                 num_experts, hidden = self.w2_weight.shape[:2]
                 expected = ((num_experts, 2 * full, hidden) if param is self.w13_weight
                             else (num_experts, hidden, full))
+                if tuple(tensor.shape) != expected and tuple(tensor.shape) == (expected[0], expected[2], expected[1]):
+                    # stored as x @ W ([E, H, 2I], [E, I, H]: Qwen3-VL-MoE's files), as
+                    # transformers reads them when the shape says so
+                    tensor = materialize(tensor).transpose(1, 2)
                 if tuple(tensor.shape) != expected:
                     raise ValueError(f"stacked experts: checkpoint shape {tuple(tensor.shape)} != "
                                      f"model shape {expected}")

@@ -5,6 +5,8 @@ and tied embeddings, MoE experts -- and the default model's TP=1 tokens. A kille
 fails the engine within seconds; each rank reads only its slices of a safetensors file."""
 from __future__ import annotations
 
+import functools
+
 import time
 from pathlib import Path
 
@@ -167,7 +169,8 @@ def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     check_tp2_matches_hf(tmp_path, hf)
 
 
-@pytest.mark.parametrize("kind", ["llava", "llava_next", "idefics3", "mistral3", "qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["llava", "llava_next", "idefics3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                                  "gemma3"])
 def test_images_tp2_equal_tp1(kind, tmp_path):
     """Image features (and M-RoPE's 3-D positions) reach every rank: the same greedy tokens
     as one rank for prompts with images, text alone, and 8-token chunks that split images."""
@@ -177,9 +180,11 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
     make = {"llava": checkpoints.make_tiny_llava, "llava_next": checkpoints.make_tiny_llava_next,
             "idefics3": checkpoints.make_tiny_idefics3, "mistral3": checkpoints.make_tiny_mistral3,
             "qwen2_5_vl": checkpoints.make_tiny_qwen2_vl, "qwen3_vl": checkpoints.make_tiny_qwen3_vl,
+            "qwen3_vl_moe": functools.partial(checkpoints.make_tiny_qwen3_vl, moe=True),
             "gemma3": checkpoints.make_tiny_gemma3}[kind]
     make(tmp_path, TINY_CORPUS, seed=3)
-    placeholder = {"qwen2_5_vl": checkpoints.QWEN_IMAGE, "qwen3_vl": checkpoints.QWEN_IMAGE, "mistral3": "[IMG]",
+    placeholder = {"qwen2_5_vl": checkpoints.QWEN_IMAGE, "qwen3_vl": checkpoints.QWEN_IMAGE,
+                   "qwen3_vl_moe": checkpoints.QWEN_IMAGE, "mistral3": "[IMG]",
                    "gemma3": checkpoints.GEMMA3_IMAGE}.get(kind, "<image>")
     random_image = checkpoints.random_image
     prompts = [{"prompt": f"The quick {placeholder} brown fox {placeholder} jumps",
@@ -195,7 +200,7 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
 
 def test_every_native_type_claims_tensor_parallel():
     tested = {"llama", *ZOO, "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-              "gemma3"}
+              "qwen3_vl_moe", "gemma3"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 
 

@@ -213,7 +213,8 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
     from tessera.models.registry import router_classes
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
-              "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl"}  # these and gemma3: tests/multimodal
+              "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+              "qwen3_vl_moe"}  # these and gemma3: tests/multimodal
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
     folder, _ = make_tiny_llama()
     with pytest.raises(ConfigError, match="does not support LoRA adapters"):

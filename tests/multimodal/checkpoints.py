@@ -214,30 +214,45 @@ def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2
     return model
 
 
-def make_tiny_qwen3_vl(folder: Path, corpus: list[str], seed: int = 0) -> torch.nn.Module:
+def make_tiny_qwen3_vl(folder: Path, corpus: list[str], seed: int = 0, moe: bool = False) -> torch.nn.Module:
     """A Qwen3-VL checkpoint: its vision transformer over 16-pixel patches with learned
     position embeddings and DeepStack mergers on both layers, 2 x 2 merging, and a Qwen3
-    language model (3 layers) with interleaved M-RoPE sections (2, 3, 3) of head_dim 16."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    language model (3 layers) with interleaved M-RoPE sections (2, 3, 3) of head_dim 16.
+    `moe`: Qwen3-VL-MoE, 4 experts of 24 (top 2) on layers 0 and 2 (layer 1 dense), its
+    stacked expert tensors saved as the published checkpoints store them ([E, H, 2I],
+    [E, I, H]; transformers 5 saves its own [E, 2I, H], [E, H, I], and reads both)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
 
     tokenizer = bpe_tokenizer(corpus, QWEN_SPECIALS)
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = dict(TEXT_CONFIG, num_hidden_layers=3, head_dim=16, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
                   deepstack_visual_indexes=[0, 1])
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    config_cls, model_cls = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
+                             else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():  # larger DeepStack features, so that a skipped level would show
         for name, p in model.named_parameters():
             if "deepstack_merger_list" in name and name.endswith("linear_fc2.weight"):
                 p.mul_(8.0)
     model.save_pretrained(folder)
+    if moe:
+        tensors = load_file(folder / "model.safetensors")
+        stacked = [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+        assert stacked
+        save_file({name: t.transpose(1, 2).contiguous() if name in stacked else t for name, t in tensors.items()},
+                  folder / "model.safetensors", metadata={"format": "pt"})
     Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=64 * 64,
                           max_pixels=32 * 32 * 64).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -1,6 +1,7 @@
-"""Qwen3-VL against transformers (float32): the native Qwen3 language model with
-interleaved M-RoPE positions and DeepStack (features of earlier vision layers added after
-its first layers), transformers' vision transformer, tessera's placeholder expansion."""
+"""Qwen3-VL and Qwen3-VL-MoE against transformers (float32): the native Qwen3 (or
+Qwen3-MoE) language model with interleaved M-RoPE positions and DeepStack (features of
+earlier vision layers added after its first layers), transformers' vision transformer,
+tessera's placeholder expansion; the MoE's expert tensors in the published layout."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,10 +22,12 @@ N = 16
 TWO_IMAGES = f"The quick {QWEN_IMAGE} brown fox {QWEN_IMAGE} jumps"
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_vl(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    folder = tmp_path_factory.mktemp("qwen3_vl")
-    return folder, make_tiny_qwen3_vl(folder, TINY_CORPUS, seed=2)
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def tiny_qwen3_vl(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_qwen3_vl(folder, TINY_CORPUS, seed=2, moe=request.param.endswith("moe"))
+    assert hf.config.model_type == request.param
+    return folder, hf
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +43,13 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tiny_qwen3_vl, llm):
 def test_deepstack_and_interleaving_change_the_answer(tiny_qwen3_vl, monkeypatch):
     """The parity above would catch a skipped DeepStack level or block-wise M-RoPE: each
     changes transformers' own log-probabilities by far more than its tolerance."""
-    from transformers.models.qwen3_vl import modeling_qwen3_vl as hf_module
-
     folder, hf = tiny_qwen3_vl
+    text_model = type(hf.model.language_model)
     images = [random_image(3, size=(70, 100)), random_image(4, size=(60, 60))]
     tokens = hf_qwen_generate(hf, folder, TWO_IMAGES, images, 8)[1]
     base = hf_qwen_logprobs(hf, folder, TWO_IMAGES, images, tokens)
     with monkeypatch.context() as m:
-        m.setattr(hf_module.Qwen3VLTextModel, "_deepstack_process", lambda self, hidden, *args: hidden)
+        m.setattr(text_model, "_deepstack_process", lambda self, hidden, *args: hidden)
         assert max(abs(a - b) for a, b in zip(base, hf_qwen_logprobs(hf, folder, TWO_IMAGES, images, tokens))) > 1e-3
     with monkeypatch.context() as m:  # blocks of t, h, w frequencies (Qwen2-VL's) instead of turns
         def blocks(self, freq):
@@ -56,7 +58,7 @@ def test_deepstack_and_interleaving_change_the_answer(tiny_qwen3_vl, monkeypatch
             for axis in (1, 2):
                 mixed[..., section == axis] = freq[axis][..., section == axis]
             return torch.cat((mixed, mixed), dim=-1)
-        m.setattr(hf_module.Qwen3VLTextRotaryEmbedding, "recomposition_frequencies", blocks)
+        m.setattr(type(hf.model.language_model.rotary_emb), "recomposition_frequencies", blocks)
         assert max(abs(a - b) for a, b in zip(base, hf_qwen_logprobs(hf, folder, TWO_IMAGES, images, tokens))) > 1e-3
 
 

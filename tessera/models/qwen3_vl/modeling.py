@@ -1,7 +1,8 @@
-"""Qwen3-VL's language model: Qwen3's layers with interleaved multimodal rotary positions
-(the t, h, w frequencies in turn; ops/rotary.py) and DeepStack: the features of earlier
-vision layers are added to the image tokens' hidden states after the first layers, one
-level after each (transformers' Qwen3VLTextModel._deepstack_process)."""
+"""Qwen3-VL's language model: Qwen3's layers (or Qwen3-MoE's, for Qwen3-VL-MoE) with
+interleaved multimodal rotary positions (the t, h, w frequencies in turn; ops/rotary.py)
+and DeepStack: the features of earlier vision layers are added to the image tokens'
+hidden states after the first layers, one level after each (transformers'
+Qwen3VLTextModel._deepstack_process)."""
 from __future__ import annotations
 
 import torch
@@ -10,17 +11,20 @@ from transformers import PretrainedConfig
 from tessera.models.llama.modeling import head_dim_of
 from tessera.models.qwen2_vl.modeling import mrope_parameters
 from tessera.models.qwen3.modeling import Qwen3ForCausalLM, Qwen3Model
+from tessera.models.qwen3_moe.modeling import Qwen3MoeForCausalLM, Qwen3MoeModel
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import MRotaryEmbedding
 
 
-class Qwen3VLTextModel(Qwen3Model):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target)
-        params, section = mrope_parameters(config)
-        interleaved = bool(params.pop("mrope_interleaved", True))  # every Qwen3-VL interleaves
-        self.rotary_emb = MRotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params,
-                                           target, section, interleaved=interleaved)
+def interleaved_mrope(config: PretrainedConfig, target: OpTarget) -> MRotaryEmbedding:
+    params, section = mrope_parameters(config)
+    interleaved = bool(params.pop("mrope_interleaved", True))  # every Qwen3-VL interleaves
+    return MRotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params, target, section,
+                            interleaved=interleaved)
+
+
+class DeepStackForward:
+    """The forward of a Qwen3-VL language model (mixed in before its layer stack's class)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
                 mrope_rows: torch.Tensor | None = None, mrope_positions: torch.Tensor | None = None,
@@ -39,5 +43,23 @@ class Qwen3VLTextModel(Qwen3Model):
         return hidden
 
 
+class Qwen3VLTextModel(DeepStackForward, Qwen3Model):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        self.rotary_emb = interleaved_mrope(config, target)
+
+
 class Qwen3VLForCausalLM(Qwen3ForCausalLM):
     model_cls = Qwen3VLTextModel
+
+
+class Qwen3VLMoeTextModel(DeepStackForward, Qwen3MoeModel):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        if getattr(config, "norm_topk_prob", None) is None:
+            config.norm_topk_prob = True  # Qwen3-VL-MoE's router always renormalises its top k
+        super().__init__(config, target)
+        self.rotary_emb = interleaved_mrope(config, target)
+
+
+class Qwen3VLMoeForCausalLM(Qwen3MoeForCausalLM):
+    model_cls = Qwen3VLMoeTextModel

@@ -1,5 +1,5 @@
 from tessera.models.qwen2_vl.processing import QwenVLImagePrompts
-from tessera.models.qwen3_vl.modeling import Qwen3VLForCausalLM
+from tessera.models.qwen3_vl.modeling import Qwen3VLForCausalLM, Qwen3VLMoeForCausalLM
 from tessera.models.vision_language import VisionLanguageRouter
 
 
@@ -9,9 +9,21 @@ class Qwen3VLRouter(VisionLanguageRouter):
     positions. Images only (no video yet)."""
     model_types = ("qwen3_vl",)
     supports_images = True  # tests/multimodal/test_qwen3_vl.py
-    supports_tensor_parallel = True  # tests/multimodal/test_qwen3_vl.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_qwen3_vl.py
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):
         return Qwen3VLForCausalLM
+
+
+class Qwen3VLMoeRouter(Qwen3VLRouter):
+    """Qwen3-VL-MoE (30B-A3B, 235B-A22B): the same, over Qwen3-MoE's layers; its stacked
+    expert tensors are read in either layout (ops/moe.py)."""
+    model_types = ("qwen3_vl_moe",)
+    is_moe = True  # tests/multimodal/test_qwen3_vl.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_qwen3_vl.py (attention; experts refused)
+
+    def language_model_cls(self):
+        return Qwen3VLMoeForCausalLM
