@@ -21,6 +21,7 @@ class Qwen3VLMoeRouter(Qwen3VLRouter):
     """Qwen3-VL-MoE (30B-A3B, 235B-A22B): the same, over Qwen3-MoE's layers; its stacked
     expert tensors are read in either layout (ops/moe.py)."""
     model_types = ("qwen3_vl_moe",)
+    supports_images = True  # tests/multimodal/test_qwen3_vl.py
     is_moe = True  # tests/multimodal/test_qwen3_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_qwen3_vl.py (attention; experts refused)
