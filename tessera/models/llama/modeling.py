@@ -100,8 +100,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                           rope_parameters(config), target)
-        self.layers = nn.ModuleList(self.layer_cls(config, target) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i, target) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
+        """Decoder layer `layer_idx`; types whose layers differ by index override this."""
+        return self.layer_cls(config, target)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows the first layer takes for these tokens (a multimodal model replaces

@@ -7,14 +7,11 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.llama.modeling import LlamaMLP, LlamaModel, head_dim_of
+from tessera.models.llama.modeling import LlamaMLP, LlamaModel
 from tessera.models.mixtral.modeling import check_silu
 from tessera.models.qwen3.modeling import Qwen3DecoderLayer, Qwen3ForCausalLM
-from tessera.ops.embedding import VocabEmbedding
 from tessera.ops.moe import HF_EXPERT_NAMES, SparseMoE, expert_weight_target
-from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
-from tessera.ops.rotary import RotaryEmbedding, rope_parameters
 
 
 def num_experts_of(config: PretrainedConfig) -> int:
@@ -45,16 +42,9 @@ class Qwen3MoeDenseLayer(Qwen3DecoderLayer):
 
 
 class Qwen3MoeModel(LlamaModel):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        # LlamaModel's body, with the layer class chosen per index (sparse or dense MLP)
-        nn.Module.__init__(self)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                          rope_parameters(config), target)
-        self.layers = nn.ModuleList(
-            (Qwen3MoeSparseLayer if is_sparse_layer(config, i) else Qwen3MoeDenseLayer)(config, target)
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
+        """A sparse or a dense MLP, by transformers' rule for this index."""
+        return (Qwen3MoeSparseLayer if is_sparse_layer(config, layer_idx) else Qwen3MoeDenseLayer)(config, target)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
