@@ -4,7 +4,8 @@ parameters schema (the output *is* the arguments); `"required"` constrains it to
 array of `{"name", "parameters"}` objects, one per call. `"none"` generates text. `"auto"`
 (OpenAI's default when tools are given) lets the model choose, so its own tool-call syntax
 must be parsed: the server's `--tool-call-parser` names it (tool_parsers.py: `hermes`,
-`llama3_json`); without one, "auto" is refused, as vLLM refuses it. The tools are passed to the chat
+`llama3_json`, `mistral`, `pythonic`), and a stream sends each call as it is written;
+without one, "auto" is refused, as vLLM refuses it. The tools are passed to the chat
 template in every case, so the model sees them as it was trained to.
 """
 from __future__ import annotations
@@ -147,13 +148,17 @@ def _parse_list(text: str) -> list[tuple[str, str]] | None:
 
 class ToolCallStream:
     """A streamed choice's deltas: a named function's arguments as they are generated; a
-    "required" list of calls once it is complete (a partial list is not a call yet)."""
+    "required" list of calls once it is complete (a partial list is not a call yet); under
+    a parser ("auto"), the content before the calls as it comes, then each call as the
+    model writes it: its id and name once the name is whole, its arguments (an object, as
+    written) piece by piece; what a parser cannot follow comes whole at the end."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.text = ""
         self.sent = 0  # characters of text already sent as content ("auto")
         self.call_id: str | None = None
+        self.calls: list[tuple[str, int]] = []  # calls streamed so far ("auto"): (id, argument characters sent)
 
     def delta(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """The delta for `text` and the finish reason to report (None while running)."""
@@ -170,18 +175,58 @@ class ToolCallStream:
                         "function": {"name": plan.function, "arguments": text}}
             return {"tool_calls": [call]}, finish
         if plan.parser is not None and finish is None:
-            end = PARSERS[plan.parser].content_end(self.text)
+            parser = PARSERS[plan.parser]
+            end = parser.content_end(self.text)
             rest = self.text[self.sent:end] if end > self.sent else ""
             self.sent = max(self.sent, end)
-            return ({"content": rest} if rest else {}), None
+            delta: dict[str, Any] = {"content": rest} if rest else {}
+            calls = self._grown(parser.partial(self.text))
+            if calls:
+                delta["tool_calls"] = calls
+            return delta, None
         if finish is None:
             return {}, None
         content, made = tool_calls(plan, self.text)
-        if made is None:  # no calls: whatever content is not out yet
-            rest = self.text[self.sent:]
+        if made is None:
+            if self.calls:  # calls already streamed, then the model broke one off (or was cut):
+                # they stand as sent, with what of them is valid in this last piece
+                grown = self._grown(PARSERS[plan.parser].partial(self.text))
+                return ({"tool_calls": grown} if grown else {}), plan.finish_reason if finish == "stop" else finish
+            rest = self.text[self.sent:]  # no calls: whatever content is not out yet
             return ({"content": rest} if rest else {}), finish
-        delta: dict[str, Any] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(made)]}
+        delta = {"tool_calls": self._rest(made)} if made else {}
         rest = (content or "")[self.sent:]
         if rest:
             delta["content"] = rest
         return delta, plan.finish_reason if finish == "stop" else finish
+
+    def _grown(self, partials: list) -> list[dict[str, Any]]:
+        """The calls' new pieces: a call opens (id, name) once its name is whole, and
+        those after it wait for it, so the indexes stay in order (the first alone when
+        parallel calls are off)."""
+        out = []
+        for i, partial in enumerate(partials[:1] if self.plan.single else partials):
+            if i == len(self.calls):
+                if partial.name is None:
+                    break
+                self.calls.append((new_call_id(), 0))
+                out.append({"index": i, "id": self.calls[i][0], "type": "function",
+                            "function": {"name": partial.name, "arguments": ""}})
+            call_id, sent = self.calls[i]
+            if len(partial.arguments) > sent:
+                out.append({"index": i, "function": {"arguments": partial.arguments[sent:]}})
+                self.calls[i] = (call_id, len(partial.arguments))
+        return out
+
+    def _rest(self, made: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The finished calls' deltas: what the stream has not sent of each."""
+        out = []
+        for i, call in enumerate(made):
+            if i >= len(self.calls):
+                out.append({"index": i, **call})
+                continue
+            call_id, sent = self.calls[i]
+            arguments = call["function"]["arguments"]
+            if len(arguments) > sent:
+                out.append({"index": i, "function": {"arguments": arguments[sent:]}})
+        return out

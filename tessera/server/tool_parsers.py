@@ -1,7 +1,10 @@
 """Parsers of the tool-call syntax models are trained to write, for tool_choice "auto"
 (`tessera serve --tool-call-parser NAME`). Each turns a finished output into its content
-and its calls, and says how much of a partial output is surely content, so that a stream
-can send it as it comes and hold back what may become a call.
+and its calls, says how much of a partial output is surely content, so that a stream
+can send it as it comes and hold back what may become a call, and (the JSON ones) which
+calls a partial output has begun: each name once whole, its arguments object as written
+so far, which a stream sends as it grows. A finished call's arguments object is that same
+text, as the model wrote it.
 
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen 2.5/3,
   Hermes and many fine-tunes); text before the first block is content; a last block may
@@ -21,11 +24,24 @@ import ast
 import json
 import math
 import re
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
+from tessera.server.json_spans import scan_object
+
 Call = tuple[str, str]  # function name, arguments as JSON text
 Parsed = tuple[str | None, list[Call] | None]  # content, calls (None: no calls)
+
+
+@dataclass
+class PartialCall:
+    """A call in an output still being written: its name once whole, and its arguments
+    object as written so far ("" until it starts, or where they are no object)."""
+
+    name: str | None
+    arguments: str
+    done: bool  # the arguments are whole
 
 
 class ToolCallParser(Protocol):
@@ -33,6 +49,38 @@ class ToolCallParser(Protocol):
 
     def content_end(self, text: str) -> int:
         """How many leading characters of a partial output are content whatever follows."""
+
+    def partial(self, text: str) -> list[PartialCall]:
+        """The calls a partial output has begun, for a stream to send as they grow (a
+        parser that cannot tell returns [] and its calls are sent once whole)."""
+
+
+def _partial_object_call(text: str, start: int, arguments_key: str) -> tuple[PartialCall, int | None] | None:
+    """The call an object opening at text[start] holds so far, and where the object ends
+    (None while open); None where the text is no object."""
+    try:
+        scan = scan_object(text, start)
+    except ValueError:
+        return None
+    name_span = scan.members.get("name")
+    name = None
+    if name_span is not None and name_span.end is not None:
+        value = json.loads(text[name_span.start:name_span.end])
+        name = value if isinstance(value, str) else None
+    span = scan.members.get(arguments_key) or scan.members.get("arguments")
+    if span is None or text[span.start] != "{":  # arguments as a string (or none yet): sent once whole
+        return PartialCall(name, "", scan.end is not None), scan.end
+    end = span.end if span.end is not None else len(text)
+    return PartialCall(name, text[span.start:end], span.end is not None), scan.end
+
+
+def _as_written(calls: list[Call], partials: list[PartialCall]) -> list[Call]:
+    """Finished calls whose arguments objects are given as the model wrote them: the text
+    a stream sent as it came (numbers, escapes and spacing as written)."""
+    if len(partials) != len(calls):
+        return calls
+    return [(name, p.arguments if p.done and p.arguments else arguments)
+            for (name, arguments), p in zip(calls, partials)]
 
 
 def loads(text: str) -> Any:
@@ -91,10 +139,27 @@ class HermesParser:
                 return text, None
             calls.append(call)
         content = text[:start].rstrip()  # not lstripped: a stream has sent it as it came
-        return (content if content.strip() else None), (calls or None)
+        return (content if content.strip() else None), (_as_written(calls, self.partial(text)) or None)
 
     def content_end(self, text: str) -> int:
         return _held_before(text, self.OPEN)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        calls = []
+        start = text.find(self.OPEN)
+        while start >= 0:
+            body = start + len(self.OPEN)
+            close = text.find(self.CLOSE, body)
+            block = text[body:close if close >= 0 else len(text)]
+            first = len(block) - len(block.lstrip())
+            found = _partial_object_call(block, first, "arguments") if block.strip() else None
+            if found is None:
+                break
+            calls.append(found[0])
+            if close < 0:
+                break
+            start = text.find(self.OPEN, close + len(self.CLOSE))
+        return calls
 
 
 class Llama3JsonParser:
@@ -118,7 +183,7 @@ class Llama3JsonParser:
             calls.append(call)
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
-        return None, calls
+        return None, _as_written(calls, self.partial(text))
 
     def content_end(self, text: str) -> int:
         body = text.lstrip()
@@ -126,6 +191,23 @@ class Llama3JsonParser:
                 or self.PYTHON_TAG.startswith(body):
             return 0  # may be a call: hold it all
         return len(text)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        body = text.strip()
+        if body.startswith(self.PYTHON_TAG):
+            body = body[len(self.PYTHON_TAG):].lstrip()
+        calls, pos = [], 0
+        while body[pos:pos + 1] == "{":
+            found = _partial_object_call(body, pos, "parameters")
+            if found is None:
+                break
+            calls.append(found[0])
+            if found[1] is None:
+                break
+            pos = found[1]
+            while pos < len(body) and body[pos] in " \t\r\n;":
+                pos += 1
+        return calls
 
 
 class MistralParser:
@@ -158,10 +240,47 @@ class MistralParser:
         if not calls or any(call is None or not call[0] for call in calls):
             return text, None
         content = text[:start].rstrip()
-        return (content if content.strip() else None), calls
+        return (content if content.strip() else None), _as_written(calls, self.partial(text))
 
     def content_end(self, text: str) -> int:
         return _held_before(text, self.TAG)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        start = text.find(self.TAG)
+        calls: list[PartialCall] = []
+        if start < 0:
+            return calls
+        for segment in text[start + len(self.TAG):].split(self.TAG):
+            body = segment.strip()
+            if body[:1] in ("[", "{"):  # the JSON list (or one object)
+                pos = 1 if body[0] == "[" else 0
+                while True:
+                    while pos < len(body) and body[pos] in " \t\r\n,":
+                        pos += 1
+                    found = _partial_object_call(body, pos, "arguments") if body[pos:pos + 1] == "{" else None
+                    if found is None:
+                        break
+                    calls.append(found[0])
+                    if found[1] is None:
+                        return calls
+                    pos = found[1]
+            elif self.ARGS in body:  # name[ARGS]{...}: the name is whole once [ARGS] came
+                name, _, arguments = body.partition(self.ARGS)
+                name, arguments = name.partition(self.CALL_ID)[0].strip(), arguments.lstrip()
+                try:  # the whole object is the arguments here
+                    scan = scan_object(arguments, 0) if arguments[:1] == "{" else None
+                except ValueError:
+                    scan = None
+                if scan is None:
+                    calls.append(PartialCall(name, "", False))
+                    return calls
+                end = scan.end if scan.end is not None else len(arguments)
+                calls.append(PartialCall(name, arguments[:end], scan.end is not None))
+                if scan.end is None:
+                    return calls
+            else:
+                return calls
+        return calls
 
 
 class PythonicParser:
@@ -211,6 +330,9 @@ class PythonicParser:
         if not body or body.startswith("[") or body.startswith(self.START) or self.START.startswith(body):
             return 0  # may be a call: hold it all
         return len(text)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        return []  # Python syntax, not JSON: its calls are sent once whole
 
 
 def _python_literal(node: ast.AST, source: str) -> Any:

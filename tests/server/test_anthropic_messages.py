@@ -253,3 +253,23 @@ def test_no_such_route_or_method_is_an_anthropic_error(url):
     r = httpx.get(url + "/v1/messages")
     assert r.status_code == 405 and r.json()["type"] == "error"
     assert httpx.get(url + "/v1/nowhere").json() == {"detail": "Not Found"}  # elsewhere FastAPI's, as vLLM's
+
+
+def test_auto_tool_use_streams_its_input_as_the_model_writes_it(client, url, server, monkeypatch):
+    """Under --tool-call-parser (llama3_json here; the tiny model is made to write a call by
+    output_config.format): the tool_use block opens with its name, its input comes in
+    several input_json_delta pieces, and adds up to the whole reply's input."""
+    monkeypatch.setattr(server.state, "tool_call_parser", "llama3_json")
+    call = {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": {
+        "type": "object", "properties": {"zone": {"const": "UTC"}}, "required": ["zone"],
+        "additionalProperties": False}}, "required": ["name", "parameters"], "additionalProperties": False}
+    body = dict(tools=[WEATHER, TIME], max_tokens=200, output_config={"format": {"type": "json_schema", "schema": call}})
+    whole = create(client, **body)
+    assert [(b.type, b.name, b.input) for b in whole.content] == [("tool_use", "get_time", {"zone": "UTC"})]
+    assert whole.stop_reason == "tool_use"
+    events = raw_events(url, **body)
+    start = [e for e in events if e.type == "content_block_start"]
+    assert [(e.content_block.type, e.content_block.name) for e in start] == [("tool_use", "get_time")]
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"zone": "UTC"}
+    server.assert_idle()

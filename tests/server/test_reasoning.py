@@ -158,8 +158,10 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(chat, server, 
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == HERMES_CALLS
     reasoning, content, chunks = streamed(chat("qwen3", tools=[WEATHER, TIME], max_tokens=400, stream=True, **forced))
     assert (reasoning, content) == ("which city?", "Let me check.")
-    calls = {c["index"]: (c["function"]["name"], c["function"]["arguments"])
-             for chunk in chunks for c in chunk.get("tool_calls") or []}
+    calls: dict[int, tuple[str, str]] = {}  # as a client puts them together: name first, arguments in pieces
+    for c in (c for chunk in chunks for c in chunk.get("tool_calls") or []):
+        name, arguments = calls.get(c["index"], (c["function"].get("name"), ""))
+        calls[c["index"]] = (name, arguments + c["function"].get("arguments", ""))
     assert list(calls.values()) == HERMES_CALLS
 
 

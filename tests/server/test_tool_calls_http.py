@@ -124,24 +124,47 @@ LLAMA3_OUTPUT = ('{"name": "get_time", "parameters": {"zone": "UTC"}}; '
                  '{"name": "get_weather", "parameters": {"city": "Oslo", "metric": true}}')
 
 
-def stream_pieces(text: str, size: int, parser: str = "hermes") -> tuple[str, list, str]:
+def stream_pieces(text: str, size: int, parser: str = "hermes", deltas: list | None = None) -> tuple[str, list, str]:
+    """The content, calls and finish a client puts together from the deltas of `text` sent
+    `size` characters at a time (each call's name from its first delta, its arguments
+    concatenated, as the openai SDK does); `deltas` collects the tool-call deltas."""
     plan = plan_tool_calls([WEATHER, TIME], "auto", None, parser)
-    stream, content, calls, finish = ToolCallStream(plan), "", [], None
+    stream, content, calls, finish = ToolCallStream(plan), "", {}, None
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
         delta, finish = stream.delta(piece, "stop" if i == len(pieces) - 1 else None)
         content += delta.get("content", "")
-        calls += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
-    return content, calls, finish
+        for c in delta.get("tool_calls", []):
+            if c["index"] not in calls:
+                assert c["index"] == len(calls) and c["id"] and c["function"]["name"]
+                calls[c["index"]] = (c["function"]["name"], "")
+            name, arguments = calls[c["index"]]
+            calls[c["index"]] = (name, arguments + c["function"].get("arguments", ""))
+            if deltas is not None:
+                deltas.append(c)
+    return content, list(calls.values()), finish
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
 def test_hermes_stream_pieces_give_the_calls_and_the_content_before_them(size):
-    assert stream_pieces(HERMES_OUTPUT, size) == ("Let me check.", HERMES_CALLS, "tool_calls")
+    deltas = []
+    assert stream_pieces(HERMES_OUTPUT, size, deltas=deltas) == ("Let me check.", HERMES_CALLS, "tool_calls")
+    if size < 1000:  # streamed as written: each call opens with its name, then its arguments in pieces
+        assert len([d for d in deltas if d["index"] == 0]) > 3 and deltas[0]["function"] == {
+            "name": "get_time", "arguments": ""}
     plain = "No tools needed <tool but not a tag"
     assert stream_pieces(plain, size) == (plain, [], "stop")
     broken = 'Hm <tool_call>{"name": "get_time", "arguments": {</tool_call>'
-    assert stream_pieces(broken, size) == (broken, [], "stop")  # malformed: all of it is content
+    # malformed: whole, all of it is content; streamed, the call's valid beginning was sent
+    # before the model broke it off, and stands
+    content, calls, finish = stream_pieces(broken, size)
+    if size == 1000:
+        assert (content, calls, finish) == (broken, [], "stop")
+    else:  # what was valid when it came: the name, and "{" unless "</" came with it
+        assert (content, [name for name, _ in calls], finish) == ("Hm", ["get_time"], "tool_calls")
+        assert "{".startswith(calls[0][1])
+    unnamed = 'Hm <tool_call>{"nam</tool_call>'  # a call whose name never came is never sent
+    assert stream_pieces(unnamed, size) == (unnamed, [], "stop")
 
 
 @pytest.mark.parametrize("size", [1, 5, 1000])
@@ -149,9 +172,11 @@ def test_llama3_json_stream_pieces(size):
     assert stream_pieces(LLAMA3_OUTPUT, size, "llama3_json") == ("", HERMES_CALLS, "tool_calls")
     tagged = "<|python_tag|>" + LLAMA3_OUTPUT.split(";")[0]
     assert stream_pieces(tagged, size, "llama3_json") == ("", HERMES_CALLS[:1], "tool_calls")
-    for text in ("The weather is fine {not a call}", '{"name": "get_time", "parameters": {"zone"',
-                 '{"no_name": 1}'):
+    for text in ("The weather is fine {not a call}", '{"no_name": 1}'):
         assert stream_pieces(text, size, "llama3_json") == (text, [], "stop")
+    cut = '{"name": "get_time", "parameters": {"zone"'  # (max_tokens): whole, content; streamed, begun
+    assert stream_pieces(cut, size, "llama3_json") == ((cut, [], "stop") if size == 1000 else
+                                                      ("", [("get_time", '{"zone"')], "tool_calls"))
 
 
 def test_hermes_parse_of_a_finished_output():
@@ -162,6 +187,19 @@ def test_hermes_parse_of_a_finished_output():
     assert tool_calls(plan, "<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", None)
 
 
+def streamed_calls(chunks) -> tuple[str, list[tuple[str, str]]]:
+    """A streamed choice's content and calls as the openai SDK puts them together: a call's
+    name from its first delta, its arguments concatenated."""
+    content, calls = "", {}
+    for chunk in chunks:
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            for c in chunk.choices[0].delta.tool_calls or []:
+                name, arguments = calls.get(c.index, (c.function.name, ""))
+                calls[c.index] = (name, arguments + (c.function.arguments or ""))
+    return content, list(calls.values())
+
+
 def test_auto_with_the_hermes_parser_over_http(client, server, monkeypatch):
     monkeypatch.setattr(server.state, "tool_call_parser", "hermes")
     # the tiny model is made to write a hermes call by a structured output
@@ -169,14 +207,10 @@ def test_auto_with_the_hermes_parser_over_http(client, server, monkeypatch):
     full = chat(client, tools=[WEATHER, TIME], extra_body=forced, max_tokens=400).choices[0]
     assert full.finish_reason == "tool_calls" and full.message.content == "Let me check."
     assert [(c.function.name, c.function.arguments) for c in full.message.tool_calls] == HERMES_CALLS
-    content, calls = "", {}
-    for chunk in chat(client, tools=[WEATHER, TIME], tool_choice="auto", extra_body=forced, stream=True,
-                      max_tokens=400):
-        if chunk.choices:
-            content += chunk.choices[0].delta.content or ""
-            for c in chunk.choices[0].delta.tool_calls or []:
-                calls[c.index] = (c.function.name, c.function.arguments)
-    assert content == "Let me check." and list(calls.values()) == HERMES_CALLS
+    chunks = list(chat(client, tools=[WEATHER, TIME], tool_choice="auto", extra_body=forced, stream=True,
+                       max_tokens=400))
+    assert streamed_calls(chunks) == ("Let me check.", HERMES_CALLS)
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 4  # as the model writes them
     text = chat(client, tools=[WEATHER], extra_body={"guided_choice": ["plain answer"]}).choices[0]
     assert text.message.content == "plain answer" and text.message.tool_calls is None and text.finish_reason == "stop"
 
@@ -197,10 +231,11 @@ def test_huggingface_hub_client_named_tool_choice_without_type(url):
 
 def test_parsers_keep_numbers_as_written_and_take_an_unclosed_complete_last_block():
     hermes, llama3 = PARSERS["hermes"], PARSERS["llama3_json"]
-    # 1e999 as a float is Infinity, which is not JSON; digits beyond a double's are kept
+    # the arguments as written (what a stream sent): 1e999 as a float is Infinity, which is
+    # not JSON; digits beyond a double's are kept, spacing too
     assert hermes.parse('<tool_call>{"name": "f", "arguments": {"x": 1e999, "y": 0.12345678901234567890123}}'
-                        '</tool_call>') == (None, [("f", '{"x": 1E+999, "y": 0.12345678901234567890123}')])
-    assert llama3.parse('{"name": "f", "parameters": {"x": 1e999}}') == (None, [("f", '{"x": 1E+999}')])
+                        '</tool_call>') == (None, [("f", '{"x": 1e999, "y": 0.12345678901234567890123}')])
+    assert llama3.parse('{"name": "f", "parameters": {"x":1e999}}') == (None, [("f", '{"x":1e999}')])
     assert hermes.parse('<tool_call>{"name": "g", "arguments": {}}') == (None, [("g", "{}")])
     cut = 'A<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "argu'
     assert hermes.parse(cut) == (cut, None)  # a call cut short: all content, as in vLLM
@@ -255,9 +290,12 @@ PYTHONIC_OUTPUT = '[get_time(zone="UTC"), get_weather(city="Oslo", metric=True)]
 def test_mistral_stream_pieces_both_syntaxes(size):
     for text in MISTRAL_OUTPUTS:
         assert stream_pieces(text, size, "mistral") == ("Let me check.", HERMES_CALLS, "tool_calls")
-    for text in ("No tools [TOOL but not a tag", 'A[TOOL_CALLS][{"name": "get_time", "arguments": {',
-                 "A[TOOL_CALLS]get_time[ARGS]{not json}", '[TOOL_CALLS][{"arguments": {}}]', "[TOOL_CALLS]"):
+    for text in ("No tools [TOOL but not a tag", '[TOOL_CALLS][{"arguments": {}}]', "[TOOL_CALLS]"):
         assert stream_pieces(text, size, "mistral") == (text, [], "stop")
+    for text in ('A[TOOL_CALLS][{"name": "get_time", "arguments": {', "A[TOOL_CALLS]get_time[ARGS]{not json}"):
+        # cut or broken: whole, all content; streamed, the valid beginning of the call stands
+        assert stream_pieces(text, size, "mistral") == ((text, [], "stop") if size == 1000 else
+                                                       ("A", [("get_time", "{")], "tool_calls"))
 
 
 @pytest.mark.parametrize("size", [1, 6, 1000])
@@ -292,13 +330,8 @@ def test_auto_with_the_mistral_and_pythonic_parsers_over_http(client, server, mo
         full = chat(client, tools=[WEATHER, TIME], extra_body=forced, max_tokens=400).choices[0]
         assert full.finish_reason == "tool_calls" and full.message.content == content
         assert [(c.function.name, c.function.arguments) for c in full.message.tool_calls] == HERMES_CALLS
-        streamed, calls = "", {}
-        for chunk in chat(client, tools=[WEATHER, TIME], extra_body=forced, stream=True, max_tokens=400):
-            if chunk.choices:
-                streamed += chunk.choices[0].delta.content or ""
-                for c in chunk.choices[0].delta.tool_calls or []:
-                    calls[c.index] = (c.function.name, c.function.arguments)
-        assert streamed == (content or "") and list(calls.values()) == HERMES_CALLS
+        chunks = chat(client, tools=[WEATHER, TIME], extra_body=forced, stream=True, max_tokens=400)
+        assert streamed_calls(chunks) == (content or "", HERMES_CALLS)
 
 
 def test_parser_edge_cases_numbers_duplicates_and_arguments_that_are_not_objects():
