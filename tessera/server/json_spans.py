@@ -13,6 +13,7 @@ WHITESPACE = " \t\r\n"
 LITERALS = ("true", "false", "null")
 NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 NUMBER_PREFIX = re.compile(r"-?([0-9]+(\.[0-9]*)?([eE][+-]?[0-9]*)?)?")
+STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.DOTALL)  # up to the closing quote (or the end)
 
 
 @dataclass
@@ -34,16 +35,11 @@ def _skip(text: str, i: int) -> int:
 
 
 def string_end(text: str, i: int) -> int | None:
-    """One past the string starting at text[i] (a quote), or None if it is not closed yet."""
-    i += 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-        elif text[i] == '"':
-            return i + 1
-        else:
-            i += 1
-    return None
+    """One past the string starting at text[i] (a quote), or None if it is not closed yet.
+    (A regular expression skips its body: a call's arguments are mostly long strings, and
+    a stream scans them again at every step.)"""
+    end = STRING_BODY.match(text, i + 1).end()
+    return end + 1 if end < len(text) and text[end] == '"' else None
 
 
 def value_end(text: str, i: int) -> int | None:
