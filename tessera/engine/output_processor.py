@@ -152,7 +152,7 @@ class OutputProcessor:
             [self.completion(s, deltas.get(s)) for s in seqs], finished=finished,
             metrics=self._metrics(group, now),
             prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-            num_cached_tokens=max(s.num_cached_tokens for s in group.seqs))
+            num_cached_tokens=first.num_cached_tokens)  # (siblings admitted later reuse its blocks)
 
 
 def _accepts(matcher, token: int) -> bool:

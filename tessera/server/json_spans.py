@@ -101,6 +101,8 @@ def scan_object(text: str, start: int) -> ObjectScan:
         if key_end is None:
             break
         key = json.loads(text[i:key_end])
+        if key in members:  # (json would read the last; a stream has gone by the first)
+            raise ValueError(f"the key {key!r} given twice")
         i = _skip(text, key_end)
         if i >= len(text):
             break

@@ -216,6 +216,11 @@ class ToolCallStream:
             if len(partial.arguments) > sent:
                 out.append({"index": i, "function": {"arguments": partial.arguments[sent:]}})
                 self.calls[i] = (call_id, len(partial.arguments))
+            if not (partial.done and partial.arguments):
+                # still being written, or arguments that come whole at the end (a JSON
+                # string, none): the next call waits, so that each call's pieces come
+                # before the next one opens (an item or block closes when the next opens)
+                break
         return out
 
     def _rest(self, made: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -74,11 +74,13 @@ def _partial_object_call(text: str, start: int, arguments_key: str) -> tuple[Par
     return PartialCall(name, text[span.start:end], span.end is not None), scan.end
 
 
-def _as_written(calls: list[Call], partials: list[PartialCall]) -> list[Call]:
+def _as_written(calls: list[Call], partials: list[PartialCall]) -> list[Call] | None:
     """Finished calls whose arguments objects are given as the model wrote them: the text
-    a stream sent as it came (numbers, escapes and spacing as written)."""
-    if len(partials) != len(calls):
-        return calls
+    a stream sent as it came (numbers, escapes and spacing as written). None where the
+    stream could not follow them (a key given twice, which json reads as the last and a
+    stream sent as the first): the output is then malformed, whole as streamed."""
+    if len(partials) != len(calls) or any(p.name != name for (name, _), p in zip(calls, partials)):
+        return None
     return [(name, p.arguments if p.done and p.arguments else arguments)
             for (name, arguments), p in zip(calls, partials)]
 
@@ -138,8 +140,11 @@ class HermesParser:
             if call is None:  # malformed, or a last block cut mid-call (as vLLM: all content)
                 return text, None
             calls.append(call)
+        calls = _as_written(calls, self.partial(text))
+        if not calls:
+            return text, None
         content = text[:start].rstrip()  # not lstripped: a stream has sent it as it came
-        return (content if content.strip() else None), (_as_written(calls, self.partial(text)) or None)
+        return (content if content.strip() else None), calls
 
     def content_end(self, text: str) -> int:
         return _held_before(text, self.OPEN)
@@ -183,7 +188,8 @@ class Llama3JsonParser:
             calls.append(call)
             while pos < len(body) and body[pos] in " \t\r\n;":
                 pos += 1
-        return None, _as_written(calls, self.partial(text))
+        calls = _as_written(calls, self.partial(text))
+        return (None, calls) if calls else (text, None)
 
     def content_end(self, text: str) -> int:
         body = text.lstrip()
@@ -239,8 +245,11 @@ class MistralParser:
                 return text, None
         if not calls or any(call is None or not call[0] for call in calls):
             return text, None
+        calls = _as_written(calls, self.partial(text))
+        if not calls:
+            return text, None
         content = text[:start].rstrip()
-        return (content if content.strip() else None), _as_written(calls, self.partial(text))
+        return (content if content.strip() else None), calls
 
     def content_end(self, text: str) -> int:
         return _held_before(text, self.TAG)

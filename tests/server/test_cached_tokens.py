@@ -27,7 +27,10 @@ def test_the_engine_counts_a_prompts_cached_tokens(make_tiny_llama):
     with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False) as llm:
         params = SamplingParams(max_tokens=2, temperature=0)
         first, second = (llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0] for _ in range(2))
+        fresh = list(range(100, 140))  # n=3 on a prompt never seen: its siblings reuse the first's blocks,
+        several = llm.generate({"prompt_token_ids": fresh}, SamplingParams(max_tokens=2, n=3), use_tqdm=False)[0]
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert several.num_cached_tokens == 0 and len(several.outputs) == 3  # which the cache did not hold
 
 
 def test_chat_and_completions_report_them_under_the_flag(url, server, monkeypatch):

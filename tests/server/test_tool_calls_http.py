@@ -349,3 +349,23 @@ def test_parser_edge_cases_numbers_duplicates_and_arguments_that_are_not_objects
         None, [("f", '{"s": "a[ARGS]b"}')])
     for text in ('[TOOL_CALLS]f[ARGS]"x"', "[TOOL_CALLS]f", "[TOOL_CALLS]f[ARGS][1]"):
         assert mistral.parse(text) == (text, None)  # arguments must be an object
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_each_calls_pieces_come_before_the_next_call_opens(size):
+    """A call whose arguments cannot stream (a JSON string, none) comes whole at the end,
+    and the calls after it wait: the Responses and Messages streams close a call's item
+    when the next opens. A key given twice in a call is malformed (json reads the last,
+    a stream would have gone by the first)."""
+    text = ('<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "metric": true}}</tool_call>'
+            '<tool_call>{"name": "get_time"}</tool_call>')
+    deltas = []
+    content, calls, finish = stream_pieces(text, size, deltas=deltas)
+    whole = tool_calls(plan_tool_calls([WEATHER, TIME], "auto", None, "hermes"), text)[1]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == [
+        ("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Oslo", "metric": true}'), ("get_time", "{}")]
+    indexes = [d["index"] for d in deltas]
+    assert indexes == sorted(indexes) and finish == "tool_calls"
+    twice = '<tool_call>{"name": "get_time", "name": "get_weather", "arguments": {}}</tool_call>'
+    assert PARSERS["hermes"].parse(twice) == (twice, None)
