@@ -156,13 +156,18 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
     if kind == "gemma3_text":
         from tests.models.test_gemma3_parity import make as make_gemma3
         return make_gemma3(folder, tokenizer_dir, "gemma3-tied")
+    if kind in ("olmo2", "olmo3"):  # (olmo2: 4 query / 2 KV heads; olmo3: 1 KV head, replicated)
+        from tests.models.test_olmo2_parity import make_tiny_olmo
+        name = "olmo2-gqa" if kind == "olmo2" else "olmo3-window8-yarn"
+        return make_tiny_olmo(folder, tokenizer_dir, seed=5, name=name,
+                              **({"num_key_value_heads": 1} if kind == "olmo3" else {}))
     if kind == "smollm3":
         from tests.models.test_smollm3_parity import make_tiny_smollm3
         return make_tiny_smollm3(folder, tokenizer_dir, seed=5, name="smollm3-window8")
     raise AssertionError(kind)
 
 
-ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "smollm3")
+ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "smollm3", "olmo2", "olmo3")
 
 
 @pytest.mark.parametrize("kind", ZOO)
