@@ -161,13 +161,17 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         name = "olmo2-gqa" if kind == "olmo2" else "olmo3-window8-yarn"
         return make_tiny_olmo(folder, tokenizer_dir, seed=5, name=name,
                               **({"num_key_value_heads": 1} if kind == "olmo3" else {}))
+    if kind == "ministral3":
+        from tests.models.test_ministral3_parity import make_tiny_ministral3
+        return make_tiny_ministral3(folder, tokenizer_dir, seed=5)
     if kind == "smollm3":
         from tests.models.test_smollm3_parity import make_tiny_smollm3
         return make_tiny_smollm3(folder, tokenizer_dir, seed=5, name="smollm3-window8")
     raise AssertionError(kind)
 
 
-ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "smollm3", "olmo2", "olmo3")
+ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "smollm3", "olmo2", "olmo3",
+       "ministral3")
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -343,21 +343,27 @@ def make_tiny_gemma3(folder: Path, corpus: list[str], seed: int = 0, **top_level
 PIXTRAL_SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
-def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0) -> torch.nn.Module:
+def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type: str = "mistral") -> torch.nn.Module:
     """A Mistral3 (Mistral Small 3.1) checkpoint: a Pixtral tower over 7-pixel patches of an
     image at most 56 pixels long, 2 x 2 merged (14 pixels a token), a Mistral language
-    model; saved with its image processor, a tokenizer and processor_config.json as
+    model (`text_type` "ministral3": Ministral 3's, with YaRN and its query temperature from
+    16 tokens on); saved with its image processor, a tokenizer and processor_config.json as
     transformers' PixtralProcessor writes it (the processor itself needs torchvision)."""
     import json
 
-    from transformers import (Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
+    from transformers import (Ministral3Config, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
                               PixtralImageProcessor, PixtralVisionConfig)
 
     tokenizer = bpe_tokenizer(corpus, PIXTRAL_SPECIALS)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", "[IMG]")
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                  image_size=56, patch_size=7, head_dim=16)
-    config = Mistral3Config(vision_config=vision, text_config=MistralConfig(**TEXT_CONFIG), image_token_index=3,
+    if text_type == "ministral3":
+        from tests.models.test_ministral3_parity import ROPE
+        text = Ministral3Config(**TEXT_CONFIG, rope_parameters=ROPE, pad_token_id=0)
+    else:
+        text = MistralConfig(**TEXT_CONFIG)
+    config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=3,
                             spatial_merge_size=2, vision_feature_layer=-1)
     torch.manual_seed(seed)
     model = Mistral3ForConditionalGeneration(config).eval()

@@ -1,0 +1,52 @@
+"""Ministral 3 (3B, 8B, 14B; the language model of its image-text checkpoints too): Mistral's
+layers with YaRN positions and Llama 4's attention temperature: past YaRN's original
+context, queries are scaled by 1 + beta * log(1 + floor(position / original)) after rotary
+(transformers' get_llama_4_attn_scale). The scale rides with the step's cos / sin as a
+third element of the rope tuple, which rotary itself ignores."""
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from tessera.models.llama.modeling import Rope
+from tessera.models.mistral.modeling import MistralAttention, MistralDecoderLayer, MistralForCausalLM, MistralModel
+
+
+class Ministral3Attention(MistralAttention):
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary(q, k, rope)
+        if len(rope) > 2:  # [tokens, 1]: each token's query scale
+            q = q * rope[2].to(q.dtype)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Ministral3DecoderLayer(MistralDecoderLayer):
+    attention_cls = Ministral3Attention
+
+
+class Ministral3Model(MistralModel):
+    layer_cls = Ministral3DecoderLayer
+
+    def __init__(self, config: PretrainedConfig, target):
+        super().__init__(config, target)
+        params = getattr(config, "rope_parameters", None) or {}
+        self.beta = params.get("llama_4_scaling_beta")
+        self.original = params.get("original_max_position_embeddings")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None, **rope_inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary_emb(positions, **rope_inputs)
+        if self.beta and self.original:
+            scale = 1 + self.beta * torch.log1p(torch.floor(positions.to(torch.float32) / self.original))
+            rope = (*rope, scale[:, None])
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Ministral3ForCausalLM(MistralForCausalLM):
+    model_cls = Ministral3Model
