@@ -161,6 +161,9 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         name = "olmo2-gqa" if kind == "olmo2" else "olmo3-window8-yarn"
         return make_tiny_olmo(folder, tokenizer_dir, seed=5, name=name,
                               **({"num_key_value_heads": 1} if kind == "olmo3" else {}))
+    if kind == "granite":
+        from tests.models.test_granite_parity import make_tiny_granite
+        return make_tiny_granite(folder, tokenizer_dir, seed=5, name="granite-tied-bias")
     if kind == "ministral3":
         from tests.models.test_ministral3_parity import make_tiny_ministral3
         return make_tiny_ministral3(folder, tokenizer_dir, seed=5)
@@ -171,7 +174,7 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
 
 
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "smollm3", "olmo2", "olmo3",
-       "ministral3")
+       "ministral3", "granite")
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -1,0 +1,57 @@
+"""IBM Granite (3.x dense; the language model of Granite Vision too): Llama with four
+multipliers (transformers' GraniteModel): the embeddings scaled by embedding_multiplier,
+attention scores by attention_multiplier (in place of 1 / sqrt(head_dim)), each sublayer's
+output by residual_multiplier before it joins the residual, and the logits divided by
+logits_scaling."""
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+
+from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
+from tessera.ops.embedding import VocabEmbedding
+from tessera.ops.registry import OpTarget
+
+
+class GraniteAttention(LlamaAttention):
+    def attention_options(self, config: PretrainedConfig) -> dict:
+        return {"scale": config.attention_multiplier}
+
+
+class GraniteDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GraniteAttention
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, rope: Rope, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden) * self.residual_multiplier
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden) * self.residual_multiplier, residual
+
+
+class GraniteModel(LlamaModel):
+    layer_cls = GraniteDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target,
+                                           scale=config.embedding_multiplier)
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    model_cls = GraniteModel
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        self.logits_scaling = config.logits_scaling
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden) / self.logits_scaling  # float32 rows
