@@ -37,9 +37,10 @@ class MessagesRequest(BaseModel):
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format` (a JSON schema) constrains the text
-    # taken and ignored: thinking is the model's and the --reasoning-parser's to split (no
-    # budget or effort is enforced); the rest are hints for Anthropic's service
+    # {"type": "enabled" | "disabled"}: the chat template's enable_thinking (Qwen3's and
+    # SmolLM3's switch; templates without one ignore it); no budget is enforced
     thinking: dict[str, Any] | None = None
+    # taken and ignored: hints for Anthropic's service
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     cache_control: dict[str, Any] | None = None  # prefix caching needs no marks here
@@ -89,6 +90,9 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
                             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                             "stop": body.stop_sequences, "add_generation_prompt": not prefill,
                             "continue_final_message": prefill}
+    thinking = (body.thinking or {}).get("type")
+    if thinking in ("enabled", "disabled"):
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking == "enabled"}
     if body.tools:
         chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(body.tools)]
     if body.tool_choice is not None:

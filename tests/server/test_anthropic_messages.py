@@ -273,3 +273,16 @@ def test_auto_tool_use_streams_its_input_as_the_model_writes_it(client, url, ser
     pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
     assert len(pieces) > 1 and json.loads("".join(pieces)) == {"zone": "UTC"}
     server.assert_idle()
+
+
+def test_thinking_switches_the_templates_enable_thinking(client, server, monkeypatch):
+    """{"type": "disabled"} renders the prompt with enable_thinking false (Qwen3's switch),
+    "enabled" with it true, and no `thinking` as the template's default."""
+    template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}<s>assistant:"
+                "{% if enable_thinking is defined and not enable_thinking %} no thoughts{% endif %}")
+    monkeypatch.setattr(server.state, "chat_template", template)
+    tokens = {kind: create(client, max_tokens=1, **({"thinking": {"type": kind, **(
+        {"budget_tokens": 1024} if kind == "enabled" else {})}} if kind else {})).usage for kind in
+              ("disabled", "enabled", None)}
+    counted = {kind: usage.input_tokens + usage.cache_read_input_tokens for kind, usage in tokens.items()}
+    assert counted["disabled"] > counted["enabled"] == counted[None]
