@@ -297,11 +297,26 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 class ApplyRotary(OpModule):
-    def __init__(self, head_size: int, target: OpTarget):
+    """Rotary on every head of q and k. `rotary_dim` < head_size (partial rotary, as
+    Phi-4-mini's partial_rotary_factor 0.75): only each head's first rotary_dim dimensions
+    turn (the cos / sin are that wide), the rest pass through, as transformers does."""
+
+    def __init__(self, head_size: int, target: OpTarget, rotary_dim: int | None = None):
         super().__init__()
         self.head_size = head_size
-        self._rotary = target.op("rotary", head_size=head_size)
+        self.rotary_dim = rotary_dim or head_size
+        if self.rotary_dim % 2 or self.rotary_dim > head_size:
+            raise ValueError(f"rotary over {self.rotary_dim} of {head_size} head dimensions: it must be even "
+                             "and at most the head")
+        self._rotary = target.op("rotary", head_size=self.rotary_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rotary(q, k, rope[0], rope[1], self.head_size)
+        if self.rotary_dim == self.head_size:
+            return self._rotary(q, k, rope[0], rope[1], self.head_size)
+        d, r = self.head_size, self.rotary_dim
+        heads_q, heads_k = q.reshape(q.shape[0], -1, d), k.reshape(k.shape[0], -1, d)
+        q_rot, k_rot = self._rotary(heads_q[..., :r].reshape(q.shape[0], -1), heads_k[..., :r].reshape(k.shape[0], -1),
+                                    rope[0], rope[1], r)
+        return (torch.cat((q_rot.view(q.shape[0], -1, r), heads_q[..., r:]), dim=-1).view(q.shape[0], -1),
+                torch.cat((k_rot.view(k.shape[0], -1, r), heads_k[..., r:]), dim=-1).view(k.shape[0], -1))

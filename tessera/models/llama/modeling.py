@@ -21,6 +21,13 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_dim_of(config: PretrainedConfig) -> int:
+    """How many of each head's dimensions rotary turns: all, or partial_rotary_factor of
+    them (Phi-4-mini: 0.75), from the config or its rope parameters."""
+    factor = rope_parameters(config).get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    return int(head_dim_of(config) * (factor or 1.0))
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
@@ -49,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, target,
                                         bias=o_bias, in_span=self.qkv_proj.o_proj_span)
-        self.rotary = ApplyRotary(self.head_dim, target)
+        self.rotary = ApplyRotary(self.head_dim, target, rotary_dim_of(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, target=target,
                               **self.attention_options(config))
 
@@ -98,7 +105,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+        self.rotary_emb = RotaryEmbedding(rotary_dim_of(config), config.max_position_embeddings,
                                           rope_parameters(config), target)
         self.layers = nn.ModuleList(self.make_layer(config, i, target) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
