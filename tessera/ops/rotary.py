@@ -299,24 +299,36 @@ class MRotaryEmbedding(RotaryEmbedding):
 class ApplyRotary(OpModule):
     """Rotary on every head of q and k. `rotary_dim` < head_size (partial rotary, as
     Phi-4-mini's partial_rotary_factor 0.75): only each head's first rotary_dim dimensions
-    turn (the cos / sin are that wide), the rest pass through, as transformers does."""
+    turn (the cos / sin are that wide), the rest pass through, as transformers does.
+    `interleaved` (GLM-4): the turned pairs are neighbours (2i, 2i + 1), not i and
+    i + rotary_dim / 2; the dimensions are reordered into halves around the op and back."""
 
-    def __init__(self, head_size: int, target: OpTarget, rotary_dim: int | None = None):
+    def __init__(self, head_size: int, target: OpTarget, rotary_dim: int | None = None, interleaved: bool = False):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size
         if self.rotary_dim % 2 or self.rotary_dim > head_size:
             raise ValueError(f"rotary over {self.rotary_dim} of {head_size} head dimensions: it must be even "
                              "and at most the head")
+        self.halves = None
+        if interleaved:  # evens, then odds: the neighbours' pairs as the op's halves
+            order = torch.cat((torch.arange(0, self.rotary_dim, 2), torch.arange(1, self.rotary_dim, 2)))
+            self.halves = (order.to(target.device), torch.argsort(order).to(target.device))
         self._rotary = target.op("rotary", head_size=self.rotary_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rotary_dim == self.head_size:
+        if self.rotary_dim == self.head_size and self.halves is None:
             return self._rotary(q, k, rope[0], rope[1], self.head_size)
         d, r = self.head_size, self.rotary_dim
         heads_q, heads_k = q.reshape(q.shape[0], -1, d), k.reshape(k.shape[0], -1, d)
-        q_rot, k_rot = self._rotary(heads_q[..., :r].reshape(q.shape[0], -1), heads_k[..., :r].reshape(k.shape[0], -1),
+        turned_q, turned_k = heads_q[..., :r], heads_k[..., :r]
+        if self.halves is not None:
+            turned_q, turned_k = turned_q.index_select(-1, self.halves[0]), turned_k.index_select(-1, self.halves[0])
+        q_rot, k_rot = self._rotary(turned_q.reshape(q.shape[0], -1), turned_k.reshape(k.shape[0], -1),
                                     rope[0], rope[1], r)
-        return (torch.cat((q_rot.view(q.shape[0], -1, r), heads_q[..., r:]), dim=-1).view(q.shape[0], -1),
-                torch.cat((k_rot.view(k.shape[0], -1, r), heads_k[..., r:]), dim=-1).view(k.shape[0], -1))
+        q_rot, k_rot = q_rot.view(q.shape[0], -1, r), k_rot.view(k.shape[0], -1, r)
+        if self.halves is not None:
+            q_rot, k_rot = q_rot.index_select(-1, self.halves[1]), k_rot.index_select(-1, self.halves[1])
+        return (torch.cat((q_rot, heads_q[..., r:]), dim=-1).view(q.shape[0], -1),
+                torch.cat((k_rot, heads_k[..., r:]), dim=-1).view(k.shape[0], -1))
