@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.llama.modeling import LlamaAttention, LlamaForCausalLM, Rope, head_dim_of
+from tessera.models.llama.modeling import LlamaAttention, LlamaForCausalLM, Rope, add_and_norm, head_dim_of
 from tessera.ops.activation import GeluTanhAndMul
 from tessera.ops.embedding import VocabEmbedding
 from tessera.ops.linear import PackedLinear, RowParallelLinear
@@ -87,11 +87,7 @@ class Gemma2DecoderLayer(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual adds are fused into the next norm (input / pre-feedforward / final).
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(rope, hidden))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.llama.modeling import (LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, Rope,
+from tessera.models.llama.modeling import (LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, Rope, add_and_norm,
                                            rotary_dim_of)
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
@@ -40,11 +40,7 @@ class Glm4DecoderLayer(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # the residual adds are fused into the next norm (input / post-attention / final)
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_self_attn_layernorm(self.self_attn(rope, hidden))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.post_mlp_layernorm(self.mlp(hidden)), residual

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
+from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope,
+                                           add_and_norm)
 from tessera.ops.embedding import VocabEmbedding
 from tessera.ops.registry import OpTarget
 
@@ -27,11 +28,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(rope, hidden) * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden) * self.residual_multiplier, residual
