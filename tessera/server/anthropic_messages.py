@@ -33,10 +33,11 @@ class MessageWriter(OutputItems):
 
     ID_PREFIXES = {"reasoning": "thinking", "text": "text", "call": "toolu"}
 
-    def __init__(self, model: str, n_prompt: int, stop_sequences: list[str] | None):
+    def __init__(self, model: str, n_prompt: int, stop_sequences: list[str] | None, context_bound: bool = False):
         super().__init__()
         self.id, self.model, self.n_prompt = f"msg_{uuid.uuid4().hex}", model, n_prompt
         self.stop_sequences = stop_sequences or []
+        self.context_bound = context_bound  # the context's room, not max_tokens, bounds the output
 
     @staticmethod
     def event(kind: str, **fields) -> str:
@@ -76,7 +77,8 @@ class MessageWriter(OutputItems):
     def stop(self, out: CompletionOutput) -> dict:
         """stop_reason and stop_sequence, as Anthropic says them."""
         if out.finish_reason == "length":
-            return {"stop_reason": "max_tokens", "stop_sequence": None}
+            reason = "model_context_window_exceeded" if self.context_bound else "max_tokens"
+            return {"stop_reason": reason, "stop_sequence": None}
         if out.finish_reason == "stop_sequence" and out.stop_reason in self.stop_sequences:
             return {"stop_reason": "stop_sequence", "stop_sequence": out.stop_reason}
         if any(item.kind == "call" for item in self.items):
@@ -131,9 +133,10 @@ async def messages(request: Request, body: MessagesRequest):
         raise ValidationFailed("max_tokens: Field required", param="max_tokens")
     if body.max_tokens < 1:  # 0 warms Anthropic's prompt cache; here prefix caching needs no warming
         raise ValidationFailed("max_tokens: must be at least 1", param="max_tokens")
-    chat = await prepare_chat(state, _chat_request(state, body), logprobs_param="messages")
-    return await respond(request, state, chat, MessageWriter(chat.served, len(chat.ids), body.stop_sequences),
-                         body.stream)
+    chat = await prepare_chat(state, _chat_request(state, body), logprobs_param="messages", fit_context=True)
+    writer = MessageWriter(chat.served, len(chat.ids), body.stop_sequences,
+                           context_bound=body.max_tokens > state.limits.max_total_tokens - len(chat.ids))
+    return await respond(request, state, chat, writer, body.stream)
 
 
 @router.post("/messages/count_tokens")

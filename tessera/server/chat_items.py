@@ -44,7 +44,10 @@ class PreparedChat:
     logprobs: Callable[[list[int], list | None], list[dict] | None]  # chat's entries, when asked for
 
 
-async def prepare_chat(state: ServerState, chat: ChatCompletionRequest, logprobs_param: str) -> PreparedChat:
+async def prepare_chat(state: ServerState, chat: ChatCompletionRequest, logprobs_param: str,
+                       fit_context: bool = False) -> PreparedChat:
+    """`fit_context`: a max_tokens past the context's room is cut to the room (Anthropic's
+    reading of it: a bound the model may stop before), not refused as vLLM refuses it."""
     served, lora = resolve_model(state, chat.model)
     tools = plan_tool_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls, state.tool_call_parser)
     thinks = state.reasoning_parser is not None
@@ -54,7 +57,10 @@ async def prepare_chat(state: ServerState, chat: ChatCompletionRequest, logprobs
                                "reasoning parser", param=logprobs_param)
     ids, prompt_text, images = await chat_prompt(state, chat)
     top, label = chat.top_logprobs or 0, token_label(state, chat)
-    params = sampling_params(chat, output_limit(state, chat.max_tokens, len(ids)), top if chat.logprobs else None,
+    requested = chat.max_tokens
+    if fit_context and requested is not None:
+        requested = min(requested, max(state.limits.max_total_tokens - len(ids), 1))
+    params = sampling_params(chat, output_limit(state, requested, len(ids)), top if chat.logprobs else None,
                              tools=tools, defaults=state.sampling_defaults)
     opened = plan_reasoning(state, params, prompt_text)
 

@@ -286,3 +286,20 @@ def test_thinking_switches_the_templates_enable_thinking(client, server, monkeyp
               ("disabled", "enabled", None)}
     counted = {kind: usage.input_tokens + usage.cache_read_input_tokens for kind, usage in tokens.items()}
     assert counted["disabled"] > counted["enabled"] == counted[None]
+
+
+def test_a_max_tokens_past_the_context_is_a_bound_not_an_error(client, chat_client, server):
+    """Anthropic's max_tokens is a bound the model may stop before (Claude Code asks for
+    32000 whatever the model): past the context's room it is cut to the room, and a reply
+    that fills the context says model_context_window_exceeded; the chat route refuses it,
+    as vLLM does."""
+    room = server.state.limits.max_total_tokens
+    msg = create(client, max_tokens=room * 4)
+    assert msg.stop_reason == "model_context_window_exceeded"
+    assert msg.usage.output_tokens == room - (msg.usage.input_tokens + msg.usage.cache_read_input_tokens)
+    with pytest.raises(openai.BadRequestError):
+        chat_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION}],
+                                            max_tokens=room * 4)
+    short = create(client, max_tokens=3)
+    assert short.stop_reason == "max_tokens"
+    server.assert_idle()
