@@ -50,11 +50,12 @@ def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
 
 
 class LayerNorm(OpModule):
-    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
+    def __init__(self, hidden_size: int, eps: float, target: OpTarget, bias: bool = True):
+        """`bias=False`: a weight only (Cohere's)."""
         super().__init__()
         self.eps = eps
         self.weight = make_param((hidden_size,), target.dtype, target.device)
-        self.bias = make_param((hidden_size,), target.dtype, target.device)
+        self.bias = make_param((hidden_size,), target.dtype, target.device) if bias else None
         self._norm = target.op("layer_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

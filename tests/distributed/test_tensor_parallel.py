@@ -161,6 +161,9 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         name = "olmo2-gqa" if kind == "olmo2" else "olmo3-window8-yarn"
         return make_tiny_olmo(folder, tokenizer_dir, seed=5, name=name,
                               **({"num_key_value_heads": 1} if kind == "olmo3" else {}))
+    if kind == "cohere2":
+        from tests.models.test_cohere2_parity import make_tiny_cohere2
+        return make_tiny_cohere2(folder, tokenizer_dir, seed=5)
     if kind == "glm4":
         from tests.models.test_glm4_parity import make_tiny_glm4
         return make_tiny_glm4(folder, tokenizer_dir, seed=5)
@@ -177,7 +180,7 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
 
 
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "smollm3", "olmo2", "olmo3",
-       "ministral3", "granite", "glm4")
+       "ministral3", "granite", "glm4", "cohere2")
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -19,6 +19,7 @@ from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen_parity import make_tiny_qwen
+from tests.models.test_cohere2_parity import make_tiny_cohere2
 from tests.models.test_glm4_parity import make_tiny_glm4
 from tests.models.test_granite_parity import make_tiny_granite
 from tests.models.test_ministral3_parity import make_tiny_ministral3
@@ -68,6 +69,7 @@ FAMILIES = {
     "ministral3-temperature": (make_tiny_ministral3, None, ["q_proj", "v_proj", "gate_proj", "down_proj"]),
     "granite-multipliers": (make_tiny_granite, None, ["k_proj", "o_proj", "up_proj", "down_proj"]),
     "glm4-fused-mlp": (make_tiny_glm4, None, ["q_proj", "v_proj", "gate_up_proj", "down_proj"]),
+    "cohere2-parallel": (make_tiny_cohere2, None, ["q_proj", "k_proj", "o_proj", "up_proj"]),
 }
 
 
@@ -226,7 +228,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
     from tessera.models.registry import router_classes
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
-              "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4",
+              "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2",
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe"}  # these and gemma3: tests/multimodal
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
