@@ -156,31 +156,18 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
     if kind == "gemma3_text":
         from tests.models.test_gemma3_parity import make as make_gemma3
         return make_gemma3(folder, tokenizer_dir, "gemma3-tied")
-    if kind in ("olmo2", "olmo3"):  # (olmo2: 4 query / 2 KV heads; olmo3: 1 KV head, replicated)
-        from tests.models.test_olmo2_parity import make_tiny_olmo
-        name = "olmo2-gqa" if kind == "olmo2" else "olmo3-window8-yarn"
-        return make_tiny_olmo(folder, tokenizer_dir, seed=5, name=name,
-                              **({"num_key_value_heads": 1} if kind == "olmo3" else {}))
-    if kind == "cohere2":
-        from tests.models.test_cohere2_parity import make_tiny_cohere2
-        return make_tiny_cohere2(folder, tokenizer_dir, seed=5)
-    if kind == "glm4":
-        from tests.models.test_glm4_parity import make_tiny_glm4
-        return make_tiny_glm4(folder, tokenizer_dir, seed=5)
-    if kind == "granite":
-        from tests.models.test_granite_parity import make_tiny_granite
-        return make_tiny_granite(folder, tokenizer_dir, seed=5, name="granite-tied-bias")
-    if kind == "ministral3":
-        from tests.models.test_ministral3_parity import make_tiny_ministral3
-        return make_tiny_ministral3(folder, tokenizer_dir, seed=5)
-    if kind == "smollm3":
-        from tests.models.test_smollm3_parity import make_tiny_smollm3
-        return make_tiny_smollm3(folder, tokenizer_dir, seed=5, name="smollm3-window8")
+    if kind in FAMILY_CASES:  # (olmo3: one KV head, replicated over the ranks)
+        from tests.models.families import make_family
+        return make_family(folder, tokenizer_dir, FAMILY_CASES[kind], seed=5,
+                           **({"num_key_value_heads": 1} if kind == "olmo3" else {}))
     raise AssertionError(kind)
 
 
-ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "smollm3", "olmo2", "olmo3",
-       "ministral3", "granite", "glm4", "cohere2")
+# the families of tests/models/families.py, by the case each is checked with here
+FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "olmo3-window8-yarn",
+                "ministral3": "ministral3-yarn-temperature", "granite": "granite-tied-bias", "glm4": "glm4-gqa-bias",
+                "cohere2": "cohere2-window8-tied"}
+ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", *FAMILY_CASES)
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -16,15 +16,10 @@ from tessera.engine.engine import RequestError
 from tessera.lora import LoRARequest
 from tests.lora.peft_adapters import save_peft_adapter
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
+from tests.models.families import make_family
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen_parity import make_tiny_qwen
-from tests.models.test_cohere2_parity import make_tiny_cohere2
-from tests.models.test_glm4_parity import make_tiny_glm4
-from tests.models.test_granite_parity import make_tiny_granite
-from tests.models.test_ministral3_parity import make_tiny_ministral3
-from tests.models.test_olmo2_parity import make_tiny_olmo
-from tests.models.test_smollm3_parity import make_tiny_smollm3
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,13 +58,14 @@ FAMILIES = {
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
-    "smollm3-nope": (make_tiny_smollm3, None, ["q_proj", "k_proj", "o_proj", "gate_proj"]),
-    "olmo2-postnorm": (make_tiny_olmo, None, ["q_proj", "k_proj", "v_proj", "down_proj"]),
-    "olmo3-window": (functools.partial(make_tiny_olmo, name="olmo3-window8-yarn"), None, ["q_proj", "o_proj", "up_proj"]),
-    "ministral3-temperature": (make_tiny_ministral3, None, ["q_proj", "v_proj", "gate_proj", "down_proj"]),
-    "granite-multipliers": (make_tiny_granite, None, ["k_proj", "o_proj", "up_proj", "down_proj"]),
-    "glm4-fused-mlp": (make_tiny_glm4, None, ["q_proj", "v_proj", "gate_up_proj", "down_proj"]),
-    "cohere2-parallel": (make_tiny_cohere2, None, ["q_proj", "k_proj", "o_proj", "up_proj"]),
+    **{f"{case}-family": (functools.partial(make_family, name=case), None, targets) for case, targets in (
+        ("smollm3-alternate-tied", ["q_proj", "k_proj", "o_proj", "gate_proj"]),
+        ("olmo2-gqa", ["q_proj", "k_proj", "v_proj", "down_proj"]),
+        ("olmo3-window8-yarn", ["q_proj", "o_proj", "up_proj"]),
+        ("ministral3-yarn-temperature", ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+        ("granite-gqa", ["k_proj", "o_proj", "up_proj", "down_proj"]),
+        ("glm4-gqa-bias", ["q_proj", "v_proj", "gate_up_proj", "down_proj"]),
+        ("cohere2-window8-tied", ["q_proj", "k_proj", "o_proj", "up_proj"]))},
 }
 
 

@@ -359,8 +359,8 @@ def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                  image_size=56, patch_size=7, head_dim=16)
     if text_type == "ministral3":
-        from tests.models.test_ministral3_parity import ROPE
-        text = Ministral3Config(**TEXT_CONFIG, rope_parameters=ROPE, pad_token_id=0)
+        from tests.models.families import MINISTRAL3_ROPE
+        text = Ministral3Config(**TEXT_CONFIG, rope_parameters=MINISTRAL3_ROPE, pad_token_id=0)
     else:
         text = MistralConfig(**TEXT_CONFIG)
     config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=3,

@@ -6,6 +6,6 @@ class Cohere2Router(BaseRouter):
     """Cohere 2 (Command R7B, Command A): parallel blocks, NoPE full-attention layers."""
     model_types = ("cohere2",)
     model_cls = Cohere2ForCausalLM
-    supports_sliding_window = True  # tests/models/test_cohere2_parity.py
+    supports_sliding_window = True  # tests/models/test_family_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py

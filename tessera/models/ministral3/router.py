@@ -7,6 +7,6 @@ class Ministral3Router(BaseRouter):
     type this is)."""
     model_types = ("ministral3",)
     model_cls = Ministral3ForCausalLM
-    supports_sliding_window = True  # tests/models/test_ministral3_parity.py
+    supports_sliding_window = True  # tests/models/test_family_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py

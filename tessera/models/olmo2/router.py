@@ -6,6 +6,6 @@ class Olmo2Router(BaseRouter):
     """OLMo 2 (1B-32B) and OLMo 3 (7B, 32B; sliding-window layers): post-norm layers."""
     model_types = ("olmo2", "olmo3")
     model_cls = Olmo2ForCausalLM
-    supports_sliding_window = True  # tests/models/test_olmo2_parity.py
+    supports_sliding_window = True  # tests/models/test_family_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py

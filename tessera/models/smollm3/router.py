@@ -6,6 +6,6 @@ class SmolLM3Router(BaseRouter):
     """SmolLM3 (HuggingFaceTB/SmolLM3-3B): Llama with NoPE layers."""
     model_types = ("smollm3",)
     model_cls = SmolLM3ForCausalLM
-    supports_sliding_window = True  # tests/models/test_smollm3_parity.py
+    supports_sliding_window = True  # tests/models/test_family_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py
