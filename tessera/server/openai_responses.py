@@ -24,6 +24,7 @@ from tessera.server.openai_common import state_of
 from tessera.server.protocol import ResponsesRequest
 from tessera.server.responses_input import chat_request, input_items
 from tessera.server.responses_output import ResponseWriter
+from tessera.server.responses_store import stored_items
 from tessera.server.state import ServerState
 
 router = APIRouter(prefix="/v1")
@@ -32,7 +33,7 @@ router = APIRouter(prefix="/v1")
 def _conversation(state: ServerState, body: ResponsesRequest) -> list:
     """The input items the response answers: a previous response's conversation and output,
     then this request's input (its instructions are not carried over, as in OpenAI's API)."""
-    items = input_items(body)
+    items = stored_items(input_items(body))
     if body.previous_response_id is None:
         return items
     prior = state.responses.get(body.previous_response_id)
@@ -67,6 +68,27 @@ def _stored(state: ServerState, rid: str):
 @router.get("/responses/{rid}")
 async def retrieve(request: Request, rid: str) -> dict:
     return _stored(state_of(request), rid).response
+
+
+@router.get("/responses/{rid}/input_items")
+async def list_input_items(request: Request, rid: str, order: str = "desc", limit: int = 20,
+                           after: str | None = None) -> dict:
+    """The input items a stored response answered (earlier turns' included), OpenAI's page."""
+    if order not in ("asc", "desc"):
+        raise ValidationFailed("`order` is asc or desc", param="order")
+    if not 1 <= limit <= 100:
+        raise ValidationFailed("`limit` must be in [1, 100]", param="limit")
+    items = list(_stored(state_of(request), rid).conversation)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise ValidationFailed(f"no input item {after!r} in this response", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.delete("/responses/{rid}")

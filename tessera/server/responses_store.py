@@ -1,9 +1,10 @@
 """Finished Responses kept in memory, so that a client can continue a conversation by
 `previous_response_id` (sending only the new turn), fetch a response again
-(GET /v1/responses/{id}) or delete it. OpenAI stores responses unless `store` is false;
+(GET /v1/responses/{id}), list the input items it answered (.../input_items) or delete it. OpenAI stores responses unless `store` is false;
 here they live as long as the server, the oldest dropped beyond --responses-store-size."""
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from threading import Lock
@@ -40,3 +41,30 @@ class ResponseStore:
     def delete(self, rid: str) -> bool:
         with self._lock:
             return self._responses.pop(rid, None) is not None
+
+
+def stored_items(items: list) -> list[dict]:
+    """Input items as the store keeps them, each with an id (what GET .../input_items lists,
+    and what a later turn reads back): a message's text as parts, typed by its role (an
+    assistant's as output_text), calls and their outputs marked completed."""
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            role, content = item.get("role"), item.get("content")
+            text_part = "output_text" if role == "assistant" else "input_text"
+            if isinstance(content, str) or content is None:
+                item["content"] = [{"type": text_part, "text": content or ""}]
+            if role == "assistant":
+                item["content"] = [{**part, "annotations": part.get("annotations", [])}
+                                   if part.get("type") == "output_text" else part for part in item["content"]]
+            item.setdefault("id", f"msg_{uuid.uuid4().hex}")
+        elif kind == "function_call_output":
+            item.setdefault("id", f"fco_{uuid.uuid4().hex}")
+        elif kind == "function_call":
+            item.setdefault("id", f"fc_{uuid.uuid4().hex}")
+        if kind in ("message", "function_call", "function_call_output"):
+            item.setdefault("status", "completed")
+        out.append(item)
+    return out

@@ -4,6 +4,7 @@ fetched again and deleted, `store: false` keeps nothing, and the store keeps onl
 newest --responses-store-size responses."""
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -72,3 +73,28 @@ def test_delete_and_the_store_size(client, server, monkeypatch):
     assert [client.responses.retrieve(rid).id for rid in ids[1:]] == ids[1:]
     monkeypatch.setattr(server.state, "responses", ResponseStore(0))
     assert create(client, max_output_tokens=1).store is False
+
+
+def test_input_items_list_the_conversation_a_response_answered(client, server):
+    first = create(client, input="Paged attention", max_output_tokens=3)
+    second = create(client, previous_response_id=first.id, max_output_tokens=3, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "And then?"}]},
+        {"role": "assistant", "content": "It pages."}, {"role": "user", "content": "Why?"}])
+    listed = client.responses.input_items.list(second.id, order="asc")
+    from pydantic import TypeAdapter
+    from openai.types.responses import ResponseItem
+    raw = httpx.get(f"{str(client.base_url)}responses/{second.id}/input_items", params={"order": "asc"}).json()
+    assert [TypeAdapter(ResponseItem).validate_python(item).id for item in raw["data"]] == [i.id for i in listed.data]
+    kinds = [(item.type, getattr(item, "role", None)) for item in listed.data]
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "assistant"),
+                     ("message", "user")]
+    assert listed.data[0].content[0].text == "Paged attention" and listed.data[1].id == first.output[0].id
+    assert len({item.id for item in listed.data}) == 5
+    newest = client.responses.input_items.list(second.id, limit=2)  # desc by default, in pages
+    assert [item.id for item in newest.data] == [item.id for item in listed.data[::-1][:2]] and newest.has_more
+    rest = client.responses.input_items.list(second.id, after=newest.data[-1].id)
+    assert [item.id for item in rest.data] == [item.id for item in listed.data[::-1][2:]]
+    assert client.responses.input_items.list(first.id).data[0].content[0].text == "Paged attention"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+    server.assert_idle()
