@@ -20,7 +20,7 @@ from tessera.server.errors import APIError, ValidationFailed, anthropic_error_bo
 from tessera.server.openai_common import state_of
 from tessera.server.openai_routes import chat_prompt
 from tessera.server.openai_validation import resolve_model
-from tessera.server.output_items import OutputItem, OutputItems
+from tessera.server.output_items import OutputItem, OutputItems, named_event
 from tessera.server.protocol import ChatCompletionRequest
 from tessera.server.state import ServerState
 from tessera.server.partial_json import partial_object
@@ -39,9 +39,7 @@ class MessageWriter(OutputItems):
         self.stop_sequences = stop_sequences or []
         self.context_bound = context_bound  # the context's room, not max_tokens, bounds the output
 
-    @staticmethod
-    def event(kind: str, **fields) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
+    event = staticmethod(named_event)
 
     def opened(self, item: OutputItem) -> list[str]:
         block = {"reasoning": {"type": "thinking", "thinking": "", "signature": ""},

@@ -7,11 +7,18 @@ API's events; fed a whole output at once, the same class builds the whole reply,
 streamed reply and a whole one hold the same items."""
 from __future__ import annotations
 
+import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from tessera.engine.outputs import CompletionOutput
 from tessera.server.errors import APIError
+
+
+def named_event(kind: str, **fields) -> str:
+    """One server-sent event named after its type, as both APIs send them."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
 
 
 @dataclass
@@ -27,8 +34,9 @@ class OutputItem:
     status: str = "in_progress"  # then "completed" or "incomplete"
 
 
-class OutputItems:
-    """The items of one output, and the events (rendered by a subclass) that make them."""
+class OutputItems(ABC):
+    """The items of one output, and the events (rendered by a subclass: ResponseWriter,
+    MessageWriter) that make them."""
 
     ID_PREFIXES = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
@@ -40,38 +48,41 @@ class OutputItems:
 
     # --- what a subclass renders ----------------------------------------------------------
 
+    @abstractmethod
     def opened(self, item: OutputItem) -> list[str]:
-        raise NotImplementedError
+        """The events that open `item`."""
 
+    @abstractmethod
     def grown(self, item: OutputItem, text: str, logprobs: list[dict]) -> list[str]:
-        raise NotImplementedError
+        """The events that add `text` (and its tokens' logprobs) to `item`."""
 
+    @abstractmethod
     def closed(self, item: OutputItem) -> list[str]:
-        raise NotImplementedError
+        """The events that close `item` (its status set)."""
 
     # --- and the reply around the items (chat_items.respond sends them) ---------------------
 
     id: str  # the reply's id, which the engine's request carries too
 
+    @abstractmethod
     def started(self) -> list[str]:
         """The events before the first item."""
-        raise NotImplementedError
 
+    @abstractmethod
     def close_output(self, out: CompletionOutput) -> list[str]:
         """Close the items once the output has ended (`finish` with the API's rules)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def ended(self, out: CompletionOutput) -> list[str]:
         """The events after the last item."""
-        raise NotImplementedError
 
+    @abstractmethod
     def failed(self, exc: APIError) -> list[str]:
         """The events that end a stream that failed."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reply(self, out: CompletionOutput) -> dict:
         """The whole reply, once the items are closed."""
-        raise NotImplementedError
 
     # --- the items --------------------------------------------------------------------------
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+from tessera.server.json_spans import string_end
+
 CLOSERS = {"{": "}", "[": "]"}
 
 
@@ -13,19 +15,17 @@ def partial_object(text: str) -> dict:
     """`text`'s complete members as an object; {} when it holds none (or is no object)."""
     cuts: list[tuple[int, str]] = []  # (end, closers): where a prefix ends with complete values
     stack: list[str] = []
-    in_string = escaped = False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
+    i, in_string = 0, False
+    while i < len(text):
+        ch = text[i]
+        if ch == '"':  # strings skipped whole, as json_spans skips them
+            end = string_end(text, i)
+            if end is None:
+                in_string = True
+                break
+            i = end
             continue
-        if ch == '"':
-            in_string = True
-        elif ch in CLOSERS:
+        if ch in CLOSERS:
             stack.append(CLOSERS[ch])
             cuts.append((i + 1, "".join(reversed(stack))))
         elif ch in "}]" and stack:
@@ -33,6 +33,7 @@ def partial_object(text: str) -> dict:
             cuts.append((i + 1, "".join(reversed(stack))))
         elif ch == ",":
             cuts.append((i, "".join(reversed(stack))))
+        i += 1
     if not in_string:  # the text may end with a complete value (a number, true, a closed string)
         cuts.append((len(text), "".join(reversed(stack))))
     for end, closers in reversed(cuts):

@@ -3,13 +3,12 @@ that build its output items one at a time (response.created ... response.complet
 a reasoning item, a message, a function_call item per call (output_items.py builds them)."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable
 
 from tessera.engine.outputs import CompletionOutput
 from tessera.server.errors import APIError, openai_error_body
-from tessera.server.output_items import OutputItem, OutputItems
+from tessera.server.output_items import OutputItem, OutputItems, named_event
 from tessera.server.protocol import ResponsesRequest
 
 
@@ -43,9 +42,8 @@ class ResponseWriter(OutputItems):
         self.sequence = 0
 
     def event(self, kind: str, **fields) -> str:
-        payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+        return named_event(kind, sequence_number=self.sequence - 1, **fields)
 
     @staticmethod
     def _at(item: OutputItem) -> dict:

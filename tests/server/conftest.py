@@ -146,3 +146,18 @@ def server(shared_server):
 @pytest.fixture
 def url(server) -> str:
     return server.url
+
+
+@pytest.fixture
+def openai_client(url):
+    """The openai package's client of the shared server (no retries: a failure shows at once)."""
+    import openai
+
+    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def client(openai_client):
+    """The client a test file talks with; files of another SDK (Anthropic's) override it."""
+    return openai_client

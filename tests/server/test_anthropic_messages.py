@@ -30,12 +30,6 @@ def client(url):
         yield client
 
 
-@pytest.fixture
-def chat_client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as client:
-        yield client
-
-
 GREEDY = {"temperature": 0}  # the newest SDK leaves sampling fields out of its signature
 
 
@@ -68,9 +62,9 @@ def raw_events(url: str, **body) -> list:
     return events
 
 
-def test_a_message_is_the_chat_completion_of_its_conversation(client, chat_client, url, server):
+def test_a_message_is_the_chat_completion_of_its_conversation(client, openai_client, url, server):
     msg = create(client, system="Answer briefly.")
-    chat = chat_client.chat.completions.create(model=MODEL_NAME, max_tokens=12, temperature=0, messages=[
+    chat = openai_client.chat.completions.create(model=MODEL_NAME, max_tokens=12, temperature=0, messages=[
         {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}])
     (block,) = msg.content
     assert block.type == "text" and block.text == chat.choices[0].message.content
@@ -106,7 +100,7 @@ def test_streamed_events_add_up_to_the_message(client, url, server):
     server.assert_idle()
 
 
-def test_stop_sequences_and_prefill(client, chat_client, server):
+def test_stop_sequences_and_prefill(client, openai_client, server):
     text = create(client, max_tokens=20).content[0].text
     stop = text[4:7]
     cut = create(client, max_tokens=20, stop_sequences=["\u2603", stop])
@@ -118,7 +112,7 @@ def test_stop_sequences_and_prefill(client, chat_client, server):
     # a last assistant turn is continued (Anthropic's prefill), as chat's continue_final_message
     turns = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "It stores"}]
     more = create(client, messages=turns, max_tokens=6)
-    same = chat_client.chat.completions.create(model=MODEL_NAME, messages=turns, max_tokens=6, temperature=0,
+    same = openai_client.chat.completions.create(model=MODEL_NAME, messages=turns, max_tokens=6, temperature=0,
                                                extra_body={"add_generation_prompt": False,
                                                            "continue_final_message": True})
     assert more.content[0].text == same.choices[0].message.content
@@ -183,14 +177,14 @@ AS_CHAT = [
 ]
 
 
-def test_tool_results_sent_back_are_the_chat_conversation(client, chat_client, server, monkeypatch):
+def test_tool_results_sent_back_are_the_chat_conversation(client, openai_client, server, monkeypatch):
     from tessera.server.anthropic_input import MessagesRequest, chat_request
 
     chat = chat_request(MessagesRequest(model=MODEL_NAME, messages=CONVERSATION, tools=[TIME]))
     assert [m.model_dump(exclude_none=True) for m in chat.messages] == AS_CHAT
     monkeypatch.setattr(server.state, "chat_template", TOOL_TEMPLATE)
     msg = create(client, messages=CONVERSATION, tools=[TIME], tool_choice={"type": "none"}, max_tokens=6)
-    same = chat_client.chat.completions.create(model=MODEL_NAME, messages=AS_CHAT, max_tokens=6, temperature=0,
+    same = openai_client.chat.completions.create(model=MODEL_NAME, messages=AS_CHAT, max_tokens=6, temperature=0,
                                                tools=[{"type": "function", "function": {
                                                    "name": "get_time", "parameters": TIME["input_schema"]}}],
                                                tool_choice="none")
@@ -288,7 +282,7 @@ def test_thinking_switches_the_templates_enable_thinking(client, server, monkeyp
     assert counted["disabled"] > counted["enabled"] == counted[None]
 
 
-def test_a_max_tokens_past_the_context_is_a_bound_not_an_error(client, chat_client, server):
+def test_a_max_tokens_past_the_context_is_a_bound_not_an_error(client, openai_client, server):
     """Anthropic's max_tokens is a bound the model may stop before (Claude Code asks for
     32000 whatever the model): past the context's room it is cut to the room, and a reply
     that fills the context says model_context_window_exceeded; the chat route refuses it,
@@ -298,7 +292,7 @@ def test_a_max_tokens_past_the_context_is_a_bound_not_an_error(client, chat_clie
     assert msg.stop_reason == "model_context_window_exceeded"
     assert msg.usage.output_tokens == room - (msg.usage.input_tokens + msg.usage.cache_read_input_tokens)
     with pytest.raises(openai.BadRequestError):
-        chat_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION}],
+        openai_client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION}],
                                             max_tokens=room * 4)
     short = create(client, max_tokens=3)
     assert short.stop_reason == "max_tokens"

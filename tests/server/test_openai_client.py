@@ -10,12 +10,6 @@ from tests.server.conftest import CHAT, MODEL_NAME, PROMPT, start_server
 MAX_TOKENS = 12
 
 
-@pytest.fixture
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30) as c:
-        yield c
-
-
 def _greedy_chat(client, **kw):
     kw.setdefault("extra_body", {"ignore_eos": True})
     return client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=MAX_TOKENS,

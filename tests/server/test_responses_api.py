@@ -14,12 +14,6 @@ from tests.server.conftest import MODEL_NAME
 QUESTION = "Paged attention stores the KV cache"
 
 
-@pytest.fixture
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0) as client:
-        yield client
-
-
 def strict_events(client, **body) -> list:
     """A streamed response's events, each validated strictly as the SDK's ResponseStreamEvent
     (the client itself parses leniently), with its SSE event name equal to its type."""

@@ -13,12 +13,6 @@ from tests.server.conftest import MODEL_NAME
 from tests.server.test_responses_tools import TIME, create
 
 
-@pytest.fixture
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as client:
-        yield client
-
-
 def test_previous_response_id_continues_the_conversation(client, server):
     first = create(client, input="Paged attention", instructions="Answer briefly.", max_output_tokens=6)
     assert first.store is True and client.responses.retrieve(first.id).model_dump() == first.model_dump()

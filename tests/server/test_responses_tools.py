@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from tessera.server.protocol import ResponsesRequest
@@ -29,12 +28,6 @@ TOOL_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
                  "{{ c['function']['arguments'] | tojson }}]{% endfor %}"
                  "{% if m.get('tool_call_id') %} ({{ m['tool_call_id'] }}){% endif %}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-
-
-@pytest.fixture
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60) as client:
-        yield client
 
 
 def create(client, **kw):

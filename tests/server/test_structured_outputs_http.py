@@ -8,7 +8,6 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 from text_generation import Client
 from text_generation.types import Grammar, GrammarType
@@ -18,12 +17,6 @@ from tests.server.conftest import CHAT, MODEL_NAME, PROMPT
 from tests.server.test_http_wire import openai_error, tgi_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:text_generation")
-
-
-@pytest.fixture
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30) as c:
-        yield c
 
 
 def test_tgi_client_json_grammar(url, server):

@@ -35,12 +35,6 @@ def call_valid(call) -> bool:
     return call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
 
 
-@pytest.fixture
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30) as c:
-        yield c
-
-
 def chat(client, **kw):
     kw.setdefault("temperature", 0)
     kw.setdefault("max_tokens", 80)

@@ -10,7 +10,6 @@ from transformers import PretrainedConfig
 
 from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope,
                                            add_and_norm)
-from tessera.ops.embedding import VocabEmbedding
 from tessera.ops.registry import OpTarget
 
 
@@ -37,10 +36,8 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 class GraniteModel(LlamaModel):
     layer_cls = GraniteDecoderLayer
 
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target,
-                                           scale=config.embedding_multiplier)
+    def embedding_scale(self, config: PretrainedConfig) -> float | None:
+        return config.embedding_multiplier
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -109,11 +109,20 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target)
-        self.rotary_emb = RotaryEmbedding(rotary_dim_of(config), config.max_position_embeddings,
-                                          rope_parameters(config), target)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target,
+                                           scale=self.embedding_scale(config))
+        self.rotary_emb = self.make_rotary(config, target)
         self.layers = nn.ModuleList(self.make_layer(config, i, target) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+    def embedding_scale(self, config: PretrainedConfig) -> float | None:
+        """What the embedding op multiplies every row by (None: nothing)."""
+        return None
+
+    def make_rotary(self, config: PretrainedConfig, target: OpTarget) -> nn.Module | None:
+        """The rotary table the layers share (multimodal positions, tables per layer type:
+        types that differ override this)."""
+        return RotaryEmbedding(rotary_dim_of(config), config.max_position_embeddings, rope_parameters(config), target)
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
         """Decoder layer `layer_idx`; types whose layers differ by index override this."""

@@ -69,7 +69,7 @@ class Olmo2Attention(LlamaAttention):
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), rope)
+        q, k = self.rotary(self.q_norm(q), self.k_norm(k), rope)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -93,12 +93,16 @@ class Olmo2Model(LlamaModel):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config, target)
         self.kinds = layer_kinds(config)
-        params = getattr(config, "rope_parameters", None) or {}
+
+    def make_rotary(self, config: PretrainedConfig, target: OpTarget) -> nn.Module | None:
+        """OLMo 3: a table per layer type (`type_rotary`), and no shared one."""
         self.type_rotary = None
-        if "full_attention" in params:  # OLMo 3: a table per layer type
-            self.type_rotary = nn.ModuleDict({
-                kind: RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, kind_params, target)
-                for kind, kind_params in layer_rope_parameters(config).items()})
+        if "full_attention" not in (getattr(config, "rope_parameters", None) or {}):
+            return super().make_rotary(config, target)
+        self.type_rotary = nn.ModuleDict({
+            kind: RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, kind_params, target)
+            for kind, kind_params in layer_rope_parameters(config).items()})
+        return None
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
         return Olmo2DecoderLayer(config, target, layer_idx)

@@ -23,11 +23,9 @@ def mrope_parameters(config: PretrainedConfig) -> tuple[dict, list[int]]:
 
 
 class Qwen2VLTextModel(Qwen2Model):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target)
+    def make_rotary(self, config: PretrainedConfig, target: OpTarget) -> MRotaryEmbedding:
         params, section = mrope_parameters(config)
-        self.rotary_emb = MRotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params,
-                                           target, section)
+        return MRotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params, target, section)
 
 
 class Qwen2VLForCausalLM(Qwen2ForCausalLM):

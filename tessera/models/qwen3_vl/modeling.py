@@ -44,9 +44,8 @@ class DeepStackForward:
 
 
 class Qwen3VLTextModel(DeepStackForward, Qwen3Model):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target)
-        self.rotary_emb = interleaved_mrope(config, target)
+    def make_rotary(self, config: PretrainedConfig, target: OpTarget) -> MRotaryEmbedding:
+        return interleaved_mrope(config, target)
 
 
 class Qwen3VLForCausalLM(Qwen3ForCausalLM):
@@ -58,7 +57,9 @@ class Qwen3VLMoeTextModel(DeepStackForward, Qwen3MoeModel):
         if getattr(config, "norm_topk_prob", None) is None:
             config.norm_topk_prob = True  # Qwen3-VL-MoE's router always renormalises its top k
         super().__init__(config, target)
-        self.rotary_emb = interleaved_mrope(config, target)
+
+    def make_rotary(self, config: PretrainedConfig, target: OpTarget) -> MRotaryEmbedding:
+        return interleaved_mrope(config, target)
 
 
 class Qwen3VLMoeForCausalLM(Qwen3MoeForCausalLM):
