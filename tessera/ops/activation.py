@@ -40,6 +40,26 @@ class GeluTanhAndMul(OpModule):
         return self._act(gate_up)
 
 
+@register_op("clamped_swiglu", name="torch_clamped_swiglu", priority=0)
+def clamped_swiglu_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts (transformers' GptOssExperts): the gate clamped above at `limit`,
+    up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). gate_up: the gate
+    half, then the up half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class ClampedSwiGLU(OpModule):
+    def __init__(self, alpha: float, limit: float, target: OpTarget):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self._act = target.op("clamped_swiglu")
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act(gate_up, self.alpha, self.limit)
+
+
 @register_op("gelu", name="torch_gelu", priority=0)
 def gelu_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x, approximate=approximate)

@@ -1,5 +1,6 @@
-"""Mixture-of-experts MLP: a router picks top-k experts per token, each expert is a SwiGLU
-MLP, and a token's output is the routing-weighted sum of its experts' outputs.
+"""Mixture-of-experts MLP: a router picks top-k experts per token, each expert is a gated
+MLP (SwiGLU, or gpt-oss's clamped variant with biases), and a token's output is the
+routing-weighted sum of its experts' outputs.
 
 Expert weights are stacked, `w13` [E, 2I, H] (gate rows then up rows) and `w2` [E, H, I],
 so one parameter holds every expert and a grouped kernel can index it. Checkpoints store
@@ -9,7 +10,7 @@ one tensor per expert and projection; `expert_weight_target` maps those names to
 from __future__ import annotations
 
 import re
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +39,12 @@ def softmax_topk_ref(router_logits: torch.Tensor, top_k: int,
 
 @register_op("moe_experts", name="torch_grouped_experts", priority=0)
 def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, k] -> [T, H].
+                        weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None,
+                        activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, k] -> [T, H]. Optional
+    biases b13 [E, 2I], b2 [E, H]; `activation` maps [rows, 2I] (gate then up) to [rows, I]
+    (None: SwiGLU).
 
     The T*k (token, expert) pairs are sorted by expert so each expert runs two GEMMs over
     all of its rows at once; the loop is over experts that got rows, never over tokens."""
@@ -55,8 +60,13 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if count == 0:
             continue
         rows = token_of[start:start + count]
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        down = F.linear(F.silu(gate) * up, w2[expert])
+        gate_up = F.linear(x[rows], w13[expert], None if b13 is None else b13[expert])
+        if activation is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        else:
+            hidden = activation(gate_up)
+        down = F.linear(hidden, w2[expert], None if b2 is None else b2[expert])
         # the routing weight multiplies in float32 (as transformers does) before the cast back
         out.index_add_(0, rows, (down * pair_weights[start:start + count, None]).to(x.dtype))
         start += count
@@ -66,30 +76,12 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 ExpertShard = tuple[int, int]  # (expert index, 0 = gate or down / 1 = up)
 
 
-class SparseMoE(OpModule):
-    """Router (`gate`, a linear layer with no bias) + stacked SwiGLU experts."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, target: OpTarget):
-        super().__init__()
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.gate = Linear(hidden_size, num_experts, target)  # replicated: every rank routes
-        self.experts = StackedExperts(hidden_size, intermediate_size, num_experts, target)
-        self.tp_size = target.tp_size
-        self._route = target.op("moe_routing")
-        self._experts = target.op("moe_experts")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
-        out = self._experts(x, self.experts.w13_weight, self.experts.w2_weight, weights, ids)
-        return all_reduce(out, self.tp_size)  # each rank computed its slice of every expert
-
-
 class StackedExperts(OpModule):
     """Under tensor parallelism each rank holds a span of every expert's intermediate
     dimension (its gate and up rows, the matching down columns); outputs are summed."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, target: OpTarget):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, target: OpTarget,
+                 bias: bool = False):
         super().__init__()
         self.full_intermediate = intermediate_size
         self.span = even_span(intermediate_size, target.tp_rank, target.tp_size)
@@ -100,6 +92,22 @@ class StackedExperts(OpModule):
         self.w2_weight = make_param((num_experts, hidden_size, intermediate_size), target.dtype,
                                     target.device, loader=self._load,
                                     shard_ids=tuple((e, 0) for e in range(num_experts)))
+        self.w13_bias = self.w2_bias = None
+        if bias:  # stacked as the weights are: [E, 2I] this rank's gate then up entries, [E, H]
+            self.w13_bias = make_param((num_experts, 2 * intermediate_size), target.dtype, target.device,
+                                       loader=self._load_bias)
+            self.w2_bias = make_param((num_experts, hidden_size), target.dtype, target.device)
+
+    def _load_bias(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        """The stacked gate-then-up bias [E, 2I]: this rank's span of each half."""
+        expected = (param.shape[0], 2 * self.full_intermediate)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"stacked expert bias: checkpoint shape {tuple(tensor.shape)} != model shape {expected}")
+        full, span, local = self.full_intermediate, self.span, self.intermediate_size
+        with torch.no_grad():
+            for half in (0, 1):
+                copy_checked(param.data.narrow(1, half * local, local),
+                             narrow(tensor, 1, half * full + span.start, local), "stacked expert bias")
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         with torch.no_grad():
@@ -137,6 +145,37 @@ class StackedExperts(OpModule):
             else:                         # down [H, I]: this rank's columns
                 tensor = narrow(tensor, 1, span.start, local)
             copy_checked(dst, tensor, f"expert {expert} shard {half}")
+
+
+class SparseMoE(OpModule):
+    """Router (`gate`, a linear layer, with a bias where `bias`) + stacked experts (with
+    biases where `bias`). `activation`: what the experts apply to their gate and up rows
+    (None: SwiGLU)."""
+
+    experts_cls = StackedExperts  # gpt-oss's de-interleaves its checkpoint's gate and up
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, target: OpTarget, bias: bool = False,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = Linear(hidden_size, num_experts, target, bias=bias)  # replicated: every rank routes
+        self.experts = self.experts_cls(hidden_size, intermediate_size, num_experts, target, bias=bias)
+        self.tp_size = target.tp_size
+        self.activation = activation
+        # the down projections' bias is added once, on rank 0, before the ranks' sum
+        self.add_down_bias = target.tp_rank == 0
+        self._route = target.op("moe_routing")
+        self._experts = target.op("moe_experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
+        experts = self.experts
+        out = self._experts(x, experts.w13_weight, experts.w2_weight, weights, ids, experts.w13_bias,
+                            experts.w2_bias if self.add_down_bias else None, self.activation)
+        return all_reduce(out, self.tp_size)  # each rank computed its slice of every expert
+
+
 
 
 # checkpoint projection name -> (stacked parameter, half)

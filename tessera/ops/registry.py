@@ -15,7 +15,7 @@ import torch
 OP_KINDS = (
     "embedding", "linear", "lora_rows", "rms_norm", "rotary", "silu_and_mul",
     "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
-    "layer_norm", "gelu",
+    "layer_norm", "gelu", "clamped_swiglu",
 )
 PHASES = (None, "prefill", "decode")
 
@@ -39,6 +39,8 @@ class OpSpec:
     # attention features a builder may not implement (rejected in its `check`)
     sliding_window: bool = False
     softcap: bool = False
+    # a learned per-head logit in every softmax's denominator (gpt-oss's attention sinks)
+    sinks: bool = False
     # prefill rows that see keys past their own position, up to a per-row limit
     # (AttentionMetadata.key_limits: a span of tokens attending to each other, Gemma 3's images)
     key_limits: bool = False
@@ -69,6 +71,7 @@ class OpBuilder:
     kv_dtypes: tuple[torch.dtype | None, ...] = (None,)  # quantized KV caches it reads or writes
     check: Callable[[OpSpec], list[str]] | None = None  # extra, builder-specific reasons
     key_limits: bool = False  # implements per-row key limits (OpSpec.key_limits)
+    sinks: bool = False  # implements attention sinks (OpSpec.sinks)
     # the layout `impl` wants a loaded weight in (e.g. repacked panels), applied once after
     # loading by the layer that owns the weight; None: used as loaded
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -88,6 +91,8 @@ class OpBuilder:
             reasons.append(f"KV cache dtype {spec.kv_dtype} not supported")
         if spec.key_limits and not self.key_limits:
             reasons.append("no per-row key limits (rows attending past their own position)")
+        if spec.sinks and not self.sinks:
+            reasons.append("no attention sinks")
         if self.check is not None and not reasons:  # a check may build a kernel: only when it could serve
             reasons.extend(self.check(spec))
         return reasons

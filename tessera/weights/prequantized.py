@@ -11,7 +11,9 @@ shrink it again. Formats read:
   float-quantized (FP8), per tensor, channel, group (with or without g_idx) or block;
 - fp8 (transformers' FineGrainedFP8: Qwen3-*-FP8, DeepSeek): fp8 with 2-D block scales;
 - fbgemm_fp8 (Meta's Llama 3.1 FP8): fp8 with per-channel scales;
-- gptq (AutoGPTQ / GPTQModel, 2, 4 or 8 bits, v1 and v2 zero points) and awq (GEMM layout).
+- gptq (AutoGPTQ / GPTQModel, 2, 4 or 8 bits, v1 and v2 zero points) and awq (GEMM layout);
+- mxfp4 (gpt-oss's experts: `<weight>_blocks` / `<weight>_scales`, weights/mxfp4.py), handed
+  over as transformers' own modules hold them.
 
 Activation and KV-cache scales (static W8A8, kv_cache_scheme) are dropped: activations run
 in the model's dtype, and the KV cache follows --kv-cache-dtype.
@@ -28,10 +30,11 @@ import torch
 
 from tessera.weights.dequantize import ScaleLayout, awq_unpack, dequantize_weight, unpack_int32
 from tessera.weights.lazy import materialize
+from tessera.weights.mxfp4 import dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8", "gptq", "awq")
+SUPPORTED_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8", "gptq", "awq", "mxfp4")
 _CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 # activation / KV-cache quantization parameters: the model runs without them
 _DROPPED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point", "activation_scale",
@@ -66,15 +69,20 @@ class CheckpointQuantization:
     gptq_v1_zeros: bool = True   # GPTQ's v1 format stores each zero point minus one
     block: tuple[int, int] = (128, 128)  # fp8
     notes: tuple[str, ...] = field(default=())
+    # how a part's name joins its module's: "<module>.weight_scale"; mxfp4's
+    # "<weight>_blocks", whose dense tensor is "<weight>" itself (dense_suffix "")
+    separator: str = "."
+    dense_suffix: str = ".weight"
 
     def dequantized(self, weights: Iterable[tuple[str, Any]], names: set[str]) -> Iterator[tuple[str, Any]]:
         """`weights` with each quantized module's parts replaced by one dense `weight`;
         `names` are all tensor names of the checkpoint (to know a module's parts up front,
         in whatever order and files they come)."""
-        quantized = {name.rsplit(".", 1)[0] for name in names if name.rsplit(".", 1)[-1] in self.markers}
+        sep = self.separator
+        quantized = {name.rsplit(sep, 1)[0] for name in names if name.rsplit(sep, 1)[-1] in self.markers}
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
-            prefix, _, suffix = name.rpartition(".")
+            prefix, _, suffix = name.rpartition(sep)
             if suffix in _DROPPED:
                 continue
             if prefix not in quantized or suffix not in self.parts:
@@ -82,13 +90,13 @@ class CheckpointQuantization:
                 continue
             parts = pending.setdefault(prefix, {})
             parts[suffix] = materialize(tensor)
-            if all(s in parts or f"{prefix}.{s}" not in names for s in self.parts):
+            if all(s in parts or f"{prefix}{sep}{s}" not in names for s in self.parts):
                 try:
                     dense = self.dequantize(prefix, pending.pop(prefix))
                 except (ValueError, KeyError, RuntimeError) as exc:
                     raise QuantizedCheckpointError(f"{prefix}: cannot dequantize its {self.method} "
                                                    f"weight: {exc}") from exc
-                yield f"{prefix}.weight", dense
+                yield f"{prefix}{self.dense_suffix}", dense
         if pending:
             shown = ", ".join(f"{p} ({', '.join(sorted(s))})" for p, s in list(pending.items())[:5])
             raise QuantizedCheckpointError(f"quantized weights with missing parts: {shown}")
@@ -106,6 +114,8 @@ class CheckpointQuantization:
             return _gptq_weight(parts, self.num_bits, self.group_size, self.gptq_v1_zeros)
         if self.method == "awq":
             return _awq_weight(parts, self.group_size)
+        if self.method == "mxfp4":  # [E, out, in] stored; transformers' expert modules hold [E, in, out]
+            return dequantize_mxfp4(parts["blocks"], parts["scales"]).transpose(-1, -2)
         raise QuantizedCheckpointError(f"no dequantizer for {self.method!r}")
 
     @cached_property
@@ -206,6 +216,8 @@ def checkpoint_quantization(config: Any) -> CheckpointQuantization | None:
         return CheckpointQuantization("fbgemm_fp8", ("weight", "weight_scale"), ("weight_scale",))
     if method in ("gptq", "awq"):
         return _gptq_awq(method, qc)
+    if method == "mxfp4":
+        return CheckpointQuantization("mxfp4", ("blocks", "scales"), ("blocks",), separator="_", dense_suffix="")
     raise QuantizedCheckpointError(
         f"quantization method {method!r} is not supported; tessera dequantizes checkpoints of "
         f"{', '.join(SUPPORTED_METHODS)} as they load (or load a dense checkpoint, optionally "

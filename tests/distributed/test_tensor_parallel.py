@@ -21,6 +21,7 @@ from tessera.models.registry import router_classes
 from tessera.sampling.params import SamplingParams
 
 from tests.models.parity import BASE, hf_generate, make_tiny, prompt_ids
+from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen_parity import make_tiny_qwen
@@ -144,6 +145,8 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
                              moe_intermediate_size=48, num_experts_per_tok=2, norm_topk_prob=True)
     if kind == "phi3":
         return make_tiny_phi3(folder, tokenizer_dir, seed=5)
+    if kind == "gpt_oss":  # sinks split by head, expert biases (the down one added once)
+        return make_tiny_gpt_oss(folder, tokenizer_dir, seed=5, intermediate_size=96)
     if kind == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
         return make_tiny(folder, tokenizer_dir, MistralConfig, MistralForCausalLM, seed=5, sliding_window=8)
@@ -167,7 +170,8 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
 FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "olmo3-window8-yarn",
                 "ministral3": "ministral3-yarn-temperature", "granite": "granite-tied-bias", "glm4": "glm4-gqa-bias",
                 "cohere2": "cohere2-window8-tied"}
-ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", *FAMILY_CASES)
+ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
+       *FAMILY_CASES)
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -2,7 +2,8 @@
 Mistral (sliding window), Phi-3, whose checkpoints (and so its adapters) target the fused
 qkv_proj / gate_up_proj; Qwen2
 (Q/K/V biases, which adapters leave alone) and Qwen3 (Q/K norms after the adapted
-projection); Mixtral's attention, with adapters on its experts refused; and tensor
+projection); Mixtral's, Qwen3-MoE's and gpt-oss's attention, with adapters on experts
+refused; and tensor
 parallelism, where every kind of target is split over two ranks."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tessera.lora import LoRARequest
 from tests.lora.peft_adapters import save_peft_adapter
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.families import make_family
+from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen_parity import make_tiny_qwen
@@ -55,6 +57,7 @@ FAMILIES = {
     "qwen3-qk-norm": (make_tiny_qwen, "qwen3", ["q_proj", "k_proj", "o_proj", "down_proj"]),
     "mixtral-attention": (make_tiny_moe, "mixtral", ["q_proj", "v_proj", "o_proj"]),
     "qwen3-moe-attention": (make_tiny_moe, "qwen3_moe", ["q_proj", "k_proj", "o_proj"]),
+    "gpt-oss-attention": (make_tiny_gpt_oss, None, ["q_proj", "v_proj", "o_proj"]),  # biased, with sinks
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
@@ -224,7 +227,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
     from tessera.models.registry import router_classes
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
-              "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2",
+              "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe"}  # these and gemma3: tests/multimodal
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested

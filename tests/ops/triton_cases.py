@@ -156,6 +156,38 @@ def check_paged_prefill_key_limits(device: str) -> None:
             assert err < 1e-4, (head_size, block_size, window, err)
 
 
+def check_attention_sinks(device: str) -> None:
+    """Attention sinks (gpt-oss) in both kernels, one far above every score among them:
+    decode merged from several partitions and from one, prefill over cached context, with
+    and without a window."""
+    from tests.ops.test_attention_sinks import make_sinks
+
+    for window in (None, 5):
+        for partition_size in (16, None):
+            case = make_case([(n, 1) for n in (37, 1, 70)] + [(40, 24), (17, 17)], block_size=4, num_heads=6,
+                             num_kv_heads=2, head_size=24, seed=11)
+            kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+            sinks = make_sinks(6, seed=3)
+            nd = case.meta.num_decodes
+            want_decode = paged_decode_ref(case.query[:nd], case.k_cache, case.v_cache, case.meta, case.scale,
+                                           window, None, sinks)
+            want_prefill = paged_prefill_ref(case.query[nd:], case.key[nd:], case.value[nd:], case.k_cache,
+                                             case.v_cache, case.meta, case.scale, window, None, sinks)
+            meta = case.meta
+            for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc"):
+                setattr(meta, name, getattr(meta, name).to(device))
+            k_cache, v_cache = case.k_cache.to(device), case.v_cache.to(device)
+            got = triton_paged_decode(case.query[:nd].to(device), k_cache, v_cache, meta, case.scale, window,
+                                      None, sinks.to(device), partition_size=partition_size)
+            err = (got.cpu() - want_decode).abs().max().item()
+            assert err < 1e-4, ("decode sinks", window, partition_size, err)
+            got = triton_paged_prefill(case.query[nd:].to(device), case.key[nd:].to(device),
+                                       case.value[nd:].to(device), k_cache, v_cache, meta, case.scale, window,
+                                       None, sinks.to(device))
+            err = (got.cpu() - want_prefill).abs().max().item()
+            assert err < 1e-4, ("prefill sinks", window, err)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """float32: equal up to float32 rounding. bf16: within a bf16 step of the torch op on a
     GPU (each rounding matches torch's, to nearest even; float32 math may differ in the last
@@ -410,6 +442,7 @@ if __name__ == "__main__":
     check_paged_decode_skips_dead_partitions(dev)
     check_paged_prefill(dev)
     check_paged_prefill_key_limits(dev)
+    check_attention_sinks(dev)
     check_pointwise(dev)
     check_bf16_rounding(dev)
     check_skinny_linear(dev)

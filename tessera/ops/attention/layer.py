@@ -13,9 +13,11 @@ from tessera.ops.registry import OpTarget, get_op
 class Attention(OpModule):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  target: OpTarget, sliding_window: int | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, sinks: bool = False):
         """sliding_window: the query at position p sees keys in (p - window, p] (None: all).
-        softcap: attention scores become softcap * tanh(scores / softcap) (gemma2)."""
+        softcap: attention scores become softcap * tanh(scores / softcap) (gemma2).
+        sinks: every forward passes a learned logit per query head that joins each softmax's
+        denominator and adds no value (gpt-oss), so a head may attend to nothing."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -23,11 +25,11 @@ class Attention(OpModule):
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.scale = scale
-        self.sliding_window, self.softcap = sliding_window, softcap
+        self.sliding_window, self.softcap, self.has_sinks = sliding_window, softcap, sinks
         # The spec states which features are needed, so a kernel without them is rejected.
         # The cache keeps every token; freeing blocks that left the window is not done yet.
         features = dict(head_size=head_size, sliding_window=sliding_window is not None,
-                        softcap=softcap is not None, kv_dtype=target.kv_cache_dtype)
+                        softcap=softcap is not None, sinks=sinks, kv_dtype=target.kv_cache_dtype)
         self._write = target.op("kv_write", head_size=head_size, kv_dtype=target.kv_cache_dtype)
         self._prefill = target.op("paged_attention", phase="prefill", **features)
         self._decode = target.op("paged_attention", phase="decode", **features)
@@ -39,10 +41,14 @@ class Attention(OpModule):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.cache_dtype = target.kv_cache_dtype or target.dtype
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]; sinks: [Hq] float32, exactly when the
+        layer was built with sinks."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound; the model runner binds it before the first step")
+        if (sinks is not None) != self.has_sinks:
+            raise ValueError("attention sinks must be passed exactly when the layer was built with sinks=True")
         meta = current_metadata()
         k_cache, v_cache = self.kv_cache
         q = q.view(-1, self.num_heads, self.head_size)
@@ -50,7 +56,7 @@ class Attention(OpModule):
         v = v.view(-1, self.num_kv_heads, self.head_size)
         self._write(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decode_tokens
-        extra = (self.scale, self.sliding_window, self.softcap)
+        extra = (self.scale, self.sliding_window, self.softcap, sinks)
         prefill = self._prefill
         if meta.key_limits is not None:
             if self._limited is None:

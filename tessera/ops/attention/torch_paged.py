@@ -40,33 +40,50 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return cache[block_table[:num_blocks]].flatten(0, 1)[:length].to(dtype)
 
 
+def _softmax_attend(scores: torch.Tensor, mask: torch.Tensor | None, v: torch.Tensor,
+                    sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(scores) @ v, in float32 before the product; masked scores (mask False) drop
+    out. scores [B, H, Lq, Lk] with query heads in dim 1 (or [B, Hk, G, Lk]: grouped), sinks
+    [H] (or [Hk * G]): one more logit per head in each row's denominator, with no value."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.float()
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(v.dtype) @ v
+    sink = sinks.float().view(scores.shape[1], -1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float, softcap: float | None, causal: bool = True) -> torch.Tensor:
+            scale: float, softcap: float | None, causal: bool = True,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, Lq, D], k/v [B, Hk, Lk, D]; mask True = attend (None: causal, Lq == Lk, or
     with `causal` False every query sees every key).
 
-    Without soft-capping this is SDPA; with it (gemma2) scores become
-    softcap * tanh(scores / softcap) before masking, which SDPA cannot express.
+    Without soft-capping or sinks this is SDPA; with them (gemma2's scores become
+    softcap * tanh(scores / softcap) before masking, gpt-oss's sinks join each softmax) it
+    is written out, since SDPA can express neither.
     """
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None and causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+    return _softmax_attend(scores, mask, v, sinks)
 
 
 @register_op("paged_attention", name="torch_paged_prefill", priority=0, phases=("prefill",),
-             kv_dtypes=ANY_KV, key_limits=True)
+             kv_dtypes=ANY_KV, key_limits=True, sinks=True)
 def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for the prefill rows (after the decode rows), one sequence at a time.
 
     query: [T, Hq, D] for the prefill tokens only; key/value: the same tokens' new K/V.
@@ -100,17 +117,17 @@ def paged_prefill_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
         o = _attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, causal=not full)
+                    v.transpose(0, 1).unsqueeze(0), mask, scale, softcap, causal=not full, sinks=sinks)
         out[start:start + q_len] = o.squeeze(0).transpose(0, 1)
         start += q_len
     return out
 
 
 @register_op("paged_attention", name="torch_paged_decode", priority=0, phases=("decode",),
-             kv_dtypes=ANY_KV)
+             kv_dtypes=ANY_KV, sinks=True)
 def paged_decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence for the first `num_decodes` sequences, batched.
 
     Query heads are grouped under their KV head, so GQA needs no K/V repetition:
@@ -124,10 +141,11 @@ def paged_decode_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)  # [B, Hk, L, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
     q = query.view(b, num_kv_heads, -1, head_size)
-    if softcap is None:
+    if softcap is None and sinks is None:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:  # [B, Hk, G, D] against [B, Hk, L, D] is already grouped: no repetition needed
-        scores = torch.tanh((q @ k.transpose(-1, -2)) * (scale / softcap)) * softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+        scores = (q @ k.transpose(-1, -2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        o = _softmax_attend(scores, mask, v, sinks)
     return o.reshape(b, -1, head_size)

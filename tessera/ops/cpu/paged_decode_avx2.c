@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_sinks.h"
 #include "avx2_math.h"
 #include "bf16.h"
 #include "kv_rows.h"
@@ -281,7 +282,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t
                               const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out,
                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                               int64_t block_size, int64_t table_width, float scale, int64_t window,
-                              float softcap, int threads) {
+                              float softcap, const float *sinks, int threads) {
     const int64_t shift = block_shift(block_size);
     if (shift < 0) return 2;
     if (batch <= 0) return 0;
@@ -356,7 +357,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t
             for (int64_t h = 0; h < num_heads; h++) {
                 const int64_t row = b * num_heads + h;
                 if (parts == 1) {
-                    const float inv = KV_WIDEN_SCALE / sums[h];
+                    const float inv = KV_WIDEN_SCALE * sink_normaliser(best[h], sums[h], sink_of(sinks, h));
                     for (int64_t i = 0; i < d; i++) out[row * d + i] = f32_to_bf16(acc[h * d + i] * inv);
                 } else {
                     const int64_t at = row * max_parts + p;
@@ -383,7 +384,8 @@ int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t
                     const float *a = part_acc + (at + i) * d;
                     for (int64_t e = 0; e < d; e++) acc[e] += w * a[e];
                 }
-                for (int64_t e = 0; e < d; e++) out[row * d + e] = f32_to_bf16(acc[e] * KV_WIDEN_SCALE / total);
+                const float inv = KV_WIDEN_SCALE * sink_normaliser(m, total, sink_of(sinks, row % num_heads));
+                for (int64_t e = 0; e < d; e++) out[row * d + e] = f32_to_bf16(acc[e] * inv);
             }
         }
         free(scores);

@@ -3,7 +3,8 @@
  * cache layout [num_blocks, block_size, num_kv_heads, head_size]; float32 scores, a
  * two-pass softmax, float32 accumulation of V; output rounded to bfloat16.
  * window > 0: the query at p = len - 1 sees keys in (p - window, p]. softcap > 0:
- * scores become softcap * tanh(scores / softcap) (gemma2).
+ * scores become softcap * tanh(scores / softcap) (gemma2). sinks (NULL: none): a logit per
+ * query head in each softmax's denominator (gpt-oss, attention_sinks.h).
  *
  * One work item is one (sequence, KV head), or a whole sequence when the batch has enough
  * of them: every query head of a GQA group is served from one read of each key and value
@@ -19,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_sinks.h"
 #include "avx512_math.h"
 #include "bf16.h"
 #include "simd_bf16.h"
@@ -97,8 +99,9 @@ static void scores_pass(const uint16_t *q, int64_t kv_heads, int64_t group, int6
     }
 }
 
-/* In place: row <- exp(row * scale (soft-capped) - max); returns 1 / sum. */
-static float softmax_row(float *row, int64_t n, float scale, float softcap) {
+/* In place: row <- exp(row * scale (soft-capped) - max); returns 1 / sum, the sink (-inf:
+ * none) counted in the max and the sum. */
+static float softmax_row(float *row, int64_t n, float scale, float softcap, float sink) {
     const __m512 vscale = _mm512_set1_ps(scale);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
@@ -113,7 +116,8 @@ static float softmax_row(float *row, int64_t n, float scale, float softcap) {
         _mm512_mask_storeu_ps(row + i, m, s);
         vmax = _mm512_mask_max_ps(vmax, m, vmax, s);
     }
-    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    const float top = _mm512_reduce_max_ps(vmax), top_or_sink = sink > top ? sink : top;
+    const __m512 best = _mm512_set1_ps(top_or_sink);
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = lanes16(n - i);
@@ -121,7 +125,7 @@ static float softmax_row(float *row, int64_t n, float scale, float softcap) {
         _mm512_mask_storeu_ps(row + i, m, e);
         vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
     }
-    return 1.0f / _mm512_reduce_add_ps(vsum);
+    return 1.0f / (_mm512_reduce_add_ps(vsum) + expf(sink - top_or_sink));
 }
 
 static inline void store_out(uint16_t *out, __m512 v) {
@@ -183,7 +187,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
                               const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out,
                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                               int64_t block_size, int64_t table_width, float scale, int64_t window,
-                              float softcap, int threads) {
+                              float softcap, const float *sinks, int threads) {
     if (block_size <= 0 || (block_size & (block_size - 1))) return 2;
     const int64_t block_shift = __builtin_ctzll((unsigned long long)block_size);
     const int64_t group = num_heads / num_kv_heads;
@@ -218,7 +222,8 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
             KvRows kv = {k_cache, v_cache, block_tables + b * table_width, block_shift,
                          num_kv_heads * d, kvh0 * d};
             scores_pass(q + first_head * d, kv_per_item, group, d, &kv, start, len, scores);
-            for (int64_t h = 0; h < item_heads; h++) inv[h] = softmax_row(scores + h * n, n, scale, softcap);
+            for (int64_t h = 0; h < item_heads; h++)
+                inv[h] = softmax_row(scores + h * n, n, scale, softcap, sink_of(sinks, kvh0 * group + h));
             for (int64_t j = 0; j < kv_per_item; j++, kv.head_offset += d) {
                 const float *p = scores + j * group * n, *iv = inv + j * group;
                 uint16_t *o = out + (first_head + j * group) * d;

@@ -15,11 +15,12 @@ import torch
 from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.attention.torch_paged import paged_prefill_ref
+from tessera.ops.cpu.attention_sinks import sink_pointer
 from tessera.ops.cpu.build import Kernel, cpu_flags
 from tessera.ops.cpu.fp8_builds import fp8_builds, fp8_check
 from tessera.ops.registry import OpSpec, register_op
 
-_ARGS = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_int)
+_ARGS = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int)
 _KERNEL = Kernel("paged_prefill_avx2.c", "tessera_paged_prefill_bf16", _ARGS, ctypes.c_int)
 # an 8-bit float cache: the same kernel built per format (kv_rows.h)
 _FP8_KERNELS = fp8_builds(_KERNEL)
@@ -45,40 +46,40 @@ def _check_fp8(spec: OpSpec) -> list[str]:
 
 def _prefill(kernel: Kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-             sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+             sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     _, block_size, num_kv_heads, d = k_cache.shape
     if block_size & (block_size - 1):  # the kernel indexes blocks by shifts
-        return paged_prefill_ref(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        return paged_prefill_ref(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
     q = query.contiguous()
     tables, lens, starts = meta.prefill_int32()
     out = torch.empty_like(q)
     failed = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         starts.data_ptr(), out.data_ptr(), len(lens), q.shape[1], num_kv_heads, d, block_size,
-        tables.shape[1], scale, sliding_window or 0, softcap or 0.0, torch.get_num_threads())
+        tables.shape[1], scale, sliding_window or 0, softcap or 0.0, sink_pointer(sinks), torch.get_num_threads())
     if failed:
         raise MemoryError("paged_prefill_bf16 could not allocate its scratch buffers")
     return out
 
 
 @register_op("paged_attention", name="cpu_paged_prefill_bf16", priority=10, devices=("cpu",),
-             dtypes=(torch.bfloat16,), phases=("prefill",), check=_check)
+             dtypes=(torch.bfloat16,), phases=("prefill",), check=_check, sinks=True)
 def paged_prefill_bf16(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                        scale: float, sliding_window: int | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D]: the prefill rows (after the decode rows), whose K/V the layer has
     already written to the cache -> [T, Hq, D]. `key`/`value` are not read."""
-    return _prefill(_KERNEL, query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    return _prefill(_KERNEL, query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
 
 
 @register_op("paged_attention", name="cpu_paged_prefill_fp8", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16,), phases=("prefill",), kv_dtypes=QUANTIZED_KV,
-             check=_check_fp8)
+             check=_check_fp8, sinks=True)
 def paged_prefill_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """paged_prefill_bf16 over a cache of 8-bit floats (kv_quant.py)."""
     return _prefill(_FP8_KERNELS[k_cache.dtype], query, key, value, k_cache, v_cache, meta,
-                    scale, sliding_window, softcap)
+                    scale, sliding_window, softcap, sinks)

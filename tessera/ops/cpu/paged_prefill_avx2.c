@@ -2,7 +2,8 @@
  * bf16 cache or, built with TESSERA_KV_FP8, an 8-bit float one (kv_rows.h): the
  * prompt rows of a step (chunks of any length, after any cached prefix) attend causally
  * over their sequence's cache blocks in place, GQA without repeating K/V, sliding windows
- * and soft-capping, float32 scores and accumulation, an online softmax over key tiles.
+ * soft-capping and attention sinks, float32 scores and accumulation, an online softmax
+ * over key tiles.
  *
  * The K/V of this step's tokens are already in the cache (the layer writes them first), so
  * every key is read from the blocks: a chunk after a cached prefix needs no gathered copy,
@@ -30,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_sinks.h"
 #include "avx2_math.h"
 #include "bf16.h"
 #include "kv_rows.h"
@@ -262,6 +264,7 @@ typedef struct {
     const int32_t *tables, *seq_lens, *query_start;
     int64_t heads, group, d, dp, table_width, window;
     float scale, softcap;
+    const float *sinks;  /* [heads] or NULL */
     Tile tile;  /* k/v caches, shift, row stride; table and head offset set per item */
 } Problem;
 
@@ -335,7 +338,8 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *dst = pb->out + (q_begin + it->first_token + r / group) * row_elems
                         + (it->kv_head * group + r % group) * d;
-        const float inv = 1.0f / w->l[r];  /* > 0: a query always sees its own key */
+        /* l > 0: a query always sees its own key */
+        const float inv = sink_normaliser(w->m[r], w->l[r], sink_of(pb->sinks, it->kv_head * group + r % group));
         for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(w->o[r * dp + i] * inv);
     }
 }
@@ -360,20 +364,21 @@ static void merge_split(const Problem *pb, const Split *sp, float *acc) {
         }
         uint16_t *dst = pb->out + (q_begin + sp->first_token + r / group) * row_elems
                         + (sp->kv_head * group + r % group) * d;
-        for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[i] / total);
+        const float inv = sink_normaliser(m, total, sink_of(pb->sinks, sp->kv_head * group + r % group));
+        for (int64_t i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[i] * inv);
     }
 }
 
 /* q/out: [T, heads, d] bf16, the prompt rows of num_seqs sequences back to back (sequence i's
  * rows are query_start[i] .. query_start[i + 1]); caches [blocks, block_size, kv_heads, d];
  * tables [num_seqs, table_width]; seq_lens: each sequence's length including its rows, whose
- * K/V are already in the cache. window 0: none; softcap 0: none.
+ * K/V are already in the cache. window 0: none; softcap 0: none; sinks NULL: none.
  * Returns 0, 1 when scratch could not be allocated, 2 for a block size not a power of two. */
 int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t *v_cache,
                                const int32_t *tables, const int32_t *seq_lens, const int32_t *query_start,
                                uint16_t *out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
                                int64_t block_size, int64_t table_width, float scale, int64_t window,
-                               float softcap, int threads) {
+                               float softcap, const float *sinks, int threads) {
     const int64_t shift = block_shift(block_size);
     if (shift < 0) return 2;
     const int64_t group = heads / kv_heads, dp = (d + 7) / 8 * 8;
@@ -425,7 +430,7 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_
     }
     qsort(items, num_items, sizeof(Item), by_cost_desc);
     const Problem pb = {q, out, tables, seq_lens, query_start, heads, group, d, dp, table_width, window,
-                        scale, softcap, {k_cache, v_cache, NULL, shift, kv_heads * d, 0, d, dp}};
+                        scale, softcap, sinks, {k_cache, v_cache, NULL, shift, kv_heads * d, 0, d, dp}};
     #pragma omp parallel num_threads(threads)
     {
         float *base = scratch + omp_get_thread_num() * stride;

@@ -1,5 +1,5 @@
 """Paged decode attention in Triton: one query token per sequence against its cached
-blocks, GQA without repeating K/V, sliding windows and soft-capping.
+blocks, GQA without repeating K/V, sliding windows, soft-capping and attention sinks.
 
 Decode is bound by reading the cache, so each program reads each cached K/V row once for
 a whole GQA group: a program takes one (sequence, KV head, partition of the context) and
@@ -8,6 +8,7 @@ the group are masked). It walks its partition in tiles of TILE_N tokens whatever
 block size, looking the block of every token up in the table, and keeps a running max /
 sum / weighted V per query head (online softmax). A second kernel merges the partitions;
 with one partition it reads that one row back, so short contexts pay almost nothing for it.
+A head's attention sink (gpt-oss) joins its softmax's denominator in the merge.
 Partitions wholly before a sliding window or past a sequence's end read and write nothing
 and the merge reads only the live ones: a captured graph's grid covers max_model_len, so at
 replay most of its partitions are such.
@@ -106,8 +107,9 @@ def _kernels():
                      mask=g_mask[:, None] & d_mask[None, :])
 
     @triton.jit(do_not_specialize=["num_partitions", "partition"])
-    def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lens_ptr, window, num_heads, head_size,
-                     num_partitions, partition, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lens_ptr, sinks_ptr, window, num_heads, head_size,
+                     num_partitions, partition, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+                     USE_SINKS: tl.constexpr):
         # only the partitions the first kernel wrote (those within [first, length)), in
         # chunks of BLOCK_P, so a long context never needs a huge tile
         seq = tl.program_id(0)
@@ -134,7 +136,14 @@ def _kernels():
             acc = tl.load(acc_ptr + (base + p0 + p)[:, None] * head_size + d[None, :],
                           mask=pmask[:, None] & dmask[None, :], other=0.0)
             o += tl.sum(w[:, None] * acc, axis=0)
-        o = o / tl.sum(total, axis=0)
+        total = tl.sum(total, axis=0)
+        if USE_SINKS:  # the sink's exp in the denominator, everything rescaled to max(m, sink)
+            sink = tl.load(sinks_ptr + head).to(tl.float32)
+            top = tl.maximum(m_all, sink)
+            kept = tl.exp(m_all - top)
+            o = o * kept / (total * kept + tl.exp(sink - top))
+        else:
+            o = o / total
         tl.store(out_ptr + (seq * num_heads + head) * head_size + d,
                  o.to(out_ptr.dtype.element_ty), mask=dmask)
 
@@ -203,10 +212,11 @@ def partition_workspace(batch: int, num_heads: int, num_partitions: int, head_si
 
 
 @register_op("paged_attention", name="triton_paged_decode", priority=20, devices=("cuda",),
-             phases=("decode",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing)
+             phases=("decode",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing, sinks=True)
 def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                        softcap: float | None = None, partition_size: int | None = None,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None,
+                        partition_size: int | None = None,
                         hardware_fp8: bool | None = None) -> torch.Tensor:
     """query [B, Hq, D] -> [B, Hq, D] for the first `num_decodes` sequences, over caches in
     the model dtype or an 8-bit float (read widened to the query's dtype).
@@ -240,6 +250,7 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_next_power_of_2(max(group, 16)),
         TILE=min(key_tile(head_size, held), partition_size),
         USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8)
-    merge_kernel[(b, num_heads)](m, l, acc, out, lens, window, num_heads, head_size, num_partitions,
-                                 partition_size, BLOCK_D=block_d, BLOCK_P=MERGE_CHUNK)
+    merge_kernel[(b, num_heads)](m, l, acc, out, lens, m if sinks is None else sinks, window, num_heads,
+                                 head_size, num_partitions, partition_size, BLOCK_D=block_d,
+                                 BLOCK_P=MERGE_CHUNK, USE_SINKS=sinks is not None)
     return out

@@ -4,8 +4,9 @@ queries of one prefill sequence and one head and walks that sequence's cached ke
 runs) in tiles of TILE_N tokens with an online softmax, looking each token's block up in the
 table, so any power-of-two block size works. Causal by absolute position (key tiles past a
 query tile's last position are never read), or up to each row's key limit where the step has
-them (an image's tokens attending to each other), with sliding windows and soft-capping; GQA reads
-the shared KV head. An 8-bit float cache (kv_quant.py) is read as bytes and widened to the
+them (an image's tokens attending to each other), with sliding windows, soft-capping and
+attention sinks (a logit per head in the softmax's denominator, gpt-oss); GQA reads the shared
+KV head. An 8-bit float cache (kv_quant.py) is read as bytes and widened to the
 query's dtype in-kernel (tessera/ops/triton/fp8.py, as in paged_decode.py)."""
 from __future__ import annotations
 
@@ -45,11 +46,12 @@ def _kernel():
     # (see paged_decode.py)
     @triton.jit(do_not_specialize=["first_seq", "first_row", "table_width"])
     def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, limits_ptr,
-                       first_seq, first_row, scale, softcap, window,
+                       sinks_ptr, first_seq, first_row, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr, HAS_LIMITS: tl.constexpr):
+                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr, HAS_LIMITS: tl.constexpr,
+                       USE_SINKS: tl.constexpr):
         seq = first_seq + tl.program_id(0)
         head = tl.program_id(1)
         tile = tl.program_id(2)
@@ -99,7 +101,13 @@ def _kernel():
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            if USE_SINKS:  # the sink's exp in the denominator, rescaled to max(m, sink)
+                sink = tl.load(sinks_ptr + head).to(tl.float32)
+                top = tl.maximum(m_i, sink)
+                kept = tl.exp(m_i - top)
+                out = acc * (kept / (l_i * kept + tl.exp(sink - top)))[:, None]
+            else:
+                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + (rows[:, None] * num_heads + head) * head_size + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -107,11 +115,13 @@ def _kernel():
 
 
 @register_op("paged_attention", name="triton_paged_prefill", priority=20, devices=("cuda",),
-             phases=("prefill",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing, key_limits=True)
+             phases=("prefill",), kv_dtypes=(None, *QUANTIZED_KV), check=triton_missing, key_limits=True,
+             sinks=True)
 def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, sliding_window: int | None = None,
-                         softcap: float | None = None, hardware_fp8: bool | None = None) -> torch.Tensor:
+                         softcap: float | None = None, sinks: torch.Tensor | None = None,
+                         hardware_fp8: bool | None = None) -> torch.Tensor:
     """query [T, Hq, D]: the prefill rows (after the decodes), whose K/V are already in the
     cache -> [T, Hq, D]. `key` / `value` are not read (the cache holds them, in the model
     dtype or an 8-bit float, read widened to the query's dtype; `hardware_fp8` overrides
@@ -131,9 +141,10 @@ def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     limits = meta.key_limits
     _kernel()[grid](
         query.contiguous(), k_cache, v_cache, out, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, meta.seq_lens if limits is None else limits, first, meta.num_decode_tokens, scale, softcap or 1.0,
+        meta.query_start_loc, meta.seq_lens if limits is None else limits,
+        meta.seq_lens if sinks is None else sinks, first, meta.num_decode_tokens, scale, softcap or 1.0,
         sliding_window or NO_WINDOW, num_heads, num_kv_heads, head_size, meta.block_tables.shape[1],
         BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=block_m,
         TILE=tile, USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(query.dtype),
-        KV_FORMAT=fmt, HW_FP8=hw_fp8, HAS_LIMITS=limits is not None)
+        KV_FORMAT=fmt, HW_FP8=hw_fp8, HAS_LIMITS=limits is not None, USE_SINKS=sinks is not None)
     return out

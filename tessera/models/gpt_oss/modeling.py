@@ -1,0 +1,127 @@
+"""OpenAI's gpt-oss (transformers' GptOssForCausalLM): the Llama stack with biased Q/K/V/O
+projections, an attention sink per query head (a learned logit in every softmax's
+denominator), sliding-window attention (128 tokens) on alternate layers, YaRN rotary, and a
+mixture of experts whose router has a bias, whose experts have biases and apply a clamped
+SwiGLU ((up + 1) * gate * sigmoid(1.702 * gate), gate <= 7, |up| <= 7). The norms keep
+float32 weights, as transformers keeps them (_keep_in_fp32_modules).
+
+Checkpoints store each layer's experts stacked as x @ W ([E, H, 2I] with gate and up
+columns interleaved, [E, I, H]), in MXFP4 in OpenAI's releases (weights/mxfp4.py, dequantized
+as they load)."""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
+from tessera.ops.activation import ClampedSwiGLU
+from tessera.ops.moe import SparseMoE, StackedExperts
+from tessera.ops.norm import RMSNorm
+from tessera.ops.registry import OpTarget
+from tessera.ops.weights import copy_checked, make_param
+from tessera.weights.lazy import materialize, narrow
+
+
+class GptOssAttention(LlamaAttention):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
+        self.sliding = config.layer_types[layer_idx] == "sliding_attention"  # read by attention_options()
+        super().__init__(config, target)
+        self.head_span = self.qkv_proj.heads.q  # this rank's query heads
+        self.full_num_heads = config.num_attention_heads
+        self.sinks = make_param((self.num_heads,), torch.float32, target.device, loader=self._load_sinks)
+
+    def attention_options(self, config: PretrainedConfig) -> dict:
+        return {"scale": self.head_dim ** -0.5, "sinks": True,
+                "sliding_window": config.sliding_window if self.sliding else None}
+
+    def _load_sinks(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        if tuple(tensor.shape) != (self.full_num_heads,):
+            raise ValueError(f"attention sinks: checkpoint shape {tuple(tensor.shape)} != ({self.full_num_heads},)")
+        with torch.no_grad():
+            copy_checked(param.data, narrow(tensor, 0, self.head_span.start, self.head_span.size), "attention sinks")
+
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary(q, k, rope)
+        return self.o_proj(self.attn(q, k, v, sinks=self.sinks))
+
+
+def _gate_then_up(tensor: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] with gate and up interleaved (gate_0, up_0, gate_1, ...) -> gate half, up half."""
+    return torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
+
+
+class GptOssExperts(StackedExperts):
+    """StackedExperts fed from gpt-oss's layout: gate_up_proj [E, H, 2I] and its bias [E, 2I]
+    with gate and up interleaved, down_proj [E, I, H] (all x @ W)."""
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        # transposed here, not by shape: gpt-oss's hidden and intermediate sizes are equal
+        tensor = materialize(tensor)
+        if tensor.dim() != 3:
+            raise ValueError(f"stacked experts: expected a 3-D tensor, got shape {tuple(tensor.shape)}")
+        if param is self.w13_weight:
+            tensor = _gate_then_up(tensor)  # [E, H, 2I], gate columns then up columns
+        super()._load(param, tensor.transpose(1, 2), shard_id)
+
+    def _load_bias(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        super()._load_bias(param, _gate_then_up(materialize(tensor)), shard_id)
+
+
+class GptOssMoE(SparseMoE):
+    """Router with a bias: top-k of the logits, softmax over those k (the same weights as a
+    softmax over all experts renormalised over the top k)."""
+
+    experts_cls = GptOssExperts
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config.hidden_size, config.intermediate_size, config.num_local_experts,
+                         config.num_experts_per_tok, renormalize=True, target=target, bias=True,
+                         activation=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit, target))
+
+
+class Float32RMSNorm(RMSNorm):
+    """A float32 weight whatever the model dtype: transformers keeps gpt-oss's norms in
+    float32 and multiplies the float32 normalised row before rounding once."""
+
+    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
+        super().__init__(hidden_size, eps, target)
+        self.weight = make_param((hidden_size,), torch.float32, target.device)
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
+        nn.Module.__init__(self)
+        self.self_attn = GptOssAttention(config, target, layer_idx)
+        self.mlp = GptOssMoE(config, target)
+        self.input_layernorm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        self.post_attention_layernorm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+
+class GptOssModel(LlamaModel):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        self.norm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
+        return GptOssDecoderLayer(config, target, layer_idx)
+
+
+# checkpoint names under a layer's mlp -> ours
+_MLP_NAMES = {"router.weight": "gate.weight", "router.bias": "gate.bias",
+              "experts.gate_up_proj": "experts.w13_weight", "experts.gate_up_proj_bias": "experts.w13_bias",
+              "experts.down_proj": "experts.w2_weight", "experts.down_proj_bias": "experts.w2_bias"}
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    model_cls = GptOssModel
+
+    def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        """The router and stacked experts (whole tensors: shard None); None for the rest."""
+        prefix, sep, rest = name.partition(".mlp.")
+        if sep and rest in _MLP_NAMES:
+            return f"{prefix}.mlp.{_MLP_NAMES[rest]}", None
+        return None
