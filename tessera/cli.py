@@ -13,9 +13,9 @@ from tessera.config import (DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FO
 from tessera.platform import resolve_device
 
 # tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 # tessera/server/reasoning.py's REASONING_PARSERS (likewise)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

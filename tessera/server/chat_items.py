@@ -21,7 +21,7 @@ from tessera.server.openai_routes import chat_logprobs, chat_prompt, plan_reason
 from tessera.server.openai_validation import output_limit, resolve_model, sampling_params
 from tessera.server.output_items import OutputItems
 from tessera.server.protocol import ChatCompletionRequest
-from tessera.server.reasoning import ReasoningStream, split_reasoning
+from tessera.server.reasoning import reasoning_stream, split_reasoning
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, ToolPlan, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
@@ -39,7 +39,7 @@ class PreparedChat:
     images: MultimodalInputs | None
     params: SamplingParams
     tools: ToolPlan | None
-    thinks: bool  # the server has a reasoning parser
+    thinks: str | None  # the server's reasoning parser
     opened: bool  # the output starts inside the reasoning
     logprobs: Callable[[list[int], list | None], list[dict] | None]  # chat's entries, when asked for
 
@@ -50,7 +50,7 @@ async def prepare_chat(state: ServerState, chat: ChatCompletionRequest, logprobs
     reading of it: a bound the model may stop before), not refused as vLLM refuses it."""
     served, lora = resolve_model(state, chat.model)
     tools = plan_tool_calls(chat.tools, chat.tool_choice, chat.parallel_tool_calls, state.tool_call_parser)
-    thinks = state.reasoning_parser is not None
+    thinks = state.reasoning_parser
     if chat.logprobs and (tools is not None or thinks):
         # a token's text may be reasoning, a call or the answer: only a plain answer's are given
         raise ValidationFailed("logprobs are given for plain answers only, not with tools or on a server with a "
@@ -72,7 +72,7 @@ async def prepare_chat(state: ServerState, chat: ChatCompletionRequest, logprobs
 
 def feed_whole(chat: PreparedChat, out: CompletionOutput, items: OutputItems) -> None:
     """A finished output's items (its events are not sent)."""
-    thought, text = split_reasoning(out.text, chat.opened) if chat.thinks else (None, out.text)
+    thought, text = split_reasoning(out.text, chat.opened, chat.thinks) if chat.thinks else (None, out.text)
     content, made = tool_calls(chat.tools, text or "") if chat.tools is not None else (text, None)
     calls = [{"index": i, **call} for i, call in enumerate(made or [])]
     items.delta(thought or "", {"content": content, "tool_calls": calls}, chat.logprobs(out.token_ids, out.logprobs))
@@ -81,7 +81,7 @@ def feed_whole(chat: PreparedChat, out: CompletionOutput, items: OutputItems) ->
 async def feed_stream(chat: PreparedChat, stream: AsyncIterator[RequestOutput],
                       items: OutputItems) -> AsyncIterator[tuple[CompletionOutput, list[str]]]:
     """Each step's output and the events its pieces make (a parser's calls once whole)."""
-    thinking = ReasoningStream(chat.opened) if chat.thinks else None
+    thinking = reasoning_stream(chat.thinks, chat.opened) if chat.thinks else None
     calls = ToolCallStream(chat.tools) if chat.tools is not None else None
     async for result in stream:
         out = result.outputs[0]

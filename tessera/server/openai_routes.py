@@ -23,8 +23,8 @@ from tessera.server.openai_common import (FINISH, admit, continuous_usage, state
 from tessera.server.openai_validation import (MAX_LOGPROBS, output_limit, resolve_model, sampling_params,
                                               wire_prompt_logprobs)
 from tessera.server.protocol import ChatCompletionRequest, ChatMessage, VllmTokenizeRequest, wire_logprob
-from tessera.server.reasoning import (ReasoningStream, output_opens_inside, prompt_closes_reasoning,
-                                     split_reasoning)
+from tessera.server.reasoning import (keeps_special_tokens, output_opens_inside, prompt_closes_reasoning,
+                                     reasoning_stream, split_reasoning)
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
@@ -109,7 +109,7 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest | VllmToke
         text = state.tokenizer.apply_chat_template(
             messages, chat_template=state.chat_template, tokenize=False,
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-            tools=body.tools or None, **(body.chat_template_kwargs or {}))
+            tools=body.tools or None, **template_kwargs(body))
     except Exception as exc:  # a template error names what the template disliked
         raise ValidationFailed(f"chat template error: {exc}", param="messages") from exc
     if images:
@@ -119,12 +119,21 @@ async def chat_prompt(state: ServerState, body: ChatCompletionRequest | VllmToke
     return list(state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids), text, None
 
 
+def template_kwargs(body: ChatCompletionRequest | VllmTokenizeRequest) -> dict:
+    """What the chat template gets beyond the messages and tools: `reasoning_effort` where
+    given, then the request's chat_template_kwargs (which win, as vLLM's do)."""
+    effort = getattr(body, "reasoning_effort", None)
+    return {**({"reasoning_effort": effort} if effort else {}), **(body.chat_template_kwargs or {})}
+
+
 def plan_reasoning(state: ServerState, params: SamplingParams, prompt_text: str) -> bool:
     """Under a reasoning parser: whether the output starts inside the reasoning. A
     constrained output (a schema, a tool) of a reasoning model gets its constraint set to
     wait for </think>, where the tags are tokens (reasoning.py); an output the prompt has not
     opened the reasoning for opens it with <think> first, or is the answer at once."""
     opened = output_opens_inside(state.reasoning_parser, prompt_text)
+    if keeps_special_tokens(state.reasoning_parser):  # harmony's markers are special tokens
+        params.skip_special_tokens = False
     if state.reasoning_parser is not None and params.structured_outputs is not None \
             and not prompt_closes_reasoning(prompt_text):
         start, end = state.think_tokens
@@ -175,7 +184,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
             n_out = 0
             ended: set[int] = set()
             calls = {i: ToolCallStream(tools) for i in range(body.n)} if tools is not None else {}
-            thinking = {i: ReasoningStream(opened) for i in range(body.n)} if thinks else {}
+            thinking = {i: reasoning_stream(state.reasoning_parser, opened) for i in range(body.n)} if thinks else {}
             async for out in stream:
                 cached = out.num_cached_tokens if cached is not None else None
                 for c in out.outputs:
@@ -213,7 +222,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     for c in out.outputs:
         n_out += len(c.token_ids)
         logprobs = chat_logprobs(state, c.token_ids, c.logprobs, top, label) if body.logprobs and c.logprobs else None
-        thought, text = split_reasoning(c.text, opened) if thinks else (None, c.text)
+        thought, text = split_reasoning(c.text, opened, state.reasoning_parser) if thinks else (None, c.text)
         message, finish = {"role": role, "content": text}, FINISH.get(c.finish_reason)
         content, made = tool_calls(tools, text or "") if tools is not None else (text, None)
         if made is not None:

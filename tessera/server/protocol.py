@@ -222,6 +222,9 @@ class ChatCompletionRequest(_OpenAISampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message left open, continued
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; reaches the chat template as `reasoning_effort` (gpt-oss's sets its
+    # "Reasoning: low | medium | high" line from it); templates without it ignore it
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 # a text, texts, token ids, or lists of token ids (OpenAI's embeddings `input`, TEI's `inputs`)

@@ -13,6 +13,9 @@ is all reasoning.
 - `qwen3`: as above (Qwen3, QwQ, Qwen3 Thinking 2507).
 - `deepseek_r1`: as above, and an output is taken to start inside the reasoning whatever
   the prompt says (vLLM's rule for R1, which may leave out the opening tag).
+- `openai_gptoss`: gpt-oss's harmony channels (harmony.py): the analysis channel is the
+  reasoning, the final and commentary ones the content. Its markers are special tokens, so
+  its requests keep special tokens in their text; the parser takes them out.
 
 Structured outputs (`response_format`, a required tool call) constrain the content: the
 reasoning before `</think>` is the model's own (vLLM's behaviour), and an output the
@@ -27,16 +30,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.server.harmony import HarmonyStream
+
 START, END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
 class ReasoningSyntax:
     always_opened: bool  # the output starts inside the reasoning whatever the prompt says
+    harmony: bool = False  # gpt-oss's channels, read from text with its special tokens
 
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningSyntax(always_opened=True),
-                     "qwen3": ReasoningSyntax(always_opened=False)}
+                     "qwen3": ReasoningSyntax(always_opened=False),
+                     "openai_gptoss": ReasoningSyntax(always_opened=False, harmony=True)}
+
+
+def keeps_special_tokens(parser: str | None) -> bool:
+    """Whether parser `parser` reads markers that are special tokens (harmony's)."""
+    return parser is not None and REASONING_PARSERS[parser].harmony
+
+
+def reasoning_stream(parser: str, opened: bool) -> ReasoningStream | HarmonyStream:
+    """The splitter of one choice's text under reasoning parser `parser`."""
+    return HarmonyStream() if REASONING_PARSERS[parser].harmony else ReasoningStream(opened)
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -78,10 +95,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_reasoning(text: str, opened: bool) -> tuple[str | None, str | None]:
+def split_reasoning(text: str, opened: bool, parser: str = "qwen3") -> tuple[str | None, str | None]:
     """(reasoning, content) of a finished output; None for a part that is empty. `opened`:
     the output starts inside the reasoning (the prompt opened it)."""
-    reasoning, content = ReasoningStream(opened).delta(text, final=True)
+    reasoning, content = reasoning_stream(parser, opened).delta(text, final=True)
     return reasoning or None, content or None
 
 

@@ -65,6 +65,9 @@ def chat_request(body: ResponsesRequest, items: list | None = None) -> ChatCompl
         chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(body.tools)]
     if body.tool_choice is not None:
         chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+    effort = (body.reasoning or {}).get("effort") if isinstance(body.reasoning, dict) else None
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     fmt = (body.text or {}).get("format")
     if fmt is not None:
         chat["response_format"] = _response_format(fmt)

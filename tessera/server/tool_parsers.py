@@ -16,6 +16,8 @@ text, as the model wrote it.
   Mistral tokenizers); text before it is content.
 - `pythonic`: an output that is a Python list of calls, `[f(x=1), g(y="a")]` (Llama 3.2
   and 4), parsed with `ast` (literal values only; nothing is evaluated).
+- `openai`: gpt-oss's harmony calls, as `--reasoning-parser openai_gptoss` writes them into
+  the content (harmony.py): `<|start|>assistant to=NAME<|message|>{...}<|call|>`.
 A malformed call leaves the whole output as content.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
+from tessera.server.harmony import CALL_END, CALL_OPEN, MESSAGE
 from tessera.server.json_spans import scan_object
 
 Call = tuple[str, str]  # function name, arguments as JSON text
@@ -72,6 +75,19 @@ def _partial_object_call(text: str, start: int, arguments_key: str) -> tuple[Par
         return PartialCall(name, "", scan.end is not None), scan.end
     end = span.end if span.end is not None else len(text)
     return PartialCall(name, text[span.start:end], span.end is not None), scan.end
+
+
+def _arguments_object(name: str, text: str) -> PartialCall:
+    """A call whose arguments are the object `text` begins with, as written so far (none
+    where `text` begins no object: such arguments come whole at the end)."""
+    text = text.lstrip()
+    try:
+        scan = scan_object(text, 0) if text[:1] == "{" else None
+    except ValueError:
+        scan = None
+    if scan is None:
+        return PartialCall(name, "", False)
+    return PartialCall(name, text[:scan.end if scan.end is not None else len(text)], scan.end is not None)
 
 
 def _as_written(calls: list[Call], partials: list[PartialCall]) -> list[Call] | None:
@@ -275,17 +291,8 @@ class MistralParser:
                     pos = found[1]
             elif self.ARGS in body:  # name[ARGS]{...}: the name is whole once [ARGS] came
                 name, _, arguments = body.partition(self.ARGS)
-                name, arguments = name.partition(self.CALL_ID)[0].strip(), arguments.lstrip()
-                try:  # the whole object is the arguments here
-                    scan = scan_object(arguments, 0) if arguments[:1] == "{" else None
-                except ValueError:
-                    scan = None
-                if scan is None:
-                    calls.append(PartialCall(name, "", False))
-                    return calls
-                end = scan.end if scan.end is not None else len(arguments)
-                calls.append(PartialCall(name, arguments[:end], scan.end is not None))
-                if scan.end is None:
+                calls.append(_arguments_object(name.partition(self.CALL_ID)[0].strip(), arguments))
+                if not calls[-1].done:
                     return calls
             else:
                 return calls
@@ -373,5 +380,49 @@ def _python_literal(node: ast.AST, source: str) -> Any:
     raise ValueError(f"not a literal: {type(node).__name__}")
 
 
+class HarmonyCallParser:
+    """Calls in the form harmony.HarmonyStream writes them: the function's name, then its
+    arguments object until `<|call|>`. Content is what comes before the first call."""
+
+    def parse(self, text: str) -> Parsed:
+        start = text.find(CALL_OPEN)
+        if start < 0:
+            return text, None
+        calls: list[Call] = []
+        for block in text[start + len(CALL_OPEN):].split(CALL_OPEN):
+            name, found, rest = block.partition(MESSAGE)
+            arguments = rest.partition(CALL_END)[0].strip()
+            try:
+                value = loads(arguments) if found else None
+            except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+                value = None
+            if not isinstance(value, dict) or not name.strip():
+                return text, None
+            calls.append((name.strip(), json_text(value)))
+        calls = _as_written(calls, self.partial(text))
+        if not calls:
+            return text, None
+        content = text[:start].rstrip()
+        return (content if content.strip() else None), calls
+
+    def content_end(self, text: str) -> int:
+        return _held_before(text, CALL_OPEN)
+
+    def partial(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        start = text.find(CALL_OPEN)
+        if start < 0:
+            return calls
+        for block in text[start + len(CALL_OPEN):].split(CALL_OPEN):
+            name, found, rest = block.partition(MESSAGE)
+            if not found:  # the name is whole once <|message|> follows it
+                return calls
+            calls.append(_arguments_object(name.strip(), rest))
+            if not calls[-1].done:
+                return calls
+        return calls
+
+
 PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),
-                                      "mistral": MistralParser(), "pythonic": PythonicParser()}
+                                      "mistral": MistralParser(), "pythonic": PythonicParser(),
+                                      "openai": HarmonyCallParser()}
