@@ -77,6 +77,17 @@ def _partial_object_call(text: str, start: int, arguments_key: str) -> tuple[Par
     return PartialCall(name, text[span.start:end], span.end is not None), scan.end
 
 
+def _content_and_calls(parser: ToolCallParser, text: str, start: int, calls: list[Call]) -> Parsed:
+    """A finished output whose calls begin at `start`: the text before them as content
+    (None when blank; not lstripped: a stream has sent it as it came) and the calls' arguments
+    as written; all content where a stream could not have followed them (_as_written)."""
+    written = _as_written(calls, parser.partial(text))
+    if not written:
+        return text, None
+    content = text[:start].rstrip()
+    return (content if content.strip() else None), written
+
+
 def _arguments_object(name: str, text: str) -> PartialCall:
     """A call whose arguments are the object `text` begins with, as written so far (none
     where `text` begins no object: such arguments come whole at the end)."""
@@ -156,11 +167,7 @@ class HermesParser:
             if call is None:  # malformed, or a last block cut mid-call (as vLLM: all content)
                 return text, None
             calls.append(call)
-        calls = _as_written(calls, self.partial(text))
-        if not calls:
-            return text, None
-        content = text[:start].rstrip()  # not lstripped: a stream has sent it as it came
-        return (content if content.strip() else None), calls
+        return _content_and_calls(self, text, start, calls)
 
     def content_end(self, text: str) -> int:
         return _held_before(text, self.OPEN)
@@ -261,11 +268,7 @@ class MistralParser:
                 return text, None
         if not calls or any(call is None or not call[0] for call in calls):
             return text, None
-        calls = _as_written(calls, self.partial(text))
-        if not calls:
-            return text, None
-        content = text[:start].rstrip()
-        return (content if content.strip() else None), calls
+        return _content_and_calls(self, text, start, calls)
 
     def content_end(self, text: str) -> int:
         return _held_before(text, self.TAG)
@@ -399,11 +402,7 @@ class HarmonyCallParser:
             if not isinstance(value, dict) or not name.strip():
                 return text, None
             calls.append((name.strip(), json_text(value)))
-        calls = _as_written(calls, self.partial(text))
-        if not calls:
-            return text, None
-        content = text[:start].rstrip()
-        return (content if content.strip() else None), calls
+        return _content_and_calls(self, text, start, calls)
 
     def content_end(self, text: str) -> int:
         return _held_before(text, CALL_OPEN)
