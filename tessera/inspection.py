@@ -137,6 +137,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         "cpu_kernels": cpu_kernels_note(device),
         # a pre-quantized checkpoint's method (weights/prequantized.py: dequantized as it loads)
         "checkpoint_quantization": quant.method if (quant := tessera_ops and router.checkpoint_quantization) else None,
+        # ... unless the model keeps that method's weights packed (gpt-oss's MXFP4 experts on CPU)
+        "checkpoint_packed": bool(quant and quant.method in getattr(model, "packed_checkpoint_methods", ())),
         "parameters": num_parameters,
         "weights_loaded": loaded,
         "build_seconds": round(build_s, 3),
@@ -164,7 +166,8 @@ def format_report(info: dict[str, Any]) -> str:
         f"{', tied embeddings' if c['tie_word_embeddings'] else ''}",
         f"dtype:        {c['dtype']} ({c['dtype_reason']})",
         *([f"cpu kernels:  {info['cpu_kernels']}"] if info.get("cpu_kernels") else []),
-        *([f"checkpoint:   {info['checkpoint_quantization']}-quantized, dequantized as it loads"]
+        *([f"checkpoint:   {info['checkpoint_quantization']}-quantized, "
+           + ("kept packed" if info.get("checkpoint_packed") else "dequantized as it loads")]
           if info.get("checkpoint_quantization") else []),
         f"parameters:   {info['parameters']:,}"
         + (f" ({info['weights_loaded']} tensors loaded)" if info["weights_loaded"] is not None

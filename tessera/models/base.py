@@ -200,11 +200,14 @@ class BaseRouter:
         if self.model_config.load_format == "dummy":
             count = load_dummy_weights(model)
         else:
-            count = len(load_weights(model, progress(self.iter_weights()), prepare=True))
+            kept = getattr(model, "packed_checkpoint_methods", ())
+            count = len(load_weights(model, progress(self.iter_weights(kept)), prepare=True))
         prepare_weights(model)  # whatever the loading left unprepared (all of a dummy model)
         return count
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, kept: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors, pre-quantized ones dequantized, unless the model keeps
+        that method's parts as stored (`kept`: a model's `packed_checkpoint_methods`)."""
         if self.source.is_gguf:
             cfg = self.config
             self._note_gguf_format()
@@ -216,6 +219,9 @@ class BaseRouter:
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization
         if quant is None:
+            return weights
+        if quant.method in kept:
+            logger.info("%s checkpoint: its quantized weights stay packed", quant.method)
             return weights
         names = hf_tensor_names(self.source.path)
         if not names:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.distributed.parallel import all_reduce, even_span
+from tessera.distributed.parallel import Span, all_reduce, even_span
 from tessera.ops.linear import Linear
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
@@ -37,21 +37,27 @@ def softmax_topk_ref(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
-@register_op("moe_experts", name="torch_grouped_experts", priority=0)
-def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None = None,
-                        b2: torch.Tensor | None = None,
-                        activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, k] -> [T, H]. Optional
-    biases b13 [E, 2I], b2 [E, H]; `activation` maps [rows, 2I] (gate then up) to [rows, I]
-    (None: SwiGLU).
+ExpertLinear = Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor]  # (rows, expert, bias) -> out
 
-    The T*k (token, expert) pairs are sorted by expert so each expert runs two GEMMs over
-    all of its rows at once; the loop is over experts that got rows, never over tokens."""
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def run_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                up_proj: ExpertLinear, down_proj: ExpertLinear, b13: torch.Tensor | None,
+                b2: torch.Tensor | None, activation: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    """The routing-weighted sum of each token's experts, whatever holds their weights:
+    `up_proj(rows, expert, bias)` and `down_proj(...)` apply one expert's projections.
+
+    The T*k (token, expert) pairs are sorted by expert so each expert runs its two
+    projections over all of its rows at once; the loop is over experts that got rows,
+    never over tokens."""
     top_k = ids.shape[1]
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)          # pair indices grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     token_of = order // top_k                             # pair -> its token row
     pair_weights = weights.reshape(-1)[order]
     out = torch.zeros_like(x)
@@ -60,20 +66,36 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if count == 0:
             continue
         rows = token_of[start:start + count]
-        gate_up = F.linear(x[rows], w13[expert], None if b13 is None else b13[expert])
-        if activation is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        else:
-            hidden = activation(gate_up)
-        down = F.linear(hidden, w2[expert], None if b2 is None else b2[expert])
+        gate_up = up_proj(x[rows], expert, None if b13 is None else b13[expert])
+        hidden = (activation or swiglu)(gate_up)
+        down = down_proj(hidden, expert, None if b2 is None else b2[expert])
         # the routing weight multiplies in float32 (as transformers does) before the cast back
         out.index_add_(0, rows, (down * pair_weights[start:start + count, None]).to(x.dtype))
         start += count
     return out
 
 
+@register_op("moe_experts", name="torch_grouped_experts", priority=0)
+def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None,
+                        activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, k] -> [T, H]. Optional
+    biases b13 [E, 2I], b2 [E, H]; `activation` maps [rows, 2I] (gate then up) to [rows, I]
+    (None: SwiGLU)."""
+    return run_grouped(x, weights, ids, w13.shape[0], lambda rows, e, bias: F.linear(rows, w13[e], bias),
+                       lambda rows, e, bias: F.linear(rows, w2[e], bias), b13, b2, activation)
+
+
 ExpertShard = tuple[int, int]  # (expert index, 0 = gate or down / 1 = up)
+
+
+def copy_gate_up(dst: torch.Tensor, tensor: torch.Tensor, full: int, span: Span, what: str) -> None:
+    """Dim 1 of `tensor` holds an expert stack's gate rows, then its up rows (2 * full of
+    them): this rank's span of each half into `dst` (2 * span.size rows)."""
+    local = span.size
+    for half in (0, 1):
+        copy_checked(dst.narrow(1, half * local, local), narrow(tensor, 1, half * full + span.start, local), what)
 
 
 class StackedExperts(OpModule):
@@ -98,16 +120,19 @@ class StackedExperts(OpModule):
                                        loader=self._load_bias)
             self.w2_bias = make_param((num_experts, hidden_size), target.dtype, target.device)
 
+    quant: str | None = None  # how the stacks are stored (the moe_experts spec's quant)
+
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the moe_experts op takes them."""
+        return self.w13_weight, self.w2_weight
+
     def _load_bias(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         """The stacked gate-then-up bias [E, 2I]: this rank's span of each half."""
         expected = (param.shape[0], 2 * self.full_intermediate)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"stacked expert bias: checkpoint shape {tuple(tensor.shape)} != model shape {expected}")
-        full, span, local = self.full_intermediate, self.span, self.intermediate_size
         with torch.no_grad():
-            for half in (0, 1):
-                copy_checked(param.data.narrow(1, half * local, local),
-                             narrow(tensor, 1, half * full + span.start, local), "stacked expert bias")
+            copy_gate_up(param.data, tensor, self.full_intermediate, self.span, "stacked expert bias")
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         with torch.no_grad():
@@ -124,9 +149,7 @@ class StackedExperts(OpModule):
                     raise ValueError(f"stacked experts: checkpoint shape {tuple(tensor.shape)} != "
                                      f"model shape {expected}")
                 if param is self.w13_weight:  # [E, 2I, H]: this rank's gate rows, then up rows
-                    for half in (0, 1):
-                        copy_checked(param.data.narrow(1, half * local, local),
-                                     narrow(tensor, 1, half * full + span.start, local), "stacked experts")
+                    copy_gate_up(param.data, tensor, full, span, "stacked experts")
                 else:                         # [E, H, I]
                     copy_checked(param.data, narrow(tensor, 2, span.start, local), "stacked experts")
                 return
@@ -156,22 +179,27 @@ class SparseMoE(OpModule):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, target: OpTarget, bias: bool = False,
-                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 experts_cls: type[nn.Module] | None = None):
+        """`experts_cls`: what holds the stacks (default the class's `experts_cls`; packed
+        MXFP4 stacks: ops/moe_mxfp4.py)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = Linear(hidden_size, num_experts, target, bias=bias)  # replicated: every rank routes
-        self.experts = self.experts_cls(hidden_size, intermediate_size, num_experts, target, bias=bias)
+        self.experts = (experts_cls or self.experts_cls)(hidden_size, intermediate_size, num_experts, target,
+                                                         bias=bias)
         self.tp_size = target.tp_size
         self.activation = activation
         # the down projections' bias is added once, on rank 0, before the ranks' sum
         self.add_down_bias = target.tp_rank == 0
         self._route = target.op("moe_routing")
-        self._experts = target.op("moe_experts")
+        self._experts = target.op("moe_experts", quant=self.experts.quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self._route(self.gate(x), self.top_k, self.renormalize)
         experts = self.experts
-        out = self._experts(x, experts.w13_weight, experts.w2_weight, weights, ids, experts.w13_bias,
+        w13, w2 = experts.stacks()
+        out = self._experts(x, w13, w2, weights, ids, experts.w13_bias,
                             experts.w2_bias if self.add_down_bias else None, self.activation)
         return all_reduce(out, self.tp_size)  # each rank computed its slice of every expert
 

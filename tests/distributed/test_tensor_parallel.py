@@ -20,8 +20,8 @@ from tessera.distributed.parallel import Span, TensorParallelError, split_heads
 from tessera.models.registry import router_classes
 from tessera.sampling.params import SamplingParams
 
-from tests.models.parity import BASE, hf_generate, make_tiny, prompt_ids
-from tests.models.test_gpt_oss import make_tiny_gpt_oss
+from tests.models.parity import hf_generate, make_tiny, prompt_ids
+from tests.models.test_gpt_oss import make_mxfp4_checkpoint, make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen_parity import make_tiny_qwen
@@ -179,6 +179,13 @@ def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     hf = _zoo_checkpoint(kind, tmp_path, tiny_tokenizer_dir)
     assert hf.config.model_type == kind
     check_tp2_matches_hf(tmp_path, hf)
+
+
+def test_gpt_oss_mxfp4_stacks_tp2_match_transformers(tmp_path, tiny_tokenizer_dir):
+    """gpt-oss's MXFP4 experts stay packed on each rank, split in whole blocks (each rank
+    reads its rows of w13 and its block of w2's input features)."""
+    hf = make_mxfp4_checkpoint(tmp_path / "mxfp4", tiny_tokenizer_dir, seed=5)
+    check_tp2_matches_hf(tmp_path / "mxfp4", hf)
 
 
 @pytest.mark.parametrize("kind", ["llava", "llava_next", "idefics3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",

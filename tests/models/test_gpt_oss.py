@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from tessera import LLM, SamplingParams
+from tessera.config import ModelConfig
+from tessera.inspection import format_report, inspect_model
 from tessera.models.gpt_oss.modeling import GptOssMoE
 from tessera.ops.cpu import paged_decode
 from tessera.ops.registry import selections
@@ -128,32 +130,53 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exponent + 127).to(torch.uint8)
 
 
-def test_mxfp4_checkpoint_loads_dequantized(tmp_path, tiny_tokenizer_dir, monkeypatch):
-    """OpenAI's layout: `<experts>.gate_up_proj_blocks` / `_scales` ([E, 2I, H/32, 16] and
-    [E, 2I, H/32], rows interleaving gate and up), `down_proj_blocks` / `_scales`, and
-    quant_method mxfp4. Tessera's logits equal transformers' on the dequantized weights."""
+def make_mxfp4_checkpoint(folder: Path, tokenizer_dir: Path, seed: int = 3) -> torch.nn.Module:
+    """OpenAI's layout in `folder`: `<experts>.gate_up_proj_blocks` / `_scales` ([E, 2I, H/32,
+    16] and [E, 2I, H/32], rows interleaving gate and up), `down_proj_blocks` / `_scales`, and
+    quant_method mxfp4. Returns transformers' model holding exactly what the file decodes to."""
     from safetensors.torch import save_file
 
-    dense = tmp_path / "dense"
-    hf = make_tiny_gpt_oss(dense, tiny_tokenizer_dir, seed=3, intermediate_size=64)
+    dense = folder.with_name(folder.name + "-dense")
+    hf = make_tiny_gpt_oss(dense, tokenizer_dir, seed=seed, intermediate_size=64)
     tensors = {name: t.contiguous() for name, t in iter_hf_weights(dense)}
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))  # stored [E, out, in]
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
         module, attr = name.rsplit(".", 1)
-        with torch.no_grad():  # transformers' model, holding exactly what the file decodes to
+        with torch.no_grad():
             getattr(hf.get_submodule(module), attr).copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))
-    quantized = tmp_path / "mxfp4"
-    quantized.mkdir()
-    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((dense / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (quantized / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(config))
     for tokenizer_file in dense.glob("tokenizer*"):
-        (quantized / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
+        (folder / tokenizer_file.name).write_bytes(tokenizer_file.read_bytes())
     assert (hf.model.layers[0].mlp.experts.down_proj != 0).float().mean() > 0.5  # not all rounded away
-    llm = LLM(quantized, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    return hf
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "dequantized"])
+def test_mxfp4_checkpoint(packed, tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """Tessera's logits equal transformers' on the dequantized weights, whether the stacks
+    stay packed (the CPU kernel) or load dequantized (a device without an MXFP4 builder)."""
+    from tessera.models.gpt_oss import modeling
+    from tessera.ops.moe_mxfp4 import Mxfp4Experts
+
+    hf = make_mxfp4_checkpoint(tmp_path / "mxfp4", tiny_tokenizer_dir)
+    if not packed:
+        monkeypatch.setattr(modeling, "mxfp4_experts_available", lambda target: False)
+    llm = LLM(tmp_path / "mxfp4", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts, Mxfp4Experts) == packed
+    if packed:
+        assert experts.w13_blocks.dtype == torch.uint8 and experts.w13_blocks.shape == (4, 128, 2, 16)
+        chosen = {c.builder.name for c in selections() if c.spec.kind == "moe_experts" and c.spec.quant == "mxfp4"}
+        assert chosen <= {"cpu_mxfp4_experts", "torch_mxfp4_experts"} and chosen
     check_prefill_and_decode_logits(llm, hf, "gpt_oss-mxfp4", monkeypatch)
+    info = inspect_model(ModelConfig(model=str(tmp_path / "mxfp4"), dtype="float32"), load=False)
+    assert (info["checkpoint_quantization"], info["checkpoint_packed"]) == ("mxfp4", packed)
+    assert ("kept packed" if packed else "dequantized as it loads") in format_report(info)
 
 
 def test_bf16_runs_the_cpu_kernels_with_sinks(case: Case):

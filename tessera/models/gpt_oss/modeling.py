@@ -6,8 +6,9 @@ SwiGLU ((up + 1) * gate * sigmoid(1.702 * gate), gate <= 7, |up| <= 7). The norm
 float32 weights, as transformers keeps them (_keep_in_fp32_modules).
 
 Checkpoints store each layer's experts stacked as x @ W ([E, H, 2I] with gate and up
-columns interleaved, [E, I, H]), in MXFP4 in OpenAI's releases (weights/mxfp4.py, dequantized
-as they load)."""
+columns interleaved, [E, I, H]), or, in OpenAI's releases, in MXFP4 ([E, 2I, H / 32, 16]
+blocks and their scales, rows interleaved). MXFP4 stacks stay packed where a builder runs
+them (ops/moe_mxfp4.py: CPUs), and load dequantized to the model dtype elsewhere."""
 from __future__ import annotations
 
 from typing import Hashable
@@ -19,6 +20,7 @@ from transformers import PretrainedConfig
 from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
 from tessera.ops.activation import ClampedSwiGLU
 from tessera.ops.moe import SparseMoE, StackedExperts
+from tessera.ops.moe_mxfp4 import Mxfp4Experts, mxfp4_experts_available
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.weights import copy_checked, make_param
@@ -71,6 +73,23 @@ class GptOssExperts(StackedExperts):
         super()._load_bias(param, _gate_then_up(materialize(tensor)), shard_id)
 
 
+class Mxfp4GptOssExperts(Mxfp4Experts):
+    """Mxfp4Experts fed from gpt-oss's files, whose w13 rows (and bias) interleave gate and up."""
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        if param is self.w13_blocks or param is self.w13_scales or param is self.w13_bias:
+            tensor = materialize(tensor)
+            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+        super()._load(param, tensor, shard_id)
+
+
+def keeps_mxfp4_experts(config: PretrainedConfig, target: OpTarget) -> bool:
+    """An MXFP4 checkpoint whose stacks some builder runs packed on `target`."""
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return method == "mxfp4" and mxfp4_experts_available(target)
+
+
 class GptOssMoE(SparseMoE):
     """Router with a bias: top-k of the logits, softmax over those k (the same weights as a
     softmax over all experts renormalised over the top k)."""
@@ -80,7 +99,8 @@ class GptOssMoE(SparseMoE):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config.hidden_size, config.intermediate_size, config.num_local_experts,
                          config.num_experts_per_tok, renormalize=True, target=target, bias=True,
-                         activation=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit, target))
+                         activation=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit, target),
+                         experts_cls=Mxfp4GptOssExperts if keeps_mxfp4_experts(config, target) else None)
 
 
 class Float32RMSNorm(RMSNorm):
@@ -110,14 +130,21 @@ class GptOssModel(LlamaModel):
         return GptOssDecoderLayer(config, target, layer_idx)
 
 
-# checkpoint names under a layer's mlp -> ours
+# checkpoint names under a layer's mlp -> ours (dense stacks, or MXFP4's parts)
 _MLP_NAMES = {"router.weight": "gate.weight", "router.bias": "gate.bias",
               "experts.gate_up_proj": "experts.w13_weight", "experts.gate_up_proj_bias": "experts.w13_bias",
-              "experts.down_proj": "experts.w2_weight", "experts.down_proj_bias": "experts.w2_bias"}
+              "experts.down_proj": "experts.w2_weight", "experts.down_proj_bias": "experts.w2_bias",
+              **{f"experts.{proj}_{part}": f"experts.{stack}_{part}" for proj, stack in
+                 (("gate_up_proj", "w13"), ("down_proj", "w2")) for part in ("blocks", "scales")}}
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
     model_cls = GptOssModel
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        # the checkpoint's MXFP4 parts reach the model as stored (base.py's iter_weights)
+        self.packed_checkpoint_methods = ("mxfp4",) if keeps_mxfp4_experts(config, target) else ()
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """The router and stacked experts (whole tensors: shard None); None for the rest."""

@@ -1,0 +1,45 @@
+"""The MXFP4 expert builder for CPUs with AVX2 (mxfp4_linear_avx2.c): each expert's two
+projections read its packed blocks and widen them in registers, so decode streams a
+quarter of bf16's bytes; the activation between them runs in torch."""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.moe import run_grouped
+from tessera.ops.moe_mxfp4 import Mxfp4Stack
+from tessera.ops.registry import register_op
+
+_KERNEL = Kernel("mxfp4_linear_avx2.c", "tessera_mxfp4_linear",
+                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int)
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, 32 G] @ W.T (+ bias) -> [T, rows] in x's dtype, W as blocks [rows, G, 16] and
+    scales [rows, G] (contiguous uint8); float32 inside."""
+    rows, groups = scales.shape
+    if x.shape[-1] != groups * 32:
+        raise ValueError(f"input has {x.shape[-1]} features; the MXFP4 weight takes {groups * 32}")
+    xf = x.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    if x.shape[0] and _KERNEL(xf.data_ptr(), blocks.data_ptr(), scales.data_ptr(), None if b is None else b.data_ptr(),
+                              out.data_ptr(), x.shape[0], rows, groups, torch.get_num_threads()):
+        raise MemoryError("mxfp4_linear could not allocate its buffers")
+    return out.to(x.dtype)
+
+
+@register_op("moe_experts", name="cpu_mxfp4_experts", priority=10, devices=("cpu",), quant=("mxfp4",),
+             check=_KERNEL.check)
+def mxfp4_experts_cpu(x: torch.Tensor, w13: Mxfp4Stack, w2: Mxfp4Stack, weights: torch.Tensor,
+                      ids: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                      activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """moe_mxfp4.mxfp4_experts_ref with each projection in the kernel."""
+    return run_grouped(x, weights, ids, w13[0].shape[0],
+                       lambda rows, e, bias: mxfp4_linear(rows, w13[0][e], w13[1][e], bias),
+                       lambda rows, e, bias: mxfp4_linear(rows, w2[0][e], w2[1][e], bias),
+                       b13, b2, activation)

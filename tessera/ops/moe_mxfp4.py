@@ -1,0 +1,110 @@
+"""Mixture-of-experts stacks kept in MXFP4 (gpt-oss's checkpoint format, weights/mxfp4.py):
+4.25 bits a weight instead of bf16's 16, so gpt-oss-20b's experts take ~11 GB, not ~39.
+
+`Mxfp4Experts` holds, per stack, the checkpoint's blocks [E, rows, G, 16] and scales
+[E, rows, G] (uint8; rows are output features, 32 G the input features), w13 with the
+gate rows then the up rows. The `moe_experts` op with quant "mxfp4" takes each stack as a
+(blocks, scales) pair. This reference builder dequantizes every expert a step uses, each
+step: the oracle of the kernels (tessera/ops/cpu/moe_mxfp4.py), not fast. No builder serves
+CUDA yet, so there a model loads the experts dequantized (`keeps_mxfp4_experts`).
+
+Tensor parallelism splits each expert's intermediate features: whole w13 rows, and whole
+blocks of w2's input features, so a rank's span must be a multiple of 32 (gpt-oss's 2880
+splits so over 2, 3, 5 or 9 ranks).
+"""
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.distributed.parallel import TensorParallelError, even_span
+from tessera.ops.module import OpModule
+from tessera.ops.moe import copy_gate_up, run_grouped
+from tessera.ops.registry import OpLookupError, OpTarget, register_op
+from tessera.ops.weights import copy_checked, make_param
+from tessera.weights.lazy import narrow
+from tessera.weights.mxfp4 import BLOCK, dequantize_mxfp4
+
+Mxfp4Stack = tuple[torch.Tensor, torch.Tensor]  # (blocks [E, rows, G, 16], scales [E, rows, G])
+
+
+def _dequantized(stack: Mxfp4Stack, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_mxfp4(stack[0][expert], stack[1][expert], dtype)
+
+
+@register_op("moe_experts", name="torch_mxfp4_experts", priority=0, devices=("cpu",), quant=("mxfp4",))
+def mxfp4_experts_ref(x: torch.Tensor, w13: Mxfp4Stack, w2: Mxfp4Stack, weights: torch.Tensor,
+                      ids: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                      activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """grouped_experts_ref over MXFP4 stacks, each used expert dequantized to x's dtype."""
+    return run_grouped(x, weights, ids, w13[0].shape[0],
+                       lambda rows, e, bias: F.linear(rows, _dequantized(w13, e, rows.dtype), bias),
+                       lambda rows, e, bias: F.linear(rows, _dequantized(w2, e, rows.dtype), bias),
+                       b13, b2, activation)
+
+
+def mxfp4_experts_available(target: OpTarget) -> bool:
+    """Whether some builder runs MXFP4 stacks on `target` (else they load dequantized)."""
+    try:
+        target.op("moe_experts", quant="mxfp4")
+    except OpLookupError:
+        return False
+    return True
+
+
+class Mxfp4Experts(OpModule):
+    """MXFP4 stacks of `num_experts` gated experts, with a bias per projection where `bias`
+    (in the model dtype). Checkpoint tensors: w13_blocks / w13_scales ([E, 2I, ...], gate rows
+    then up rows), w2_blocks / w2_scales ([E, H, I / 32, ...]), w13_bias, w2_bias."""
+
+    quant = "mxfp4"
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, target: OpTarget,
+                 bias: bool = False):
+        super().__init__()
+        if hidden_size % BLOCK or intermediate_size % BLOCK:
+            raise ValueError(f"MXFP4 experts need hidden ({hidden_size}) and intermediate ({intermediate_size}) "
+                             f"sizes that are multiples of {BLOCK}")
+        self.full_intermediate = intermediate_size
+        self.span = even_span(intermediate_size, target.tp_rank, target.tp_size)
+        if self.span.start % BLOCK or self.span.size % BLOCK:
+            raise TensorParallelError(f"MXFP4 experts split their {intermediate_size} intermediate features in "
+                                      f"blocks of {BLOCK}; {target.tp_size} ranks cannot take whole blocks")
+        local, groups = self.span.size, hidden_size // BLOCK
+        e = num_experts
+
+        def param(shape: tuple[int, ...]) -> nn.Parameter:
+            return make_param(shape, torch.uint8, target.device, loader=self._load)
+
+        self.w13_blocks, self.w13_scales = param((e, 2 * local, groups, 16)), param((e, 2 * local, groups))
+        self.w2_blocks, self.w2_scales = param((e, hidden_size, local // BLOCK, 16)), param((e, hidden_size, local // BLOCK))
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = make_param((e, 2 * local), target.dtype, target.device, loader=self._load)
+            self.w2_bias = make_param((e, hidden_size), target.dtype, target.device)
+
+    def stacks(self) -> tuple[Mxfp4Stack, Mxfp4Stack]:
+        return (self.w13_blocks, self.w13_scales), (self.w2_blocks, self.w2_scales)
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        """A whole stack from the checkpoint: this rank's span of the gate and up rows of
+        w13 (and its bias), of w2's blocks of input features."""
+        full = self.full_intermediate
+        gate_up = param is self.w13_blocks or param is self.w13_scales or param is self.w13_bias
+        if gate_up:
+            expected = (param.shape[0], 2 * full, *param.shape[2:])
+        else:
+            expected = (*param.shape[:2], full // BLOCK, *param.shape[3:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"MXFP4 experts: checkpoint shape {tuple(tensor.shape)} != model shape {expected}")
+        if param is not self.w13_bias and tensor.dtype != torch.uint8:
+            raise ValueError(f"MXFP4 blocks and scales are uint8, the checkpoint's are {tensor.dtype}")
+        with torch.no_grad():
+            if gate_up:
+                copy_gate_up(param.data, tensor, full, self.span, "MXFP4 experts")
+            else:
+                copy_checked(param.data, narrow(tensor, 2, self.span.start // BLOCK, self.span.size // BLOCK),
+                             "MXFP4 experts")

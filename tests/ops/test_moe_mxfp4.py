@@ -1,0 +1,96 @@
+"""MXFP4 expert stacks (gpt-oss's format) kept packed: the AVX2 kernel's projection against
+F.linear on the dequantized weight (every code, tiny and huge scales, 0 to 33 tokens, with
+and without a bias, bf16 in and out), the expert builder against the dequantizing
+reference, and the stacks' loader under tensor parallelism (whole blocks per rank)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.distributed.parallel import TensorParallelError
+from tessera.ops.activation import clamped_swiglu_ref
+from tessera.ops.cpu import moe_mxfp4 as cpu_moe_mxfp4
+from tessera.ops.moe_mxfp4 import Mxfp4Experts, mxfp4_experts_ref
+from tessera.ops.registry import OpTarget
+from tessera.weights.mxfp4 import dequantize_mxfp4
+
+UNAVAILABLE = "; ".join(cpu_moe_mxfp4._KERNEL.check(None)) or None
+needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+def random_stack(*lead: int, groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*lead, groups, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 131, (*lead, groups), dtype=torch.uint8, generator=g)
+    return blocks, scales
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [0, 1, 4, 33])
+@pytest.mark.parametrize("rows, groups", [(64, 2), (7, 3), (130, 90)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_kernel_projection_matches_the_dequantized_weight(tokens, rows, groups, with_bias):
+    blocks, scales = random_stack(rows, groups=groups, seed=rows + groups)
+    blocks[0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code, low and high nibble
+    scales[0, 0], scales[-1, -1] = 0, 140                      # 2^-127 (subnormal) and 2^13
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, groups * 32, generator=g)
+    bias = torch.randn(rows, generator=g) if with_bias else None
+    got = cpu_moe_mxfp4.mxfp4_linear(x, blocks, scales, bias)
+    want = F.linear(x.double(), dequantize_mxfp4(blocks, scales, torch.float64), None if bias is None else bias.double())
+    assert got.shape == (tokens, rows) and got.dtype == torch.float32
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * scale, rtol=1e-5)
+    half = cpu_moe_mxfp4.mxfp4_linear(x.bfloat16(), blocks, scales, bias)
+    assert half.dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_kernel_refuses_a_mismatched_input():
+    blocks, scales = random_stack(8, groups=2, seed=0)
+    with pytest.raises(ValueError, match="takes 64"):
+        cpu_moe_mxfp4.mxfp4_linear(torch.zeros(1, 96), blocks, scales, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_expert_builder_matches_the_reference(tokens):
+    e, hidden, inter, top_k = 4, 64, 96, 2
+    w13, w2 = random_stack(e, 2 * inter, groups=hidden // 32, seed=1), random_stack(e, hidden, groups=inter // 32, seed=2)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
+    b13, b2 = torch.randn(e, 2 * inter, generator=g), torch.randn(e, hidden, generator=g)
+
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu_ref(gate_up, 1.702, 7.0)
+
+    want = mxfp4_experts_ref(x, w13, w2, weights, ids, b13, b2, act)
+    got = cpu_moe_mxfp4.mxfp4_experts_cpu(x, w13, w2, weights, ids, b13, b2, act)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+
+
+def test_stacks_split_over_ranks_in_whole_blocks():
+    e, hidden, inter = 2, 64, 64
+    blocks13, scales13 = random_stack(e, 2 * inter, groups=hidden // 32, seed=3)
+    blocks2, scales2 = random_stack(e, hidden, groups=inter // 32, seed=4)
+    bias13 = torch.randn(e, 2 * inter)
+    parts = []
+    for rank in (0, 1):
+        experts = Mxfp4Experts(hidden, inter, e, OpTarget("cpu", torch.float32, tp_size=2, tp_rank=rank), bias=True)
+        for param, tensor in ((experts.w13_blocks, blocks13), (experts.w13_scales, scales13),
+                              (experts.w2_blocks, blocks2), (experts.w2_scales, scales2), (experts.w13_bias, bias13)):
+            param.weight_loader(param, tensor)
+        parts.append(experts)
+    # rank r: gate rows [32 r, 32 r + 32) then the same up rows; w2's block r of input features
+    for rank, experts in enumerate(parts):
+        rows = list(range(32 * rank, 32 * rank + 32)) + list(range(inter + 32 * rank, inter + 32 * rank + 32))
+        assert torch.equal(experts.w13_blocks, blocks13[:, rows])
+        assert torch.equal(experts.w13_bias, bias13[:, rows])
+        assert torch.equal(experts.w2_scales, scales2[:, :, rank:rank + 1])
+    with pytest.raises(ValueError, match="uint8"):
+        parts[0].w2_scales.weight_loader(parts[0].w2_scales, scales2.float())
+    with pytest.raises(TensorParallelError, match="whole blocks"):
+        Mxfp4Experts(hidden, inter, e, OpTarget("cpu", torch.float32, tp_size=4, tp_rank=1))
