@@ -21,6 +21,8 @@ from tessera.models.registry import router_classes
 from tessera.sampling.params import SamplingParams
 
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
+from tests.models.test_deepseek import CASES as CASES_DEEPSEEK
+from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_gpt_oss import make_mxfp4_checkpoint, make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
@@ -145,6 +147,9 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
                              moe_intermediate_size=48, num_experts_per_tok=2, norm_topk_prob=True)
     if kind == "phi3":
         return make_tiny_phi3(folder, tokenizer_dir, seed=5)
+    if kind in ("deepseek_v2", "deepseek_v3"):  # MLA's heads split, its one latent KV head replicated
+        overrides = CASES_DEEPSEEK["v3-yarn-qlora" if kind == "deepseek_v3" else "v2-group-limited"][1]
+        return make_tiny_deepseek(folder, tokenizer_dir, kind, seed=5, **overrides)
     if kind == "gpt_oss":  # sinks split by head, expert biases (the down one added once)
         return make_tiny_gpt_oss(folder, tokenizer_dir, seed=5, intermediate_size=96)
     if kind == "mistral":
@@ -171,7 +176,7 @@ FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "ol
                 "ministral3": "ministral3-yarn-temperature", "granite": "granite-tied-bias", "glm4": "glm4-gqa-bias",
                 "cohere2": "cohere2-window8-tied"}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
-       *FAMILY_CASES)
+       "deepseek_v2", "deepseek_v3", *FAMILY_CASES)
 
 
 @pytest.mark.parametrize("kind", ZOO)

@@ -18,6 +18,7 @@ from tessera.lora import LoRARequest
 from tests.lora.peft_adapters import save_peft_adapter
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.families import make_family
+from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
@@ -58,6 +59,11 @@ FAMILIES = {
     "mixtral-attention": (make_tiny_moe, "mixtral", ["q_proj", "v_proj", "o_proj"]),
     "qwen3-moe-attention": (make_tiny_moe, "qwen3_moe", ["q_proj", "k_proj", "o_proj"]),
     "gpt-oss-attention": (make_tiny_gpt_oss, None, ["q_proj", "v_proj", "o_proj"]),  # biased, with sinks
+    # MLA's projections around the latent cache (kv_b_proj, absorbed, is refused below)
+    "deepseek-v3-mla": (functools.partial(make_tiny_deepseek, kind="deepseek_v3", q_lora_rank=24, n_group=2,
+                                          topk_group=1), None, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
+    "deepseek-v2-lite": (functools.partial(make_tiny_deepseek, kind="deepseek_v2", q_lora_rank=None),
+                         None, ["q_proj", "kv_a_proj_with_mqa", "o_proj"]),
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
@@ -228,6 +234,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
+              "deepseek_v2", "deepseek_v3",
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe"}  # these and gemma3: tests/multimodal
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
@@ -235,3 +242,16 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
     with pytest.raises(ConfigError, match="does not support LoRA adapters"):
         LLM(folder, dtype="float32", num_kv_blocks=16, show_progress=False, enable_lora=True,
             model_impl="transformers")
+
+
+def test_deepseek_kv_b_proj_adapters_are_refused(tmp_path_factory, tiny_tokenizer_dir):
+    """kv_b_proj is absorbed into MLA's query and output (no layer applies it): an adapter
+    of it is refused by name, and the engine goes on."""
+    folder = tmp_path_factory.mktemp("deepseek")
+    hf = make_tiny_deepseek(folder, tiny_tokenizer_dir, kind="deepseek_v2", q_lora_rank=None, seed=3)
+    adapter = tmp_path_factory.mktemp("deepseek-kv-b")
+    save_peft_adapter(hf, adapter, seed=4, target_modules=["kv_b_proj"])
+    with LLM(folder, dtype="float32", num_kv_blocks=32, show_progress=False, enable_lora=True) as llm:
+        with pytest.raises(RequestError, match="kv_b_proj"):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("x", 1, str(adapter)))
+        assert not llm.engine.has_unfinished()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -44,10 +45,12 @@ class Case:
 
 
 def make_tiny(folder: Path, tokenizer_dir: Path, config_cls, model_cls, seed: int = 0,
-              base: dict = BASE, **overrides) -> torch.nn.Module:
+              base: dict = BASE, tweak: Callable[[torch.nn.Module, torch.Generator], None] | None = None,
+              **overrides) -> torch.nn.Module:
     """Saves a random transformers model (+ the tiny tokenizer) to `folder`; returns the
     float32 eval-mode model. Norm weights are randomised around 1 (a loader that skipped
-    them, or a model that did not apply them, would fail)."""
+    them, or a model that did not apply them, would fail); `tweak(model, generator)` then
+    redraws what else a test needs drawn otherwise (routers, biases, sinks)."""
     from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
@@ -57,6 +60,8 @@ def make_tiny(folder: Path, tokenizer_dir: Path, config_cls, model_cls, seed: in
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith(".weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        if tweak is not None:
+            tweak(model, g)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
     return model

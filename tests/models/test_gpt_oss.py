@@ -23,7 +23,7 @@ from tessera.weights.mxfp4 import E2M1_VALUES, dequantize_mxfp4
 from tessera.weights.safetensors import iter_hf_weights
 
 from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, hf_logits, prompt_ids)
+                                 check_prefill_and_decode_logits, hf_logits, make_tiny, prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,26 +39,23 @@ CASES = {
 }
 
 
+def _drawn_sinks_and_biases(model: torch.nn.Module, g: torch.Generator) -> None:
+    """Sinks, every bias and the routers at scales where a loader that skipped them, or a
+    model that ignored them, would differ."""
+    for name, p in model.named_parameters():
+        if name.endswith("sinks"):
+            p.copy_(1.5 * torch.randn(p.shape, generator=g))
+        elif name.endswith("bias") or name.endswith("router.weight"):
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
 def make_tiny_gpt_oss(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> torch.nn.Module:
     """Saves a random transformers GptOssForCausalLM (+ the tiny tokenizer) to `folder`;
-    returns the float32 eval-mode model. Sinks, every bias and the norms are drawn at
-    scales where a loader that skipped them, or a model that ignored them, would differ."""
-    from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
+    returns the float32 eval-mode model."""
+    from transformers import GptOssConfig, GptOssForCausalLM
 
-    torch.manual_seed(seed)
-    model = GptOssForCausalLM(GptOssConfig(**{**BASE, **overrides})).eval()
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("sinks"):
-                p.copy_(1.5 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias") or name.endswith("router.weight"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
-    return model
+    return make_tiny(folder, tokenizer_dir, GptOssConfig, GptOssForCausalLM, seed=seed, base=BASE,
+                     tweak=_drawn_sinks_and_biases, **overrides)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

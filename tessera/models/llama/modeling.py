@@ -29,12 +29,13 @@ def rotary_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, intermediate_size: int | None = None):
+        """`intermediate_size`: other than the config's (DeepSeek's shared experts)."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act 'silu' only, got {config.hidden_act!r}")
         bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, {0: size, 1: size}, target, bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, target, bias=bias)
         self.act_fn = SiluAndMul(target)

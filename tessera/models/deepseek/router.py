@@ -1,0 +1,12 @@
+from tessera.models.base import BaseRouter
+from tessera.models.deepseek.modeling import DeepseekForCausalLM
+
+
+class DeepseekRouter(BaseRouter):
+    """DeepSeek-V2 / V2-Lite / V2.5 (deepseek_v2) and DeepSeek-V3 / R1, Kimi K2, Moonlight
+    (deepseek_v3): multi-head latent attention over a latent cache, shared and routed experts."""
+    model_types = ("deepseek_v2", "deepseek_v3")
+    model_cls = DeepseekForCausalLM
+    is_moe = True  # tests/models/test_deepseek.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py (the projections around the latent; not kv_b_proj)

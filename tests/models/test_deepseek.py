@@ -1,0 +1,117 @@
+"""Tessera's DeepSeek-V2 / V3 against transformers' on tiny random checkpoints: multi-head
+latent attention over a latent cache (the key and value expansions absorbed), with and
+without a query LoRA, interleaved or half-split rotary, YaRN with mscale_all_dim (the
+softmax scale), V3's sigmoid routing with its correction bias and group choice, V2's
+softmax routing (greedy and group-limited), shared experts, dense first layers, and V3's
+multi-token-prediction layer skipped at load. Router weights and biases are drawn large
+enough that tokens spread over experts and groups; norms are randomised."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import LLM
+from tessera.models.deepseek.mla import MLAttention
+from tessera.models.deepseek.moe import DeepseekMoE
+
+from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
+                                 check_prefill_and_decode_logits, make_tiny)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NUM_KV_BLOCKS = 64
+PROMPT_LENGTHS = (5, 23, 47)
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2, n_routed_experts=8,
+            first_k_dense_replace=1, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24,
+            max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+            tie_word_embeddings=False)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0}
+CASES = {
+    "v3-yarn-qlora": ("deepseek_v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                                          routed_scaling_factor=2.5, rope_parameters=YARN)),
+    "v3-halves-unnormalised": ("deepseek_v3", dict(q_lora_rank=None, n_group=2, topk_group=1, norm_topk_prob=False,
+                                                   rope_interleave=False, n_shared_experts=2)),
+    "v2-group-limited": ("deepseek_v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                                             topk_group=2, routed_scaling_factor=1.5, n_shared_experts=1)),
+    "v2-lite-greedy": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1,
+                                           n_shared_experts=2, first_k_dense_replace=2)),
+}
+
+
+def _decisive_routers(model: torch.nn.Module, g: torch.Generator) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):  # decisive, varied choices
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
+
+
+def make_tiny_deepseek(folder: Path, tokenizer_dir: Path, kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Saves a random transformers DeepseekV2/V3ForCausalLM (+ the tiny tokenizer) to `folder`;
+    returns the float32 eval-mode model."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config_cls, model_cls = {"deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+                             "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}[kind]
+    return make_tiny(folder, tokenizer_dir, config_cls, model_cls, seed=seed, base=BASE, tweak=_decisive_routers,
+                     **overrides)
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
+    kind, overrides = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_deepseek(folder, tiny_tokenizer_dir, kind, seed=len(request.param), **overrides)
+    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    return Case(request.param, folder, hf, llm)
+
+
+def test_latent_cache_and_layers(case: Case):
+    """One KV head of kv_lora_rank + qk_rope_head_dim per layer (what MLA caches), dense
+    layers first, routed experts after; the routers spread tokens over several experts."""
+    model = case.llm.engine.runner.model
+    first_dense = case.hf.config.first_k_dense_replace
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer.self_attn, MLAttention)
+        assert (layer.self_attn.attn.num_kv_heads, layer.self_attn.attn.head_size) == (1, 32 + 8)
+        assert isinstance(layer.mlp, DeepseekMoE) == (i >= first_dense)
+    moe = model.model.layers[-1].mlp
+    _, ids = moe.gate(torch.randn(64, 64))
+    assert len(ids.unique()) >= 4
+
+
+def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
+
+
+def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
+
+
+def test_chunked_prefill_matches(case: Case, monkeypatch):
+    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
+
+
+def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """V3 checkpoints carry their MTP module as layer num_hidden_layers; it is not loaded."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = make_tiny_deepseek(tmp_path, tiny_tokenizer_dir, "deepseek_v3", seed=2, q_lora_rank=None, n_group=2,
+                            topk_group=1)
+    tensors = load_file(tmp_path / "model.safetensors")
+    mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in tensors.items()
+           if name.startswith("model.layers.2.")}
+    save_file({**tensors, **mtp, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    check_prefill_and_decode_logits(llm, hf, "deepseek_v3-mtp", monkeypatch)
