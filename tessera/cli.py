@@ -12,8 +12,8 @@ from tessera.config import (DTYPES, GENERATION_CONFIGS, KV_CACHE_DTYPES, LOAD_FO
                             QUANTIZATIONS, RUNNERS, SCHEDULING_POLICIES, scheduler_defaults)
 from tessera.platform import resolve_device
 
-# tessera/server/tool_parsers.py's PARSERS (not imported here: it would load the server)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
+# tessera/server/tool_parsers/'s PARSERS (not imported here: it would load the server)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "deepseek_v3", "deepseek_v31")
 # tessera/server/reasoning.py's REASONING_PARSERS (likewise)
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 

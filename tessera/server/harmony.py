@@ -16,7 +16,7 @@ model's stop tokens, so they seldom reach the text).
 `HarmonyStream` splits a reply, a piece at a time, into reasoning (analysis bodies) and
 content (final and commentary bodies), and writes each call into the content in one form,
 `<|start|>assistant to=functions.NAME<|message|>ARGUMENTS<|call|>`, which the `openai`
-tool-call parser reads (tool_parsers.py). A reply that writes no harmony markup at all (a
+tool-call parser reads (tool_parsers/marker_calls.py). A reply that writes no harmony markup at all (a
 constrained output, or another model) is content as written.
 """
 from __future__ import annotations

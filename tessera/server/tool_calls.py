@@ -3,8 +3,8 @@ with any model: `tool_choice` naming a function constrains the output to that fu
 parameters schema (the output *is* the arguments); `"required"` constrains it to a JSON
 array of `{"name", "parameters"}` objects, one per call. `"none"` generates text. `"auto"`
 (OpenAI's default when tools are given) lets the model choose, so its own tool-call syntax
-must be parsed: the server's `--tool-call-parser` names it (tool_parsers.py: `hermes`,
-`llama3_json`, `mistral`, `pythonic`), and a stream sends each call as it is written;
+must be parsed: the server's `--tool-call-parser` names it (tool_parsers/: `hermes`,
+`llama3_json`, `mistral`, `pythonic`, `openai`, `deepseek_v3`), and a stream sends each call as it is written;
 without one, "auto" is refused, as vLLM refuses it. The tools are passed to the chat
 template in every case, so the model sees them as it was trained to.
 """

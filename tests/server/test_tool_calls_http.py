@@ -303,6 +303,31 @@ def test_pythonic_stream_pieces(size):
         assert stream_pieces(text, size, "pythonic") == (text, [], "stop")
 
 
+DEEPSEEK_OUTPUTS = [  # V3 / R1 (a json fence per call), then V3.1 on
+    'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{"zone": "UTC"}'
+    '\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+    '{"city": "Oslo", "metric": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "UTC"}<｜tool▁call▁end｜>'
+    '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "metric": true}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+]
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_stream_pieces_both_syntaxes(size, parser):
+    for text in DEEPSEEK_OUTPUTS:
+        assert stream_pieces(text, size, parser) == ("Let me check.", HERMES_CALLS, "tool_calls")
+    assert stream_pieces("No calls <｜tool▁calls", size, parser) == ("No calls <｜tool▁calls", [], "stop")
+    not_object = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>[1]"
+    # arguments that are no object: whole, all content; streamed, the call opened by name stands
+    assert stream_pieces(not_object, size, parser) == ((not_object, [], "stop") if size == 1000 else
+                                                       ("", [("get_time", "")], "tool_calls"))
+    cut = "A<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"zone\": "
+    # cut mid-arguments: whole, all content; streamed, the valid beginning of the call stands
+    assert stream_pieces(cut, size, parser) == ((cut, [], "stop") if size == 1000 else
+                                                ("A", [("get_time", '{"zone": ')], "tool_calls"))
+
+
 def test_pythonic_values_become_json_with_their_digits():
     pythonic = PARSERS["pythonic"]
     content, calls = pythonic.parse(
