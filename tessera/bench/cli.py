@@ -317,7 +317,9 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
                          higher_is_better=args.workload == "throughput"))
     if roofline is not None:
         meta["roofline"] = dataclasses.asdict(roofline)
-        print(f"roofline: {roofline.weight_bytes / 1e9:.3f} GB of weights + "
+        experts = (f" + {roofline.expert_share:.0%} per token of {roofline.expert_bytes / 1e9:.3f} GB of routed experts"
+                   if roofline.expert_bytes else "")
+        print(f"roofline: {roofline.weight_bytes / 1e9:.3f} GB of weights{experts} + "
               f"{roofline.kv_bytes_per_token / 1e3:.1f} kB of KV per cached token per step, over "
               f"{roofline.bandwidth_gbs:.1f} GB/s (copy bandwidth of {engine.runner.device})")
     if args.output_json:

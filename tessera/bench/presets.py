@@ -32,6 +32,21 @@ PRESETS: dict[str, dict] = {
                                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
 }
 
+# openai/gpt-oss-20b: its MXFP4 experts stay packed on CPUs (~13 GB in all)
+PRESETS["gpt-oss-20b"] = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", attention_bias=True, attention_dropout=0.0,
+    eos_token_id=200002, pad_token_id=199999, experts_per_token=4, num_experts_per_tok=4, head_dim=64,
+    hidden_act="silu", hidden_size=2880, intermediate_size=2880, initial_context_length=4096,
+    initializer_range=0.02, layer_types=["sliding_attention", "full_attention"] * 12,
+    max_position_embeddings=131072, num_attention_heads=64, num_hidden_layers=24, num_key_value_heads=8,
+    num_local_experts=32, output_router_logits=False, rms_norm_eps=1e-5, router_aux_loss_coef=0.9,
+    quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                    "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                  "rope_type": "yarn", "truncate": False},
+    rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
+    torch_dtype="bfloat16", use_cache=True, vocab_size=201088)
+
 # Qwen/Qwen3-Embedding-0.6B (an embedding model: last-token pooling, normalized)
 PRESETS["qwen3-embedding-0.6b"] = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", attention_bias=False,

@@ -2,6 +2,10 @@
 cached K/V row of every sequence once, so it cannot finish faster than those bytes over the
 memory's bandwidth. `tessera bench latency` prints each TPOT beside that floor.
 
+A mixture of experts reads only the experts its tokens are routed to: one token top_k of
+num_experts per layer; a batch of B tokens, routed independently and uniformly, the
+expected share 1 - (1 - top_k / num_experts)^B of them.
+
 Bandwidth is measured as NVIDIA's bandwidthTest does for device-to-device copies: a 1 GiB
 copy, (read + written) bytes over the time. On a CPU the same copy also pays for
 write-allocate traffic, so its figure is below what pure reads reach: the floor it gives
@@ -22,30 +26,47 @@ from tessera.ops.embedding import LMHead, VocabEmbedding
 @dataclass(frozen=True)
 class Roofline:
     bandwidth_gbs: float       # measured copy bandwidth, GB/s (1e9 bytes)
-    weight_bytes: int          # read once per decode step
+    weight_bytes: int          # read once per decode step (routed experts not included)
     kv_bytes_per_token: int    # K and V of one cached token, all layers
+    expert_bytes: int = 0      # every routed expert's weights, all layers
+    expert_share: float = 0.0  # of them one token reads (top_k / num_experts)
 
     def step_ms(self, batch: int, mean_context: float) -> float:
         """The fastest a decode step of `batch` rows, each attending to `mean_context`
         cached tokens on average, can be: its bytes over the bandwidth."""
-        total = self.weight_bytes + batch * mean_context * self.kv_bytes_per_token
+        experts = self.expert_bytes * (1 - (1 - self.expert_share) ** batch)
+        total = self.weight_bytes + experts + batch * mean_context * self.kv_bytes_per_token
         return total / (self.bandwidth_gbs * 1e9) * 1e3
 
 
-def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: every parameter once (shared ones once), but of
-    an embedding table only the looked-up rows, i.e. nothing, unless the LM head shares it."""
+def routed_experts(model: nn.Module) -> list[tuple[nn.Module, float]]:
+    """Each mixture-of-experts block's experts (its `experts` module) and the share of them
+    one token reads (its top_k / num_experts)."""
+    return [(m.experts, m.top_k / m.num_experts) for m in model.modules()
+            if isinstance(getattr(m, "experts", None), nn.Module) and hasattr(m, "top_k") and hasattr(m, "num_experts")]
+
+
+def decode_weight_bytes(model: nn.Module) -> tuple[int, int, float]:
+    """(bytes of weights every decode step reads, bytes of all routed experts, the share of
+    those one token reads). Every parameter counts once (shared ones once), but of an
+    embedding table only the looked-up rows, i.e. nothing, unless the LM head shares it."""
     head = {id(m.weight) for m in model.modules() if isinstance(m, LMHead)}
     lookup_only = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)} - head
+    routed = routed_experts(model)
+    expert_params = {id(p) for experts, _ in routed for p in experts.parameters()}
     seen: set[int] = set()
-    total = 0
+    total = experts = 0
     for module in model.modules():
         for param in module.parameters(recurse=False):
             if id(param) in seen or id(param) in lookup_only:
                 continue
             seen.add(id(param))
-            total += param.numel() * param.element_size()
-    return total
+            if id(param) in expert_params:
+                experts += param.numel() * param.element_size()
+            else:
+                total += param.numel() * param.element_size()
+    share = routed[0][1] if routed else 0.0
+    return total, experts, share
 
 
 def copy_bandwidth_gbs(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -72,6 +93,7 @@ def _sync(device: torch.device) -> None:
 def engine_roofline(engine) -> Roofline:
     """The roofline of `engine`'s model and KV cache on its device."""
     runner = engine.runner
-    return Roofline(bandwidth_gbs=copy_bandwidth_gbs(runner.device),
-                    weight_bytes=decode_weight_bytes(runner.model),
-                    kv_bytes_per_token=runner.kv_bytes_per_block() // runner.block_size)
+    dense, experts, share = decode_weight_bytes(runner.model)
+    return Roofline(bandwidth_gbs=copy_bandwidth_gbs(runner.device), weight_bytes=dense,
+                    kv_bytes_per_token=runner.kv_bytes_per_block() // runner.block_size,
+                    expert_bytes=experts, expert_share=share)

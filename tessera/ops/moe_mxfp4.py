@@ -86,6 +86,18 @@ class Mxfp4Experts(OpModule):
             self.w13_bias = make_param((e, 2 * local), target.dtype, target.device, loader=self._load)
             self.w2_bias = make_param((e, hidden_size), target.dtype, target.device)
 
+    @torch.no_grad()
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        """`--load-format dummy`: random codes, and scales of 2^-6 (weights within +-0.1,
+        as the dummy loader keeps float weights small); biases zero."""
+        for blocks, scales in self.stacks():
+            blocks.copy_(torch.randint(0, 256, blocks.shape, dtype=torch.uint8, generator=generator,
+                                       device=blocks.device))
+            scales.fill_(127 - 6)
+        for bias in (self.w13_bias, self.w2_bias):
+            if bias is not None:
+                bias.zero_()
+
     def stacks(self) -> tuple[Mxfp4Stack, Mxfp4Stack]:
         return (self.w13_blocks, self.w13_scales), (self.w2_blocks, self.w2_scales)
 

@@ -17,7 +17,8 @@ def test_weight_bytes_skip_a_lookup_only_embedding(make_tiny_llama, tied):
     folder, hf = make_tiny_llama(tie_word_embeddings=tied)
     with LLM(str(folder), dtype="float32", num_kv_blocks=16, show_progress=False) as llm:
         model = llm.engine.runner.model
-        counted = decode_weight_bytes(model)
+        counted, experts, _ = decode_weight_bytes(model)
+    assert experts == 0
     # transformers' parameters() lists a tied table once; an untied table is only looked up
     every = sum(p.numel() for p in hf.parameters()) * 4
     table = hf.model.embed_tokens.weight.numel() * 4
@@ -28,6 +29,24 @@ def test_step_floor_adds_the_kv_of_every_row():
     roof = Roofline(bandwidth_gbs=100.0, weight_bytes=10**9, kv_bytes_per_token=1000)
     assert roof.step_ms(1, 0) == pytest.approx(10.0)
     assert roof.step_ms(4, 500) == pytest.approx((10**9 + 4 * 500 * 1000) / 100e9 * 1e3)
+
+
+def test_routed_experts_count_only_for_the_tokens_routed_to_them(tmp_path, tiny_tokenizer_dir):
+    """Mixtral's tiny stacks (4 experts, top-2): a step of one token reads half of them, a
+    batch of B the expected share 1 - (1/2)^B; everything else is read once a step."""
+    from tests.models.test_moe_parity import make_tiny_moe
+
+    hf = make_tiny_moe(tmp_path, tiny_tokenizer_dir, "mixtral", num_local_experts=4, intermediate_size=96)
+    with LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, show_progress=False) as llm:
+        dense, experts, share = decode_weight_bytes(llm.engine.runner.model)
+    stacks = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n) * 4
+    assert (experts, share) == (stacks, 0.5)
+    table = hf.model.embed_tokens.weight.numel() * 4
+    assert dense == sum(p.numel() for p in hf.parameters()) * 4 - stacks - table
+    roof = Roofline(bandwidth_gbs=1.0, weight_bytes=dense, kv_bytes_per_token=0, expert_bytes=experts,
+                    expert_share=share)
+    assert roof.step_ms(1, 0) == pytest.approx((dense + experts / 2) / 1e6)
+    assert roof.step_ms(3, 0) == pytest.approx((dense + experts * 7 / 8) / 1e6)
 
 
 def test_copy_bandwidth_is_a_plausible_figure():

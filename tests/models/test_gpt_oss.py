@@ -171,29 +171,51 @@ def test_mxfp4_checkpoint(packed, tmp_path, tiny_tokenizer_dir, monkeypatch):
         chosen = {c.builder.name for c in selections() if c.spec.kind == "moe_experts" and c.spec.quant == "mxfp4"}
         assert chosen <= {"cpu_mxfp4_experts", "torch_mxfp4_experts"} and chosen
     check_prefill_and_decode_logits(llm, hf, "gpt_oss-mxfp4", monkeypatch)
+    if packed:  # bf16 inputs take the bf16 kernel on AVX512 CPUs
+        check_bf16_close(tmp_path / "mxfp4", hf)
     info = inspect_model(ModelConfig(model=str(tmp_path / "mxfp4"), dtype="float32"), load=False)
     assert (info["checkpoint_quantization"], info["checkpoint_packed"]) == ("mxfp4", packed)
     assert ("kept packed" if packed else "dequantized as it loads") in format_report(info)
 
 
-def test_bf16_runs_the_cpu_kernels_with_sinks(case: Case):
-    """bf16 through the CPU attention kernels (sinks in the C decode and prefill): the
-    logits of a 40-token prompt and its continuation stay within bf16 noise of transformers'
-    float32 ones, and the kernels chosen are the C ones."""
-    unavailable = paged_decode._KERNEL.check(None)
-    if unavailable:
-        pytest.skip("; ".join(unavailable))
-    llm = LLM(case.folder, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    chosen = {c.builder.name for c in selections() if c.spec.kind == "paged_attention" and c.spec.sinks
-              and c.spec.dtype == torch.bfloat16}
-    assert "cpu_paged_decode_bf16" in chosen
+def check_bf16_close(folder: Path, hf: torch.nn.Module) -> None:
+    """bf16 through the CPU kernels: the logprobs of a 40-token prompt and its continuation
+    stay within bf16 noise of transformers' float32 ones."""
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
     prompt = prompt_ids(40, seed=6)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     tokens = out.outputs[0].token_ids
-    want = hf_logits(case.hf, prompt + tokens).log_softmax(-1)
+    want = hf_logits(hf, prompt + tokens).log_softmax(-1)
     got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
     got += [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
-    targets = torch.tensor(prompt[1:] + tokens)
-    expected = want[:-1].gather(1, targets[:, None])[:, 0]
+    expected = want[:-1].gather(1, torch.tensor(prompt[1:] + tokens)[:, None])[:, 0]
     assert (torch.tensor(got) - expected).abs().max() < 0.15
+
+
+def test_bf16_runs_the_cpu_kernels_with_sinks(case: Case):
+    """The C decode and prefill kernels with sinks are the ones chosen, and agree."""
+    unavailable = paged_decode._KERNEL.check(None)
+    if unavailable:
+        pytest.skip("; ".join(unavailable))
+    check_bf16_close(case.folder, case.hf)
+    chosen = {c.builder.name for c in selections() if c.spec.kind == "paged_attention" and c.spec.sinks
+              and c.spec.dtype == torch.bfloat16}
+    assert "cpu_paged_decode_bf16" in chosen
+
+
+def test_dummy_weights_fill_packed_stacks_with_usable_values(tmp_path, tiny_tokenizer_dir):
+    """`--load-format dummy` (the gpt-oss-20b bench preset): packed stacks get random codes
+    and moderate scales, so the model runs at its real cost and stays finite."""
+    from tessera.ops.moe_mxfp4 import Mxfp4Experts
+
+    make_mxfp4_checkpoint(tmp_path / "mxfp4", tiny_tokenizer_dir)
+    llm = LLM(tmp_path / "mxfp4", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False,
+              load_format="dummy")
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts, Mxfp4Experts)
+    assert (experts.w13_scales == 121).all() and len(experts.w13_blocks.unique()) > 200
+    out = llm.generate([prompt_ids(20, seed=1)], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                               logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and all(torch.isfinite(torch.tensor(lp[t].logprob))
+                                           for t, lp in zip(out.token_ids, out.logprobs))

@@ -1,7 +1,9 @@
-"""MXFP4 expert stacks (gpt-oss's format) kept packed: the AVX2 kernel's projection against
-F.linear on the dequantized weight (every code, tiny and huge scales, 0 to 33 tokens, with
-and without a bias, bf16 in and out), the expert builder against the dequantizing
-reference, and the stacks' loader under tensor parallelism (whole blocks per rank)."""
+"""MXFP4 expert stacks (gpt-oss's format) kept packed: both kernels' projections (float32:
+mxfp4_linear_avx2.c; bf16 on AVX512: mxfp4_linear.c, with its exponent-added scales and its
+float32 path for rows with extreme scales) against the dequantized weight in float64
+(every code, tiny and huge scales, 0 to 33 tokens, odd block counts, with and without a
+bias), the expert builder against the dequantizing reference, and the stacks' loader under
+tensor parallelism (whole blocks per rank)."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +30,7 @@ def random_stack(*lead: int, groups: int, seed: int) -> tuple[torch.Tensor, torc
 
 @needs_kernel
 @pytest.mark.parametrize("tokens", [0, 1, 4, 33])
-@pytest.mark.parametrize("rows, groups", [(64, 2), (7, 3), (130, 90)])
+@pytest.mark.parametrize("rows, groups", [(64, 2), (7, 3), (130, 91)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_kernel_projection_matches_the_dequantized_weight(tokens, rows, groups, with_bias):
     blocks, scales = random_stack(rows, groups=groups, seed=rows + groups)
@@ -42,8 +44,34 @@ def test_kernel_projection_matches_the_dequantized_weight(tokens, rows, groups, 
     assert got.shape == (tokens, rows) and got.dtype == torch.float32
     scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
     torch.testing.assert_close(got.double(), want, atol=1e-5 * scale, rtol=1e-5)
-    half = cpu_moe_mxfp4.mxfp4_linear(x.bfloat16(), blocks, scales, bias)
+    # bf16 input: its own kernel on AVX512 CPUs (the float32 one elsewhere); float32 sums of
+    # exact products, rounded to bf16 at the end
+    x16 = x.bfloat16()
+    want16 = F.linear(x16.double(), dequantize_mxfp4(blocks, scales, torch.float64), None if bias is None else bias.double())
+    half = cpu_moe_mxfp4.mxfp4_linear(x16, blocks, scales, bias)
     assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), want16, atol=2e-5 * scale, rtol=2 ** -8)
+
+
+@needs_kernel
+@pytest.mark.skipif(bool(cpu_moe_mxfp4._BF16_KERNEL.check(None)), reason="no AVX512 kernel here")
+@pytest.mark.parametrize("low, high", [(118, 131), (0, 3), (250, 255)], ids=["typical", "tiny", "huge"])
+def test_bf16_kernel_scales_exactly_whatever_the_scale(low, high):
+    """Scales added to the weights' exponents where every result stays a normal bf16, else
+    applied to each block's float32 sums: float32 output within float32 summation error."""
+    rows, groups, tokens = 33, 5, 3
+    blocks, _ = random_stack(rows, groups=groups, seed=7)
+    scales = torch.randint(low, high, (rows, groups), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    scales[0] = 127  # one ordinary row among the extreme ones
+    x = torch.randn(tokens, groups * 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = torch.empty(tokens, rows)
+    assert cpu_moe_mxfp4._BF16_KERNEL(x.data_ptr(), blocks.data_ptr(), scales.data_ptr(), None, out.data_ptr(),
+                                      tokens, rows, groups, 2) == 0
+    want = F.linear(x.double(), dequantize_mxfp4(blocks, scales, torch.float64))
+    # each row against its own magnitude (rows' scales differ by up to 2^250)
+    err = (out.double() - want).abs() / want.abs().amax(dim=0, keepdim=True).clamp_min(1e-300)
+    assert torch.isfinite(out).all() or low > 200  # 2^125 x 6 x sums may overflow float32
+    assert (err[:, torch.isfinite(out).all(0)] < 1e-5).all(), err.max()
 
 
 @needs_kernel

@@ -75,6 +75,7 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         check_silu(config)
         self.gate = DeepseekRouter(config, target, v3)  # replicated: every rank routes
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.n_routed_experts
         self.experts = StackedExperts(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
                                       target)
         shared = config.moe_intermediate_size * (config.n_shared_experts or 0)

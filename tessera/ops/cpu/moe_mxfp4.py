@@ -1,6 +1,8 @@
-"""The MXFP4 expert builder for CPUs with AVX2 (mxfp4_linear_avx2.c): each expert's two
-projections read its packed blocks and widen them in registers, so decode streams a
-quarter of bf16's bytes; the activation between them runs in torch."""
+"""The MXFP4 expert builder for CPUs: each expert's two projections read its packed blocks
+and widen them in registers, so decode streams a quarter of bf16's bytes; the activation
+between them runs in torch. bf16 inputs on AVX512 CPUs take mxfp4_linear.c (bf16 pair dots
+of the decoded weights); float32 inputs, and CPUs with AVX2 only, mxfp4_linear_avx2.c
+(float32 throughout)."""
 from __future__ import annotations
 
 import ctypes
@@ -13,22 +15,24 @@ from tessera.ops.moe import run_grouped
 from tessera.ops.moe_mxfp4 import Mxfp4Stack
 from tessera.ops.registry import register_op
 
-_KERNEL = Kernel("mxfp4_linear_avx2.c", "tessera_mxfp4_linear",
-                 (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int)
+_ARGS = (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 3 + (ctypes.c_int,)
+_KERNEL = Kernel("mxfp4_linear_avx2.c", "tessera_mxfp4_linear", _ARGS, ctypes.c_int)
+_BF16_KERNEL = Kernel("mxfp4_linear.c", "tessera_mxfp4_linear_bf16", _ARGS, ctypes.c_int)
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, 32 G] @ W.T (+ bias) -> [T, rows] in x's dtype, W as blocks [rows, G, 16] and
-    scales [rows, G] (contiguous uint8); float32 inside."""
+    scales [rows, G] (contiguous uint8); float32 sums."""
     rows, groups = scales.shape
     if x.shape[-1] != groups * 32:
         raise ValueError(f"input has {x.shape[-1]} features; the MXFP4 weight takes {groups * 32}")
-    xf = x.float().contiguous()
+    kernel = _BF16_KERNEL if x.dtype == torch.bfloat16 and not _BF16_KERNEL.check(None) else _KERNEL
+    xs = (x if kernel is _BF16_KERNEL else x.float()).contiguous()
     b = None if bias is None else bias.float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    if x.shape[0] and _KERNEL(xf.data_ptr(), blocks.data_ptr(), scales.data_ptr(), None if b is None else b.data_ptr(),
-                              out.data_ptr(), x.shape[0], rows, groups, torch.get_num_threads()):
+    if x.shape[0] and kernel(xs.data_ptr(), blocks.data_ptr(), scales.data_ptr(), None if b is None else b.data_ptr(),
+                             out.data_ptr(), x.shape[0], rows, groups, torch.get_num_threads()):
         raise MemoryError("mxfp4_linear could not allocate its buffers")
     return out.to(x.dtype)
 

@@ -1,0 +1,133 @@
+/* y = x W^T (+ bias) for bf16 x and W in MXFP4 (gpt-oss's expert weights) on AVX512 CPUs;
+ * mxfp4_linear_avx2.c is the float32 build for other CPUs and float32 models.
+ *
+ * A block of 32 weights is 16 bytes of E2M1 codes (element 2j in the low nibble of byte j,
+ * 2j + 1 in the high) and a power-of-two scale. Its codes become 32 bf16 weights in
+ * registers with one vpermw over a 16-entry table (every E2M1 value is exact in bf16), in
+ * the order evens then odds, and its scale is added to their exponents (exact for all but
+ * extreme scales, which scale each block's float32 sums instead); x is split once per call
+ * into that order, so a block is one bf16 pair-dot (vdpbf16ps where the CPU has it:
+ * products exact, float32 sums) per token. A row's blocks are decoded once per tile of up to TOKENS tokens,
+ * whose accumulators stay in registers; rows are split over the threads. Built by build.py. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "simd_bf16.h"
+
+#define TOKENS 8
+
+/* 2^(s - 127): the float with exponent field s (s = 0: 2^-127, a subnormal). */
+static inline float e8m0(uint8_t s) {
+    union { uint32_t u; float f; } v;
+    v.u = s ? (uint32_t)s << 23 : 0x00400000u;
+    return v.f;
+}
+
+/* E2M1 code -> bf16 bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives. */
+static inline __m512i e2m1_table(void) {
+    return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                            (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000,
+                            (short)0xBFC0, (short)0xBF80, (short)0xBF00, (short)0x8000,
+                            0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0x0000);
+}
+
+/* One block's 16 bytes -> 32 bf16 weights, the even elements then the odd. */
+static inline __m512i decode32(const uint8_t *block, __m512i table) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)block), nibble = _mm_set1_epi8(0x0F);
+    const __m128i even = _mm_and_si128(raw, nibble), odd = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    const __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(even), odd, 1);
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+}
+
+/* x [tokens, 32 G] bf16 -> xs [tokens, G, 32]: each block's even elements, then its odd ones. */
+static void split_even_odd(const uint16_t *x, int64_t tokens, int64_t groups, uint16_t *xs) {
+    for (int64_t i = 0; i < tokens * groups; i++) {
+        const uint16_t *src = x + i * 32;
+        uint16_t *dst = xs + i * 32;
+        for (int j = 0; j < 16; j++) {
+            dst[j] = src[2 * j];
+            dst[16 + j] = src[2 * j + 1];
+        }
+    }
+}
+
+/* The block's power of two applied to its decoded weights: 2^(s - 127) added to each
+ * nonzero weight's exponent field (zeros stay zero). Exact while every result stays a
+ * normal bf16: for E2M1's exponents (126..129) that is s in [2, 252] (rows_scalable). */
+static inline __m512i scaled(__m512i w, uint8_t s) {
+    const __mmask32 nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
+    return _mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)(((int)s - 127) << 7)));
+}
+
+static inline int row_scalable(const uint8_t *scales, int64_t groups) {
+    for (int64_t g = 0; g < groups; g++)
+        if (scales[g] < 2 || scales[g] > 252) return 0;
+    return 1;
+}
+
+/* Row r against tokens [t0, t0 + n), n <= TOKENS (a constant after inlining). Blocks go in
+ * pairs into two accumulators per token, so that a token's sums are two dependency chains. */
+static inline __attribute__((always_inline)) void row_tile(
+        const uint8_t *blocks, const uint8_t *scales, const uint16_t *xs, int64_t groups, int64_t t0,
+        const int n, float bias, float *out, int64_t rows, int64_t r) {
+    const __m512i table = e2m1_table();
+    __m512 acc[2][TOKENS];
+    for (int t = 0; t < TOKENS; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+    if (row_scalable(scales, groups)) {
+        int64_t g = 0;
+        for (; g + 2 <= groups; g += 2) {
+            const __m512i w0 = scaled(decode32(blocks + g * 16, table), scales[g]);
+            const __m512i w1 = scaled(decode32(blocks + g * 16 + 16, table), scales[g + 1]);
+            for (int t = 0; t < n; t++) {
+                const uint16_t *xt = xs + ((t0 + t) * groups + g) * 32;
+                acc[0][t] = dot_bf16_pairs(acc[0][t], w0, _mm512_loadu_si512(xt));
+                acc[1][t] = dot_bf16_pairs(acc[1][t], w1, _mm512_loadu_si512(xt + 32));
+            }
+        }
+        if (g < groups) {
+            const __m512i w = scaled(decode32(blocks + g * 16, table), scales[g]);
+            for (int t = 0; t < n; t++)
+                acc[0][t] = dot_bf16_pairs(acc[0][t], w, _mm512_loadu_si512(xs + ((t0 + t) * groups + g) * 32));
+        }
+    } else {  /* extreme scales: each block's sums scaled in float32 */
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512i w = decode32(blocks + g * 16, table);
+            const __m512 scale = _mm512_set1_ps(e8m0(scales[g]));
+            for (int t = 0; t < n; t++) {
+                const __m512i xv = _mm512_loadu_si512(xs + ((t0 + t) * groups + g) * 32);
+                acc[g & 1][t] = _mm512_fmadd_ps(dot_bf16_pairs(_mm512_setzero_ps(), w, xv), scale, acc[g & 1][t]);
+            }
+        }
+    }
+    for (int t = 0; t < n; t++) out[(t0 + t) * rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t])) + bias;
+}
+
+/* x [tokens, 32 G] bf16; blocks [rows, G, 16], scales [rows, G] uint8; bias [rows] float32 or
+ * NULL; out [tokens, rows] float32. Returns 1 when a buffer cannot be allocated. */
+int tessera_mxfp4_linear_bf16(const uint16_t *x, const uint8_t *blocks, const uint8_t *scales, const float *bias,
+                              float *out, int64_t tokens, int64_t rows, int64_t groups, int threads) {
+    uint16_t *xs = malloc(sizeof(uint16_t) * (tokens * groups * 32 > 0 ? tokens * groups * 32 : 1));
+    if (!xs) return 1;
+    split_even_odd(x, tokens, groups, xs);
+#pragma omp parallel for num_threads(rows * groups >= 2048 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *b = blocks + r * groups * 16, *s = scales + r * groups;
+        const float bias_r = bias ? bias[r] : 0.0f;
+        int64_t t0 = 0;
+        for (; t0 + TOKENS <= tokens; t0 += TOKENS) row_tile(b, s, xs, groups, t0, TOKENS, bias_r, out, rows, r);
+        switch (tokens - t0) {  /* the last tile, by size so its loop unrolls */
+            case 7: row_tile(b, s, xs, groups, t0, 7, bias_r, out, rows, r); break;
+            case 6: row_tile(b, s, xs, groups, t0, 6, bias_r, out, rows, r); break;
+            case 5: row_tile(b, s, xs, groups, t0, 5, bias_r, out, rows, r); break;
+            case 4: row_tile(b, s, xs, groups, t0, 4, bias_r, out, rows, r); break;
+            case 3: row_tile(b, s, xs, groups, t0, 3, bias_r, out, rows, r); break;
+            case 2: row_tile(b, s, xs, groups, t0, 2, bias_r, out, rows, r); break;
+            case 1: row_tile(b, s, xs, groups, t0, 1, bias_r, out, rows, r); break;
+            default: break;
+        }
+    }
+    free(xs);
+    return 0;
+}
