@@ -113,7 +113,7 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         loaded = router.load_weights(model)
     build_s = time.perf_counter() - started
     attn = [m for m in model.modules() if isinstance(m, Attention)]
-    per_token = sum(2 * a.num_kv_heads * a.head_size * a.cache_dtype.itemsize for a in attn)
+    per_token = sum(a.cache_tensors * a.num_kv_heads * a.head_size * a.cache_dtype.itemsize for a in attn)
     heads = cfg.num_attention_heads
     return {
         "source": {"kind": router.source.kind, "path": str(router.source.path), "name": router.source.name},

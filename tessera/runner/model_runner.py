@@ -81,11 +81,12 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         elem = self.kv_cache_dtype.itemsize
-        per_token = sum(2 * a.num_kv_heads * a.head_size for a in self.attn_layers)
+        per_token = sum(a.cache_tensors * a.num_kv_heads * a.head_size for a in self.attn_layers)
         return per_token * self.block_size * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_size].
+        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_size] (one
+        tensor bound as both where the layer's values are its keys).
 
         Allocated uninitialised and zeroed block by block on first use: zeroing gigabytes
         up front costs seconds of start-up and commits memory nothing may ever use, but a
@@ -97,7 +98,8 @@ class ModelRunner:
             self.channel.send(Command.ALLOCATE_KV, num_blocks)
         for layer in self.attn_layers:
             shape = (num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            layer.kv_cache = (self._empty_cache(shape), self._empty_cache(shape))
+            keys = self._empty_cache(shape)
+            layer.kv_cache = (keys, keys if layer.value_is_key else self._empty_cache(shape))
         self.num_blocks = num_blocks
         self._zeroed_blocks = 0
         if self.graphs is not None:  # the graphs hold the old cache's pointers
@@ -113,7 +115,7 @@ class ModelRunner:
         if end <= self._zeroed_blocks:
             return
         for layer in self.attn_layers:
-            for cache in layer.kv_cache:  # as bytes: float8 has no fill kernel everywhere
+            for cache in layer.kv_cache[:layer.cache_tensors]:  # as bytes: float8 has no fill kernel everywhere
                 cache[self._zeroed_blocks:end].view(torch.uint8).zero_()
         self._zeroed_blocks = end
 

@@ -72,13 +72,18 @@ def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
 
 
 def test_latent_cache_and_layers(case: Case):
-    """One KV head of kv_lora_rank + qk_rope_head_dim per layer (what MLA caches), dense
-    layers first, routed experts after; the routers spread tokens over several experts."""
-    model = case.llm.engine.runner.model
+    """One KV head of kv_lora_rank + qk_rope_head_dim per layer (what MLA caches), held once
+    as both keys and values; dense layers first, routed experts after; the routers spread
+    tokens over several experts."""
+    runner = case.llm.engine.runner
+    model = runner.model
     first_dense = case.hf.config.first_k_dense_replace
+    assert runner.kv_bytes_per_block() == len(model.model.layers) * (32 + 8) * 4 * runner.block_size
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer.self_attn, MLAttention)
-        assert (layer.self_attn.attn.num_kv_heads, layer.self_attn.attn.head_size) == (1, 32 + 8)
+        attn = layer.self_attn.attn
+        assert (attn.num_kv_heads, attn.head_size) == (1, 32 + 8)
+        assert attn.kv_cache[0] is attn.kv_cache[1]
         assert isinstance(layer.mlp, DeepseekMoE) == (i >= first_dense)
     moe = model.model.layers[-1].mlp
     _, ids = moe.gate(torch.randn(64, 64))

@@ -8,8 +8,8 @@ q_nope_h, so q_nope_h . W_UK_h c = (W_UK_h^T q_nope_h) . c, and its value W_UV_h
 output W_UV_h (sum_t p_t c_t). Attention is then multi-query over [c, k_pe]: one KV head of
 kv_lora_rank + qk_rope_head_dim (576 in V2 / V3) that the paged cache stores, instead of
 every head's key and value (V3: 128 x (192 + 128) values a token), with the same kernels as
-every other model. The cached value is that same vector; its rotary part is dropped from the
-output. The softmax scale is 1 / sqrt(qk_nope + qk_rope) (times YaRN's mscale squared, as in
+every other model. The value is that same vector (the cache holds it once,
+`value_is_key`); its rotary part is dropped from the output. The softmax scale is 1 / sqrt(qk_nope + qk_rope) (times YaRN's mscale squared, as in
 transformers' yarn_apply_mscale).
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ class MLAttention(nn.Module):
                                         in_span=Span(span.start * self.v_dim, span.size * self.v_dim))
         interleaved = getattr(config, "rope_interleave", True) is not False  # V2's are always
         self.rotary = ApplyRotary(self.rope_dim, target, interleaved=interleaved)
-        self.attn = Attention(span.size, self.rank + self.rope_dim, 1, mla_scale(config), target)
+        self.attn = Attention(span.size, self.rank + self.rope_dim, 1, mla_scale(config), target, value_is_key=True)
 
     def _load_kv_b(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         rows = self.nope + self.v_dim

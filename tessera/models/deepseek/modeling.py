@@ -1,4 +1,4 @@
-"""DeepSeek-V2 and V3 (and their kind: DeepSeek-R1, Kimi K2, Moonlight): the Llama stack with
+"""DeepSeek-V2 and V3 (and DeepSeek-R1): the Llama stack with
 multi-head latent attention (mla.py) and, past the first `first_k_dense_replace` dense
 layers, a mixture of routed and shared experts (moe.py). Checkpoints' multi-token-prediction
 layers (V3's layer num_hidden_layers on) are skipped, as transformers skips them."""

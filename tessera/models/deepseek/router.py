@@ -3,7 +3,7 @@ from tessera.models.deepseek.modeling import DeepseekForCausalLM
 
 
 class DeepseekRouter(BaseRouter):
-    """DeepSeek-V2 / V2-Lite / V2.5 (deepseek_v2) and DeepSeek-V3 / R1, Kimi K2, Moonlight
+    """DeepSeek-V2 / V2-Lite / V2.5 (deepseek_v2) and DeepSeek-V3 / R1
     (deepseek_v3): multi-head latent attention over a latent cache, shared and routed experts."""
     model_types = ("deepseek_v2", "deepseek_v3")
     model_cls = DeepseekForCausalLM

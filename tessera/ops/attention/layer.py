@@ -13,11 +13,13 @@ from tessera.ops.registry import OpTarget, get_op
 class Attention(OpModule):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  target: OpTarget, sliding_window: int | None = None,
-                 softcap: float | None = None, sinks: bool = False):
+                 softcap: float | None = None, sinks: bool = False, value_is_key: bool = False):
         """sliding_window: the query at position p sees keys in (p - window, p] (None: all).
         softcap: attention scores become softcap * tanh(scores / softcap) (gemma2).
         sinks: every forward passes a learned logit per query head that joins each softmax's
-        denominator and adds no value (gpt-oss), so a head may attend to nothing."""
+        denominator and adds no value (gpt-oss), so a head may attend to nothing.
+        value_is_key: every forward's values are its keys (MLA's latent): the runner binds one
+        cache tensor as both, half the memory."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -26,6 +28,8 @@ class Attention(OpModule):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.scale = scale
         self.sliding_window, self.softcap, self.has_sinks = sliding_window, softcap, sinks
+        self.value_is_key = value_is_key
+        self.cache_tensors = 1 if value_is_key else 2  # what a cached token takes: K (and V)
         # The spec states which features are needed, so a kernel without them is rejected.
         # The cache keeps every token; freeing blocks that left the window is not done yet.
         features = dict(head_size=head_size, sliding_window=sliding_window is not None,
@@ -49,6 +53,8 @@ class Attention(OpModule):
             raise RuntimeError("KV cache not bound; the model runner binds it before the first step")
         if (sinks is not None) != self.has_sinks:
             raise ValueError("attention sinks must be passed exactly when the layer was built with sinks=True")
+        if self.value_is_key and v is not k:
+            raise ValueError("a value_is_key layer caches its keys as its values: pass the keys as v")
         meta = current_metadata()
         k_cache, v_cache = self.kv_cache
         q = q.view(-1, self.num_heads, self.head_size)

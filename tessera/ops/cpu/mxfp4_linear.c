@@ -7,7 +7,7 @@
  * the order evens then odds, and its scale is added to their exponents (exact for all but
  * extreme scales, which scale each block's float32 sums instead); x is split once per call
  * into that order, so a block is one bf16 pair-dot (vdpbf16ps where the CPU has it:
- * products exact, float32 sums) per token. A row's blocks are decoded once per tile of up to TOKENS tokens,
+ * products exact, float32 sums) per token, spread over 2-4 accumulators. A row's blocks are decoded once per tile of up to TOKENS tokens,
  * whose accumulators stay in registers; rows are split over the threads. Built by build.py. */
 #include <immintrin.h>
 #include <omp.h>
@@ -67,26 +67,29 @@ static inline int row_scalable(const uint8_t *scales, int64_t groups) {
     return 1;
 }
 
-/* Row r against tokens [t0, t0 + n), n <= TOKENS (a constant after inlining). Blocks go in
- * pairs into two accumulators per token, so that a token's sums are two dependency chains. */
+/* Row r against tokens [t0, t0 + n), n <= TOKENS; `chains` accumulators per token take the
+ * blocks in turn, so a token's sums are that many independent dependency chains (4 for one
+ * or two tokens, whose few chains would otherwise wait on each pair-dot's latency; 2 for
+ * more, whose accumulators fill the registers). Both are constants after inlining. */
 static inline __attribute__((always_inline)) void row_tile(
         const uint8_t *blocks, const uint8_t *scales, const uint16_t *xs, int64_t groups, int64_t t0,
-        const int n, float bias, float *out, int64_t rows, int64_t r) {
+        const int n, const int chains, float bias, float *out, int64_t rows, int64_t r) {
     const __m512i table = e2m1_table();
-    __m512 acc[2][TOKENS];
-    for (int t = 0; t < TOKENS; t++) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+    __m512 acc[4][TOKENS];
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < TOKENS; t++) acc[c][t] = _mm512_setzero_ps();
     if (row_scalable(scales, groups)) {
         int64_t g = 0;
-        for (; g + 2 <= groups; g += 2) {
-            const __m512i w0 = scaled(decode32(blocks + g * 16, table), scales[g]);
-            const __m512i w1 = scaled(decode32(blocks + g * 16 + 16, table), scales[g + 1]);
+        for (; g + chains <= groups; g += chains) {
+            __m512i w[4];
+            for (int c = 0; c < chains; c++) w[c] = scaled(decode32(blocks + (g + c) * 16, table), scales[g + c]);
             for (int t = 0; t < n; t++) {
                 const uint16_t *xt = xs + ((t0 + t) * groups + g) * 32;
-                acc[0][t] = dot_bf16_pairs(acc[0][t], w0, _mm512_loadu_si512(xt));
-                acc[1][t] = dot_bf16_pairs(acc[1][t], w1, _mm512_loadu_si512(xt + 32));
+                for (int c = 0; c < chains; c++)
+                    acc[c][t] = dot_bf16_pairs(acc[c][t], w[c], _mm512_loadu_si512(xt + c * 32));
             }
         }
-        if (g < groups) {
+        for (; g < groups; g++) {
             const __m512i w = scaled(decode32(blocks + g * 16, table), scales[g]);
             for (int t = 0; t < n; t++)
                 acc[0][t] = dot_bf16_pairs(acc[0][t], w, _mm512_loadu_si512(xs + ((t0 + t) * groups + g) * 32));
@@ -97,11 +100,15 @@ static inline __attribute__((always_inline)) void row_tile(
             const __m512 scale = _mm512_set1_ps(e8m0(scales[g]));
             for (int t = 0; t < n; t++) {
                 const __m512i xv = _mm512_loadu_si512(xs + ((t0 + t) * groups + g) * 32);
-                acc[g & 1][t] = _mm512_fmadd_ps(dot_bf16_pairs(_mm512_setzero_ps(), w, xv), scale, acc[g & 1][t]);
+                acc[0][t] = _mm512_fmadd_ps(dot_bf16_pairs(_mm512_setzero_ps(), w, xv), scale, acc[0][t]);
             }
         }
     }
-    for (int t = 0; t < n; t++) out[(t0 + t) * rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t])) + bias;
+    for (int t = 0; t < n; t++) {
+        __m512 sum = acc[0][t];
+        for (int c = 1; c < chains; c++) sum = _mm512_add_ps(sum, acc[c][t]);
+        out[(t0 + t) * rows + r] = _mm512_reduce_add_ps(sum) + bias;
+    }
 }
 
 /* x [tokens, 32 G] bf16; blocks [rows, G, 16], scales [rows, G] uint8; bias [rows] float32 or
@@ -116,15 +123,15 @@ int tessera_mxfp4_linear_bf16(const uint16_t *x, const uint8_t *blocks, const ui
         const uint8_t *b = blocks + r * groups * 16, *s = scales + r * groups;
         const float bias_r = bias ? bias[r] : 0.0f;
         int64_t t0 = 0;
-        for (; t0 + TOKENS <= tokens; t0 += TOKENS) row_tile(b, s, xs, groups, t0, TOKENS, bias_r, out, rows, r);
+        for (; t0 + TOKENS <= tokens; t0 += TOKENS) row_tile(b, s, xs, groups, t0, TOKENS, 2, bias_r, out, rows, r);
         switch (tokens - t0) {  /* the last tile, by size so its loop unrolls */
-            case 7: row_tile(b, s, xs, groups, t0, 7, bias_r, out, rows, r); break;
-            case 6: row_tile(b, s, xs, groups, t0, 6, bias_r, out, rows, r); break;
-            case 5: row_tile(b, s, xs, groups, t0, 5, bias_r, out, rows, r); break;
-            case 4: row_tile(b, s, xs, groups, t0, 4, bias_r, out, rows, r); break;
-            case 3: row_tile(b, s, xs, groups, t0, 3, bias_r, out, rows, r); break;
-            case 2: row_tile(b, s, xs, groups, t0, 2, bias_r, out, rows, r); break;
-            case 1: row_tile(b, s, xs, groups, t0, 1, bias_r, out, rows, r); break;
+            case 7: row_tile(b, s, xs, groups, t0, 7, 2, bias_r, out, rows, r); break;
+            case 6: row_tile(b, s, xs, groups, t0, 6, 2, bias_r, out, rows, r); break;
+            case 5: row_tile(b, s, xs, groups, t0, 5, 2, bias_r, out, rows, r); break;
+            case 4: row_tile(b, s, xs, groups, t0, 4, 2, bias_r, out, rows, r); break;
+            case 3: row_tile(b, s, xs, groups, t0, 3, 2, bias_r, out, rows, r); break;
+            case 2: row_tile(b, s, xs, groups, t0, 2, 4, bias_r, out, rows, r); break;
+            case 1: row_tile(b, s, xs, groups, t0, 1, 4, bias_r, out, rows, r); break;
             default: break;
         }
     }
