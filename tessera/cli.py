@@ -16,6 +16,9 @@ from tessera.platform import resolve_device
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "deepseek_v3", "deepseek_v31")
 # tessera/server/reasoning.py's REASONING_PARSERS (likewise)
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+# tool-call parsers that read what a reasoning parser writes into the content: gpt-oss's
+# calls are harmony messages, which only --reasoning-parser openai_gptoss turns into calls' text
+TOOL_PARSER_NEEDS = {"openai": "openai_gptoss"}
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -281,6 +284,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tessera.server.serve import run_server
     from tessera.weights.source import resolve_model_source
 
+    needed = TOOL_PARSER_NEEDS.get(args.tool_call_parser)
+    if needed is not None and args.reasoning_parser != needed:
+        raise SystemExit(f"--tool-call-parser {args.tool_call_parser} reads the calls --reasoning-parser "
+                         f"{needed} writes into the answer: start the server with both")
     name = args.served_model_name or resolve_model_source(args.model).name
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY")
     if args.lora_adapters is None:  # TGI's launcher variable, for the server only

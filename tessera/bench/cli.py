@@ -320,7 +320,9 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
         experts = (f" + {roofline.expert_share:.0%} per token of {roofline.expert_bytes / 1e9:.3f} GB of routed experts"
                    if roofline.expert_bytes else "")
         print(f"roofline: {roofline.weight_bytes / 1e9:.3f} GB of weights{experts} + "
-              f"{roofline.kv_bytes_per_token / 1e3:.1f} kB of KV per cached token per step, over "
+              f"{roofline.kv_bytes_per_token / 1e3:.1f} kB of KV per cached token per step"
+              + "".join(f" + {b / 1e3:.1f} kB per token of the last {w}" for w, b in roofline.windowed_kv)
+              + ", over "
               f"{roofline.bandwidth_gbs:.1f} GB/s (copy bandwidth of {engine.runner.device})")
     if args.output_json:
         write_json(Path(args.output_json), meta, rows)

@@ -4,7 +4,8 @@ memory's bandwidth. `tessera bench latency` prints each TPOT beside that floor.
 
 A mixture of experts reads only the experts its tokens are routed to: one token top_k of
 num_experts per layer; a batch of B tokens, routed independently and uniformly, the
-expected share 1 - (1 - top_k / num_experts)^B of them.
+expected share 1 - (1 - top_k / num_experts)^B of them. A sliding-window layer reads at most
+its window of each sequence's cached tokens.
 
 Bandwidth is measured as NVIDIA's bandwidthTest does for device-to-device copies: a 1 GiB
 copy, (read + written) bytes over the time. On a CPU the same copy also pays for
@@ -27,15 +28,18 @@ from tessera.ops.embedding import LMHead, VocabEmbedding
 class Roofline:
     bandwidth_gbs: float       # measured copy bandwidth, GB/s (1e9 bytes)
     weight_bytes: int          # read once per decode step (routed experts not included)
-    kv_bytes_per_token: int    # K and V of one cached token, all layers
+    kv_bytes_per_token: int    # K and V of one cached token, the layers without a window
     expert_bytes: int = 0      # every routed expert's weights, all layers
     expert_share: float = 0.0  # of them one token reads (top_k / num_experts)
+    # (window, K and V bytes of one cached token in the layers with that window)
+    windowed_kv: tuple[tuple[int, int], ...] = ()
 
     def step_ms(self, batch: int, mean_context: float) -> float:
         """The fastest a decode step of `batch` rows, each attending to `mean_context`
         cached tokens on average, can be: its bytes over the bandwidth."""
         experts = self.expert_bytes * (1 - (1 - self.expert_share) ** batch)
-        total = self.weight_bytes + experts + batch * mean_context * self.kv_bytes_per_token
+        kv = mean_context * self.kv_bytes_per_token + sum(min(mean_context, w) * b for w, b in self.windowed_kv)
+        total = self.weight_bytes + experts + batch * kv
         return total / (self.bandwidth_gbs * 1e9) * 1e3
 
 
@@ -94,6 +98,12 @@ def engine_roofline(engine) -> Roofline:
     """The roofline of `engine`'s model and KV cache on its device."""
     runner = engine.runner
     dense, experts, share = decode_weight_bytes(runner.model)
-    return Roofline(bandwidth_gbs=copy_bandwidth_gbs(runner.device), weight_bytes=dense,
-                    kv_bytes_per_token=runner.kv_bytes_per_block() // runner.block_size,
-                    expert_bytes=experts, expert_share=share)
+    full, windowed = 0, {}
+    for layer in runner.attn_layers:
+        per_token = layer.cache_tensors * layer.num_kv_heads * layer.head_size * runner.kv_cache_dtype.itemsize
+        if layer.sliding_window is None:
+            full += per_token
+        else:
+            windowed[layer.sliding_window] = windowed.get(layer.sliding_window, 0) + per_token
+    return Roofline(bandwidth_gbs=copy_bandwidth_gbs(runner.device), weight_bytes=dense, kv_bytes_per_token=full,
+                    expert_bytes=experts, expert_share=share, windowed_kv=tuple(sorted(windowed.items())))

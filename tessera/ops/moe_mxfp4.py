@@ -9,8 +9,8 @@ step: the oracle of the kernels (tessera/ops/cpu/moe_mxfp4.py), not fast. No bui
 CUDA yet, so there a model loads the experts dequantized (`keeps_mxfp4_experts`).
 
 Tensor parallelism splits each expert's intermediate features: whole w13 rows, and whole
-blocks of w2's input features, so a rank's span must be a multiple of 32 (gpt-oss's 2880
-splits so over 2, 3, 5 or 9 ranks).
+blocks of w2's input features, so each rank's span must be a multiple of 32: gpt-oss's 2880
+(90 blocks) splits over 2, 3, 5, 6, 9, 10, ... ranks, not over 4 or 8, which are refused.
 """
 from __future__ import annotations
 

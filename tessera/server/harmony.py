@@ -26,6 +26,9 @@ import re
 MESSAGE, START = "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 CALL_OPEN, CALL_END = f"{START}assistant to=", "<|call|>"
+# how a reply's first header may begin (the prompt ends by opening the assistant's message;
+# the recipient may come before the channel)
+HEADER_STARTS = ("<|channel|>", "<|constrain|>", "<|message|>", START, "to=")
 _CHANNEL = re.compile(r"<\|channel\|>\s*([\w.-]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 
@@ -64,10 +67,13 @@ class HarmonyStream:
                     if not body:
                         self.held = held
                         break
-                    self.started = True
-                    if not body.startswith("<"):  # no markup: the reply is content as written
-                        self.phase = "plain"
+                    if not any(body.startswith(m) for m in HEADER_STARTS):
+                        if not final and any(m.startswith(body) for m in HEADER_STARTS):
+                            self.held = held  # may still become a header: wait
+                            break
+                        self.phase = "plain"  # no markup: the reply is content as written
                         continue
+                    self.started = True
                 at = held.find(MESSAGE)
                 if at < 0:
                     if final:  # a header never finished (cut): nothing of it is for the client

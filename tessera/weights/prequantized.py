@@ -115,7 +115,8 @@ class CheckpointQuantization:
         if self.method == "awq":
             return _awq_weight(parts, self.group_size)
         if self.method == "mxfp4":  # [E, out, in] stored; transformers' expert modules hold [E, in, out]
-            return dequantize_mxfp4(parts["blocks"], parts["scales"]).transpose(-1, -2)
+            # bf16 holds every E2M1 value times any power of two exactly: half float32's memory
+            return dequantize_mxfp4(parts["blocks"], parts["scales"], torch.bfloat16).transpose(-1, -2)
         raise QuantizedCheckpointError(f"no dequantizer for {self.method!r}")
 
     @cached_property

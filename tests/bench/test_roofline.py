@@ -49,6 +49,12 @@ def test_routed_experts_count_only_for_the_tokens_routed_to_them(tmp_path, tiny_
     assert roof.step_ms(3, 0) == pytest.approx((dense + experts * 7 / 8) / 1e6)
 
 
+def test_windowed_layers_read_at_most_their_window():
+    roof = Roofline(bandwidth_gbs=1.0, weight_bytes=0, kv_bytes_per_token=100, windowed_kv=((8, 50),))
+    assert roof.step_ms(2, 4) == pytest.approx(2 * (4 * 100 + 4 * 50) / 1e6)
+    assert roof.step_ms(2, 1000) == pytest.approx(2 * (1000 * 100 + 8 * 50) / 1e6)
+
+
 def test_copy_bandwidth_is_a_plausible_figure():
     gbs = copy_bandwidth_gbs(torch.device("cpu"), size_bytes=64 << 20, repeats=3)
     assert 0.1 < gbs < 10_000

@@ -188,6 +188,32 @@ def check_attention_sinks(device: str) -> None:
             assert err < 1e-4, ("prefill sinks", window, err)
 
 
+def check_wide_heads_of_large_groups(device: str) -> None:
+    """MLA's shape: many query heads over one KV head wider than 256, so a group takes
+    several programs (query_heads_per_program) and prefill the narrowest tiles; decode
+    merged from partitions and not, prefill over cached context."""
+    for partition_size in (16, None):
+        case = make_case([(37, 1), (1, 1), (20, 1), (40, 24)], block_size=16, num_heads=36, num_kv_heads=1,
+                         head_size=320, seed=5)
+        kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+        nd = case.meta.num_decodes
+        want_decode = paged_decode_ref(case.query[:nd], case.k_cache, case.v_cache, case.meta, case.scale)
+        want_prefill = paged_prefill_ref(case.query[nd:], case.key[nd:], case.value[nd:], case.k_cache,
+                                         case.v_cache, case.meta, case.scale)
+        meta = case.meta
+        for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc"):
+            setattr(meta, name, getattr(meta, name).to(device))
+        k_cache, v_cache = case.k_cache.to(device), case.v_cache.to(device)
+        got = triton_paged_decode(case.query[:nd].to(device), k_cache, v_cache, meta, case.scale,
+                                  partition_size=partition_size)
+        err = (got.cpu() - want_decode).abs().max().item()
+        assert err < 1e-4, ("wide decode", partition_size, err)
+        got = triton_paged_prefill(case.query[nd:].to(device), case.key[nd:].to(device), case.value[nd:].to(device),
+                                   k_cache, v_cache, meta, case.scale)
+        err = (got.cpu() - want_prefill).abs().max().item()
+        assert err < 1e-4, ("wide prefill", err)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """float32: equal up to float32 rounding. bf16: within a bf16 step of the torch op on a
     GPU (each rounding matches torch's, to nearest even; float32 math may differ in the last
@@ -443,6 +469,7 @@ if __name__ == "__main__":
     check_paged_prefill(dev)
     check_paged_prefill_key_limits(dev)
     check_attention_sinks(dev)
+    check_wide_heads_of_large_groups(dev)
     check_pointwise(dev)
     check_bf16_rounding(dev)
     check_skinny_linear(dev)

@@ -37,6 +37,7 @@ class Shape:
     intermediate: int
     softcap: float | None = None
     window: int | None = None
+    sinks: bool = False
 
 
 SHAPES = (
@@ -46,6 +47,10 @@ SHAPES = (
     Shape("phi-3-mini", 32, 32, 96, 3072, 8192),
     Shape("gemma-2-9b", 16, 8, 256, 3584, 14336, softcap=50.0, window=4096),
     Shape("mqa-64", 64, 1, 128, 8192, 28672),
+    # gpt-oss-20b: attention sinks, a 128-token window; DeepSeek-V3's MLA: 128 query heads over
+    # one 576-wide latent KV head (its split over programs, its narrow prefill tiles)
+    Shape("gpt-oss-20b", 64, 8, 64, 2880, 2880, window=128, sinks=True),
+    Shape("deepseek-v3-mla", 128, 1, 576, 7168, 2048),
 )
 
 
@@ -154,6 +159,7 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 qkv = torch.zeros((2, (h + 2 * hk) * d), dtype=dtype)
                 cos_sin = torch.zeros((2, 1, 2 * d), dtype=dtype)
                 rotary.triton_rotary(qkv[:, :h * d], qkv[:, h * d:(h + hk) * d], cos_sin[..., :d], cos_sin[..., d:], d)
+                sinks = torch.zeros(h) if shape.sinks else None
                 k_cache = torch.zeros((4, block_size, hk, d), dtype=kv_dtype or dtype)
                 v_cache = torch.zeros_like(k_cache)
                 rows = torch.zeros((3, hk, d), dtype=dtype)
@@ -162,11 +168,11 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                     meta = _meta(batch, [length] * batch, [1] * batch, block_size)
                     paged_decode.triton_paged_decode(torch.zeros((batch, h, d), dtype=dtype), k_cache,
                                                      v_cache, meta, d ** -0.5, shape.window, shape.softcap,
-                                                     hardware_fp8=hardware_fp8)
+                                                     sinks, hardware_fp8=hardware_fp8)
                 meta = _meta(1, [300, 1000], [1, 512], block_size)
                 paged_prefill.triton_paged_prefill(torch.zeros((512, h, d), dtype=dtype), None, None, k_cache,
                                                    v_cache, meta, d ** -0.5, shape.window, shape.softcap,
-                                                   hardware_fp8=hardware_fp8)
+                                                   sinks, hardware_fp8=hardware_fp8)
     finally:
         for module, original in zip(single, originals):
             module._kernel = original

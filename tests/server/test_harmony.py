@@ -35,6 +35,8 @@ FINAL = "<|start|>assistant<|channel|>final<|message|>It is noon in London.<|ret
     # commentary for the user is content; a header cut short is nothing
     ("<|channel|>commentary<|message|>Checking. <|end|><|start|>assistant<|channel|>fin", (None, "Checking. ")),
     ('{"a": 1}', (None, '{"a": 1}')),  # no markup (a constrained output): content as written
+    ("<b>Hi</b> there", (None, "<b>Hi</b> there")),  # "<" alone is no header
+    ("<|chan", (None, "<|chan")),  # cut before a header was whole: markup it never became
     ("", (None, None)),
 ])
 def test_split(text, expected):
@@ -51,12 +53,16 @@ def test_calls_are_written_for_the_openai_parser():
                                             ("get_weather", '{"city": "Oslo", "metric": true}')])
     preamble = split_harmony("<|channel|>commentary<|message|>Let me check.<|end|>" + CALL)[1]
     assert parser.parse(preamble)[0] == "Let me check."
+    assert parser.parse(split_harmony(RECIPIENT_FIRST)[1]) == (None, [("get_time", '{"zone": "UTC"}')])
     broken = split_harmony(CALL.replace('{"zone": "UTC"}', '{"zone": '))[1]
     assert parser.parse(broken) == (broken, None)  # a call cut mid-arguments: all content
 
 
+# the recipient may also open the reply, before any channel
+RECIPIENT_FIRST = 'to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}'
 REPLIES = [ANALYSIS + FINAL, ANALYSIS + CALL + CALL_FIRST, "<|channel|>analysis<|message|>a<b <|c|> d",
-           "  plain text < not markup", "<|channel|>commentary<|message|>Checking.<|end|>" + CALL]
+           "  plain text < not markup", "<|channel|>commentary<|message|>Checking.<|end|>" + CALL,
+           "<b>Hi</b> there", RECIPIENT_FIRST]
 
 
 @settings(max_examples=150, deadline=None)
@@ -166,3 +172,12 @@ def test_reasoning_effort_reaches_the_template(harmony_server):
     bad = httpx.post(harmony_server.url + "/v1/chat/completions", timeout=60,
                      json={"model": MODEL_NAME, "messages": CHAT, "reasoning_effort": "extreme"})
     assert bad.status_code == 400 and "reasoning_effort" in bad.text
+
+
+def test_the_openai_tool_parser_needs_the_harmony_reasoning_parser():
+    """Without openai_gptoss the calls would stay harmony messages in the answer: refused at
+    start-up, before any model loads."""
+    from tessera.cli import main
+
+    with pytest.raises(SystemExit, match="start the server with both"):
+        main(["serve", "--model", "/nonexistent", "--tool-call-parser", "openai"])

@@ -58,7 +58,7 @@ static void split_even_odd(const uint16_t *x, int64_t tokens, int64_t groups, ui
  * normal bf16: for E2M1's exponents (126..129) that is s in [2, 252] (rows_scalable). */
 static inline __m512i scaled(__m512i w, uint8_t s) {
     const __mmask32 nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
-    return _mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)(((int)s - 127) << 7)));
+    return _mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)(((int)s - 127) * 128)));
 }
 
 static inline int row_scalable(const uint8_t *scales, int64_t groups) {

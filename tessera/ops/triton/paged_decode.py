@@ -14,7 +14,9 @@ and the merge reads only the live ones: a captured graph's grid covers max_model
 replay most of its partitions are such.
 
 Partitions shrink (down to one tile) while the grid would leave the GPU's SMs idle: batch-1
-decode over a long context still spreads over many programs.
+decode over a long context still spreads over many programs. A group of query heads wider
+than one tile allows (MLA's 576-wide latent heads) is split over several programs, each
+reading the group's K/V.
 
 An 8-bit float cache (kv_quant.py, KV_FORMAT 1 e4m3fn / 2 e5m2) is passed as bytes and
 widened in-kernel to the query's dtype (tessera/ops/triton/fp8.py; by the GPU's own fp8
@@ -53,12 +55,13 @@ def _kernels():
     @triton.jit(do_not_specialize=["table_width", "num_partitions", "partition"])
     def partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
                        m_ptr, l_ptr, acc_ptr, scale, softcap, window,
-                       num_heads, num_kv_heads, head_size, table_width, num_partitions, partition,
+                       num_heads, num_kv_heads, head_size, table_width, num_partitions, partition, head_chunks,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                        KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
         seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(1) // head_chunks  # a group wider than BLOCK_G takes several programs
+        chunk = tl.program_id(1) % head_chunks
         part = tl.program_id(2)
         length = tl.load(lens_ptr + seq)
         first = tl.maximum(length - window, 0)  # window: the host passes a huge one for "none"
@@ -68,7 +71,7 @@ def _kernels():
         # a captured graph's grid covers max_model_len, so most of its partitions are these.
         if start < end:
             group = num_heads // num_kv_heads
-            g = tl.arange(0, BLOCK_G)
+            g = chunk * BLOCK_G + tl.arange(0, BLOCK_G)
             g_mask = g < group
             heads = kv_head * group + g
             d = tl.arange(0, BLOCK_D)
@@ -192,6 +195,15 @@ def key_tile(head_size: int, dtype: torch.dtype) -> int:
     return tile
 
 
+def query_heads_per_program(group: int, block_d: int) -> int:
+    """The rows of a program's [heads, tokens] score tile: the whole GQA group (at least 16,
+    tl.dot's minimum), but no more than 16 where the head is wider than 256 (MLA's 576-wide
+    latent for 16-128 query heads): the query tile would not fit in shared memory beside
+    the key and value tiles, so such a group is split over several programs."""
+    block_g = _next_power_of_2(max(group, 16))
+    return min(block_g, 16) if block_d > 256 else block_g
+
+
 def choose_partition(batch: int, num_kv_heads: int, max_len: int, largest: int = PARTITION_SIZE) -> int:
     """Tokens per program: `largest`, halved (not below one tile) while the grid would have
     fewer than MIN_PROGRAMS programs. A pure function of the host-side shape, so a captured
@@ -243,14 +255,18 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     partial_kernel, merge_kernel = _kernels()
     block_d = _next_power_of_2(max(head_size, 16))  # tl.dot needs 16 at least on each side
     group = num_heads // num_kv_heads
+    block_g = query_heads_per_program(group, block_d)
+    head_chunks = -(-group // block_g)
     window = sliding_window or NO_WINDOW
-    partial_kernel[(b, num_kv_heads, num_partitions)](
+    partial_kernel[(b, num_kv_heads * head_chunks, num_partitions)](
         q, k_cache, v_cache, tables, lens, m, l, acc, scale, softcap or 1.0, window,
-        num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions, partition_size,
-        BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_next_power_of_2(max(group, 16)),
+        num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions, partition_size, head_chunks,
+        BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=block_g,
         TILE=min(key_tile(head_size, held), partition_size),
-        USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8)
+        USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8,
+        num_warps=8 if block_d > 256 else 4)  # a 1024-wide accumulator over 4 warps would spill
     merge_kernel[(b, num_heads)](m, l, acc, out, lens, m if sinks is None else sinks, window, num_heads,
                                  head_size, num_partitions, partition_size, BLOCK_D=block_d,
-                                 BLOCK_P=MERGE_CHUNK, USE_SINKS=sinks is not None)
+                                 # as many partition rows as 32 of 256 wide (no spills)
+                                 BLOCK_P=max(1, MERGE_CHUNK * 256 // max(block_d, 256)), USE_SINKS=sinks is not None)
     return out

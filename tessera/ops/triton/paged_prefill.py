@@ -31,7 +31,9 @@ def prefill_tiles(head_size: int, dtype: torch.dtype) -> tuple[int, int]:
     row_bytes = head_size * dtype.itemsize * (2 if dtype == torch.float32 else 1)
     if row_bytes <= 256:
         return 64, 64
-    return (32, 32) if row_bytes <= 512 else (16, 32)
+    if row_bytes <= 512:
+        return 32, 32
+    return (16, 32) if row_bytes <= 1024 else (16, 16)  # > 1024: MLA's 576-wide latent heads
 
 
 @lru_cache(maxsize=None)
@@ -146,5 +148,6 @@ def triton_paged_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         sliding_window or NO_WINDOW, num_heads, num_kv_heads, head_size, meta.block_tables.shape[1],
         BLOCK_SIZE=block_size, BLOCK_D=_next_power_of_2(max(head_size, 16)), BLOCK_M=block_m,
         TILE=tile, USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(query.dtype),
-        KV_FORMAT=fmt, HW_FP8=hw_fp8, HAS_LIMITS=limits is not None, USE_SINKS=sinks is not None)
+        KV_FORMAT=fmt, HW_FP8=hw_fp8, HAS_LIMITS=limits is not None, USE_SINKS=sinks is not None,
+        num_warps=8 if head_size > 256 else 4)  # a 1024-wide accumulator over 4 warps would spill
     return out
