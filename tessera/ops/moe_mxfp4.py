@@ -5,8 +5,10 @@
 [E, rows, G] (uint8; rows are output features, 32 G the input features), w13 with the
 gate rows then the up rows. The `moe_experts` op with quant "mxfp4" takes each stack as a
 (blocks, scales) pair. This reference builder dequantizes every expert a step uses, each
-step: the oracle of the kernels (tessera/ops/cpu/moe_mxfp4.py), not fast. No builder serves
-CUDA yet, so there a model loads the experts dequantized (`keeps_mxfp4_experts`).
+step: the oracle of the kernels (tessera/ops/cpu/moe_mxfp4.py; on CUDA, with bf16 or fp16
+models, tessera/ops/triton/mxfp4_linear.py), not fast. Where no builder serves a target
+(float32 on CUDA, a GPU without Triton), a model loads the experts dequantized
+(`keeps_mxfp4_experts`).
 
 Tensor parallelism splits each expert's intermediate features: whole w13 rows, and whole
 blocks of w2's input features, so each rank's span must be a multiple of 32: gpt-oss's 2880

@@ -60,3 +60,30 @@ def test_bfloat16_on_the_gpu_is_close_to_transformers(name, make_tiny_llama, mon
     reference = hf_logits(hf16, prompt + tokens)
     assert_rows_match(rec.for_request(out.request_id), reference, BF16_ATOL, f"{name} bf16 cuda")
     assert tokens[:BF16_EXACT_TOKENS] == hf_generate(hf16, prompt, BF16_EXACT_TOKENS)
+
+
+def test_gpt_oss_and_deepseek_on_the_gpu_match_transformers(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """The new kernels' paths on a GPU: gpt-oss's attention sinks through the Triton
+    attention in float32, its MXFP4 experts kept packed through the Triton MXFP4 linear in
+    bf16 (near the float32 reference), and DeepSeek-V3's MLA (a 40-wide latent KV head for
+    four query heads) in float32."""
+    from tests.models.test_deepseek import CASES as DEEPSEEK
+    from tests.models.test_deepseek import make_tiny_deepseek
+    from tests.models.test_gpt_oss import make_mxfp4_checkpoint, make_tiny_gpt_oss
+    from tessera.ops.moe_mxfp4 import Mxfp4Experts
+
+    hf = make_tiny_gpt_oss(tmp_path / "gpt-oss", tiny_tokenizer_dir, seed=2, intermediate_size=96)
+    with _llm(tmp_path / "gpt-oss", "float32", False) as llm:
+        check_prefill_and_decode_logits(llm, hf, "gpt-oss cuda", monkeypatch)
+    kind, overrides = DEEPSEEK["v3-yarn-qlora"]
+    hf = make_tiny_deepseek(tmp_path / "deepseek", tiny_tokenizer_dir, kind, seed=2, **overrides)
+    with _llm(tmp_path / "deepseek", "float32", False) as llm:
+        check_prefill_and_decode_logits(llm, hf, "deepseek cuda", monkeypatch)
+    hf = make_mxfp4_checkpoint(tmp_path / "mxfp4", tiny_tokenizer_dir)
+    prompt = prompt_ids(27, seed=5)
+    with _llm(tmp_path / "mxfp4", "bfloat16", False) as llm:
+        assert isinstance(llm.engine.runner.model.model.layers[0].mlp.experts, Mxfp4Experts)
+        rec = LogitRecorder(llm, monkeypatch)
+        out = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    assert_rows_match(rec.for_request(out.request_id), hf_logits(hf, prompt + tokens), BF16_ATOL, "mxfp4 cuda")

@@ -8,7 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.ops.triton_compile import SHAPES, SHARED_LIMIT, attention_variants, compile_all, compile_skinny
+from tests.ops.triton_compile import (SHAPES, SHARED_LIMIT, attention_variants, compile_all, compile_mxfp4,
+                                      compile_skinny)
 
 
 def _nvidia_backend_missing() -> str | None:
@@ -106,3 +107,13 @@ def test_few_row_linear_candidates_compile_for_hopper_on_tensor_cores():
             assert r.matrix_ops == ("wgmma" if wide else "mma.sync"), r
             assert r.async_copies > 0, r
         assert {r.kernel for r in results} == {"skinny_kernel", "split_sum_kernel"}
+
+
+def test_mxfp4_expert_linear_compiles_for_hopper_on_tensor_cores():
+    """gpt-oss's packed experts: the kernel that decodes MXFP4 in registers compiles at
+    gpt-oss-20b's projections, within the SM's shared memory, without spills, and multiplies
+    on the matrix unit (a decode that fell back to scalar FMAs would show here first)."""
+    results = compile_mxfp4(90)
+    assert len(results) == 4
+    for r in results:
+        assert r.shared <= SHARED_LIMIT[90] and r.spilled == 0 and r.matrix_ops, r

@@ -214,6 +214,50 @@ def check_wide_heads_of_large_groups(device: str) -> None:
         assert err < 1e-4, ("wide prefill", err)
 
 
+def check_mxfp4(device: str) -> None:
+    """gpt-oss's packed experts: the MXFP4 linear against float32 torch on the dequantized
+    weight (every code, 1 to 70 rows in 16- and 64-row tiles, ragged outputs, in features a
+    multiple of 64 or only of 32, bias), and the expert builder against the dequantizing
+    reference; float16 (and bf16 on a GPU)."""
+    from tessera.ops.activation import clamped_swiglu_ref
+    from tessera.ops.moe_mxfp4 import mxfp4_experts_ref
+    from tessera.ops.triton.mxfp4_linear import mxfp4_linear, triton_mxfp4_experts
+    from tessera.weights.mxfp4 import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(12)
+    dtypes = (torch.float16,) if device == "cpu" else (torch.float16, torch.bfloat16)
+    for dtype in dtypes:
+        step = 2 ** -10 if dtype == torch.float16 else 2 ** -7
+        for m, n, groups in ((1, 64, 2), (3, 40, 3), (17, 96, 4), (70, 48, 2)):
+            blocks = torch.randint(0, 256, (n, groups, 16), dtype=torch.uint8, generator=g)
+            blocks[0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code
+            scales = torch.randint(120, 131, (n, groups), dtype=torch.uint8, generator=g)
+            x = torch.randn(m, groups * 32, generator=g).to(dtype)
+            for bias in (None, torch.randn(n, generator=g).to(dtype)):
+                got = mxfp4_linear(x.to(device), blocks.to(device), scales.to(device),
+                                   None if bias is None else bias.to(device)).cpu().float()
+                want = F.linear(x.float(), dequantize_mxfp4(blocks, scales), None if bias is None else bias.float())
+                assert (got - want).abs().max() <= step * want.abs().max() + 1e-3, (dtype, m, n, groups)
+        e, hidden, inter = 4, 64, 96
+        w13 = (torch.randint(0, 256, (e, 2 * inter, hidden // 32, 16), dtype=torch.uint8, generator=g),
+               torch.randint(118, 128, (e, 2 * inter, hidden // 32), dtype=torch.uint8, generator=g))
+        w2 = (torch.randint(0, 256, (e, hidden, inter // 32, 16), dtype=torch.uint8, generator=g),
+              torch.randint(118, 128, (e, hidden, inter // 32), dtype=torch.uint8, generator=g))
+        x = torch.randn(9, hidden, generator=g)
+        weights = torch.softmax(torch.randn(9, 2, generator=g), -1)
+        ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(9)])
+        b13, b2 = torch.randn(e, 2 * inter, generator=g), torch.randn(e, hidden, generator=g)
+
+        def act(gate_up: torch.Tensor) -> torch.Tensor:
+            return clamped_swiglu_ref(gate_up.float(), 1.702, 7.0).to(gate_up.dtype)
+
+        want = mxfp4_experts_ref(x, w13, w2, weights, ids, b13, b2, act)
+        on = (lambda t: t.to(device))
+        got = triton_mxfp4_experts(on(x.to(dtype)), tuple(map(on, w13)), tuple(map(on, w2)), on(weights), on(ids),
+                                   on(b13.to(dtype)), on(b2.to(dtype)), act).cpu().float()
+        assert (got - want).abs().max() <= 4 * step * want.abs().max() + 1e-2, (dtype, (got - want).abs().max())
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """float32: equal up to float32 rounding. bf16: within a bf16 step of the torch op on a
     GPU (each rounding matches torch's, to nearest even; float32 math may differ in the last
@@ -470,6 +514,7 @@ if __name__ == "__main__":
     check_paged_prefill_key_limits(dev)
     check_attention_sinks(dev)
     check_wide_heads_of_large_groups(dev)
+    check_mxfp4(dev)
     check_pointwise(dev)
     check_bf16_rounding(dev)
     check_skinny_linear(dev)

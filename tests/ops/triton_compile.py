@@ -262,3 +262,23 @@ if __name__ == "__main__":
     print(f"{'kernel':<16} {'case':<50} {'shared':>8} {'regs':>5} {'spill':>6}")
     for r in results:
         print(f"{r.kernel:<16} {r.case:<50} {r.shared:>8} {r.registers:>5} {r.spilled:>6}")
+
+
+def compile_mxfp4(arch: int, dtype: torch.dtype = torch.bfloat16) -> list[Compiled]:
+    """The MXFP4 expert linear (tessera/ops/triton/mxfp4_linear.py) at gpt-oss-20b's two
+    projections (gate-up 5760 x 2880, down 2880 x 2880), for a decode (1 row) and a prefill
+    tile (64 rows), with a bias."""
+    import tessera.ops.triton.mxfp4_linear as mxfp4
+
+    out: list[Compiled] = []
+    original = mxfp4._kernel
+    try:
+        for name, (n, k) in {"gate_up": (5760, 2880), "down": (2880, 2880)}.items():
+            for rows in (1, 64):
+                case = f"gpt-oss-20b {name} {rows} rows sm_{arch}"
+                mxfp4._kernel = lambda case=case: _Recorder(original(), arch, case, out)
+                mxfp4.mxfp4_linear(torch.zeros((rows, k), dtype=dtype), torch.zeros((n, k // 32, 16), dtype=torch.uint8),
+                                   torch.zeros((n, k // 32), dtype=torch.uint8), torch.zeros(n, dtype=dtype))
+    finally:
+        mxfp4._kernel = original
+    return out

@@ -8,7 +8,8 @@ float32 weights, as transformers keeps them (_keep_in_fp32_modules).
 Checkpoints store each layer's experts stacked as x @ W ([E, H, 2I] with gate and up
 columns interleaved, [E, I, H]), or, in OpenAI's releases, in MXFP4 ([E, 2I, H / 32, 16]
 blocks and their scales, rows interleaved). MXFP4 stacks stay packed where a builder runs
-them (ops/moe_mxfp4.py: CPUs), and load dequantized to the model dtype elsewhere."""
+them (ops/moe_mxfp4.py: CPUs, and CUDA in bf16 / fp16 through Triton), and load dequantized
+to the model dtype elsewhere."""
 from __future__ import annotations
 
 from typing import Hashable
