@@ -33,8 +33,23 @@ from tessera.weights.mxfp4 import BLOCK, dequantize_mxfp4
 Mxfp4Stack = tuple[torch.Tensor, torch.Tensor]  # (blocks [E, rows, G, 16], scales [E, rows, G])
 
 
-def _dequantized(stack: Mxfp4Stack, expert: int, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize_mxfp4(stack[0][expert], stack[1][expert], dtype)
+Mxfp4Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def run_mxfp4_experts(linear: Mxfp4Linear, x: torch.Tensor, w13: Mxfp4Stack, w2: Mxfp4Stack,
+                      weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None,
+                      b2: torch.Tensor | None, activation: Callable[[torch.Tensor], torch.Tensor] | None
+                      ) -> torch.Tensor:
+    """ops/moe.py's run_grouped over MXFP4 stacks, each projection `linear(rows, blocks,
+    scales, bias)` of one expert's blocks and scales."""
+    return run_grouped(x, weights, ids, w13[0].shape[0],
+                       lambda rows, e, bias: linear(rows, w13[0][e], w13[1][e], bias),
+                       lambda rows, e, bias: linear(rows, w2[0][e], w2[1][e], bias), b13, b2, activation)
+
+
+def _dequantized_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), bias)
 
 
 @register_op("moe_experts", name="torch_mxfp4_experts", priority=0, devices=("cpu",), quant=("mxfp4",))
@@ -42,10 +57,7 @@ def mxfp4_experts_ref(x: torch.Tensor, w13: Mxfp4Stack, w2: Mxfp4Stack, weights:
                       ids: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                       activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """grouped_experts_ref over MXFP4 stacks, each used expert dequantized to x's dtype."""
-    return run_grouped(x, weights, ids, w13[0].shape[0],
-                       lambda rows, e, bias: F.linear(rows, _dequantized(w13, e, rows.dtype), bias),
-                       lambda rows, e, bias: F.linear(rows, _dequantized(w2, e, rows.dtype), bias),
-                       b13, b2, activation)
+    return run_mxfp4_experts(_dequantized_linear, x, w13, w2, weights, ids, b13, b2, activation)
 
 
 def mxfp4_experts_available(target: OpTarget) -> bool:

@@ -18,8 +18,7 @@ from typing import Callable
 
 import torch
 
-from tessera.ops.moe import run_grouped
-from tessera.ops.moe_mxfp4 import Mxfp4Stack
+from tessera.ops.moe_mxfp4 import Mxfp4Stack, run_mxfp4_experts
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
 from tessera.weights.mxfp4 import BLOCK
@@ -91,7 +90,4 @@ def triton_mxfp4_experts(x: torch.Tensor, w13: Mxfp4Stack, w2: Mxfp4Stack, weigh
                          ids: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                          activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """moe_mxfp4.mxfp4_experts_ref with each projection in the kernel."""
-    return run_grouped(x, weights, ids, w13[0].shape[0],
-                       lambda rows, e, bias: mxfp4_linear(rows, w13[0][e], w13[1][e], bias),
-                       lambda rows, e, bias: mxfp4_linear(rows, w2[0][e], w2[1][e], bias),
-                       b13, b2, activation)
+    return run_mxfp4_experts(mxfp4_linear, x, w13, w2, weights, ids, b13, b2, activation)
