@@ -32,7 +32,7 @@ def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, keep: int, fi
     return scores.masked_fill(~mask, fill)
 
 
-class DeepseekRouter(nn.Module):
+class DeepseekTopkRouter(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget, v3: bool):
         super().__init__()
         self.num_experts = config.n_routed_experts
@@ -74,7 +74,7 @@ class DeepseekMoE(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget, v3: bool):
         super().__init__()
         check_silu(config)
-        self.gate = DeepseekRouter(config, target, v3)  # replicated: every rank routes
+        self.gate = DeepseekTopkRouter(config, target, v3)  # replicated: every rank routes
         self.top_k, self.num_experts = config.num_experts_per_tok, config.n_routed_experts
         self.experts = StackedExperts(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
                                       target)
