@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera import LLM
+from tessera import LLM, SamplingParams
 from tessera.models.deepseek.mla import MLAttention
 from tessera.models.deepseek.moe import DeepseekMoE
 
 from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, make_tiny)
+                                 check_prefill_and_decode_logits, hf_logits, make_tiny, prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,3 +120,17 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_tokenizer_dir,
     (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
     check_prefill_and_decode_logits(llm, hf, "deepseek_v3-mtp", monkeypatch)
+
+
+def test_fp8_latent_cache_stays_near_transformers(case: Case):
+    """`--kv-cache-dtype fp8` stores the latent in e4m3 (one tensor, as in bf16): bf16
+    logprobs of a 40-token prompt stay near transformers' float32 ones (measured: mean
+    |difference| 0.054 against bf16's 0.011 on the v3 case; twice a Qwen3's fp8 drift)."""
+    llm = LLM(case.folder, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False, kv_cache_dtype="fp8")
+    attn = llm.engine.runner.model.model.layers[0].self_attn.attn
+    assert attn.kv_cache[0].dtype == torch.float8_e4m3fn and attn.kv_cache[0] is attn.kv_cache[1]
+    prompt = prompt_ids(40, seed=6)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)[0]
+    want = hf_logits(case.hf, prompt).log_softmax(-1)[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    got = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    assert (got - want).abs().mean() < 0.15
