@@ -95,7 +95,7 @@ def _read_prompts(path: Path) -> list[str | list[dict]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tessera.cli import _engine_config, _make_llm, _serve_rank_if_not_driver
+    from tessera.engine_args import engine_config_from_args, make_llm, serve_rank_if_not_driver
 
     prompts: list = list(args.prompts)
     if args.input_file:
@@ -105,10 +105,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     if args.stream and (len(prompts) != 1 or params.n != 1 or args.output_file):
         raise SystemExit("--stream prints one prompt's single completion as it is generated")
-    config = _engine_config(args)
-    if _serve_rank_if_not_driver(config):
+    config = engine_config_from_args(args)
+    if serve_rank_if_not_driver(config):
         return 0
-    with _make_llm(args, config) as llm:
+    with make_llm(args, config) as llm:
         # checked above with the fallbacks; now with the model's generation_config values too
         params = _sampling_params(args, llm.engine.router.sampling_defaults)
         return _generate(args, llm, prompts, params)

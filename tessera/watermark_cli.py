@@ -112,7 +112,7 @@ def _prompt(record: dict, default: str | None) -> str | list[int] | None:
 
 
 def cmd_detect_watermark(args: argparse.Namespace) -> int:
-    from tessera.cli import watermark_config
+    from tessera.engine_args import watermark_config
     from tessera.config import ModelConfig
     from tessera.models.registry import get_router
     from tessera.sampling.watermark import detect_watermark_in_output

@@ -156,9 +156,9 @@ def test_serve_takes_the_serving_token_budget_unless_told(monkeypatch):
     assert scheduler_defaults("cuda", serving=True) == (256, 8192)
     seen = []
     monkeypatch.setattr(serve, "run_server", lambda make_engine, **kwargs: 0)
-    monkeypatch.setattr(cli, "_engine_config", lambda args: seen.append(
+    monkeypatch.setattr(cli, "engine_config_from_args", lambda args: seen.append(
         (args.batch_size, args.max_num_batched_tokens, args.no_chunked_prefill)))
-    monkeypatch.setattr(cli, "_serve_rank_if_not_driver", lambda config: False)
+    monkeypatch.setattr(cli, "serve_rank_if_not_driver", lambda config: False)
     monkeypatch.setattr(source, "resolve_model_source", lambda model: type("Source", (), {"name": "m"}))
     for extra in ([], ["--max-num-batched-tokens", "1024"], ["--no-chunked-prefill"]):
         assert cli.main(["serve", *extra]) == 0
@@ -176,9 +176,9 @@ def test_device_auto_is_resolved_before_the_devices_defaults(monkeypatch):
     seen = []
     fake_gpus(monkeypatch, [(9, 0)])
     monkeypatch.setattr(serve, "run_server", lambda make_engine, **kwargs: 0)
-    monkeypatch.setattr(cli, "_engine_config", lambda args: seen.append(
+    monkeypatch.setattr(cli, "engine_config_from_args", lambda args: seen.append(
         (args.device, args.batch_size, args.max_num_batched_tokens, args.async_scheduling)))
-    monkeypatch.setattr(cli, "_serve_rank_if_not_driver", lambda config: False)
+    monkeypatch.setattr(cli, "serve_rank_if_not_driver", lambda config: False)
     monkeypatch.setattr(source, "resolve_model_source", lambda model: type("Source", (), {"name": "m"}))
     for extra in ([], ["--device", "cpu", "--no-async-scheduling"], ["--async-scheduling"]):
         assert cli.main(["serve", *extra]) == 0
@@ -277,11 +277,12 @@ def test_an_unknown_lora_name_exits_2(tiny, capsys):
 
 
 def test_runtime_lora_updating_enables_lora(monkeypatch):
-    from tessera.cli import _lora_args, build_parser
+    from tessera.cli import build_parser
+    from tessera.engine_args import lora_args
 
     monkeypatch.setenv("LORA_ADAPTERS", "a=/x")  # TGI's variable: read by `serve` alone
-    assert _lora_args(build_parser().parse_args(["generate", "hi"]))["enable_lora"] is False
+    assert lora_args(build_parser().parse_args(["generate", "hi"]))["enable_lora"] is False
 
     args = build_parser().parse_args(["serve", "--allow-runtime-lora-updating"])
-    assert _lora_args(args)["enable_lora"] is True
-    assert _lora_args(build_parser().parse_args(["serve"]))["enable_lora"] is False
+    assert lora_args(args)["enable_lora"] is True
+    assert lora_args(build_parser().parse_args(["serve"]))["enable_lora"] is False

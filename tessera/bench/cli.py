@@ -185,11 +185,11 @@ def _images(args: argparse.Namespace, engine) -> int:
 def _kv_cache(args: argparse.Namespace) -> int:
     """One engine per cache: it cannot share the process's usual single LLM."""
     from tessera.bench.kv_cache import kv_cache_bench
-    from tessera.cli import _make_llm
+    from tessera.engine_args import make_llm
 
     quantized = "fp8" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     sizes = args.batch_sizes
-    speed, summary = kv_cache_bench(lambda kv: _make_llm(argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})),
+    speed, summary = kv_cache_bench(lambda kv: make_llm(argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})),
                                     ["auto", quantized], sizes, args.input_len, args.output_len, args.repeats)
     meta = {"workload": "kv-cache", "model": args.model or "default", "dtype": args.dtype,
             "threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
@@ -207,7 +207,7 @@ def _kv_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tessera.cli import _make_llm
+    from tessera.engine_args import make_llm
 
     if args.workload == "serve":  # measures a server over HTTP: no engine in this process
         from tessera.bench.serve import run_serve_bench
@@ -233,7 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _kv_cache(args)
     if args.workload == "embed":
         args.runner = "pooling"
-    with _make_llm(args) as llm:
+    with make_llm(args) as llm:
         return _bench(args, llm, entries)
 
 

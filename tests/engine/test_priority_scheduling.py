@@ -173,10 +173,11 @@ def test_urgent_requests_finish_first_and_preempted_ones_keep_their_output(tiny)
 
 
 def test_the_command_line_sets_the_policy():
-    from tessera.cli import _engine_config, build_parser
+    from tessera.cli import build_parser
+    from tessera.engine_args import engine_config_from_args
 
-    assert _engine_config(build_parser().parse_args(["serve"])).scheduler.scheduling_policy == "fcfs"
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).scheduler.scheduling_policy == "fcfs"
     args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
-    assert _engine_config(args).scheduler.scheduling_policy == "priority"
+    assert engine_config_from_args(args).scheduler.scheduling_policy == "priority"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--scheduling-policy", "lifo"])
