@@ -41,7 +41,7 @@ def _run_check(name: str, device: str) -> None:
 
 def _widen_bf16_dot_operands() -> None:
     """Triton 3.9's interpreter multiplies bf16 tl.dot operands as their raw uint16 storage
-    (tests/ops/triton_cases.py hence runs attention in float32 only). Widened to float32
+    (tests/ops/triton_attention_cases.py hence runs attention in float32 only). Widened to float32
     first, exactly, the product is what a GPU's bf16 dot computes: exact products summed in
     float32."""
     import triton.language as tl
