@@ -175,19 +175,16 @@ class SparseMoE(OpModule):
     biases where `bias`). `activation`: what the experts apply to their gate and up rows
     (None: SwiGLU)."""
 
-    experts_cls = StackedExperts  # gpt-oss's de-interleaves its checkpoint's gate and up
-
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, target: OpTarget, bias: bool = False,
                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 experts_cls: type[nn.Module] | None = None):
-        """`experts_cls`: what holds the stacks (default the class's `experts_cls`; packed
-        MXFP4 stacks: ops/moe_mxfp4.py)."""
+                 experts_cls: type[nn.Module] = StackedExperts):
+        """`experts_cls`: what holds the stacks (gpt-oss's reads its checkpoint's layout;
+        packed MXFP4 stacks: ops/moe_mxfp4.py)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = Linear(hidden_size, num_experts, target, bias=bias)  # replicated: every rank routes
-        self.experts = (experts_cls or self.experts_cls)(hidden_size, intermediate_size, num_experts, target,
-                                                         bias=bias)
+        self.experts = experts_cls(hidden_size, intermediate_size, num_experts, target, bias=bias)
         self.tp_size = target.tp_size
         self.activation = activation
         # the down projections' bias is added once, on rank 0, before the ranks' sum

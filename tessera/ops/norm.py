@@ -9,6 +9,8 @@ normalised row in float32 and rounds once (Gemma's norms, whose 1 + w weights te
 in float32, as transformers computes them)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -32,10 +34,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class RMSNorm(OpModule):
-    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
+    def __init__(self, hidden_size: int, eps: float, target: OpTarget, weight_dtype: torch.dtype | None = None,
+                 loader: Callable | None = None):
+        """`weight_dtype`: float32 keeps the weight there whatever the model dtype (module
+        docstring); `loader`: how a checkpoint tensor becomes the weight (default: as is)."""
         super().__init__()
         self.eps = eps
-        self.weight = make_param((hidden_size,), target.dtype, target.device)
+        self.weight = make_param((hidden_size,), weight_dtype or target.dtype, target.device,
+                                 **({"loader": loader} if loader is not None else {}))
         self._norm = target.op("rms_norm")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

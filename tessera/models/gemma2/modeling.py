@@ -21,7 +21,7 @@ from tessera.ops.linear import PackedLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import RotaryEmbedding, rope_parameters
-from tessera.ops.weights import copy_checked, make_param
+from tessera.ops.weights import copy_checked
 from tessera.weights.lazy import materialize
 
 
@@ -37,8 +37,7 @@ class Gemma2RMSNorm(RMSNorm):
     float32 weight); 1 + w rounded to bf16 would be off by up to 2^-9 per channel."""
 
     def __init__(self, hidden_size: int, eps: float, target: OpTarget):
-        super().__init__(hidden_size, eps, target)
-        self.weight = make_param((hidden_size,), torch.float32, target.device, loader=_plus_one_loader)
+        super().__init__(hidden_size, eps, target, weight_dtype=torch.float32, loader=_plus_one_loader)
 
 
 class Gemma2MLP(nn.Module):

@@ -3,7 +3,7 @@ projections, an attention sink per query head (a learned logit in every softmax'
 denominator), sliding-window attention (128 tokens) on alternate layers, YaRN rotary, and a
 mixture of experts whose router has a bias, whose experts have biases and apply a clamped
 SwiGLU ((up + 1) * gate * sigmoid(1.702 * gate), gate <= 7, |up| <= 7). The norms keep
-float32 weights, as transformers keeps them (_keep_in_fp32_modules).
+float32 weights (RMSNorm's weight_dtype), as transformers keeps them (_keep_in_fp32_modules).
 
 Checkpoints store each layer's experts stacked as x @ W ([E, H, 2I] with gate and up
 columns interleaved, [E, I, H]), or, in OpenAI's releases, in MXFP4 ([E, 2I, H / 32, 16]
@@ -26,6 +26,7 @@ from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.weights import copy_checked, make_param
 from tessera.weights.lazy import materialize, narrow
+from tessera.weights.prequantized import checkpoint_quantization
 
 
 class GptOssAttention(LlamaAttention):
@@ -52,9 +53,11 @@ class GptOssAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, sinks=self.sinks))
 
 
-def _gate_then_up(tensor: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] with gate and up interleaved (gate_0, up_0, gate_1, ...) -> gate half, up half."""
-    return torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
+def _gate_then_up(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Dim `dim` (2I long) with gate and up interleaved (gate_0, up_0, gate_1, ...) -> the gate
+    half, then the up half."""
+    before = (slice(None),) * (dim % tensor.dim())
+    return torch.cat((tensor[(*before, slice(0, None, 2))], tensor[(*before, slice(1, None, 2))]), dim=dim)
 
 
 class GptOssExperts(StackedExperts):
@@ -79,38 +82,25 @@ class Mxfp4GptOssExperts(Mxfp4Experts):
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         if param is self.w13_blocks or param is self.w13_scales or param is self.w13_bias:
-            tensor = materialize(tensor)
-            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+            tensor = _gate_then_up(materialize(tensor), dim=1)  # rows: [E, 2I, ...]
         super()._load(param, tensor, shard_id)
 
 
 def keeps_mxfp4_experts(config: PretrainedConfig, target: OpTarget) -> bool:
     """An MXFP4 checkpoint whose stacks some builder runs packed on `target`."""
-    quant = getattr(config, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return method == "mxfp4" and mxfp4_experts_available(target)
+    quant = checkpoint_quantization(config)
+    return quant is not None and quant.method == "mxfp4" and mxfp4_experts_available(target)
 
 
 class GptOssMoE(SparseMoE):
     """Router with a bias: top-k of the logits, softmax over those k (the same weights as a
     softmax over all experts renormalised over the top k)."""
 
-    experts_cls = GptOssExperts
-
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config.hidden_size, config.intermediate_size, config.num_local_experts,
                          config.num_experts_per_tok, renormalize=True, target=target, bias=True,
                          activation=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit, target),
-                         experts_cls=Mxfp4GptOssExperts if keeps_mxfp4_experts(config, target) else None)
-
-
-class Float32RMSNorm(RMSNorm):
-    """A float32 weight whatever the model dtype: transformers keeps gpt-oss's norms in
-    float32 and multiplies the float32 normalised row before rounding once."""
-
-    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
-        super().__init__(hidden_size, eps, target)
-        self.weight = make_param((hidden_size,), torch.float32, target.device)
+                         experts_cls=Mxfp4GptOssExperts if keeps_mxfp4_experts(config, target) else GptOssExperts)
 
 
 class GptOssDecoderLayer(LlamaDecoderLayer):
@@ -118,14 +108,14 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)
         self.self_attn = GptOssAttention(config, target, layer_idx)
         self.mlp = GptOssMoE(config, target)
-        self.input_layernorm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps, target)
-        self.post_attention_layernorm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target, weight_dtype=torch.float32)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target, weight_dtype=torch.float32)
 
 
 class GptOssModel(LlamaModel):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config, target)
-        self.norm = Float32RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, target, weight_dtype=torch.float32)
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
         return GptOssDecoderLayer(config, target, layer_idx)

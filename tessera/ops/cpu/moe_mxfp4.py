@@ -6,6 +6,7 @@ of the decoded weights); float32 inputs, and CPUs with AVX2 only, mxfp4_linear_a
 from __future__ import annotations
 
 import ctypes
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -19,6 +20,12 @@ _KERNEL = Kernel("mxfp4_linear_avx2.c", "tessera_mxfp4_linear", _ARGS, ctypes.c_
 _BF16_KERNEL = Kernel("mxfp4_linear.c", "tessera_mxfp4_linear_bf16", _ARGS, ctypes.c_int)
 
 
+@lru_cache(maxsize=1)
+def _bf16_kernel_runs() -> bool:
+    """Whether this CPU runs the AVX512 bf16 build (decided once, not per projection)."""
+    return not _BF16_KERNEL.check(None)
+
+
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, 32 G] @ W.T (+ bias) -> [T, rows] in x's dtype, W as blocks [rows, G, 16] and
@@ -26,7 +33,7 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
     rows, groups = scales.shape
     if x.shape[-1] != groups * 32:
         raise ValueError(f"input has {x.shape[-1]} features; the MXFP4 weight takes {groups * 32}")
-    kernel = _BF16_KERNEL if x.dtype == torch.bfloat16 and not _BF16_KERNEL.check(None) else _KERNEL
+    kernel = _BF16_KERNEL if x.dtype == torch.bfloat16 and _bf16_kernel_runs() else _KERNEL
     xs = (x if kernel is _BF16_KERNEL else x.float()).contiguous()
     b = None if bias is None else bias.float().contiguous()
     out = torch.empty(x.shape[0], rows, dtype=torch.float32)

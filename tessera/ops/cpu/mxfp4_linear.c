@@ -14,16 +14,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "mxfp4_rows.h"
 #include "simd_bf16.h"
 
 #define TOKENS 8
-
-/* 2^(s - 127): the float with exponent field s (s = 0: 2^-127, a subnormal). */
-static inline float e8m0(uint8_t s) {
-    union { uint32_t u; float f; } v;
-    v.u = s ? (uint32_t)s << 23 : 0x00400000u;
-    return v.f;
-}
 
 /* E2M1 code -> bf16 bits: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives. */
 static inline __m512i e2m1_table(void) {
@@ -41,17 +35,7 @@ static inline __m512i decode32(const uint8_t *block, __m512i table) {
     return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
 }
 
-/* x [tokens, 32 G] bf16 -> xs [tokens, G, 32]: each block's even elements, then its odd ones. */
-static void split_even_odd(const uint16_t *x, int64_t tokens, int64_t groups, uint16_t *xs) {
-    for (int64_t i = 0; i < tokens * groups; i++) {
-        const uint16_t *src = x + i * 32;
-        uint16_t *dst = xs + i * 32;
-        for (int j = 0; j < 16; j++) {
-            dst[j] = src[2 * j];
-            dst[16 + j] = src[2 * j + 1];
-        }
-    }
-}
+MXFP4_SPLIT_EVEN_ODD(split_even_odd, uint16_t)
 
 /* The block's power of two applied to its decoded weights: 2^(s - 127) added to each
  * nonzero weight's exponent field (zeros stay zero). Exact while every result stays a

@@ -19,13 +19,7 @@
 #include <string.h>
 
 #include "avx2_math.h"
-
-/* 2^(s - 127): the float with exponent field s (s = 0: 2^-127, a subnormal). */
-static inline float e8m0(uint8_t s) {
-    union { uint32_t u; float f; } v;
-    v.u = s ? (uint32_t)s << 23 : 0x00400000u;
-    return v.f;
-}
+#include "mxfp4_rows.h"
 
 /* 8 codes (low three bits: magnitude, bit 3: sign) -> 8 floats. */
 static inline __m256 decode8(__m256i codes, __m256 magnitudes) {
@@ -50,17 +44,7 @@ static void decode_row(const uint8_t *blocks, const uint8_t *scales, int64_t gro
     }
 }
 
-/* x [tokens, 32 G] -> xs [tokens, G, 32]: each block's even elements, then its odd ones. */
-static void split_even_odd(const float *x, int64_t tokens, int64_t groups, float *xs) {
-    for (int64_t i = 0; i < tokens * groups; i++) {
-        const float *src = x + i * 32;
-        float *dst = xs + i * 32;
-        for (int j = 0; j < 16; j++) {
-            dst[j] = src[2 * j];
-            dst[16 + j] = src[2 * j + 1];
-        }
-    }
-}
+MXFP4_SPLIT_EVEN_ODD(split_even_odd, float)
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
