@@ -32,8 +32,9 @@ class Command(enum.IntEnum):
 # prompt-logprob rows (the last logit rows, which the LM head takes in passes of their own),
 # LoRA segments (for LOAD_LORA: the length of the adapter's bytes), image rows, their
 # features' width, whether they have 3-D (M-RoPE) positions, whether the prefill rows have
-# key limits (an image attending to itself)
-HEADER_LEN = 15
+# key limits (an image attending to itself), whether the rows have state slots (recurrent
+# layers)
+HEADER_LEN = 16
 
 
 @dataclass
@@ -63,7 +64,7 @@ class StepChannel:
                                        0 if images is None else images.shape[0],
                                        0 if images is None else images.shape[1],
                                        int(inputs.image_positions is not None),
-                                       int(a.key_limits is not None)])
+                                       int(a.key_limits is not None), int(a.state_slots is not None)])
             segments = torch.tensor(inputs.lora_segments, dtype=torch.long).flatten()
             parts = [inputs.input_ids.long(), inputs.positions.long(), a.slot_mapping.long(),
                      a.block_tables.long().flatten(), a.seq_lens.long(),
@@ -74,6 +75,8 @@ class StepChannel:
                     parts.append(inputs.image_positions.long().flatten())
             if a.key_limits is not None:
                 parts.append(a.key_limits.long())
+            if a.state_slots is not None:
+                parts += [a.state_slots.long(), torch.tensor(a.state_fresh_list, dtype=torch.long)]
             payload = torch.cat([p.to(self.device) for p in parts])
         dist.broadcast(header.to(self.device), src=0)
         if payload is not None:
@@ -95,7 +98,7 @@ class StepChannel:
         header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
         dist.broadcast(header, src=0)
         (command, arg, tokens, seqs, width, decodes, rows, max_block, padded, prompt_rows, num_segments,
-         image_rows, image_width, image_3d, limited) = header.tolist()
+         image_rows, image_width, image_3d, limited, stateful) = header.tolist()
         command = Command(command)
         if command == Command.LOAD_LORA:
             data = torch.empty(tokens, dtype=torch.uint8, device=self.device)
@@ -104,11 +107,12 @@ class StepChannel:
         if command not in (Command.FORWARD, Command.FORWARD_NO_LOGITS):
             return Received(command, arg)
         sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 3 * num_segments,
-                 image_rows, 3 * image_rows * image_3d, (tokens - decodes) * limited]
+                 image_rows, 3 * image_rows * image_3d, (tokens - decodes) * limited, seqs * stateful,
+                 seqs * stateful]
         payload = torch.empty(sum(sizes), dtype=torch.long, device=self.device)
         dist.broadcast(payload, src=0)
         (ids, positions, slots, tables, seq_lens, starts, lm_rows, segments, rows_of_images, image_positions,
-         key_limits) = payload.split(sizes)
+         key_limits, state_slots, state_fresh) = payload.split(sizes)
         seq_lens_list, starts_list = seq_lens.tolist(), starts.tolist()
         attn = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.view(seqs, width).int(),
@@ -116,6 +120,9 @@ class StepChannel:
             num_decodes=decodes, num_decode_tokens=decodes, seq_lens_list=seq_lens_list,
             query_lens_list=[b - a for a, b in zip(starts_list, starts_list[1:])],
             has_padding=bool(padded), key_limits=key_limits if limited else None)
+        if stateful:
+            attn.state_slots, attn.state_slots_list = state_slots, state_slots.tolist()
+            attn.state_fresh_list = [bool(f) for f in state_fresh.tolist()]
         lora_segments = [tuple(segment) for segment in segments.view(-1, 3).tolist()]
         inputs = ModelInputs(
             ids, positions, attn, lm_rows, [], max_block, num_prompt_logit_rows=prompt_rows,

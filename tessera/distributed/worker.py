@@ -50,7 +50,8 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
     device = rank_device(config, info.rank)
     dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
                           config.model.quantization)
-    runner = ModelRunner(model, config.cache.block_size, device, dtype, sampler=None)
+    runner = ModelRunner(model, config.cache.block_size, device, dtype, sampler=None,
+                         num_state_slots=config.scheduler.max_num_seqs)
     lora = config.lora
     if lora.enable_lora:
         runner.enable_lora(lora.max_loras, lora.max_lora_rank)

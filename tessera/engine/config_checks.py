@@ -2,8 +2,13 @@
 that cannot run together, and features the model type's router does not support."""
 from __future__ import annotations
 
+import logging
+
 from tessera.config import ConfigError, EngineConfig, async_scheduling_conflict
 from tessera.models.base import BaseRouter
+from tessera.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len: int) -> None:
@@ -37,3 +42,19 @@ def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len:
                           "with images")
     if tp > 1 and not features["supports_tensor_parallel"]:
         raise ConfigError(f"{name} does not support tensor parallelism; `tessera models` lists the types that do")
+
+
+def check_recurrent_model(config: EngineConfig, runner: ModelRunner) -> None:
+    """A model with recurrent layers (linear attention) keeps one state per sequence, which
+    only moves forward: a draft token rejected after it was written cannot be taken back,
+    and a cached prefix's KV blocks come without the state at their end. So speculative
+    decoding is refused and prefix caching is off (vLLM's first hybrid models did the same)."""
+    if not runner.state_layers:
+        return
+    if config.speculative.enabled:
+        raise ConfigError(f"{type(runner.model).__name__} has recurrent (linear attention) layers, whose state "
+                          "cannot roll back rejected draft tokens: speculative decoding is not supported for it")
+    if config.cache.enable_prefix_caching:
+        logger.info("prefix caching is off: %s has recurrent (linear attention) layers, and a cached prefix "
+                    "does not hold their state", type(runner.model).__name__)
+    logger.info("recurrent state: %d slots, %.1f MiB", runner.num_state_slots, runner.state_bytes() / 2**20)

@@ -30,6 +30,7 @@ from tessera.engine.pooling_requests import resolve_pooler, wrong_kind
 from tessera.engine.request_checks import RequestError, check_against_vocab, check_priority, check_prompt
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
+from tessera.engine.config_checks import check_recurrent_model
 from tessera.engine.speculation import find_draft_model, load_draft_model, make_proposer
 from tessera.engine.stats import EngineStats
 from tessera.lora.registry import LoRARegistry, adapter_names
@@ -95,7 +96,9 @@ class Engine(LoRAMethods, PoolingRequests):
                                   sampler, channel=channel,
                                   ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
                                   decode_graphs=self._decode_graphs(config) and not pooling,
-                                  pooler=Pooler(self.pooler_config) if pooling else None)
+                                  pooler=Pooler(self.pooler_config) if pooling else None,
+                                  num_state_slots=config.scheduler.max_num_seqs)
+        check_recurrent_model(config, self.runner)
         lora = config.lora
         self.loras = LoRARegistry(self.model, lora.max_lora_rank, self.dtype) if lora.enable_lora else None
         if self.loras is not None:  # slots first: the KV cache gets what they leave
@@ -112,10 +115,11 @@ class Engine(LoRAMethods, PoolingRequests):
         self.runner.allocate_kv_cache(self.num_blocks)
         self.proposer = make_proposer(config, self.draft, self.router.config.vocab_size,
                                       self.num_blocks, self.max_model_len)
+        recurrent = bool(self.runner.state_layers)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
-                                          enable_prefix_caching=config.cache.enable_prefix_caching)
+                                          enable_prefix_caching=config.cache.enable_prefix_caching and not recurrent)
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   max_loras=lora.max_loras if lora.enable_lora else None)
+                                   max_loras=lora.max_loras if lora.enable_lora else None, state_slots=recurrent)
         self.output_processor = OutputProcessor(self.tokenizer, self.router.eos_token_ids)
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}

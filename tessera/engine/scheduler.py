@@ -32,6 +32,12 @@ adapters (the device's slots); a waiting sequence whose adapter would exceed tha
 over. Behind it only base-model sequences may go first: another request of a running
 adapter would keep that adapter's slot taken, and a steady stream of them would starve the
 passed-over one forever; held back, the running adapters drain and free a slot.
+
+A model with recurrent layers (linear attention) keeps a state per running sequence in one
+of `max_num_seqs` slots: a sequence takes a free one when admitted and gives it back when
+preempted or finished. The running batch never exceeds max_num_seqs, so admission never
+waits for a slot; a preempted sequence recomputes from position 0, which starts its
+state afresh (the step's metadata says so).
 """
 from __future__ import annotations
 
@@ -81,8 +87,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None = None,
+                 state_slots: bool = False):
+        """`state_slots`: the model has recurrent layers; running sequences get state slots."""
         self.config = config
+        self.free_state_slots: list[int] | None = list(range(config.max_num_seqs - 1, -1, -1)) if state_slots else None
         self.blocks = block_manager
         self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
@@ -182,6 +191,8 @@ class Scheduler:
             seq.num_computed_tokens = self.blocks.take_prefix(seq, match)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
+            if self.free_state_slots is not None:
+                seq.state_slot = self.free_state_slots.pop()
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -231,8 +242,14 @@ class Scheduler:
         for seq in self.running:
             seq.draft_token_ids = []
 
+    def _release_state_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
+
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)
+        self._release_state_slot(seq)
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
         seq.status = SequenceStatus.WAITING
@@ -247,6 +264,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        self._release_state_slot(seq)
         seq.status = SequenceStatus.FINISHED
 
 

@@ -53,6 +53,8 @@ class Sequence:
     # verify (the scheduler takes them; a step that cannot fit them drops them)
     draft_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    # recurrent layers (linear attention): the slot holding its state while it runs
+    state_slot: int | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -1,5 +1,5 @@
 """Shared ops. Importing this package registers every builder."""
-from tessera.ops import activation, attention, embedding, linear, linear_int4, linear_int8, lora_rows, moe, moe_mxfp4, norm, rotary  # noqa: F401
+from tessera.ops import activation, attention, embedding, linear, linear_attention, linear_int4, linear_int8, lora_rows, moe, moe_mxfp4, norm, rotary  # noqa: F401
 from tessera.ops.cpu import (  # noqa: F401
     activation as cpu_activation, embedding as cpu_embedding, linear as cpu_linear, norm as cpu_norm, paged_decode as cpu_paged_decode,
     paged_prefill as cpu_paged_prefill,

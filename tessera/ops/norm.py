@@ -66,3 +66,28 @@ class LayerNorm(OpModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.bias, self.eps)
+
+
+@register_op("gated_rms_norm", name="torch_gated_rms_norm", priority=0)
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, then times SiLU(gate): the weight multiplies the
+    normalised row rounded to the model dtype, the gate in float32, one rounding at the end
+    (transformers' Qwen3NextRMSNormGated, flash-linear-attention's FusedRMSNormGated)."""
+    dtype = x.dtype
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (normed * F.silu(gate.float())).to(dtype)
+
+
+class GatedRMSNorm(OpModule):
+    """Linear attention's output norm: each value head's row normalised, scaled by the
+    weight [head_dim] and gated by SiLU of a second projection (Gated DeltaNet)."""
+
+    def __init__(self, hidden_size: int, eps: float, target: OpTarget):
+        super().__init__()
+        self.eps = eps
+        self.weight = make_param((hidden_size,), target.dtype, target.device)
+        self._norm = target.op("gated_rms_norm")
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, gate, self.weight, self.eps)

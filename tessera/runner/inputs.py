@@ -214,6 +214,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                          pooling_rows=pooling_rows)
     if limited:
         attn.key_limits = to([p for limits in key_limits for p in limits])
+    if rows[0].seq.state_slot is not None:  # recurrent layers: every running sequence has a slot
+        _add_state_slots(attn, rows, to)
     if typed:
         inputs.token_type_ids = to([t for r in pooling_rows for t in _row_types(r)])
     if deferred_rows:
@@ -223,6 +225,18 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         if image_positions:
             inputs.image_positions = to_device(torch.cat(image_positions, dim=1), device)
     return inputs
+
+
+def _add_state_slots(attn: AttentionMetadata, rows: list[ScheduledSeq], to) -> None:
+    """Each sequence's state slot, and whether its state starts from zero (its chunk
+    starts at position 0). Drafts would need the state rolled back: the engine refuses
+    speculative decoding for such models, so a sequence is one row."""
+    slots = [item.seq.state_slot for item in rows]
+    if None in slots or any(item.draft_token_ids for item in rows):
+        raise RuntimeError("a step of a model with recurrent layers has a sequence without a state slot "
+                           "or with draft tokens")
+    attn.state_slots, attn.state_slots_list = to(slots), slots
+    attn.state_fresh_list = [item.seq.num_computed_tokens == 0 for item in rows]
 
 
 def _row_types(rows: PoolingRows) -> list[int]:

@@ -1,6 +1,6 @@
 """Runs one scheduled step: builds inputs, runs the model, computes logits only where a
 token is sampled (or prompt logprobs are wanted), and samples. Owns the KV cache tensors
-and binds them to the model's attention layers."""
+and binds them to the model's attention layers, and the recurrent layers' state slots."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -15,6 +15,7 @@ from tessera.lora.layer import LoRAPass, lora_context
 from tessera.lora.slots import LoRASlots
 from tessera.multimodal.encoder_cache import EncoderCache
 from tessera.ops.attention import Attention, attention_context
+from tessera.ops.linear_attention import RecurrentLayer
 from tessera.pooling.model import classify_rows
 from tessera.pooling.pooler import Pooler
 from tessera.runner.cuda_graphs import CudaDecodeGraphs
@@ -40,7 +41,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, device: torch.device,
                  dtype: torch.dtype, sampler: Sampler | None,
                  channel: StepChannel | None = None, ranks_sharing_memory: int = 1,
-                 decode_graphs: bool = False, pooler: Pooler | None = None):
+                 decode_graphs: bool = False, pooler: Pooler | None = None, num_state_slots: int = 0):
+        """`num_state_slots`: how many sequences' states the model's recurrent layers keep
+        (max_num_seqs); allocated here, before warm-up measures the memory left."""
         self.model = model
         self.pooler = pooler  # an embedding model's: pools hidden states, samples nothing
         self.channel = channel
@@ -57,13 +60,16 @@ class ModelRunner:
         # what the cache stores: the model dtype or 8-bit floats (the target the model was built for)
         self.kv_cache_dtype = self.attn_layers[0].cache_dtype
         self.num_blocks = 0
+        self.state_layers = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
+        if self.state_layers:
+            self._allocate_state(num_state_slots)
         if device.type == "cpu":  # decode streams every weight once: fewer TLB misses pay
             move_weights_to_huge_pages(model)
         # decode steps replayed from captured graphs (one rank): kernel graphs on CPU, CUDA
         # graphs on GPU; they cover steps within `graph_limits` (the engine sets them before
         # allocating the cache; without them graphs stay off)
         self.graphs: CpuDecodeGraphs | CudaDecodeGraphs | None = None
-        if decode_graphs:
+        if decode_graphs and not self.state_layers:  # graphs would replay fixed state slots
             self.graphs = (CudaDecodeGraphs(model, block_size, device) if device.type == "cuda"
                            else CpuDecodeGraphs(model, block_size))
         self.graph_limits: GraphLimits | None = None
@@ -78,6 +84,21 @@ class ModelRunner:
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
         """Another rank: repeat a load the driver made."""
         self.lora.load(slot, adapter)
+
+    def _allocate_state(self, num_slots: int) -> None:
+        """Every recurrent layer's state tensors, [num_slots, *shape], zeroed (a fresh
+        sequence never reads its slot, but the memory is committed now, before warm-up
+        measures what is left for the KV cache)."""
+        if num_slots <= 0:
+            raise ValueError(f"{type(self.model).__name__} has recurrent layers: it needs state slots")
+        for layer in self.state_layers:
+            layer.state = tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=self.device)
+                                for shape, dtype in layer.state_shapes())
+        self.num_state_slots = num_slots
+
+    def state_bytes(self) -> int:
+        """What the recurrent layers' states take (all slots)."""
+        return sum(t.numel() * t.element_size() for layer in self.state_layers for t in layer.state or ())
 
     def kv_bytes_per_block(self) -> int:
         elem = self.kv_cache_dtype.itemsize

@@ -87,6 +87,10 @@ def profile_peak_step(runner: ModelRunner, num_tokens: int, num_logit_rows: int,
     lengths = _split(num_tokens, max_seq_len)
     runner.allocate_kv_cache(_blocks_for(lengths, runner.block_size))
     inputs = _dummy_inputs(lengths, min(num_logit_rows, num_tokens), runner.block_size, device)
+    if runner.state_layers:  # each prompt in a slot of its own (at most max_num_seqs of them), from zero
+        attn = inputs.attn
+        attn.state_slots_list, attn.state_fresh_list = list(range(len(lengths))), [True] * len(lengths)
+        attn.state_slots = torch.arange(len(lengths), device=device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -27,6 +27,12 @@ class AttentionMetadata:
     # [prefill tokens] the last key position each prefill row sees, when some row sees past
     # its own (the tokens of one image attend to each other: Gemma 3); None: causal
     key_limits: torch.Tensor | None = None
+    # recurrent layers (linear attention, tessera/ops/linear_attention/): each sequence's
+    # state slot, and whether its state starts from zero this step (its first computed
+    # token is position 0: a new or preempted sequence); None in models without them
+    state_slots: torch.Tensor | None = None   # [num_seqs] int64
+    state_slots_list: list[int] | None = None
+    state_fresh_list: list[bool] | None = None
     # (block_size, sliding_window) -> (tables, mask); a dict because layers may differ in
     # window (gemma2 alternates), and each variant is built once per step
     _decode_views: dict = field(default_factory=dict, repr=False)

@@ -1,0 +1,86 @@
+"""Layers that keep a recurrent state per sequence between steps (linear attention), and
+the Gated DeltaNet core built from the registered conv and delta-rule ops.
+
+The runner finds every `RecurrentLayer`, allocates `state_shapes()` for as many slots as
+sequences may run at once and binds them to `state`; the scheduler gives each running
+sequence a slot, and the step's metadata says which (AttentionMetadata.state_slots).
+Rows come decodes first, as for attention: the decode ops take those one token each, the
+prefill ops each remaining sequence's chunk."""
+from __future__ import annotations
+
+import torch
+
+from tessera.ops.attention.metadata import AttentionMetadata, current_metadata
+from tessera.ops.module import OpModule
+from tessera.ops.registry import OpTarget
+
+StateShape = tuple[tuple[int, ...], torch.dtype]  # one state tensor's shape per slot, and dtype
+
+
+class RecurrentLayer(OpModule):
+    """Bound by the runner before the first step: one tensor per `state_shapes()` entry,
+    each [num_slots, *shape]."""
+
+    state: tuple[torch.Tensor, ...] | None = None
+
+    def state_shapes(self) -> list[StateShape]:
+        raise NotImplementedError
+
+    def bound_state(self) -> tuple[AttentionMetadata, tuple[torch.Tensor, ...]]:
+        if self.state is None:
+            raise RuntimeError(f"{type(self).__name__}: state not bound; the model runner binds it before "
+                               "the first step")
+        meta = current_metadata()
+        if meta.state_slots is None:
+            raise RuntimeError("a recurrent layer ran in a step without state slots")
+        return meta, self.state
+
+
+class GatedDeltaRule(RecurrentLayer):
+    """Causal conv1d + SiLU over the packed [q | k | v] rows, then the gated delta rule
+    (ops/linear_attention/delta_rule.py). State: the conv's last K - 1 inputs (model
+    dtype) and the [Hv, Dk, Dv] matrix (float32)."""
+
+    def __init__(self, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_kernel: int, target: OpTarget):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear attention: value heads ({num_v_heads}) must be a multiple of key heads "
+                             f"({num_k_heads})")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.dtype = target.dtype
+        self._conv_decode = target.op("causal_conv1d", phase="decode")
+        self._conv_prefill = target.op("causal_conv1d", phase="prefill")
+        self._rule_decode = target.op("gated_delta_rule", phase="decode")
+        self._rule_prefill = target.op("gated_delta_rule", phase="prefill")
+
+    def state_shapes(self) -> list[StateShape]:
+        return [((self.conv_dim, self.conv_kernel - 1), self.dtype),
+                ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
+
+    def forward(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """mixed_qkv: [T, conv_dim]; conv_weight: [conv_dim, K]; g (log decay), beta:
+        [T, Hv] float32 -> [T, Hv, Dv] in the model dtype."""
+        meta, (conv_state, recurrent) = self.bound_state()
+        nd = meta.num_decode_tokens
+        parts = []
+        if nd:
+            slots = meta.state_slots[:nd]
+            x = self._conv_decode(mixed_qkv[:nd], conv_weight, conv_bias, conv_state, slots)
+            parts.append(self._rule_decode(*self._split(x), g[:nd], beta[:nd], recurrent, slots))
+        if nd < mixed_qkv.shape[0]:
+            b = meta.num_decodes
+            slots, lens, fresh = meta.state_slots_list[b:], meta.query_lens_list[b:], meta.state_fresh_list[b:]
+            x = self._conv_prefill(mixed_qkv[nd:], conv_weight, conv_bias, conv_state, slots, lens, fresh)
+            parts.append(self._rule_prefill(*self._split(x), g[nd:], beta[nd:], recurrent, slots, lens, fresh))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(-1, self.num_k_heads, self.head_k_dim), k.reshape(-1, self.num_k_heads, self.head_k_dim),
+                v.reshape(-1, self.num_v_heads, self.head_v_dim))
