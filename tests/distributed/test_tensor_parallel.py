@@ -26,6 +26,8 @@ from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_gpt_oss import make_mxfp4_checkpoint, make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
+from tests.models.test_qwen3_next import CASES as QWEN3_NEXT_CASES
+from tests.models.test_qwen3_next import make_tiny_qwen3_5_image_text, make_tiny_qwen3_next
 from tests.models.test_qwen_parity import make_tiny_qwen
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -164,6 +166,10 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
     if kind == "gemma3_text":
         from tests.models.test_gemma3_parity import make as make_gemma3
         return make_gemma3(folder, tokenizer_dir, "gemma3-tied")
+    if kind in QWEN3_NEXT_CASES:  # linear attention: each rank one key head and its two value heads
+        return make_tiny_qwen3_next(kind, folder, tokenizer_dir, seed=5)
+    if kind in ("qwen3_5", "qwen3_5_moe"):
+        return make_tiny_qwen3_5_image_text(folder, tokenizer_dir, seed=5, moe=kind == "qwen3_5_moe")
     if kind in FAMILY_CASES:  # (olmo3: one KV head, replicated over the ranks)
         from tests.models.families import make_family
         return make_family(folder, tokenizer_dir, FAMILY_CASES[kind], seed=5,
@@ -176,7 +182,8 @@ FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "ol
                 "ministral3": "ministral3-yarn-temperature", "granite": "granite-tied-bias", "glm4": "glm4-gqa-bias",
                 "cohere2": "cohere2-window8-tied"}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
-       "deepseek_v2", "deepseek_v3", *FAMILY_CASES)
+       "deepseek_v2", "deepseek_v3", *FAMILY_CASES, *QWEN3_NEXT_CASES, "qwen3_5",
+       "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("kind", ZOO)

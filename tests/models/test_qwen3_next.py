@@ -1,0 +1,204 @@
+"""Tessera's Qwen3.5 (dense), Qwen3-Next and Qwen3.5-MoE against transformers on tiny random
+checkpoints: Gated DeltaNet layers (two value heads per key head, a decay and write strength
+drawn to matter) between gated full-attention layers, partial rotary, (1 + w) norms, and for
+the MoE variants routed experts with a sigmoid-gated shared expert (Qwen3-Next with one
+dense layer off its sparse grid).
+
+The recurrent state is what can go wrong here beyond the layers' arithmetic: it must carry
+over between a sequence's prefill chunks and decodes, stay apart between sequences of one
+batch, start from zero for a new or preempted sequence, and come back to the pool."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.config import ConfigError
+from tessera.ops.linear_attention import GatedDeltaRule
+
+from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
+                                 check_prefill_and_decode_logits, hf_generate, hf_logits, make_tiny,
+                                 prompt_ids)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NUM_KV_BLOCKS = 64
+PROMPT_LENGTHS = (5, 23, 90)  # 90: two delta-rule blocks of 64 in one prefill
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+            eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CASES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(MOE, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", MOE),
+}
+
+
+def _drawn_gates(model: torch.nn.Module, g: torch.Generator) -> None:
+    """Decays from fast to slow (A_log, dt_bias) and routers at scales that matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g) - 1.0)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def make_tiny_qwen3_next(kind: str, folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> torch.nn.Module:
+    import transformers
+
+    config_name, model_name, extra = CASES[kind]
+    return make_tiny(folder, tokenizer_dir, getattr(transformers, config_name), getattr(transformers, model_name),
+                     seed=seed, base={**BASE, **extra}, tweak=_drawn_gates, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_qwen3_next(request.param, folder, tiny_tokenizer_dir, seed=len(request.param))
+    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    return Case(request.param, folder, hf, llm)
+
+
+def test_layers_and_state(case: Case):
+    """Linear layers hold the recurrent core, attention layers the KV cache; the state is
+    one slot per max_num_seqs; prefix caching is off."""
+    engine = case.llm.engine
+    layers = engine.runner.model.model.layers
+    assert [layer.is_linear for layer in layers] == [True, False, True, False]
+    assert len(engine.runner.attn_layers) == 2 and len(engine.runner.state_layers) == 2
+    conv_state, recurrent = layers[0].linear_attn.core.state
+    slots = engine.config.scheduler.max_num_seqs
+    assert conv_state.shape == (slots, 2 * 2 * 16 + 4 * 8, 3) and recurrent.shape == (slots, 4, 16, 8)
+    assert recurrent.dtype == torch.float32
+    assert not engine.block_manager.enable_prefix_caching
+    torch.testing.assert_close(layers[0].linear_attn.A_log, case.hf.model.layers[0].linear_attn.A_log)
+    core = engine.runner.state_layers[0]
+    assert isinstance(core, GatedDeltaRule) and (core.num_k_heads, core.num_v_heads) == (2, 4)
+
+
+def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
+
+
+def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
+    assert sorted(case.llm.engine.scheduler.free_state_slots) == list(range(case.llm.engine.config.scheduler.max_num_seqs))
+
+
+def test_chunked_prefill_matches(case: Case, monkeypatch):
+    """16-token steps: each prompt's chunks continue its conv and delta-rule states."""
+    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
+
+
+def test_prompt_logprobs_match(case: Case):
+    prompt = prompt_ids(70, seed=8)
+    out = case.llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    want = hf_logits(case.hf, prompt).log_softmax(-1)
+    got = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    expected = want[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert (got - expected).abs().max() < 1e-4
+
+
+def test_preempted_sequences_restart_their_state(tmp_path, tiny_tokenizer_dir):
+    """Six blocks of 16 tokens for three 40-token prompts growing to 72: sequences are
+    preempted and recomputed; a recomputed sequence's state starts over, so the tokens still
+    equal transformers'."""
+    hf = make_tiny_qwen3_next("qwen3_5_text", tmp_path / "m", tiny_tokenizer_dir, seed=3)
+    llm = LLM(tmp_path / "m", dtype="float32", num_kv_blocks=8, show_progress=False)
+    prompts = [prompt_ids(40, seed=s) for s in (11, 12, 13)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [hf_generate(hf, p, 32) for p in prompts]
+    assert len(llm.engine.scheduler.free_state_slots) == llm.engine.config.scheduler.max_num_seqs
+
+
+def test_parallel_samples_keep_their_own_state(case: Case):
+    """n = 3 seeded samples of one prompt: each is the same as that seed's request alone
+    (siblings run together without sharing a state slot)."""
+    prompt = prompt_ids(30, seed=9)
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    together = [c.token_ids for c in case.llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+    alone = [case.llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=5 + i, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids for i in range(3)]
+    assert together == alone and len({tuple(t) for t in together}) > 1
+
+
+def test_bf16_stays_close(case: Case):
+    """bf16 weights, activations and conv state (the delta-rule state stays float32): the
+    logprobs of a prompt and its continuation stay within bf16 noise of float32 transformers."""
+    llm = LLM(case.folder, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    assert llm.engine.runner.state_layers[0].state[0].dtype == torch.bfloat16
+    prompt = prompt_ids(80, seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    want = hf_logits(case.hf, prompt + tokens).log_softmax(-1)
+    got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+    got += [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
+    expected = want[:-1].gather(1, torch.tensor(prompt[1:] + tokens)[:, None])[:, 0]
+    assert (torch.tensor(got) - expected).abs().max() < 0.15
+
+
+def test_speculative_decoding_is_refused(case: Case):
+    with pytest.raises(ConfigError, match="speculative decoding is not supported"):
+        LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_the_decay_matters(case: Case):
+    """Guards the fixture: with every linear layer's decay rate (A_log) changed,
+    transformers' logits move far past the tolerance, so the parity above holds only because
+    tessera's recurrence reads it."""
+    prompt = prompt_ids(40, seed=5)
+    before = hf_logits(case.hf, prompt)
+    layer = case.hf.model.layers[0].linear_attn
+    saved = layer.A_log.detach().clone()
+    try:
+        with torch.no_grad():
+            layer.A_log.add_(2.0)
+        assert (hf_logits(case.hf, prompt) - before).abs().max() > 1e-2
+    finally:
+        with torch.no_grad():
+            layer.A_log.copy_(saved)
+
+
+
+def make_tiny_qwen3_5_image_text(folder: Path, tokenizer_dir: Path, seed: int = 0, moe: bool = False) -> torch.nn.Module:
+    """A Qwen3.5 image-text checkpoint (qwen3_5 or qwen3_5_moe, as every Qwen3.5 release
+    is) around BASE's language model, with a one-block vision tower."""
+    import transformers
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16)
+    torch.manual_seed(seed)
+    config_cls, model_cls = ((transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration) if moe
+                             else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration))
+    config = config_cls(text_config={**BASE, **(MOE if moe else {})}, vision_config=vision, tie_word_embeddings=False)
+    hf = model_cls(config).eval()
+    hf.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return hf
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_image_text_checkpoint_serves_its_language_model(moe, tmp_path, tiny_tokenizer_dir):
+    """tessera serves a qwen3_5 checkpoint's language model under model.language_model (the
+    vision tower is skipped): its prompt logprobs equal transformers' image-text model's on
+    text."""
+    hf = make_tiny_qwen3_5_image_text(tmp_path, tiny_tokenizer_dir, moe=moe)
+    llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    assert not llm.engine.supports_images
+    prompt = prompt_ids(30, seed=1)
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    want = hf_logits(hf, prompt).log_softmax(-1)
+    got = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    assert (got - want[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]).abs().max() < 1e-4
