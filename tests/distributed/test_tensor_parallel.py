@@ -27,7 +27,7 @@ from tests.models.test_gpt_oss import make_mxfp4_checkpoint, make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen3_next import CASES as QWEN3_NEXT_CASES
-from tests.models.test_qwen3_next import make_tiny_qwen3_5_image_text, make_tiny_qwen3_next
+from tests.models.test_qwen3_next import make_tiny_qwen3_next
 from tests.models.test_qwen_parity import make_tiny_qwen
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,8 +168,6 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         return make_gemma3(folder, tokenizer_dir, "gemma3-tied")
     if kind in QWEN3_NEXT_CASES:  # linear attention: each rank one key head and its two value heads
         return make_tiny_qwen3_next(kind, folder, tokenizer_dir, seed=5)
-    if kind in ("qwen3_5", "qwen3_5_moe"):
-        return make_tiny_qwen3_5_image_text(folder, tokenizer_dir, seed=5, moe=kind == "qwen3_5_moe")
     if kind in FAMILY_CASES:  # (olmo3: one KV head, replicated over the ranks)
         from tests.models.families import make_family
         return make_family(folder, tokenizer_dir, FAMILY_CASES[kind], seed=5,
@@ -182,8 +180,7 @@ FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "ol
                 "ministral3": "ministral3-yarn-temperature", "granite": "granite-tied-bias", "glm4": "glm4-gqa-bias",
                 "cohere2": "cohere2-window8-tied"}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
-       "deepseek_v2", "deepseek_v3", *FAMILY_CASES, *QWEN3_NEXT_CASES, "qwen3_5",
-       "qwen3_5_moe")
+       "deepseek_v2", "deepseek_v3", *FAMILY_CASES, *QWEN3_NEXT_CASES)
 
 
 @pytest.mark.parametrize("kind", ZOO)
@@ -201,7 +198,7 @@ def test_gpt_oss_mxfp4_stacks_tp2_match_transformers(tmp_path, tiny_tokenizer_di
 
 
 @pytest.mark.parametrize("kind", ["llava", "llava_next", "idefics3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-                                  "gemma3"])
+                                  "gemma3", "qwen3_5", "qwen3_5_moe"])
 def test_images_tp2_equal_tp1(kind, tmp_path):
     """Image features (and M-RoPE's 3-D positions) reach every rank: the same greedy tokens
     as one rank for prompts with images, text alone, and 8-token chunks that split images."""
@@ -212,9 +209,11 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
             "idefics3": checkpoints.make_tiny_idefics3, "mistral3": checkpoints.make_tiny_mistral3,
             "qwen2_5_vl": checkpoints.make_tiny_qwen2_vl, "qwen3_vl": checkpoints.make_tiny_qwen3_vl,
             "qwen3_vl_moe": functools.partial(checkpoints.make_tiny_qwen3_vl, moe=True),
-            "gemma3": checkpoints.make_tiny_gemma3}[kind]
+            "gemma3": checkpoints.make_tiny_gemma3, "qwen3_5": checkpoints.make_tiny_qwen3_5_vl,
+            "qwen3_5_moe": functools.partial(checkpoints.make_tiny_qwen3_5_vl, moe=True)}[kind]
     make(tmp_path, TINY_CORPUS, seed=3)
     placeholder = {"qwen2_5_vl": checkpoints.QWEN_IMAGE, "qwen3_vl": checkpoints.QWEN_IMAGE,
+                   "qwen3_5": checkpoints.QWEN_IMAGE, "qwen3_5_moe": checkpoints.QWEN_IMAGE,
                    "qwen3_vl_moe": checkpoints.QWEN_IMAGE, "mistral3": "[IMG]",
                    "gemma3": checkpoints.GEMMA3_IMAGE}.get(kind, "<image>")
     random_image = checkpoints.random_image
@@ -231,7 +230,7 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
 
 def test_every_native_type_claims_tensor_parallel():
     tested = {"llama", *ZOO, "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-              "qwen3_vl_moe", "gemma3"}
+              "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 
 

@@ -171,34 +171,3 @@ def test_the_decay_matters(case: Case):
             layer.A_log.copy_(saved)
 
 
-
-def make_tiny_qwen3_5_image_text(folder: Path, tokenizer_dir: Path, seed: int = 0, moe: bool = False) -> torch.nn.Module:
-    """A Qwen3.5 image-text checkpoint (qwen3_5 or qwen3_5_moe, as every Qwen3.5 release
-    is) around BASE's language model, with a one-block vision tower."""
-    import transformers
-
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  num_position_embeddings=16)
-    torch.manual_seed(seed)
-    config_cls, model_cls = ((transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration) if moe
-                             else (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration))
-    config = config_cls(text_config={**BASE, **(MOE if moe else {})}, vision_config=vision, tie_word_embeddings=False)
-    hf = model_cls(config).eval()
-    hf.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
-    return hf
-
-
-@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
-def test_image_text_checkpoint_serves_its_language_model(moe, tmp_path, tiny_tokenizer_dir):
-    """tessera serves a qwen3_5 checkpoint's language model under model.language_model (the
-    vision tower is skipped): its prompt logprobs equal transformers' image-text model's on
-    text."""
-    hf = make_tiny_qwen3_5_image_text(tmp_path, tiny_tokenizer_dir, moe=moe)
-    llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    assert not llm.engine.supports_images
-    prompt = prompt_ids(30, seed=1)
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    want = hf_logits(hf, prompt).log_softmax(-1)
-    got = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
-    assert (got - want[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]).abs().max() < 1e-4

@@ -259,6 +259,44 @@ def make_tiny_qwen3_vl(folder: Path, corpus: list[str], seed: int = 0, moe: bool
     return model
 
 
+def make_tiny_qwen3_5_vl(folder: Path, corpus: list[str], seed: int = 0, moe: bool = False) -> torch.nn.Module:
+    """A Qwen3.5 checkpoint (qwen3_5, or qwen3_5_moe with `moe`): Qwen3-VL's vision
+    transformer without DeepStack, and a Qwen3.5 language model of Gated DeltaNet and gated
+    attention layers (linear, full, linear, full) whose rotary turns a quarter of each
+    32-wide head, in interleaved M-RoPE sections (2, 1, 1)."""
+    from transformers import (Qwen2VLImageProcessor, Qwen3_5Config, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+
+    tokenizer = bpe_tokenizer(corpus, QWEN_SPECIALS)
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    text = dict(TEXT_CONFIG, num_hidden_layers=4, head_dim=32, intermediate_size=96,
+                layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+    config_cls, model_cls = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
+                             else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # decays that matter (the default init decays slowly and evenly)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(0.5 * torch.randn(p.shape) - 1.0)
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=64 * 64,
+                          max_pixels=32 * 32 * 64).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
 def _qwen_inputs(folder: Path, text: str, images: list, add_special_tokens: bool) -> tuple[list[int], dict]:
     """A Qwen VL prompt's ids and image inputs as transformers' Qwen processor makes them
     (each <|image_pad|> repeated per merged patch)."""

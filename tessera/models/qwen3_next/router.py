@@ -1,12 +1,9 @@
-import logging
-
-from transformers import AutoConfig, PretrainedConfig
-
 from tessera.models.base import BaseRouter
+from tessera.models.qwen2_vl.processing import QwenVLImagePrompts
 from tessera.models.qwen3_next.modeling import Qwen3NextForCausalLM
 from tessera.models.qwen3_next.moe import Qwen3NextMoeForCausalLM
-
-logger = logging.getLogger(__name__)
+from tessera.models.qwen3_next.vision_language import Qwen3_5MoeVLForCausalLM, Qwen3_5VLForCausalLM
+from tessera.models.vision_language import VisionLanguageRouter
 
 
 class Qwen3_5Router(BaseRouter):
@@ -24,25 +21,24 @@ class Qwen3NextRouter(BaseRouter):
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
 
 
-class _TextOnly:
-    """Qwen3.5's image-text checkpoints, served as their language model: images are not
-    supported yet (the vision tower's weights are not loaded)."""
-
-    def get_config(self) -> PretrainedConfig:
-        full = AutoConfig.from_pretrained(str(self.metadata_dir))
-        logger.warning("%s: serving the language model only; requests with images are refused", full.model_type)
-        text = full.text_config
-        if getattr(full, "eos_token_id", None) is not None:
-            text.eos_token_id = full.eos_token_id
-        return text
-
-
-class Qwen3_5TextOnlyRouter(_TextOnly, Qwen3_5Router):
+class Qwen3_5VLRouter(VisionLanguageRouter):
+    """Qwen3.5's image-text checkpoints (every Qwen3.5 release): Qwen3-VL's vision
+    transformer without DeepStack (transformers' modules) and the native Qwen3.5 language
+    model with interleaved M-RoPE positions. Images only (no video yet)."""
     model_types = ("qwen3_5",)
-    supports_tensor_parallel = True  # as its language model's
+    supports_images = True  # tests/multimodal/test_qwen3_5_vl.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    image_prompts_cls = QwenVLImagePrompts
+
+    def language_model_cls(self):
+        return Qwen3_5VLForCausalLM
 
 
-class Qwen3_5MoeTextOnlyRouter(_TextOnly, Qwen3NextRouter):
+class Qwen3_5MoeVLRouter(Qwen3_5VLRouter):
     model_types = ("qwen3_5_moe",)
-    is_moe = True
-    supports_tensor_parallel = True  # as its language model's
+    supports_images = True  # tests/multimodal/test_qwen3_5_vl.py
+    is_moe = True  # tests/multimodal/test_qwen3_5_vl.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+
+    def language_model_cls(self):
+        return Qwen3_5MoeVLForCausalLM

@@ -16,11 +16,12 @@ from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import MRotaryEmbedding
 
 
-def interleaved_mrope(config: PretrainedConfig, target: OpTarget) -> MRotaryEmbedding:
+def interleaved_mrope(config: PretrainedConfig, target: OpTarget, rotary_dim: int | None = None) -> MRotaryEmbedding:
+    """`rotary_dim`: the dimensions turned, when not the whole head (Qwen3.5's quarter)."""
     params, section = mrope_parameters(config)
     interleaved = bool(params.pop("mrope_interleaved", True))  # every Qwen3-VL interleaves
-    return MRotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params, target, section,
-                            interleaved=interleaved)
+    return MRotaryEmbedding(rotary_dim or head_dim_of(config), config.max_position_embeddings, params, target,
+                            section, interleaved=interleaved)
 
 
 class DeepStackForward:
