@@ -3,11 +3,13 @@ token is sampled (or prompt logprobs are wanted), and samples. Owns the KV cache
 and binds them to the model's attention layers, and the recurrent layers' state slots."""
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
 from torch import nn
 
+from tessera.config import ConfigError
 from tessera.distributed.channel import Command, StepChannel
 from tessera.engine.scheduler import ScheduledSeq
 from tessera.lora.adapter import LoRAAdapter
@@ -91,9 +93,18 @@ class ModelRunner:
         measures what is left for the KV cache)."""
         if num_slots <= 0:
             raise ValueError(f"{type(self.model).__name__} has recurrent layers: it needs state slots")
-        for layer in self.state_layers:
-            layer.state = tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=self.device)
-                                for shape, dtype in layer.state_shapes())
+        per_slot = sum(math.prod(shape) * dtype.itemsize for layer in self.state_layers
+                       for shape, dtype in layer.state_shapes())
+        try:
+            for layer in self.state_layers:
+                layer.state = tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=self.device)
+                                    for shape, dtype in layer.state_shapes())
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            for layer in self.state_layers:
+                layer.state = None
+            raise ConfigError(f"the recurrent layers' state for {num_slots} sequences needs "
+                              f"{num_slots * per_slot / 2**30:.1f} GiB ({per_slot / 2**20:.1f} MiB a sequence), "
+                              f"more than there is: lower --max-num-seqs") from exc
         self.num_state_slots = num_slots
 
     def state_bytes(self) -> int:
