@@ -47,6 +47,19 @@ PRESETS["gpt-oss-20b"] = dict(
     rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
     torch_dtype="bfloat16", use_cache=True, vocab_size=201088)
 
+# Qwen/Qwen3.5-0.8B's language model (its text_config; the release is an image-text model):
+# 18 Gated DeltaNet layers and 6 gated attention layers
+PRESETS["qwen3.5-0.8b"] = dict(
+    architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_act="silu", hidden_size=1024,
+    intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+    attention_bias=False, attn_output_gate=True, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+    max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=248320,
+    eos_token_id=248044, torch_dtype="bfloat16",
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
 # Qwen/Qwen3-Embedding-0.6B (an embedding model: last-token pooling, normalized)
 PRESETS["qwen3-embedding-0.6b"] = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", attention_bias=False,

@@ -5,7 +5,8 @@ memory's bandwidth. `tessera bench latency` prints each TPOT beside that floor.
 A mixture of experts reads only the experts its tokens are routed to: one token top_k of
 num_experts per layer; a batch of B tokens, routed independently and uniformly, the
 expected share 1 - (1 - top_k / num_experts)^B of them. A sliding-window layer reads at most
-its window of each sequence's cached tokens.
+its window of each sequence's cached tokens. A recurrent layer (linear attention) reads and
+writes its fixed-size state of each sequence once a step, whatever the context.
 
 Bandwidth is measured as NVIDIA's bandwidthTest does for device-to-device copies: a 1 GiB
 copy, (read + written) bytes over the time. On a CPU the same copy also pays for
@@ -33,13 +34,14 @@ class Roofline:
     expert_share: float = 0.0  # of them one token reads (top_k / num_experts)
     # (window, K and V bytes of one cached token in the layers with that window)
     windowed_kv: tuple[tuple[int, int], ...] = ()
+    state_bytes_per_seq: int = 0  # recurrent layers' state of one sequence (read and written)
 
     def step_ms(self, batch: int, mean_context: float) -> float:
         """The fastest a decode step of `batch` rows, each attending to `mean_context`
         cached tokens on average, can be: its bytes over the bandwidth."""
         experts = self.expert_bytes * (1 - (1 - self.expert_share) ** batch)
         kv = mean_context * self.kv_bytes_per_token + sum(min(mean_context, w) * b for w, b in self.windowed_kv)
-        total = self.weight_bytes + experts + batch * kv
+        total = self.weight_bytes + experts + batch * (kv + 2 * self.state_bytes_per_seq)
         return total / (self.bandwidth_gbs * 1e9) * 1e3
 
 
@@ -105,5 +107,7 @@ def engine_roofline(engine) -> Roofline:
             full += per_token
         else:
             windowed[layer.sliding_window] = windowed.get(layer.sliding_window, 0) + per_token
+    state = runner.state_bytes() // runner.num_state_slots if runner.state_layers else 0
     return Roofline(bandwidth_gbs=copy_bandwidth_gbs(runner.device), weight_bytes=dense, kv_bytes_per_token=full,
-                    expert_bytes=experts, expert_share=share, windowed_kv=tuple(sorted(windowed.items())))
+                    expert_bytes=experts, expert_share=share, windowed_kv=tuple(sorted(windowed.items())),
+                    state_bytes_per_seq=state)

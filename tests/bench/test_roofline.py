@@ -74,3 +74,20 @@ def test_latency_bench_reports_the_roofline(make_tiny_llama, tmp_path, capsys):
         assert row["roofline_pct"] == pytest.approx(100 * row["roofline_ms"] / row["tpot_ms"])
     assert data["results"][1]["roofline_ms"] > data["results"][0]["roofline_ms"]  # more KV read
     assert "roofline_pct" in capsys.readouterr().out
+
+
+def test_recurrent_state_is_read_and_written_by_every_row(tmp_path, tiny_tokenizer_dir):
+    """A hybrid model's floor counts each sequence's whole state twice a step, whatever its
+    context, and the K/V of its attention layers only."""
+    from tessera.bench.roofline import engine_roofline
+    from tests.models.test_qwen3_next import make_tiny_qwen3_next
+
+    make_tiny_qwen3_next("qwen3_5_text", tmp_path, tiny_tokenizer_dir)
+    with LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, max_num_seqs=4, show_progress=False) as llm:
+        roof = engine_roofline(llm.engine)
+    conv, matrix = (2 * 2 * 16 + 4 * 8) * 3 * 4, 4 * 16 * 8 * 4  # per linear layer (2 of them), fp32
+    assert roof.state_bytes_per_seq == 2 * (conv + matrix)
+    assert roof.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # the 2 attention layers' K and V
+    extra = roof.step_ms(3, 10) - roof.step_ms(3, 0)
+    assert roof.step_ms(3, 0) - roof.step_ms(2, 0) == pytest.approx(2 * roof.state_bytes_per_seq / roof.bandwidth_gbs / 1e6)
+    assert extra == pytest.approx(3 * 10 * roof.kv_bytes_per_token / roof.bandwidth_gbs / 1e6)
