@@ -8,6 +8,7 @@ model type is named here.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -21,6 +22,7 @@ from tessera.models.registry import get_router, router_classes
 from tessera.ops import registry
 from tessera.ops.attention import Attention
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
+from tessera.ops.linear_attention import RecurrentLayer
 from tessera.ops.cpu.build import isa_description, unavailable_reason
 from tessera.ops.registry import OpChoice, OpTarget
 from tessera.platform import cpu_bf16_reason, resolve_dtype
@@ -114,6 +116,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     build_s = time.perf_counter() - started
     attn = [m for m in model.modules() if isinstance(m, Attention)]
     per_token = sum(a.cache_tensors * a.num_kv_heads * a.head_size * a.cache_dtype.itemsize for a in attn)
+    recurrent = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
+    state_bytes = sum(math.prod(shape) * dtype.itemsize for layer in recurrent for shape, dtype in layer.state_shapes())
     heads = cfg.num_attention_heads
     return {
         "source": {"kind": router.source.kind, "path": str(router.source.path), "name": router.source.name},
@@ -146,6 +150,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         "kv_cache": {"block_size": block_size, "attention_layers": len(attn),
                      "dtype": str(attn[0].cache_dtype).removeprefix("torch.") if attn else None,
                      "bytes_per_token": per_token, "bytes_per_block": per_token * block_size},
+        # linear attention: a fixed-size state per running sequence, whatever its length
+        "recurrent_state": {"layers": len(recurrent), "bytes_per_sequence": state_bytes} if recurrent else None,
     }
 
 
@@ -174,6 +180,9 @@ def format_report(info: dict[str, Any]) -> str:
            else " (weights not loaded)") + f", built in {info['build_seconds']:.2f}s",
         f"kv cache:     {kv['dtype']}, block_size {kv['block_size']}, {kv['attention_layers']} attention layers, "
         f"{kv['bytes_per_token']:,} bytes/token, {kv['bytes_per_block']:,} bytes/block",
+        *([f"state:        {state['layers']} recurrent (linear attention) layers, "
+           f"{state['bytes_per_sequence']:,} bytes/sequence (one slot per --max-num-seqs)"]
+          if (state := info.get("recurrent_state")) else []),
         "ops:",
     ]
     for op in info["ops"]:

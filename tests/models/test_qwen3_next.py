@@ -171,3 +171,14 @@ def test_the_decay_matters(case: Case):
             layer.A_log.copy_(saved)
 
 
+
+
+def test_inspect_reports_the_state(case: Case):
+    from tessera.config import ModelConfig
+    from tessera.inspection import format_report, inspect_model
+
+    info = inspect_model(ModelConfig(model=str(case.folder), dtype="float32"), load=False)
+    conv, matrix = (2 * 2 * 16 + 4 * 8) * 3 * 4, 4 * 16 * 8 * 4
+    assert info["recurrent_state"] == {"layers": 2, "bytes_per_sequence": 2 * (conv + matrix)}
+    assert info["kv_cache"]["attention_layers"] == 2
+    assert "2 recurrent (linear attention) layers" in format_report(info)
