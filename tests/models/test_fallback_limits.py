@@ -1,6 +1,6 @@
 """What the transformers fallback refuses, and head scalings it must apply as each model's
 own forward does: models whose attention bypasses transformers' attention interface
-(Falcon, Mamba) are refused before loading; attention sinks (gpt-oss) are refused rather
+(Falcon, Mamba) and hybrids with state-space layers (Granite 4) are refused before loading; attention sinks (gpt-oss) are refused rather
 than dropped; HyperCLOVAX multiplies its logits by logits_scaling where Granite divides."""
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def test_models_that_compute_attention_themselves_are_refused(kind, tiny_tokeniz
     make_tiny(tmp_path, tiny_tokenizer_dir, config_cls, model_cls, base=dict(
         vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4))
     with pytest.raises(ValueError, match="attention interface"):
+        load(tmp_path)
+
+
+def test_hybrid_state_space_models_are_refused_before_loading(tiny_tokenizer_dir, tmp_path):
+    """Granite 4's hybrid (Mamba-2 and attention layers): the fallback would run its Mamba
+    layers without their state between steps, so it refuses from the config, naming them."""
+    import transformers as T
+
+    make_tiny(tmp_path, tiny_tokenizer_dir, T.GraniteMoeHybridConfig, T.GraniteMoeHybridForCausalLM, base={
+        **BASE, "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+        "mamba_n_groups": 1, "mamba_expand": 1, "num_local_experts": 0, "shared_intermediate_size": 96})
+    with pytest.raises(ValueError, match="recurrent state between steps"):
         load(tmp_path)
 
 

@@ -74,6 +74,13 @@ class TransformersRouter(BaseRouter):
             raise FallbackUnsupportedError(
                 f"{model_cls.__name__}'s attention does not go through transformers' attention "
                 "interface, so tessera's paged attention cannot run it")
+        recurrent = sorted({t for t in getattr(cfg, "layer_types", None) or ()
+                            if isinstance(t, str) and ("attention" not in t or t.startswith("linear"))})
+        if recurrent:
+            raise FallbackUnsupportedError(
+                f"{cfg.model_type!r} has {', '.join(recurrent)} layers, which keep a recurrent state between steps "
+                "that the fallback does not carry; hybrid models need a native folder (qwen3_next, qwen3_5: "
+                "`tessera models` lists them)")
         if not getattr(cfg, "num_attention_heads", None):
             raise FallbackUnsupportedError(f"{cfg.model_type!r} has no attention heads in its config "
                                            "(a state-space or hybrid model?); only attention models are served")
