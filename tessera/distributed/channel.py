@@ -33,8 +33,8 @@ class Command(enum.IntEnum):
 # LoRA segments (for LOAD_LORA: the length of the adapter's bytes), image rows, their
 # features' width, whether they have 3-D (M-RoPE) positions, whether the prefill rows have
 # key limits (an image attending to itself), whether the rows have state slots (recurrent
-# layers)
-HEADER_LEN = 16
+# layers), and how many state copies come before and after the forward (their snapshots)
+HEADER_LEN = 18
 
 
 @dataclass
@@ -64,7 +64,8 @@ class StepChannel:
                                        0 if images is None else images.shape[0],
                                        0 if images is None else images.shape[1],
                                        int(inputs.image_positions is not None),
-                                       int(a.key_limits is not None), int(a.state_slots is not None)])
+                                       int(a.key_limits is not None), int(a.state_slots is not None),
+                                       len(inputs.state_restores), len(inputs.state_saves)])
             segments = torch.tensor(inputs.lora_segments, dtype=torch.long).flatten()
             parts = [inputs.input_ids.long(), inputs.positions.long(), a.slot_mapping.long(),
                      a.block_tables.long().flatten(), a.seq_lens.long(),
@@ -77,6 +78,7 @@ class StepChannel:
                 parts.append(a.key_limits.long())
             if a.state_slots is not None:
                 parts += [a.state_slots.long(), torch.tensor(a.state_fresh_list, dtype=torch.long)]
+            parts.append(torch.tensor(inputs.state_restores + inputs.state_saves, dtype=torch.long).flatten())
             payload = torch.cat([p.to(self.device) for p in parts])
         dist.broadcast(header.to(self.device), src=0)
         if payload is not None:
@@ -98,7 +100,7 @@ class StepChannel:
         header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
         dist.broadcast(header, src=0)
         (command, arg, tokens, seqs, width, decodes, rows, max_block, padded, prompt_rows, num_segments,
-         image_rows, image_width, image_3d, limited, stateful) = header.tolist()
+         image_rows, image_width, image_3d, limited, stateful, restores, saves) = header.tolist()
         command = Command(command)
         if command == Command.LOAD_LORA:
             data = torch.empty(tokens, dtype=torch.uint8, device=self.device)
@@ -108,11 +110,11 @@ class StepChannel:
             return Received(command, arg)
         sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 3 * num_segments,
                  image_rows, 3 * image_rows * image_3d, (tokens - decodes) * limited, seqs * stateful,
-                 seqs * stateful]
+                 seqs * stateful, 2 * (restores + saves)]
         payload = torch.empty(sum(sizes), dtype=torch.long, device=self.device)
         dist.broadcast(payload, src=0)
         (ids, positions, slots, tables, seq_lens, starts, lm_rows, segments, rows_of_images, image_positions,
-         key_limits, state_slots, state_fresh) = payload.split(sizes)
+         key_limits, state_slots, state_fresh, state_copies) = payload.split(sizes)
         seq_lens_list, starts_list = seq_lens.tolist(), starts.tolist()
         attn = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.view(seqs, width).int(),
@@ -127,6 +129,8 @@ class StepChannel:
         inputs = ModelInputs(
             ids, positions, attn, lm_rows, [], max_block, num_prompt_logit_rows=prompt_rows,
             lora_segments=lora_segments, lora_row_slots=row_slots_for(lora_segments, tokens, self.device))
+        copies = [tuple(pair) for pair in state_copies.view(-1, 2).tolist()]
+        inputs.state_restores, inputs.state_saves = copies[:restores], copies[restores:]
         if image_rows:
             inputs.image_rows = rows_of_images
             inputs.image_embeds = torch.empty(image_rows, image_width, dtype=torch.float32, device=self.device)

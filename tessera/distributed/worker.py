@@ -14,6 +14,7 @@ from tessera.config import EngineConfig
 from tessera.distributed.channel import Command, StepChannel
 from tessera.distributed.launcher import RankInfo, init_rank, launched_rank_info, rank_device
 from tessera.engine.pooling_requests import resolve_pooler
+from tessera.engine.state_cache import num_state_slots
 from tessera.models.registry import get_router
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
@@ -51,7 +52,8 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
     dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
                           config.model.quantization)
     runner = ModelRunner(model, config.cache.block_size, device, dtype, sampler=None,
-                         num_state_slots=config.scheduler.max_num_seqs)
+                         num_state_slots=num_state_slots(config.scheduler.max_num_seqs,
+                                                         config.cache.enable_prefix_caching))
     lora = config.lora
     if lora.enable_lora:
         runner.enable_lora(lora.max_loras, lora.max_lora_rank)

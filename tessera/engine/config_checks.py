@@ -47,14 +47,14 @@ def check_engine_config(config: EngineConfig, router: BaseRouter, max_model_len:
 def check_recurrent_model(config: EngineConfig, runner: ModelRunner) -> None:
     """A model with recurrent layers (linear attention) keeps one state per sequence, which
     only moves forward: a draft token rejected after it was written cannot be taken back,
-    and a cached prefix's KV blocks come without the state at their end. So speculative
-    decoding is refused and prefix caching is off (vLLM's first hybrid models did the same)."""
+    so speculative decoding is refused. (Prefix caching keeps snapshots of the state at
+    block boundaries: engine/state_cache.py.)"""
     if not runner.state_layers:
         return
     if config.speculative.enabled:
         raise ConfigError(f"{type(runner.model).__name__} has recurrent (linear attention) layers, whose state "
                           "cannot roll back rejected draft tokens: speculative decoding is not supported for it")
-    if config.cache.enable_prefix_caching:
-        logger.info("prefix caching is off: %s has recurrent (linear attention) layers, and a cached prefix "
-                    "does not hold their state", type(runner.model).__name__)
-    logger.info("recurrent state: %d slots, %.1f MiB", runner.num_state_slots, runner.state_bytes() / 2**20)
+    seqs = config.scheduler.max_num_seqs
+    logger.info("recurrent state: %d slots (%d running sequences%s), %.1f MiB", runner.num_state_slots, seqs,
+                f", {runner.num_state_slots - seqs} prefix-cache snapshots" if runner.num_state_slots > seqs else "",
+                runner.state_bytes() / 2**20)

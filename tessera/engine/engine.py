@@ -32,6 +32,7 @@ from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup
 from tessera.engine.config_checks import check_recurrent_model
 from tessera.engine.speculation import find_draft_model, load_draft_model, make_proposer
+from tessera.engine.state_cache import StateCache, num_state_slots
 from tessera.engine.stats import EngineStats
 from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
@@ -97,7 +98,8 @@ class Engine(LoRAMethods, PoolingRequests):
                                   ranks_sharing_memory=tp if self.device.type == "cpu" else 1,
                                   decode_graphs=self._decode_graphs(config) and not pooling,
                                   pooler=Pooler(self.pooler_config) if pooling else None,
-                                  num_state_slots=config.scheduler.max_num_seqs)
+                                  num_state_slots=num_state_slots(config.scheduler.max_num_seqs,
+                                                                  config.cache.enable_prefix_caching))
         check_recurrent_model(config, self.runner)
         lora = config.lora
         self.loras = LoRARegistry(self.model, lora.max_lora_rank, self.dtype) if lora.enable_lora else None
@@ -117,9 +119,12 @@ class Engine(LoRAMethods, PoolingRequests):
                                       self.num_blocks, self.max_model_len)
         recurrent = bool(self.runner.state_layers)
         self.block_manager = BlockManager(self.num_blocks, config.cache.block_size,
-                                          enable_prefix_caching=config.cache.enable_prefix_caching and not recurrent)
+                                          enable_prefix_caching=config.cache.enable_prefix_caching)
+        seqs = config.scheduler.max_num_seqs  # snapshots take the slots after the running sequences'
+        state_cache = StateCache(seqs, seqs) if recurrent and config.cache.enable_prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   max_loras=lora.max_loras if lora.enable_lora else None, state_slots=recurrent)
+                                   max_loras=lora.max_loras if lora.enable_lora else None, state_slots=recurrent,
+                                   state_cache=state_cache)
         self.output_processor = OutputProcessor(self.tokenizer, self.router.eos_token_ids)
         # request id -> its first sequence (`seq.group` holds all n / best_of of them)
         self.requests: dict[str, Sequence] = {}
@@ -239,7 +244,10 @@ class Engine(LoRAMethods, PoolingRequests):
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefixes no request holds (vLLM's call of this name refuses
-        while blocks are in use; this resets what it can); returns the blocks forgotten."""
+        while blocks are in use; this resets what it can); returns the blocks forgotten.
+        A model with recurrent layers forgets its state snapshots too."""
+        if self.scheduler.state_cache is not None:
+            self.scheduler.state_cache.reset()
         return self.block_manager.reset_prefix_cache()
 
     def reset_mm_cache(self) -> int:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from tessera.config import SchedulerConfig
 from tessera.engine.block_manager import BlockManager, PrefixMatch
 from tessera.engine.sequence import Sequence, SequenceStatus
+from tessera.engine.state_cache import StateCache
 
 
 @dataclass
@@ -58,6 +59,10 @@ class ScheduledSeq:
     # speculative decoding: proposed tokens after the sequence's own (the last of the
     # num_new_tokens); the step samples after each of them too, to verify them
     draft_token_ids: list[int] = field(default_factory=list)
+    # recurrent layers with prefix caching (engine/state_cache.py): the snapshot slot copied
+    # into the sequence's own before this step, and the one its state is saved to after it
+    restore_from: int | None = None
+    save_to: int | None = None
 
     @property
     def num_real_tokens(self) -> int:
@@ -88,9 +93,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int | None = None,
-                 state_slots: bool = False):
-        """`state_slots`: the model has recurrent layers; running sequences get state slots."""
+                 state_slots: bool = False, state_cache: StateCache | None = None):
+        """`state_slots`: the model has recurrent layers; running sequences get state slots.
+        `state_cache`: their snapshots at block boundaries, for prefix caching."""
         self.config = config
+        self.state_cache = state_cache
         self.free_state_slots: list[int] | None = list(range(config.max_num_seqs - 1, -1, -1)) if state_slots else None
         self.blocks = block_manager
         self.max_loras = max_loras
@@ -142,7 +149,7 @@ class Scheduler:
             n = min(remaining, budget)
             if not self.config.enable_chunked_prefill and n < remaining:
                 break
-            n = seq.chunk_size(seq.num_computed_tokens, n)
+            n = seq.chunk_size(seq.num_computed_tokens, self._state_aligned(seq, seq.num_computed_tokens, n))
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self._victim()
                 at = self.running.index(victim)
@@ -159,7 +166,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # `seq` itself went (the one at `i` is now the next)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(self._planned(ScheduledSeq(seq, n)))
             budget -= n
             i += 1
         if out.preempted:
@@ -175,13 +182,16 @@ class Scheduler:
                 continue
             # prompt logprobs (and mean pooling) need every prompt position: no cached prefix then
             match = (PrefixMatch([], [], 0) if seq.computes_whole_prompt
-                     else self.blocks.match_prefix(seq))
+                     else self._with_state(self.blocks.match_prefix(seq)))
             cached = len(match.blocks) * self.blocks.block_size
             n = seq.num_tokens - cached
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = seq.chunk_size(cached, budget)
+            aligned = self._state_aligned(seq, cached, n)
+            if aligned != n:
+                n = seq.chunk_size(cached, aligned)
             fresh = self.blocks.num_blocks_for(cached + n) - len(match.blocks)
             if fresh + match.num_free > self.blocks.num_free_blocks:
                 break
@@ -197,10 +207,59 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            item = ScheduledSeq(seq, n)
+            if match.blocks and self.state_cache is not None:  # (before _planned may evict it)
+                item.restore_from = self.state_cache.lookup(match.hashes[-1])
+            out.scheduled.append(self._planned(item))
             budget -= n
         self._add_drafts(out, budget)
         return out
+
+    # --- recurrent state with prefix caching (engine/state_cache.py) ------------------------
+
+    def _with_state(self, match: PrefixMatch) -> PrefixMatch:
+        """The longest part of a cached prefix that ends where a state snapshot does (all of
+        it without recurrent layers)."""
+        if self.state_cache is None or not match.blocks:
+            return match
+        keep = next((i + 1 for i in range(len(match.blocks) - 1, -1, -1) if match.hashes[i] in self.state_cache), 0)
+        blocks = match.blocks[:keep]
+        return PrefixMatch(blocks, match.hashes[:keep], sum(self.blocks.ref_counts[b] == 0 for b in blocks))
+
+    def _state_aligned(self, seq: Sequence, start: int, n: int) -> int:
+        """A chunk of `n` tokens from `start`, cut at the last block boundary before the
+        sequence's last token when it would run past it: the state there is what a later
+        prompt with this prefix restores."""
+        if self.state_cache is None:
+            return n
+        size = self.blocks.block_size
+        boundary = (seq.num_tokens - 1) // size * size
+        return boundary - start if start < boundary < start + n else n
+
+    def _planned(self, item: ScheduledSeq) -> ScheduledSeq:
+        """Give a chunk that ends on a block boundary a snapshot slot to save its state to."""
+        end = item.seq.num_computed_tokens + item.num_new_tokens
+        if self.state_cache is not None and end % self.blocks.block_size == 0:
+            item.save_to = self.state_cache.take(decoding=end > item.seq.num_prompt_tokens)
+        return item
+
+    def _register_snapshot(self, item: ScheduledSeq) -> None:
+        """After the step: the saved state is findable under the hash of the block it ends
+        (given back if the sequence moved on otherwise). A sequence keeps one snapshot of
+        its decoding, the latest."""
+        seq, cache = item.seq, self.state_cache
+        end = seq.num_computed_tokens
+        index = end // self.blocks.block_size - 1
+        if seq.status is not SequenceStatus.RUNNING or index < 0 or index >= len(seq.block_hashes):
+            cache.release(item.save_to)
+            return
+        block_hash = seq.block_hashes[index]
+        decoding = end > seq.num_prompt_tokens
+        if not cache.register(block_hash, item.save_to, decoding) or not decoding:
+            return
+        if seq.decode_snapshot is not None:
+            cache.forget(seq.decode_snapshot)
+        seq.decode_snapshot = block_hash
 
     def step_done(self, plan: SchedulerOutput, num_rejected: dict[Sequence, int] | None = None) -> None:
         """Record that the model computed the planned tokens (their KV is now cached).
@@ -209,12 +268,16 @@ class Scheduler:
         over."""
         for item in plan.scheduled:
             if item.seq.is_finished:  # finished while its step ran (async scheduling)
+                if item.save_to is not None:
+                    self.state_cache.release(item.save_to)
                 continue
             rejected = num_rejected.get(item.seq, 0) if num_rejected else 0
             item.seq.num_computed_tokens += item.num_new_tokens - rejected
             if rejected:  # the next step computes one token: blocks past it go back
                 self.blocks.trim(item.seq, item.seq.num_computed_tokens + 1)
             self.blocks.cache_full_blocks(item.seq)
+            if item.save_to is not None:
+                self._register_snapshot(item)
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give decoding sequences their drafts from what the step left: `budget` tokens

@@ -55,6 +55,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # recurrent layers (linear attention): the slot holding its state while it runs
     state_slot: int | None = None
+    # ... and with prefix caching, the block hash its latest decoding snapshot is kept under
+    decode_snapshot: int | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

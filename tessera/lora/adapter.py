@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load as load_bytes, load_file, save as save_bytes
 from torch import nn
 
-from tessera.ops.linear import Linear, PackedLinear, RowParallelLinear
+from tessera.ops.linear import Linear, PackedLinear, RegroupedLinear, RowParallelLinear
 from tessera.weights.loader import checkpoint_target, model_tensor_name
 
 CONFIG_FILE = "adapter_config.json"
@@ -149,8 +149,12 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, max_rank: int,
                 f"{tuple(b.shape)}, but the model's layer is {in_features} -> {out_features}; "
                 "was it trained for another base model?")
         scale = _scale(config, module_name, rank)
-        pair = LoRAPair(a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
-        weights.setdefault(layer_name, {})[shard] = pair
+        a, b = a.to(dtype).contiguous(), (b.float() * scale).to(dtype)
+        # a checkpoint tensor whose parts interleave per head group: B's rows too
+        parts = (layer.split_checkpoint_rows(shard, b) if isinstance(layer, RegroupedLinear) and shard in layer.layouts
+                 else [(shard, b)])
+        for i, (part, rows) in enumerate(parts):  # (A copied: shards are serialised apart for other ranks)
+            weights.setdefault(layer_name, {})[part] = LoRAPair(a.clone() if i else a, rows.contiguous())
     if not weights:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: it adapts no layer of the model tessera serves "
                                f"(only modules such as {min(factors)}, which it does not run)")
@@ -226,6 +230,8 @@ def full_shape(layer: Linear, shard: Hashable) -> tuple[int, int]:
     """(in, out) of the target as the Hugging Face model has it (whole: one shard of a packed
     layer, or all of them where the checkpoint packs them too, shard None, as Phi-3's qkv_proj)."""
     in_features = layer.full_in_features if isinstance(layer, RowParallelLinear) else layer.in_features
+    if isinstance(layer, RegroupedLinear) and shard in layer.layouts:
+        return in_features, layer.checkpoint_rows(shard)
     if isinstance(layer, PackedLinear):
         return in_features, layer.full_sizes[shard] if shard is not None else sum(layer.full_sizes.values())
     out_features = layer.out_features

@@ -18,7 +18,7 @@ from tessera.distributed.parallel import HeadSplit, Span, all_reduce, even_span,
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param, prepared_param
-from tessera.weights.lazy import narrow
+from tessera.weights.lazy import materialize, narrow
 
 
 @register_op("linear", name="torch_linear", priority=0)
@@ -129,6 +129,55 @@ class PackedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.shard_sizes.values()), dim=-1)
+
+
+# a checkpoint tensor's layout: (groups, ((our shard, rows per group), ...)); the tensor is
+# groups x (the parts' rows, in order)
+Layout = tuple[int, tuple[tuple[Hashable, int], ...]]
+
+
+class RegroupedLinear(PackedLinear):
+    """A PackedLinear that also takes checkpoint tensors of `layouts` (by the checkpoint's
+    shard id; None: a tensor holding every part), whose parts interleave per group (of
+    heads): loaded, each part goes to its own shard. LoRA adapters' B factors of such a
+    tensor are regrouped the same way (lora/adapter.py)."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[Hashable, int], target: OpTarget,
+                 layouts: dict[Hashable, Layout], checkpoint_shards: tuple[Hashable, ...],
+                 shard_spans: dict[Hashable, Span] | None = None, bias: bool = False):
+        """`checkpoint_shards`: the shard ids that together complete the weight (None, a
+        whole tensor, completes it too)."""
+        super().__init__(in_features, shard_sizes, target, bias=bias, shard_spans=shard_spans)
+        self.layouts = layouts
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.shard_ids = checkpoint_shards
+
+    def checkpoint_rows(self, shard_id: Hashable) -> int:
+        """The rows of a checkpoint tensor of a regrouped shard."""
+        groups, parts = self.layouts[shard_id]
+        return groups * sum(size for _, size in parts)
+
+    def split_checkpoint_rows(self, shard_id: Hashable, tensor: torch.Tensor) -> list[tuple[Hashable, torch.Tensor]]:
+        """A regrouped shard's checkpoint rows as (our shard, its rows), in order."""
+        groups, parts = self.layouts[shard_id]
+        tensor = materialize(tensor)
+        if tensor.shape[0] != self.checkpoint_rows(shard_id):
+            raise ValueError(f"{shard_id!r}: checkpoint rows {tensor.shape[0]} != {self.checkpoint_rows(shard_id)}")
+        grouped = tensor.reshape(groups, -1, *tensor.shape[1:])
+        out, start = [], 0
+        for part, size in parts:
+            out.append((part, grouped[:, start:start + size].reshape(groups * size, *tensor.shape[1:])))
+            start += size
+        return out
+
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        if shard_id not in self.layouts:
+            super()._load_shard(param, tensor, shard_id)
+            return
+        with torch.no_grad():
+            for part, rows in self.split_checkpoint_rows(shard_id, tensor):
+                self._copy_rows(param, rows, part)
 
 
 class QKVLinear(PackedLinear):

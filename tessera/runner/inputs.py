@@ -59,6 +59,10 @@ class ModelInputs:
     # and, where a step holds text pairs (cross-encoders), every row's segment id
     pooling_rows: list[PoolingRows] = field(default_factory=list)
     token_type_ids: torch.Tensor | None = None
+    # recurrent layers with prefix caching: (from slot, to slot) state copies the runner
+    # makes before the forward (snapshots restored) and after it (snapshots saved)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def model_kwargs(self) -> dict[str, torch.Tensor]:
@@ -216,6 +220,8 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         attn.key_limits = to([p for limits in key_limits for p in limits])
     if rows[0].seq.state_slot is not None:  # recurrent layers: every running sequence has a slot
         _add_state_slots(attn, rows, to)
+        inputs.state_restores = [(i.restore_from, i.seq.state_slot) for i in rows if i.restore_from is not None]
+        inputs.state_saves = [(i.seq.state_slot, i.save_to) for i in rows if i.save_to is not None]
     if typed:
         inputs.token_type_ids = to([t for r in pooling_rows for t in _row_types(r)])
     if deferred_rows:

@@ -191,8 +191,22 @@ class ModelRunner:
             hidden = self.graphs.run(inputs)
             if hidden is not None:
                 return hidden
+        self._copy_states(inputs.state_restores)
         with attention_context(inputs.attn), lora_context(LoRAPass(inputs.lora_segments, inputs.lora_row_slots)):
-            return self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
+            hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
+        self._copy_states(inputs.state_saves)
+        return hidden
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent states between slots (engine/state_cache.py's snapshots), every
+        layer's, in the device's order of work."""
+        if not copies:
+            return
+        src = torch.tensor([a for a, _ in copies], device=self.device)
+        dst = torch.tensor([b for _, b in copies], device=self.device)
+        for layer in self.state_layers:
+            for tensor in layer.state:
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _encode_images(self, inputs: ModelInputs) -> None:
         """The image features of the step's placeholder rows, encoding each image the first

@@ -22,6 +22,7 @@ from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
+from tests.models.test_qwen3_next import make_tiny_qwen3_next
 from tests.models.test_qwen_parity import make_tiny_qwen
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,6 +65,12 @@ FAMILIES = {
                                           topk_group=1), None, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
     "deepseek-v2-lite": (functools.partial(make_tiny_deepseek, kind="deepseek_v2", q_lora_rank=None),
                          None, ["q_proj", "kv_a_proj_with_mqa", "o_proj"]),
+    # Gated DeltaNet's projections (Qwen3.5's separate ones, Qwen3-Next's grouped by key head)
+    # and gated attention's q_proj, each head's query then gate: B's rows are regrouped too
+    "qwen3.5-hybrid": (functools.partial(make_tiny_qwen3_next, "qwen3_5_text"), None,
+                       ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "out_proj", "down_proj"]),
+    "qwen3-next-hybrid": (functools.partial(make_tiny_qwen3_next, "qwen3_next"), None,
+                          ["q_proj", "v_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]),
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
@@ -112,7 +119,7 @@ def test_mixtral_experts_are_refused(tmp_path_factory, tiny_tokenizer_dir):
         assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.parametrize("family", ["phi3-fused", "qwen2-biased-qkv"])
+@pytest.mark.parametrize("family", ["phi3-fused", "qwen2-biased-qkv", "qwen3-next-hybrid"])
 def test_tensor_parallel_adapters_equal_one_process(family, tmp_path_factory, tiny_tokenizer_dir):
     folder, _, adapter, peft_model = _make(family, tmp_path_factory, tiny_tokenizer_dir)
     expected = [hf_generate(peft_model, p, NEW_TOKENS) for p in PROMPTS]

@@ -64,22 +64,30 @@ def make_tiny_qwen3_next(kind: str, folder: Path, tokenizer_dir: Path, seed: int
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
     folder = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_qwen3_next(request.param, folder, tiny_tokenizer_dir, seed=len(request.param))
-    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    # without prefix caching, which cuts a prompt at its last block boundary (the parity
+    # checks below assert how steps split); the prefix-caching tests use `cached`
+    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=False, show_progress=False)
     return Case(request.param, folder, hf, llm)
 
 
-def test_layers_and_state(case: Case):
-    """Linear layers hold the recurrent core, attention layers the KV cache; the state is
-    one slot per max_num_seqs; prefix caching is off."""
-    engine = case.llm.engine
+@pytest.fixture(scope="module")
+def cached(case: Case) -> LLM:
+    """The same model as `case`, with prefix caching (the default)."""
+    return LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+
+
+def test_layers_and_state(case: Case, cached: LLM):
+    """Linear layers hold the recurrent core, attention layers the KV cache; the state has
+    a slot per max_num_seqs, and as many again for prefix-cache snapshots."""
+    engine = cached.engine
     layers = engine.runner.model.model.layers
     assert [layer.is_linear for layer in layers] == [True, False, True, False]
     assert len(engine.runner.attn_layers) == 2 and len(engine.runner.state_layers) == 2
     conv_state, recurrent = layers[0].linear_attn.core.state
     slots = engine.config.scheduler.max_num_seqs
-    assert conv_state.shape == (slots, 2 * 2 * 16 + 4 * 8, 3) and recurrent.shape == (slots, 4, 16, 8)
+    assert conv_state.shape == (2 * slots, 2 * 2 * 16 + 4 * 8, 3) and recurrent.shape == (2 * slots, 4, 16, 8)
     assert recurrent.dtype == torch.float32
-    assert not engine.block_manager.enable_prefix_caching
+    assert engine.block_manager.enable_prefix_caching and engine.scheduler.state_cache.num_slots == slots
     torch.testing.assert_close(layers[0].linear_attn.A_log, case.hf.model.layers[0].linear_attn.A_log)
     core = engine.runner.state_layers[0]
     assert isinstance(core, GatedDeltaRule) and (core.num_k_heads, core.num_v_heads) == (2, 4)
@@ -97,6 +105,44 @@ def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
 def test_chunked_prefill_matches(case: Case, monkeypatch):
     """16-token steps: each prompt's chunks continue its conv and delta-rule states."""
     check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
+
+
+def test_prefix_cache_restores_the_state_at_a_block_boundary(case: Case, cached: LLM):
+    """A conversation's second turn (its first turn's prompt and reply, then more) and a
+    prompt sharing another's first 40 tokens start from the cached prefix, their recurrent
+    state restored from the snapshot at its last block boundary; their tokens equal
+    transformers' and an engine's without prefix caching."""
+    llm = cached
+    llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    first = prompt_ids(37, seed=21)
+    reply = llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
+    blocks = llm.engine.block_manager
+    hits = blocks.prefix_hits
+    second = first + reply + prompt_ids(9, seed=22)  # 66 tokens: the first turn's 57 cover 3 blocks
+    shared = first[:40] + prompt_ids(12, seed=23)    # the first prompt's 2 full blocks
+    outs = llm.generate([second], params, use_tqdm=False) + llm.generate([shared], params, use_tqdm=False)
+    assert blocks.prefix_hits - hits == 48 + 32
+    for prompt, out in zip((second, shared), outs):
+        assert out.outputs[0].token_ids == hf_generate(case.hf, prompt, 20)
+    uncached = case.llm
+    assert uncached.engine.scheduler.state_cache is None
+    assert [o.outputs[0].token_ids for o in uncached.generate([second, shared], params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in outs]
+
+
+def test_snapshots_survive_a_small_pool(case: Case):
+    """Two running sequences and two snapshot slots: saves evict each other's snapshots,
+    and every admission restores only what is still there; the tokens stay exact."""
+    llm = LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=2, show_progress=False)
+    base = prompt_ids(35, seed=31)
+    prompts = [base + prompt_ids(5 + i, seed=40 + i) for i in range(5)]
+    params = SamplingParams(max_tokens=18, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.block_manager.prefix_hits > 0
+    assert [o.outputs[0].token_ids for o in outs] == [hf_generate(case.hf, p, 18) for p in prompts]
+    cache = llm.engine.scheduler.state_cache
+    assert len(cache.free) + len(cache.by_hash) == cache.num_slots  # every slot accounted for
 
 
 def test_prompt_logprobs_match(case: Case):

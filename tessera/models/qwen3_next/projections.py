@@ -1,4 +1,5 @@
-"""Packed projections whose checkpoint tensors interleave their parts per head group.
+"""Packed projections whose checkpoint tensors interleave their parts per head group
+(ops/linear.py: RegroupedLinear).
 
 Qwen3-Next's `in_proj_qkvz` stores, for each key head, its query, key, and the values
 and gates of the value heads it serves, one group after another; its `in_proj_ba` does
@@ -8,52 +9,9 @@ queries, then all keys, ...), so the forward is a plain split, and tensor parall
 slices each part by heads as for any packed layer."""
 from __future__ import annotations
 
-from typing import Hashable
-
-import torch
-from torch import nn
-
 from tessera.distributed.parallel import Span, even_span, split_heads
-from tessera.ops.linear import PackedLinear
+from tessera.ops.linear import RegroupedLinear
 from tessera.ops.registry import OpTarget
-from tessera.weights.lazy import materialize
-
-# a checkpoint tensor's layout: (groups, ((our shard, rows per group), ...)); the tensor is
-# groups x (the parts' rows, in order)
-Layout = tuple[int, tuple[tuple[Hashable, int], ...]]
-
-
-class RegroupedLinear(PackedLinear):
-    """A PackedLinear that also takes checkpoint tensors of `layouts` (by the checkpoint's
-    shard id; None: a tensor holding every part)."""
-
-    def __init__(self, in_features: int, shard_sizes: dict[Hashable, int], target: OpTarget,
-                 layouts: dict[Hashable, Layout], checkpoint_shards: tuple[Hashable, ...],
-                 shard_spans: dict[Hashable, Span] | None = None, bias: bool = False):
-        """`checkpoint_shards`: the shard ids that together complete the weight (None, a
-        whole tensor, completes it too)."""
-        super().__init__(in_features, shard_sizes, target, bias=bias, shard_spans=shard_spans)
-        self.layouts = layouts
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.shard_ids = checkpoint_shards
-
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
-        if shard_id not in self.layouts:
-            super()._load_shard(param, tensor, shard_id)
-            return
-        groups, parts = self.layouts[shard_id]
-        tensor = materialize(tensor)
-        rows = sum(size for _, size in parts)
-        if tensor.shape[0] != groups * rows:
-            raise ValueError(f"{shard_id!r}: checkpoint rows {tensor.shape[0]} != {groups} groups x {rows}")
-        grouped = tensor.reshape(groups, rows, *tensor.shape[1:])
-        start = 0
-        with torch.no_grad():
-            for part, size in parts:
-                self._copy_rows(param, grouped[:, start:start + size].reshape(groups * size, *tensor.shape[1:]), part)
-                start += size
-
 
 def head_rows(heads: Span, head_dim: int) -> Span:
     return Span(heads.start * head_dim, heads.size * head_dim)

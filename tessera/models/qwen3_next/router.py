@@ -11,6 +11,7 @@ class Qwen3_5Router(BaseRouter):
     model_types = ("qwen3_5_text",)
     model_cls = Qwen3NextForCausalLM
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py (linear and full attention, MLP)
 
 
 class Qwen3NextRouter(BaseRouter):
@@ -19,6 +20,7 @@ class Qwen3NextRouter(BaseRouter):
     model_cls = Qwen3NextMoeForCausalLM
     is_moe = True  # tests/models/test_qwen3_next.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py (attention of both kinds; experts refused)
 
 
 class Qwen3_5VLRouter(VisionLanguageRouter):

@@ -16,18 +16,29 @@
 
 #include "bf16.h"
 
-#define GD_MAX_DIM 1024 /* head sizes the per-item stack buffers hold (the builder checks) */
+#define GD_MAX_DIM 1024 /* head sizes the per-item stack buffers hold (beyond: torch runs it) */
 
-typedef float vf __attribute__((vector_size(64))); /* 16 lanes: one zmm, or two ymm */
-#define VL 16
 #ifdef __AVX512F__
+typedef float vf __attribute__((vector_size(64))); /* one zmm register */
+#define VL 16
 #define TILE 8 /* vectors of columns per tile: 2 x 8 sums + 8 deltas fit in 32 registers */
 #else
-#define TILE 2 /* 16 ymm registers */
+typedef float vf __attribute__((vector_size(32))); /* one ymm (as 2 x ymm, GCC spilled: 25x slower) */
+#define VL 8
+#define TILE 4 /* 16 registers */
 #endif
 
 static inline vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* bf16.h's f32_to_bf16 (nearest even, NaN stays NaN) with a select for the branch, which
+ * the compiler vectorises */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
+}
 
 /* `n` values of a bf16 (is_bf16) or float32 row as float32 */
 static inline void widen(const void *src, int is_bf16, int64_t n, float *dst) {
@@ -35,13 +46,18 @@ static inline void widen(const void *src, int is_bf16, int64_t n, float *dst) {
     else memcpy(dst, src, sizeof(float) * n);
 }
 
-/* x * rsqrt(sum x^2 + 1e-6) * scale, in place (flash-linear-attention's L2 norm) */
-static void l2_normalize(float *x, int64_t n, float scale) {
-    float lanes[VL] = {0}; /* independent partial sums: vectorised without reassociation */
-    for (int64_t i = 0; i < n; i++) lanes[i % VL] += x[i] * x[i];
+/* sum a_i b_i in VL independent partial sums (vectorised without reassociating) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float lanes[VL] = {0};
+    for (int64_t i = 0; i < n; i++) lanes[i % VL] += a[i] * b[i];
     float sum = 0.0f;
     for (int l = 0; l < VL; l++) sum += lanes[l];
-    const float inv = 1.0f / sqrtf(sum + 1e-6f);
+    return sum;
+}
+
+/* x * rsqrt(sum x^2 + 1e-6) * scale, in place (flash-linear-attention's L2 norm) */
+static inline void l2_normalize(float *x, int64_t n, float scale) {
+    const float inv = 1.0f / sqrtf(dot(x, x, n) + 1e-6f);
     for (int64_t i = 0; i < n; i++) x[i] = x[i] * inv * scale;
 }
 
@@ -55,6 +71,8 @@ static inline __attribute__((always_inline)) void delta_tile(
     for (int j = 0; j < nv; j++) ak[j] = aq[j] = (vf){0};
     for (int64_t i = 0; i < dk; i++) {
         const float *row = s + i * dv + c0;
+        /* narrower tiles than the row (AVX2; Dv > 128): fetch the rest of it on the first */
+        if (c0 == 0) for (int64_t l = nv * VL; l < dv; l += 16) __builtin_prefetch(row + l);
         for (int j = 0; j < nv; j++) {
             const vf x = vload(row + j * VL);
             ak[j] += x * kn[i];
@@ -74,13 +92,13 @@ static inline __attribute__((always_inline)) void delta_tile(
 /* q, k: rows of hk * dk, v: rows of hv * dv (bf16 or float32, as is_bf16; a row every
  * *_stride elements, heads contiguous within it); g, beta: [b, hv] float32 rows every
  * gb_stride; state: [slots, hv, dk, dv] float32; out: [b, hv, dv] in v's type.
- * Returns 1 (nothing done) for head sizes over GD_MAX_DIM. */
+ * Returns 1, having done nothing, for head sizes over GD_MAX_DIM or hv not a multiple of hk. */
 int tessera_gated_delta_decode(const void *q, const void *k, const void *v, const float *g,
                                const float *beta, float *state, const int64_t *slots, void *out,
                                int64_t b, int64_t hk, int64_t hv, int64_t dk, int64_t dv,
                                int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t gb_stride,
                                int is_bf16, int threads) {
-    if (dk > GD_MAX_DIM || dv > GD_MAX_DIM || hv % hk) return 1;
+    if (hk <= 0 || dk > GD_MAX_DIM || dv > GD_MAX_DIM || hv % hk) return 1;
     const int64_t r = hv / hk, esize = is_bf16 ? 2 : 4;
     const float scale = 1.0f / sqrtf((float)dk);
     /* static: each thread walks a run of consecutive heads, which lie next to each other in
@@ -94,9 +112,8 @@ int tessera_gated_delta_decode(const void *q, const void *k, const void *v, cons
         widen((const char *)v + (row * v_stride + h * dv) * esize, is_bf16, dv, vv);
         l2_normalize(qn, dk, scale);
         l2_normalize(kn, dk, 1.0f);
-        float kq = 0.0f;
-        for (int64_t i = 0; i < dk; i++) kq += kn[i] * qn[i];
-        const float decay = expf(g[row * gb_stride + h]), bt = beta[row * gb_stride + h];
+        const float kq = dot(kn, qn, dk), decay = expf(g[row * gb_stride + h]);
+        const float bt = beta[row * gb_stride + h];
         float *s = state + (slots[row] * hv + h) * dk * dv;
         int64_t c = 0;
         for (; c + TILE * VL <= dv; c += TILE * VL)
@@ -111,7 +128,7 @@ int tessera_gated_delta_decode(const void *q, const void *k, const void *v, cons
         }
         if (is_bf16) {
             uint16_t *dst = (uint16_t *)out + (row * hv + h) * dv;
-            for (int64_t i = 0; i < dv; i++) dst[i] = f32_to_bf16(o[i]);
+            for (int64_t i = 0; i < dv; i++) dst[i] = to_bf16(o[i]);
         } else {
             memcpy((float *)out + (row * hv + h) * dv, o, sizeof(float) * dv);
         }
@@ -149,30 +166,36 @@ static inline void silu_lanes(float *p) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
-/* n channels: pre[c] = the rounded sum; st (K - 1 inputs a channel) shifted, x appended */
-#define CONV_PRE(NAME, T, TO_F32, ROUND)                                                      \
-    static void NAME(const T *x, const T *w, const T *bias, T *st, float *pre, int64_t n,     \
-                     int64_t km1) {                                                           \
-        for (int64_t c = 0; c < n; c++) {                                                     \
-            T *sc = st + c * km1;                                                             \
-            const T *wc = w + c * (km1 + 1);                                                  \
-            const T xv = x[c];                                                                \
-            float acc = 0.0f;                                                                 \
-            for (int64_t j = 0; j < km1; j++) {                                               \
-                const float p = TO_F32(sc[j]) * TO_F32(wc[j]);                                \
-                acc += p;                                                                     \
-            }                                                                                 \
-            const float p = TO_F32(xv) * TO_F32(wc[km1]);                                     \
-            acc += p;                                                                         \
-            if (bias) acc += TO_F32(bias[c]);                                                 \
-            for (int64_t j = 0; j + 1 < km1; j++) sc[j] = sc[j + 1];                          \
-            if (km1) sc[km1 - 1] = xv;                                                        \
-            pre[c] = ROUND(acc);                                                              \
-        }                                                                                     \
+/* n channels: pre[c] = the sum; st (K - 1 inputs a channel) shifted, x appended */
+#define CONV_PRE(NAME, T, TO_F32)                                                                   \
+    static inline __attribute__((always_inline)) void NAME##_any(                                   \
+            const T *restrict x, const T *restrict w, const T *restrict bias, T *restrict st,       \
+            float *restrict pre, int64_t n, int64_t km1) {                                          \
+        for (int64_t c = 0; c < n; c++) {                                                           \
+            T *sc = st + c * km1;                                                                   \
+            const T *wc = w + c * (km1 + 1);                                                        \
+            const T xv = x[c];                                                                      \
+            float acc = 0.0f;                                                                       \
+            for (int64_t j = 0; j < km1; j++) {                                                     \
+                const float p = TO_F32(sc[j]) * TO_F32(wc[j]);                                      \
+                acc += p;                                                                           \
+            }                                                                                       \
+            const float p = TO_F32(xv) * TO_F32(wc[km1]);                                           \
+            acc += p;                                                                               \
+            if (bias) acc += TO_F32(bias[c]);                                                       \
+            for (int64_t j = 0; j + 1 < km1; j++) sc[j] = sc[j + 1];                                \
+            if (km1) sc[km1 - 1] = xv;                                                              \
+            pre[c] = acc;                                                                           \
+        }                                                                                           \
+    }                                                                                               \
+    /* K = 4 (Qwen3-Next, Qwen3.5) as a constant: unrolled and vectorised across channels */        \
+    static void NAME(const T *x, const T *w, const T *bias, T *st, float *pre, int64_t n, int64_t km1) {\
+        if (km1 == 3) NAME##_any(x, w, bias, st, pre, n, 3);                                        \
+        else NAME##_any(x, w, bias, st, pre, n, km1);                                               \
     }
 #define SAME(x) (x)
-CONV_PRE(conv_pre_bf16, uint16_t, bf16_to_f32, round_to_bf16)
-CONV_PRE(conv_pre_f32, float, SAME, SAME)
+CONV_PRE(conv_pre_bf16, uint16_t, bf16_to_f32)
+CONV_PRE(conv_pre_f32, float, SAME)
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT ON
 #elif defined(__GNUC__)
@@ -194,13 +217,19 @@ void tessera_causal_conv1d_decode(const void *x, int64_t x_stride, const void *w
         const char *xr = (const char *)x + (row * x_stride + c0) * es, *wr = (const char *)w + c0 * width * es;
         const char *br = bias ? (const char *)bias + c0 * es : NULL;
         char *sr = (char *)state + (slots[row] * c + c0) * km1 * es;
-        if (is_bf16) conv_pre_bf16((const uint16_t *)xr, (const uint16_t *)wr, (const uint16_t *)br,
-                                   (uint16_t *)sr, pre, n, km1);
-        else conv_pre_f32((const float *)xr, (const float *)wr, (const float *)br, (float *)sr, pre, n, km1);
+        if (is_bf16) {
+            conv_pre_bf16((const uint16_t *)xr, (const uint16_t *)wr, (const uint16_t *)br, (uint16_t *)sr,
+                          pre, n, km1);
+            /* torch rounds the sum to bf16 before SiLU: in a loop of its own, which vectorises
+             * (inside the sum's loop it kept that from vectorising, 2.2x slower) */
+            for (int64_t i = 0; i < n; i++) pre[i] = bf16_to_f32(to_bf16(pre[i]));
+        } else {
+            conv_pre_f32((const float *)xr, (const float *)wr, (const float *)br, (float *)sr, pre, n, km1);
+        }
         for (int64_t i = 0; i < n; i += SILU_LANES) silu_lanes(pre + i); /* zeros past n */
         if (is_bf16) {
             uint16_t *o = (uint16_t *)out + row * c + c0;
-            for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(pre[i]);
+            for (int64_t i = 0; i < n; i++) o[i] = to_bf16(pre[i]);
         } else {
             memcpy((float *)out + row * c + c0, pre, sizeof(float) * n);
         }
