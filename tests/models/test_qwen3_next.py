@@ -228,3 +228,19 @@ def test_inspect_reports_the_state(case: Case):
     assert info["recurrent_state"] == {"layers": 2, "bytes_per_sequence": 2 * (conv + matrix)}
     assert info["kv_cache"]["attention_layers"] == 2
     assert "2 recurrent (linear attention) layers" in format_report(info)
+
+
+def test_snapshot_copies_reach_every_rank(case: Case):
+    """Tensor parallelism: each rank holds its heads' states, so the snapshot copies
+    (restores before a step, saves after) go to every rank with the step; a second turn
+    restored from a snapshot gives one process's tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = prompt_ids(37, seed=51)
+    with LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=2,
+             show_progress=False) as two:
+        reply = two.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
+        second = first + reply + prompt_ids(7, seed=52)
+        hits = two.engine.block_manager.prefix_hits
+        got = two.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert two.engine.block_manager.prefix_hits - hits == 48
+    assert got == hf_generate(case.hf, second, 12)
