@@ -218,7 +218,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
                          pooling_rows=pooling_rows)
     if limited:
         attn.key_limits = to([p for limits in key_limits for p in limits])
-    if rows[0].seq.state_slot is not None:  # recurrent layers: every running sequence has a slot
+    if getattr(rows[0].seq, "state_slot", None) is not None:  # recurrent layers (a draft model's rows have none)
         _add_state_slots(attn, rows, to)
         inputs.state_restores = [(i.restore_from, i.seq.state_slot) for i in rows if i.restore_from is not None]
         inputs.state_saves = [(i.seq.state_slot, i.save_to) for i in rows if i.save_to is not None]
