@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.ops.triton_compile import (SHAPES, SHARED_LIMIT, attention_variants, compile_all, compile_mxfp4,
-                                      compile_skinny)
+from tests.ops.triton_compile import (SHAPES, SHARED_LIMIT, attention_variants, compile_all,
+                                      compile_linear_attention, compile_mxfp4, compile_skinny)
 
 
 def _nvidia_backend_missing() -> str | None:
@@ -117,3 +117,14 @@ def test_mxfp4_expert_linear_compiles_for_hopper_on_tensor_cores():
     assert len(results) == 4
     for r in results:
         assert r.shared <= SHARED_LIMIT[90] and r.spilled == 0 and r.matrix_ops, r
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_attention_kernels_compile_for_hopper_without_spills(dtype):
+    """Qwen3.5's Gated DeltaNet kernels (conv decode, prefill and state hand-over; the
+    fused recurrent delta rule) at its real shapes."""
+    results = compile_linear_attention(90, dtype)
+    assert {r.kernel for r in results} == {"conv_decode_kernel", "conv_prefill_kernel", "conv_state_kernel",
+                                           "gated_delta_kernel"}
+    for r in results:
+        assert r.shared <= SHARED_LIMIT[90] and r.spilled == 0, r

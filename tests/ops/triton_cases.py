@@ -1,7 +1,8 @@
 """The Triton kernels against the pure-torch ops (the attention ones in
-triton_attention_cases.py), run by tests/ops/test_triton_kernels.py
-in a subprocess with TRITON_INTERPRET=1 (Triton reads it at import), on CPU tensors, or
-directly on a GPU when one is present (`python -m tests.ops.triton_cases cuda`)."""
+triton_attention_cases.py, the linear-attention ones in triton_linear_attention_cases.py),
+run by tests/ops/test_triton_kernels.py in a subprocess with TRITON_INTERPRET=1 (Triton reads
+it at import), on CPU tensors, or directly on a GPU when one is present
+(`python -m tests.ops.triton_cases cuda`)."""
 from __future__ import annotations
 
 import sys
@@ -22,6 +23,7 @@ from tessera.ops.triton.int8_linear import int8_linear, triton_int8_linear
 from tessera.ops.triton.skinny_linear import SkinnyConfig, skinny_linear
 
 from tests.ops.triton_attention_cases import ATTENTION_CHECKS
+from tests.ops.triton_linear_attention_cases import LINEAR_ATTENTION_CHECKS
 
 
 def check_mxfp4(device: str) -> None:
@@ -317,7 +319,7 @@ def check_int8_linear(device: str) -> None:
 
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    for check in ATTENTION_CHECKS:
+    for check in ATTENTION_CHECKS + LINEAR_ATTENTION_CHECKS:
         check(dev)
     check_mxfp4(dev)
     check_pointwise(dev)

@@ -282,3 +282,40 @@ def compile_mxfp4(arch: int, dtype: torch.dtype = torch.bfloat16) -> list[Compil
     finally:
         mxfp4._kernel = original
     return out
+
+
+def compile_linear_attention(arch: int, dtype: torch.dtype = torch.bfloat16) -> list[Compiled]:
+    """Qwen3.5's Gated DeltaNet kernels (tessera/ops/triton/causal_conv1d.py, gated_delta.py)
+    at its real shapes: 16 key and 32 value heads of 128, conv channels 2 * 16 * 128 + 32 *
+    128 over K = 4; decode at batch 64, prefill over three chunks; q/k/v are views of the
+    conv output and the conv input a view of the projection's rows, as the layer passes them."""
+    import tessera.ops.triton.causal_conv1d as conv
+    import tessera.ops.triton.gated_delta as rule
+
+    hk, hv, d, width = 16, 32, 128, 4
+    channels = 2 * hk * d + hv * d
+    out: list[Compiled] = []
+    original_conv, original_rule = conv._kernels, rule._kernel
+    conv_state = torch.zeros((64, channels, width - 1), dtype=dtype)
+    state = torch.zeros((64, hv, d, d), dtype=torch.float32)
+    weight = torch.zeros((channels, width), dtype=dtype)
+    try:
+        for phase, rows in (("decode", 64), ("prefill", 700)):
+            case = f"qwen3.5 {phase} {str(dtype).removeprefix('torch.')} sm_{arch}"
+            conv._kernels = lambda case=case: tuple(_Recorder(k, arch, case, out) for k in original_conv())
+            rule._kernel = lambda case=case: _Recorder(original_rule(), arch, case, out)
+            mixed = torch.zeros((rows, channels + hv * d), dtype=dtype)[:, :channels]  # [qkv | z] rows
+            g, beta = torch.zeros((rows, hv)), torch.zeros((rows, hv))
+            q, k, v = torch.zeros((rows, channels), dtype=dtype).split([hk * d, hk * d, hv * d], dim=-1)
+            q, k, v = q.reshape(rows, hk, d), k.reshape(rows, hk, d), v.reshape(rows, hv, d)
+            if phase == "decode":
+                slots = torch.arange(rows)
+                conv.triton_causal_conv1d_decode(mixed, weight, None, conv_state, slots)
+                rule.triton_gated_delta_decode(q, k, v, g, beta, state, slots)
+            else:
+                lists = ([5, 9, 2], [3, 600, 97], [False, True, True])
+                conv.triton_causal_conv1d_prefill(mixed, weight, None, conv_state, *lists)
+                rule.triton_gated_delta_prefill(q, k, v, g, beta, state, *lists)
+    finally:
+        conv._kernels, rule._kernel = original_conv, original_rule
+    return out

@@ -17,7 +17,7 @@ from tessera.ops.triton.gated_delta import triton_gated_delta_decode, triton_gat
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SLOTS = 6
 # (slot, chunk length, fresh): a fresh chunk shorter than K - 1, carried chunks of 1 and 2
-# tokens (the new conv state keeps part of the old), one over several 32-token conv tiles
+# tokens (the new conv state keeps part of the old), one over several 16-token conv tiles
 # and two 64-token reference blocks; slots out of order, slot 1 unused
 PREFILL = ((3, 2, True), (5, 1, False), (0, 70, False), (2, 5, True), (4, 2, False))
 
@@ -25,12 +25,16 @@ PREFILL = ((3, 2, True), (5, 1, False), (0, 70, False), (2, 5, True), (4, 2, Fal
 def _close(got: torch.Tensor, want: torch.Tensor, what: str, float32_tol: float = 1e-5) -> None:
     """float32: up to float32 rounding (`float32_tol`: the reference's chunked prefill sums
     in another order). bf16/fp16: both round to nearest where torch does, so only the
-    float32 sums' last bits may move a rounding: about one step of the dtype."""
+    float32 sums' last bits may move a rounding: a step of the dtype, in few elements (a
+    missed or extra rounding moves many more: under the interpreter < 0.2% differ)."""
     got = got.cpu()
     assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
     step = {torch.float32: float32_tol, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[want.dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=step,
                                msg=lambda m: f"{what}: max error {(got.float() - want.float()).abs().max():.3g}\n{m}")
+    if want.dtype != torch.float32:
+        differ = (got != want).float().mean().item()
+        assert differ <= 0.01, f"{what}: {differ:.2%} of the elements differ from torch's"
 
 
 def check_registration(device: str) -> None:
@@ -60,7 +64,7 @@ def check_causal_conv1d(device: str) -> None:
             x = _strided(3, channels, dtype, g)
             want_state = state.clone()
             want = causal_conv1d_decode_ref(x, weight, bias, want_state, slots)
-            got_state = state.to(device)
+            got_state = state.clone().to(device)  # .to alone aliases on CPU
             got = triton_causal_conv1d_decode(x.to(device), weight.to(device), dev_bias, got_state, slots.to(device))
             _close(got, want, f"{what} decode")
             assert torch.equal(got_state.cpu(), want_state), f"{what} decode state"
@@ -70,7 +74,7 @@ def check_causal_conv1d(device: str) -> None:
             x = _strided(sum(lens), channels, dtype, g)
             want_state = state.clone()
             want = causal_conv1d_prefill_ref(x, weight, bias, want_state, p_slots, lens, fresh)
-            got_state = state.to(device)
+            got_state = state.clone().to(device)  # .to alone aliases on CPU
             got = triton_causal_conv1d_prefill(x.to(device), weight.to(device), dev_bias, got_state, p_slots, lens,
                                                fresh)
             _close(got, want, f"{what} prefill")
@@ -93,9 +97,10 @@ def check_gated_delta(device: str) -> None:
     g = torch.Generator().manual_seed(22)
     on = (lambda t: t.to(device))
     # (Hk, Hv, Dk, Dv): two value heads per key head; one each with ragged (non power of
-    # two) widths; four per key head at 64 x 40 (several column blocks, both phases)
+    # two) widths; four per key head at 64 x 40 (several column blocks, both phases).
+    # fp16 once: it rounds as bf16 does (interpreter time: ~4 s per prefill)
     for hk, hv, dk, dv in ((2, 4, 16, 16), (3, 3, 24, 20), (1, 4, 64, 40)):
-        for dtype in DTYPES:
+        for dtype in DTYPES if dk == 16 else DTYPES[:2]:
             what = f"gated delta {dtype} Hk={hk} Hv={hv} Dk={dk} Dv={dv}"
             state = torch.randn(SLOTS, hv, dk, dv, generator=g) * 0.5
 
@@ -104,7 +109,7 @@ def check_gated_delta(device: str) -> None:
             assert not q.is_contiguous()
             want_state = state.clone()
             want = gated_delta_decode_ref(q, k, v, g_log, beta, want_state, slots)
-            got_state = on(state)
+            got_state = on(state.clone())
             got = triton_gated_delta_decode(on(q), on(k), on(v), on(g_log), on(beta), got_state, on(slots))
             _close(got, want, f"{what} decode")
             _close(got_state, want_state, f"{what} decode state")
@@ -114,7 +119,7 @@ def check_gated_delta(device: str) -> None:
             q, k, v, g_log, beta = _qkv(sum(lens), hk, hv, dk, dv, dtype, g)
             want_state = state.clone()
             want = gated_delta_prefill_ref(q, k, v, g_log, beta, want_state, p_slots, lens, fresh)
-            got_state = on(state)
+            got_state = on(state.clone())
             got = triton_gated_delta_prefill(on(q), on(k), on(v), on(g_log), on(beta), got_state, p_slots, lens,
                                              fresh)
             _close(got, want, f"{what} prefill", float32_tol=2e-4)
@@ -133,7 +138,7 @@ def check_layer_split(device: str) -> None:
     weight = (torch.randn(channels, width, generator=g) / 2).to(dtype)
     conv = {"want": torch.zeros(SLOTS, channels, width - 1, dtype=dtype)}
     rec = {"want": torch.zeros(SLOTS, hv, dk, dv)}
-    conv["got"], rec["got"] = conv["want"].to(device), rec["want"].to(device)
+    conv["got"], rec["got"] = conv["want"].clone().to(device), rec["want"].clone().to(device)
     ops = {"want": (causal_conv1d_decode_ref, causal_conv1d_prefill_ref, gated_delta_decode_ref,
                     gated_delta_prefill_ref),
            "got": (triton_causal_conv1d_decode, triton_causal_conv1d_prefill, triton_gated_delta_decode,

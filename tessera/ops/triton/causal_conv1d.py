@@ -5,8 +5,8 @@ dtype, SiLU, rounded again (both on the bits for bf16: rounding.py).
 Decode: one program per (sequence, block of channels) reads its window (the state's K - 1
 inputs and the new token), writes the shifted state back and the output row.
 Prefill: one program per (sequence, block of tokens, block of channels) reads each input
-once per tap (from the chunk, or the state before the chunk's first token, or zeros for a
-fresh sequence). A second launch then writes each sequence's new state: a program writing
+once per tap: from the chunk, and in a chunk's first tile from the state (zeros for a fresh
+sequence). A second launch then writes each sequence's new state: a program writing
 it in the first launch could run before another program of its sequence read the old one.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tessera.ops.triton.availability import triton_missing
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DECODE_CHANNELS = 256  # channels per decode program
-PREFILL_TOKENS = 32    # tokens x channels per prefill program
+PREFILL_TOKENS = 16    # tokens x channels per prefill program (32 x 128: 200+ registers)
 PREFILL_CHANNELS = 128
 
 
@@ -45,7 +45,7 @@ def _kernels():
         x = tl.load(x_ptr + row * x_stride + c, mask=c_mask, other=0.0).to(state_ptr.dtype.element_ty)
         old = tl.load(state + j[None, :], mask=c_mask[:, None] & (j[None, :] < WIDTH - 1), other=0.0)
         window = tl.where(j[None, :] == WIDTH - 1, x[:, None], old)
-        # the new state is the window shifted by one: read before any program thread writes
+        # the new state is the window shifted by one
         shifted = tl.load(state + j[None, :] + 1, mask=c_mask[:, None] & (j[None, :] < WIDTH - 2), other=0.0)
         shifted = tl.where(j[None, :] == WIDTH - 2, x[:, None], shifted)
         w = tl.load(w_ptr + c[:, None] * w_stride + j[None, :], mask=c_mask[:, None] & (j[None, :] < WIDTH),
@@ -53,7 +53,7 @@ def _kernels():
         acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)
-        tl.debug_barrier()  # the state's loads above (other threads' channels' taps) before the stores
+        tl.debug_barrier()  # every thread's state loads first: another may hold taps of the same channel
         tl.store(state + j[None, :], shifted, mask=c_mask[:, None] & (j[None, :] < WIDTH - 1))
         # torch: the sum to the model dtype, then F.silu on it (float math, rounded once)
         dt = out_ptr.dtype.element_ty
@@ -74,16 +74,22 @@ def _kernels():
             c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
             c_mask = c < channels
             valid = (p < n)[:, None] & c_mask[None, :]
-            keep = tl.load(fresh_ptr + seq) == 0  # a fresh sequence sees zeros before its chunk
-            state = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * state_s0 + c[None, :] * state_s1
+            rows = x_ptr + (start + p)[:, None] * x_stride + c[None, :]
             acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
             for tap in tl.static_range(WIDTH):
-                i = p + (tap - (WIDTH - 1))  # the input position this tap reads
-                xv = tl.load(x_ptr + (start + i)[:, None] * x_stride + c[None, :],
-                             mask=valid & (i >= 0)[:, None], other=0.0).to(state_ptr.dtype.element_ty)
-                sv = tl.load(state + (i + WIDTH - 1)[:, None], mask=valid & (i < 0)[:, None] & keep, other=0.0)
+                back = WIDTH - 1 - tap  # this tap reads the input `back` positions earlier
+                xv = tl.load(rows - back * x_stride, mask=valid & (p >= back)[:, None], other=0.0)
                 w = tl.load(w_ptr + c * w_stride + tap, mask=c_mask, other=0.0).to(tl.float32)
-                acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]  # one of the two is 0
+                acc += xv.to(state_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+            # inputs before the chunk: the first tile only, from the state unless fresh (zeros);
+            # apart from the loop above, whose registers this would add to (spills in float32)
+            if (tl.program_id(1) == 0) & (tl.load(fresh_ptr + seq) == 0):
+                state = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * state_s0 + c[None, :] * state_s1
+                for tap in tl.static_range(WIDTH - 1):
+                    i = p + (tap - (WIDTH - 1))  # < 0: state entry WIDTH - 1 + i
+                    sv = tl.load(state + (i + WIDTH - 1)[:, None], mask=valid & (i < 0)[:, None], other=0.0)
+                    w = tl.load(w_ptr + c * w_stride + tap, mask=c_mask, other=0.0).to(tl.float32)
+                    acc += sv.to(tl.float32) * w[None, :]
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
             dt = out_ptr.dtype.element_ty
@@ -102,11 +108,11 @@ def _kernels():
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         j = tl.arange(0, BLOCK_K)
         mask = (c < channels)[:, None] & (j < WIDTH - 1)[None, :]
-        keep = tl.load(fresh_ptr + seq) == 0
+        keep = (tl.load(fresh_ptr + seq) + 0 * j) == 0  # a vector: the interpreter rejects scalar masks
         state = state_ptr + tl.load(slots_ptr + seq).to(tl.int64) * state_s0 + c[:, None] * state_s1
         i = n + j - (WIDTH - 1)
         xv = tl.load(x_ptr + (start + i)[None, :] * x_stride + c[:, None], mask=mask & (i >= 0)[None, :], other=0.0)
-        sv = tl.load(state + (n + j)[None, :], mask=mask & (i < 0)[None, :] & keep, other=0.0)
+        sv = tl.load(state + (n + j)[None, :], mask=mask & ((i < 0) & keep)[None, :], other=0.0)
         new = tl.where((i >= 0)[None, :], xv.to(state_ptr.dtype.element_ty), sv)
         tl.debug_barrier()  # every thread's reads of the old state before any write
         tl.store(state + j[None, :], new, mask=mask)
@@ -131,13 +137,17 @@ def _check_state(conv_state: torch.Tensor, weight: torch.Tensor) -> None:
 def varlen_tables(slots: list[int], query_lens: list[int], fresh: list[bool],
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The prefill's host lists as device tensors, in one copy: chunk starts [N + 1],
-    slots [N], fresh flags [N] (int64 each, views of one buffer)."""
+    slots [N], fresh flags [N] (int64 views of one buffer, each 16-byte aligned: Triton
+    specialises pointers on that, so an unaligned view would compile a second variant)."""
     n = len(slots)
     starts = [0]
     for length in query_lens:
         starts.append(starts[-1] + length)
-    packed = torch.tensor(starts + list(slots) + [int(f) for f in fresh], dtype=torch.int64).to(device)
-    return packed[:n + 1], packed[n + 1:2 * n + 1], packed[2 * n + 1:]
+    starts += [0] * ((n + 1) % 2)
+    slot_list = list(slots) + [0] * (n % 2)
+    packed = torch.tensor(starts + slot_list + [int(f) for f in fresh], dtype=torch.int64).to(device)
+    at = len(starts) + len(slot_list)
+    return packed[:n + 1], packed[len(starts):len(starts) + n], packed[at:at + n]
 
 
 @register_op("causal_conv1d", name="triton_causal_conv1d_decode", priority=20, devices=("cuda",), dtypes=DTYPES,

@@ -24,7 +24,6 @@ from tessera.ops.triton.availability import triton_missing
 from tessera.ops.triton.causal_conv1d import varlen_tables
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-EPS = 1e-6  # under the L2 norm's root, as flash-linear-attention and the torch op
 
 
 @lru_cache(maxsize=None)
@@ -52,7 +51,8 @@ def _kernel():
         if VARLEN:
             start = tl.load(starts_ptr + seq).to(tl.int64)
             end = tl.load(starts_ptr + seq + 1).to(tl.int64)
-            s_mask_in = s_mask & (tl.load(fresh_ptr + seq) == 0)  # a fresh sequence starts from zeros
+            # a fresh sequence starts from zeros (a vector: the interpreter rejects scalar masks)
+            s_mask_in = s_mask & ((tl.load(fresh_ptr + seq) + 0 * kk) == 0)[:, None]
         else:  # decode: row `seq` is its sequence's one token
             start = seq.to(tl.int64)
             end = start + 1
@@ -65,8 +65,9 @@ def _kernel():
             v = tl.load(v_ptr + t * v_s0 + hv * v_s1 + vv, mask=v_mask, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + t * g_s0 + hv)
             beta = tl.load(beta_ptr + t * beta_s0 + hv)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS) * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+            # eps 1e-6 under the root, as flash-linear-attention and the torch op
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
             s = s * tl.exp(g)
             delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
             s = s + k[:, None] * delta[None, :]
