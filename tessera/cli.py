@@ -15,7 +15,8 @@ from tessera.engine_args import (add_engine_args, add_watermark_args, engine_con
 from tessera.platform import resolve_device
 
 # tessera/server/tool_parsers/'s PARSERS (not imported here: it would load the server)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "deepseek_v3", "deepseek_v31")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "deepseek_v3", "deepseek_v31",
+                     "qwen3_coder", "qwen3_xml")
 # tessera/server/reasoning.py's REASONING_PARSERS (likewise)
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 # tool-call parsers that read what a reasoning parser writes into the content: gpt-oss's
@@ -130,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "mistral: [TOOL_CALLS] and a JSON list or name[ARGS]{...}; pythonic: "
                             "[f(x=1), g()], as Llama 3.2 and 4 write; openai: gpt-oss's harmony calls, "
                             "with --reasoning-parser openai_gptoss; deepseek_v3 / deepseek_v31: DeepSeek's "
-                            "<｜tool▁calls▁begin｜> blocks)")
+                            "<｜tool▁calls▁begin｜> blocks; qwen3_coder / qwen3_xml: <function=NAME><parameter=KEY>"
+                            "..., as Qwen3-Coder and Qwen3.5 write, values typed by the tools' schemas)")
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                        help="split chat answers into reasoning_content (the <think>...</think> part) and "
                             "content: deepseek_r1 (DeepSeek-R1 and its distills, whose template opens "

@@ -4,7 +4,8 @@ parameters schema (the output *is* the arguments); `"required"` constrains it to
 array of `{"name", "parameters"}` objects, one per call. `"none"` generates text. `"auto"`
 (OpenAI's default when tools are given) lets the model choose, so its own tool-call syntax
 must be parsed: the server's `--tool-call-parser` names it (tool_parsers/: `hermes`,
-`llama3_json`, `mistral`, `pythonic`, `openai`, `deepseek_v3`), and a stream sends each call as it is written;
+`llama3_json`, `mistral`, `pythonic`, `openai`, `deepseek_v3`, `qwen3_coder`), and a stream sends each call as it
+is written;
 without one, "auto" is refused, as vLLM refuses it. The tools are passed to the chat
 template in every case, so the model sees them as it was trained to.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from tessera.server.errors import ValidationFailed
-from tessera.server.tool_parsers import PARSERS, json_text, loads
+from tessera.server.tool_parsers import PARSERS, ToolCallParser, json_text, loads
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -31,6 +33,15 @@ class ToolPlan:
     constraint: dict[str, Any] | None = None  # structured_outputs
     parser: str | None = None
     single: bool = False  # parallel_tool_calls false: the first parsed call only ("auto")
+    functions: dict[str, dict[str, Any]] | None = None  # the tools' parameter schemas ("auto")
+
+    @cached_property
+    def syntax(self) -> ToolCallParser:
+        """The parser of the model's calls ("auto"), bound to the request's tools where it
+        reads them (qwen3_coder types its values by their schemas)."""
+        parser = PARSERS[self.parser]
+        bind = getattr(parser, "for_tools", None)
+        return bind(self.functions or {}) if bind is not None else parser
 
     @property
     def finish_reason(self) -> str:
@@ -70,7 +81,7 @@ def plan_tool_calls(tools: list[dict[str, Any]] | None, tool_choice: Any,
     if choice == "none":
         return None
     if choice == "auto" and parser is not None:
-        return ToolPlan(parser=parser, single=parallel_tool_calls is False)
+        return ToolPlan(parser=parser, single=parallel_tool_calls is False, functions=functions)
     if choice == "auto":
         raise ValidationFailed("`tool_choice` \"auto\" needs a parser of the model's tool-call syntax, "
                                "and this server was started without --tool-call-parser; use \"required\" or "
@@ -130,7 +141,7 @@ def tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, An
         calls = [(plan.function, text)]
         content = None
     else:
-        content, found = PARSERS[plan.parser].parse(text) if plan.parser is not None else (None, _parse_list(text))
+        content, found = plan.syntax.parse(text) if plan.parser is not None else (None, _parse_list(text))
         if not found:
             return text, None
         calls = found[:1] if plan.single else found  # vLLM keeps the first when parallel calls are off
@@ -175,7 +186,7 @@ class ToolCallStream:
                         "function": {"name": plan.function, "arguments": text}}
             return {"tool_calls": [call]}, finish
         if plan.parser is not None and finish is None:
-            parser = PARSERS[plan.parser]
+            parser = plan.syntax
             end = parser.content_end(self.text)
             rest = self.text[self.sent:end] if end > self.sent else ""
             self.sent = max(self.sent, end)
@@ -190,7 +201,7 @@ class ToolCallStream:
         if made is None:
             if self.calls:  # calls already streamed, then the model broke one off (or was cut):
                 # they stand as sent, with what of them is valid in this last piece
-                grown = self._grown(PARSERS[plan.parser].partial(self.text))
+                grown = self._grown(plan.syntax.partial(self.text))
                 return ({"tool_calls": grown} if grown else {}), plan.finish_reason if finish == "stop" else finish
             rest = self.text[self.sent:]  # no calls: whatever content is not out yet
             return ({"content": rest} if rest else {}), finish

@@ -328,6 +328,54 @@ def test_deepseek_stream_pieces_both_syntaxes(size, parser):
                                                 ("A", [("get_time", '{"zone": ')], "tool_calls"))
 
 
+QWEN3_XML_OUTPUT = ("Let me check.\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+                    "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>")
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize("parser", ["qwen3_coder", "qwen3_xml"])
+def test_qwen3_xml_stream_pieces(size, parser):
+    """Qwen3-Coder's and Qwen3.5's XML calls: values typed by the tools' schemas (metric is
+    a boolean, city untyped: a string), each parameter sent once closed."""
+    deltas = []
+    assert stream_pieces(QWEN3_XML_OUTPUT, size, parser, deltas) == ("Let me check.", HERMES_CALLS, "tool_calls")
+    if size == 1:  # the weather call's arguments came in three final pieces
+        pieces = [d["function"].get("arguments") for d in deltas if d["index"] == 1]
+        assert [p for p in pieces if p] == ['{"city": "Oslo"', ', "metric": true', "}"]
+    unwrapped = "<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>"
+    assert stream_pieces(unwrapped, size, parser) == ("", [("get_time", '{"zone": "CET"}')], "tool_calls")
+    ended = "<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n"  # ended before </function>
+    assert stream_pieces(ended, size, parser) == ("", [("get_time", '{"zone": "UTC"}')], "tool_calls")
+    cut = "A <tool_call>\n<function=get_time>\n<parameter=zone>\nUT"  # cut inside a value
+    assert stream_pieces(cut, size, parser) == ((cut, [], "stop") if size == 1000 else ("A", [("get_time", "")], "tool_calls"))
+    plain = "No <function but no call"
+    assert stream_pieces(plain, size, parser) == (plain, [], "stop")
+
+
+def test_qwen3_xml_values_follow_the_schema_types():
+    from tessera.server.tool_parsers import PARSERS as ALL
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "tags": {"type": "array"},
+        "opts": {"type": "object"}, "id": {"type": "string"}, "maybe": {"type": ["integer", "null"]}}}
+    parser = ALL["qwen3_coder"].for_tools({"f": schema})
+
+    def args(body: str) -> dict:
+        content, calls = parser.parse(f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>")
+        assert content is None and len(calls) == 1
+        return json.loads(calls[0][1])
+
+    assert args("<parameter=n>\n42\n</parameter>\n<parameter=x>\n2.50\n</parameter>\n") == {"n": 42, "x": 2.5}
+    assert args("<parameter=ok>\nTrue\n</parameter>\n<parameter=id>\n007\n</parameter>\n") == {"ok": True, "id": "007"}
+    assert args("<parameter=tags>\n['a', 'b']\n</parameter>\n<parameter=opts>\n{\"k\": [1, 2]}\n</parameter>\n") == {
+        "tags": ["a", "b"], "opts": {"k": [1, 2]}}
+    assert args("<parameter=n>\n4.5\n</parameter>\n<parameter=maybe>\nnull\n</parameter>\n") == {"n": "4.5", "maybe": None}
+    assert args("<parameter=free>\nline one\nline two\n</parameter>\n") == {"free": "line one\nline two"}
+    # numbers keep their digits as written
+    assert parser.parse("<function=f>\n<parameter=x>\n1e999\n</parameter>\n</function>")[1] == [("f", '{"x": 1e999}')]
+
+
 def test_pythonic_values_become_json_with_their_digits():
     pythonic = PARSERS["pythonic"]
     content, calls = pythonic.parse(
@@ -341,9 +389,10 @@ def test_pythonic_values_become_json_with_their_digits():
     assert pythonic.parse("[f(x=1e999)]")[1] is None  # infinite: no JSON number for it
 
 
-def test_auto_with_the_mistral_and_pythonic_parsers_over_http(client, server, monkeypatch):
+def test_auto_with_the_mistral_pythonic_and_qwen3_xml_parsers_over_http(client, server, monkeypatch):
     for parser, output, content in (("mistral", MISTRAL_OUTPUTS[1], "Let me check."),
-                                    ("pythonic", PYTHONIC_OUTPUT, None)):
+                                    ("pythonic", PYTHONIC_OUTPUT, None),
+                                    ("qwen3_coder", QWEN3_XML_OUTPUT, "Let me check.")):
         monkeypatch.setattr(server.state, "tool_call_parser", parser)
         forced = {"guided_choice": [output]}  # the tiny model is made to write the calls
         full = chat(client, tools=[WEATHER, TIME], extra_body=forced, max_tokens=400).choices[0]

@@ -21,6 +21,9 @@ text, as the model wrote it.
 - `deepseek_v3` (also `deepseek_v31`): DeepSeek's `<｜tool▁calls▁begin｜>` blocks, each call
   `function<｜tool▁sep｜>NAME` and its arguments in a json fence (V3, R1) or
   `NAME<｜tool▁sep｜>{...}` (V3.1 on); text before them is content.
+- `qwen3_coder` (also `qwen3_xml`): Qwen3-Coder's and Qwen3.5's `<tool_call><function=NAME>
+  <parameter=KEY>value</parameter></function></tool_call>`, values typed by the request's
+  tool schemas (xml_calls.py).
 A malformed call leaves the whole output as content.
 """
 
@@ -28,10 +31,12 @@ from tessera.server.tool_parsers.base import Call, Parsed, PartialCall, ToolCall
 from tessera.server.tool_parsers.json_calls import HermesParser, Llama3JsonParser, MistralParser
 from tessera.server.tool_parsers.marker_calls import DeepSeekCallParser, HarmonyCallParser
 from tessera.server.tool_parsers.pythonic import PythonicParser
+from tessera.server.tool_parsers.xml_calls import Qwen3XmlParser
 
 PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),
                                       "mistral": MistralParser(), "pythonic": PythonicParser(),
                                       "openai": HarmonyCallParser(), "deepseek_v3": DeepSeekCallParser(),
-                                      "deepseek_v31": DeepSeekCallParser()}
+                                      "deepseek_v31": DeepSeekCallParser(), "qwen3_coder": Qwen3XmlParser(),
+                                      "qwen3_xml": Qwen3XmlParser()}
 
 __all__ = ["PARSERS", "Call", "Parsed", "PartialCall", "ToolCallParser", "json_text", "loads"]
