@@ -69,19 +69,28 @@ class LayerNorm(OpModule):
 
 
 @register_op("gated_rms_norm", name="torch_gated_rms_norm", priority=0)
-def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, then times SiLU(gate): the weight multiplies the
-    normalised row rounded to the model dtype, the gate in float32, one rounding at the end
-    (transformers' Qwen3NextRMSNormGated, flash-linear-attention's FusedRMSNormGated)."""
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       gate_first: bool = False, group_size: int | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension (in groups of `group_size`), and times SiLU(gate).
+    Norm first (Gated DeltaNet: transformers' Qwen3NextRMSNormGated, flash-linear-attention's
+    FusedRMSNormGated): the weight multiplies the normalised row rounded to the model dtype,
+    the gate in float32, one rounding at the end. Gate first (Mamba-2's RMSNormGated): the
+    gated row in float32 is normalised per group, rounded, then weighted."""
     dtype = x.dtype
     xf = x.float()
+    if gate_first:
+        xf = xf * F.silu(gate.float())
+        groups = xf.view(*xf.shape[:-1], -1, group_size or xf.shape[-1])
+        normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).view(xf.shape)
+        return weight * normed.to(dtype)
     normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return (normed * F.silu(gate.float())).to(dtype)
 
 
 class GatedRMSNorm(OpModule):
     """Linear attention's output norm: each value head's row normalised, scaled by the
-    weight [head_dim] and gated by SiLU of a second projection (Gated DeltaNet)."""
+    weight [head_dim] and gated by SiLU of a second projection (Gated DeltaNet; Mamba-2's
+    mixer calls the op gate first, models/granitemoehybrid/mamba.py)."""
 
     def __init__(self, hidden_size: int, eps: float, target: OpTarget):
         super().__init__()

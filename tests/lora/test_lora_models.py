@@ -20,6 +20,7 @@ from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.families import make_family
 from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
+from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_phi3_parity import make_tiny_phi3
 from tests.models.test_qwen3_next import make_tiny_qwen3_next
@@ -71,6 +72,9 @@ FAMILIES = {
                        ["q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "out_proj", "down_proj"]),
     "qwen3-next-hybrid": (functools.partial(make_tiny_qwen3_next, "qwen3_next"), None,
                           ["q_proj", "v_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]),
+    # Mamba-2's packed in_proj and its out_proj, NoPE attention, the shared MLP (experts refused)
+    "granite-4.0-h": (functools.partial(make_tiny_granite_hybrid, "granite-4.0-h-moe-nope"), None,
+                      ["in_proj", "out_proj", "q_proj", "v_proj", "input_linear"]),
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
@@ -119,7 +123,7 @@ def test_mixtral_experts_are_refused(tmp_path_factory, tiny_tokenizer_dir):
         assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.parametrize("family", ["phi3-fused", "qwen2-biased-qkv", "qwen3-next-hybrid"])
+@pytest.mark.parametrize("family", ["phi3-fused", "qwen2-biased-qkv", "qwen3-next-hybrid", "granite-4.0-h"])
 def test_tensor_parallel_adapters_equal_one_process(family, tmp_path_factory, tiny_tokenizer_dir):
     folder, _, adapter, peft_model = _make(family, tmp_path_factory, tiny_tokenizer_dir)
     expected = [hf_generate(peft_model, p, NEW_TOKENS) for p in PROMPTS]

@@ -30,15 +30,16 @@ def test_models_that_compute_attention_themselves_are_refused(kind, tiny_tokeniz
 
 
 def test_hybrid_state_space_models_are_refused_before_loading(tiny_tokenizer_dir, tmp_path):
-    """Granite 4's hybrid (Mamba-2 and attention layers): the fallback would run its Mamba
-    layers without their state between steps, so it refuses from the config, naming them."""
+    """Granite 4's hybrid (Mamba-2 and attention layers; native, tests/models/test_granite_hybrid.py):
+    the fallback would run its Mamba layers without their state between steps, so it
+    refuses from the config, naming them."""
     import transformers as T
 
     make_tiny(tmp_path, tiny_tokenizer_dir, T.GraniteMoeHybridConfig, T.GraniteMoeHybridForCausalLM, base={
         **BASE, "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
         "mamba_n_groups": 1, "mamba_expand": 1, "num_local_experts": 0, "shared_intermediate_size": 96})
     with pytest.raises(ValueError, match="recurrent state between steps"):
-        load(tmp_path)
+        load(tmp_path, model_impl="transformers")
 
 
 def test_attention_sinks_are_refused_not_dropped(tiny_tokenizer_dir, tmp_path):

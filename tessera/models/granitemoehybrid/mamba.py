@@ -1,0 +1,113 @@
+"""The Mamba-2 mixer (transformers' Mamba2Mixer and the hybrids' copies of it: Granite 4.0-H,
+Nemotron-H, Falcon-H1, Bamba): in_proj packs [z | x | B | C | dt]; ops/linear_attention's
+Mamba2Scan runs the causal conv1d + SiLU over x, B, C and the SSD scan (dt = softplus(dt +
+dt_bias) within time_step_limit, A = -exp(A_log), the D skip); SiLU(z) gates the output
+before an RMSNorm over groups of heads; out_proj.
+
+Tensor parallelism splits the heads (x, z, dt and their conv channels); B and C belong to
+groups of heads, split with them when the groups divide over the ranks, or held whole by
+every rank when there is one group (Granite 4.0-H). A group that spans ranks is normalised
+by its mean square summed over them."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from tessera.distributed.parallel import Span, all_reduce, even_span
+from tessera.ops.linear import PackedLinear, RowParallelLinear
+from tessera.ops.linear_attention import Mamba2Scan
+from tessera.ops.registry import OpTarget
+from tessera.ops.weights import copy_checked, make_param
+from tessera.weights.lazy import materialize, narrow
+
+
+class MambaSplit:
+    """This rank's heads and groups, and their rows in the full tensors."""
+
+    def __init__(self, heads: int, head_dim: int, groups: int, state: int, target: OpTarget):
+        tp, rank = target.tp_size, target.tp_rank
+        if heads % tp:
+            raise ValueError(f"Mamba-2: {heads} heads do not split over {tp} tensor-parallel ranks")
+        if groups % tp == 0:
+            group_span = even_span(groups, rank, tp)
+        elif groups == 1:
+            group_span = Span(0, 1)  # B and C whole on every rank
+        else:
+            raise ValueError(f"Mamba-2: {groups} groups do not split over {tp} tensor-parallel ranks")
+        self.heads = even_span(heads, rank, tp)
+        self.groups = group_span
+        self.x_rows = Span(self.heads.start * head_dim, self.heads.size * head_dim)
+        self.bc_rows = Span(group_span.start * state, group_span.size * state)
+        self.norm_spans_ranks = groups < tp  # one group over every rank's heads
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"Mamba-2 supports hidden_act 'silu' only, got {config.hidden_act!r}")
+        heads, head_dim = config.mamba_n_heads, config.mamba_d_head
+        inner = int(config.mamba_expand * config.hidden_size)
+        if heads * head_dim != inner:
+            raise ValueError(f"Mamba-2: {heads} heads of {head_dim} != expand x hidden = {inner}")
+        groups, state = config.mamba_n_groups, config.mamba_d_state
+        self.split = split = MambaSplit(heads, head_dim, groups, state, target)
+        self.full = (inner, groups * state)  # x's and B's (= C's) full rows
+        self.group_size, self.eps, self.tp_size = inner // groups, config.rms_norm_eps, target.tp_size
+        self.core = Mamba2Scan(split.heads.size, head_dim, split.groups.size, state, config.mamba_d_conv,
+                               tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))), target)
+        bias = bool(config.mamba_proj_bias)
+        bc = groups * state
+        self.in_proj = PackedLinear(
+            config.hidden_size, {"z": inner, "x": inner, "B": bc, "C": bc, "dt": heads}, target, bias=bias,
+            shard_spans={"z": split.x_rows, "x": split.x_rows, "B": split.bc_rows, "C": split.bc_rows,
+                         "dt": split.heads})
+        self.conv_weight = make_param((self.core.conv_dim, config.mamba_d_conv), target.dtype, target.device,
+                                      loader=self._load_conv)
+        self.conv_bias = (make_param((self.core.conv_dim,), target.dtype, target.device, loader=self._load_conv)
+                          if config.mamba_conv_bias else None)
+        self.dt_bias, self.A_log, self.D = (make_param((split.heads.size,), target.dtype, target.device,
+                                                       loader=self._load_heads) for _ in range(3))
+        self.norm_weight = make_param((split.x_rows.size,), target.dtype, target.device, loader=self._load_norm)
+        self._norm = target.op("gated_rms_norm")
+        self.out_proj = RowParallelLinear(inner, config.hidden_size, target, bias=bias, in_span=split.x_rows)
+
+    def _load_conv(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        """conv1d's weight [x | B | C channels, 1, K] (or bias): this rank's rows of each."""
+        tensor = materialize(tensor)
+        tensor = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor
+        x, bc = self.full
+        if tensor.shape[0] != x + 2 * bc:
+            raise ValueError(f"conv1d: checkpoint channels {tensor.shape[0]} != {x + 2 * bc}")
+        rows, parts = self.split.x_rows, [self.split.x_rows, self.split.bc_rows, self.split.bc_rows]
+        starts = (0, x, x + bc)
+        local = torch.cat([narrow(tensor, 0, start + span.start, span.size) for start, span in zip(starts, parts)])
+        with torch.no_grad():
+            copy_checked(param.data, local.reshape(param.shape), f"conv1d ({rows.size} x rows)")
+
+    def _load_heads(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        with torch.no_grad():
+            copy_checked(param.data, narrow(tensor, 0, self.split.heads.start, self.split.heads.size), "per-head vector")
+
+    def _load_norm(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        with torch.no_grad():
+            copy_checked(param.data, narrow(tensor, 0, self.split.x_rows.start, self.split.x_rows.size), "norm weight")
+
+    def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.in_proj(hidden)
+        z_end = self.split.x_rows.size
+        conv_end = z_end + self.core.conv_dim
+        z, xbc, dt = out[:, :z_end], out[:, z_end:conv_end], out[:, conv_end:]
+        y = self.core(xbc, self.conv_weight, self.conv_bias, dt, self.dt_bias, -self.A_log.float().exp(), self.D)
+        return self.out_proj(self._gated_norm(y, z))
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """SiLU(z) gates y, then an RMSNorm per group of heads (over the ranks where the one
+        group spans them)."""
+        if not self.split.norm_spans_ranks:
+            return self._norm(y, z, self.norm_weight, self.eps, True, self.group_size)
+        gated = y.float() * F.silu(z.float())
+        squares = all_reduce(gated.pow(2).sum(-1, keepdim=True), self.tp_size)
+        return self.norm_weight * (gated * torch.rsqrt(squares / self.group_size + self.eps)).to(y.dtype)
