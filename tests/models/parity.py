@@ -209,3 +209,20 @@ def check_chunked_prefill(folder: Path, llm: LLM, hf: torch.nn.Module, name: str
         assert tokens == hf_generate(hf, prompt, new_tokens)
         assert_rows_match(rec.for_request(out.request_id), hf_logits(hf, prompt + tokens),
                           FP32_ATOL, f"{name} chunked {len(prompt)}")
+
+
+def check_bf16_close(folder: Path, hf: torch.nn.Module, num_kv_blocks: int, prompt_len: int = 40,
+                     new_tokens: int = 6) -> LLM:
+    """bf16 through the CPU kernels: the logprobs of a prompt and its continuation stay
+    within bf16 noise of transformers' float32 ones. Returns the engine."""
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=num_kv_blocks, show_progress=False)
+    prompt = prompt_ids(prompt_len, seed=6)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    want = hf_logits(hf, prompt + tokens).log_softmax(-1)
+    got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+    got += [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
+    expected = want[:-1].gather(1, torch.tensor(prompt[1:] + tokens)[:, None])[:, 0]
+    assert (torch.tensor(got) - expected).abs().max() < 0.15
+    return llm

@@ -22,7 +22,7 @@ from tessera.ops.registry import selections
 from tessera.weights.mxfp4 import E2M1_VALUES, dequantize_mxfp4
 from tessera.weights.safetensors import iter_hf_weights
 
-from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
+from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill, check_greedy_alone_and_batched,
                                  check_prefill_and_decode_logits, hf_logits, make_tiny, prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -172,25 +172,10 @@ def test_mxfp4_checkpoint(packed, tmp_path, tiny_tokenizer_dir, monkeypatch):
         assert chosen <= {"cpu_mxfp4_experts", "torch_mxfp4_experts"} and chosen
     check_prefill_and_decode_logits(llm, hf, "gpt_oss-mxfp4", monkeypatch)
     if packed:  # bf16 inputs take the bf16 kernel on AVX512 CPUs
-        check_bf16_close(tmp_path / "mxfp4", hf)
+        check_bf16_close(tmp_path / "mxfp4", hf, NUM_KV_BLOCKS)
     info = inspect_model(ModelConfig(model=str(tmp_path / "mxfp4"), dtype="float32"), load=False)
     assert (info["checkpoint_quantization"], info["checkpoint_packed"]) == ("mxfp4", packed)
     assert ("kept packed" if packed else "dequantized as it loads") in format_report(info)
-
-
-def check_bf16_close(folder: Path, hf: torch.nn.Module) -> None:
-    """bf16 through the CPU kernels: the logprobs of a 40-token prompt and its continuation
-    stay within bf16 noise of transformers' float32 ones."""
-    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    prompt = prompt_ids(40, seed=6)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    tokens = out.outputs[0].token_ids
-    want = hf_logits(hf, prompt + tokens).log_softmax(-1)
-    got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
-    got += [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
-    expected = want[:-1].gather(1, torch.tensor(prompt[1:] + tokens)[:, None])[:, 0]
-    assert (torch.tensor(got) - expected).abs().max() < 0.15
 
 
 def test_bf16_runs_the_cpu_kernels_with_sinks(case: Case):
@@ -198,7 +183,7 @@ def test_bf16_runs_the_cpu_kernels_with_sinks(case: Case):
     unavailable = paged_decode._KERNEL.check(None)
     if unavailable:
         pytest.skip("; ".join(unavailable))
-    check_bf16_close(case.folder, case.hf)
+    check_bf16_close(case.folder, case.hf, NUM_KV_BLOCKS)
     chosen = {c.builder.name for c in selections() if c.spec.kind == "paged_attention" and c.spec.sinks
               and c.spec.dtype == torch.bfloat16}
     assert "cpu_paged_decode_bf16" in chosen

@@ -8,6 +8,8 @@ Rows come decodes first, as for attention: the decode ops take those one token e
 prefill ops each remaining sequence's chunk."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from tessera.ops.attention.metadata import AttentionMetadata, current_metadata
@@ -34,6 +36,21 @@ class RecurrentLayer(OpModule):
         if meta.state_slots is None:
             raise RuntimeError("a recurrent layer ran in a step without state slots")
         return meta, self.state
+
+    def by_phase(self, num_rows: int, decode: Callable[[slice, torch.Tensor], torch.Tensor],
+                 prefill: Callable[[slice, list[int], list[int], list[bool]], torch.Tensor]) -> torch.Tensor:
+        """`decode(rows, slots)` over the decode rows (one token each, their slots as a
+        tensor) and `prefill(rows, slots, query lens, fresh)` over the prefill chunks, in
+        row order."""
+        meta, _ = self.bound_state()
+        nd, b = meta.num_decode_tokens, meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(decode(slice(0, nd), meta.state_slots[:nd]))
+        if nd < num_rows:
+            parts.append(prefill(slice(nd, num_rows), meta.state_slots_list[b:], meta.query_lens_list[b:],
+                                 meta.state_fresh_list[b:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class GatedDeltaRule(RecurrentLayer):
@@ -66,19 +83,17 @@ class GatedDeltaRule(RecurrentLayer):
                 g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """mixed_qkv: [T, conv_dim]; conv_weight: [conv_dim, K]; g (log decay), beta:
         [T, Hv] float32 -> [T, Hv, Dv] in the model dtype."""
-        meta, (conv_state, recurrent) = self.bound_state()
-        nd = meta.num_decode_tokens
-        parts = []
-        if nd:
-            slots = meta.state_slots[:nd]
-            x = self._conv_decode(mixed_qkv[:nd], conv_weight, conv_bias, conv_state, slots)
-            parts.append(self._rule_decode(*self._split(x), g[:nd], beta[:nd], recurrent, slots))
-        if nd < mixed_qkv.shape[0]:
-            b = meta.num_decodes
-            slots, lens, fresh = meta.state_slots_list[b:], meta.query_lens_list[b:], meta.state_fresh_list[b:]
-            x = self._conv_prefill(mixed_qkv[nd:], conv_weight, conv_bias, conv_state, slots, lens, fresh)
-            parts.append(self._rule_prefill(*self._split(x), g[nd:], beta[nd:], recurrent, slots, lens, fresh))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        _, (conv_state, recurrent) = self.bound_state()
+
+        def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
+            x = self._conv_decode(mixed_qkv[rows], conv_weight, conv_bias, conv_state, slots)
+            return self._rule_decode(*self._split(x), g[rows], beta[rows], recurrent, slots)
+
+        def prefill(rows: slice, slots: list[int], lens: list[int], fresh: list[bool]) -> torch.Tensor:
+            x = self._conv_prefill(mixed_qkv[rows], conv_weight, conv_bias, conv_state, slots, lens, fresh)
+            return self._rule_prefill(*self._split(x), g[rows], beta[rows], recurrent, slots, lens, fresh)
+
+        return self.by_phase(mixed_qkv.shape[0], decode, prefill)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

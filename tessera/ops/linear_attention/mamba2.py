@@ -127,21 +127,19 @@ class Mamba2Scan(RecurrentLayer):
     def forward(self, xbc: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                 dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
         """xbc: [T, conv_dim]; dt: [T, H] (before softplus); A: [H] (negative) -> [T, H * P]."""
-        meta, (conv_state, ssm_state) = self.bound_state()
-        nd = meta.num_decode_tokens
-        parts = []
-        if nd:
-            slots = meta.state_slots[:nd]
-            conv = self._conv_decode(xbc[:nd], conv_weight, conv_bias, conv_state, slots)
-            parts.append(self._scan_decode(*self._split(conv), dt[:nd], dt_bias, A, *self._bc(conv), D, self.limits,
-                                           ssm_state, slots))
-        if nd < xbc.shape[0]:
-            b = meta.num_decodes
-            slots, lens, fresh = meta.state_slots_list[b:], meta.query_lens_list[b:], meta.state_fresh_list[b:]
-            conv = self._conv_prefill(xbc[nd:], conv_weight, conv_bias, conv_state, slots, lens, fresh)
-            parts.append(self._scan_prefill(*self._split(conv), dt[nd:], dt_bias, A, *self._bc(conv), D, self.limits,
-                                            ssm_state, slots, lens, fresh))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        _, (conv_state, ssm_state) = self.bound_state()
+
+        def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
+            conv = self._conv_decode(xbc[rows], conv_weight, conv_bias, conv_state, slots)
+            return self._scan_decode(*self._split(conv), dt[rows], dt_bias, A, *self._bc(conv), D, self.limits,
+                                     ssm_state, slots)
+
+        def prefill(rows: slice, slots: list[int], lens: list[int], fresh: list[bool]) -> torch.Tensor:
+            conv = self._conv_prefill(xbc[rows], conv_weight, conv_bias, conv_state, slots, lens, fresh)
+            return self._scan_prefill(*self._split(conv), dt[rows], dt_bias, A, *self._bc(conv), D, self.limits,
+                                      ssm_state, slots, lens, fresh)
+
+        out = self.by_phase(xbc.shape[0], decode, prefill)
         return out.reshape(out.shape[0], -1)
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor]:
