@@ -248,7 +248,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
               "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next", "granitemoehybrid",
               "qwen3_5_moe_text",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-              "qwen3_vl_moe"}  # these and gemma3: tests/multimodal
+              "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
     folder, _ = make_tiny_llama()
     with pytest.raises(ConfigError, match="does not support LoRA adapters"):

@@ -13,7 +13,7 @@ from tessera import LLM
 from tests.conftest import TINY_CORPUS
 from tests.multimodal.checkpoints import make_tiny_qwen3_5_vl
 from tests.multimodal.qwen_checks import (check_batched_chunked_and_text_only, check_greedy_tokens_and_logprobs,
-                                          check_positions_equal_rope_index)
+                                          check_lora_equals_peft, check_positions_equal_rope_index)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,3 +44,9 @@ def test_positions_equal_transformers_rope_index(tiny_qwen3_5, llm):
 def test_batched_chunked_and_text_only(tiny_qwen3_5, llm):
     """8-token steps split the images: the recurrent state carries over inside an image."""
     check_batched_chunked_and_text_only(*tiny_qwen3_5, llm)
+
+
+def test_lora_on_the_language_model_equals_peft(tiny_qwen3_5, tmp_path):
+    """An adapter on both kinds of attention (Gated DeltaNet's projections, gated
+    attention's q_proj whose rows interleave query and gate) and the MLP, with images."""
+    check_lora_equals_peft(*tiny_qwen3_5, tmp_path, "q_proj|o_proj|in_proj_qkv|in_proj_z|out_proj")

@@ -30,6 +30,7 @@ class Qwen3_5VLRouter(VisionLanguageRouter):
     model_types = ("qwen3_5",)
     supports_images = True  # tests/multimodal/test_qwen3_5_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_qwen3_5_vl.py
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):
@@ -41,6 +42,7 @@ class Qwen3_5MoeVLRouter(Qwen3_5VLRouter):
     supports_images = True  # tests/multimodal/test_qwen3_5_vl.py
     is_moe = True  # tests/multimodal/test_qwen3_5_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/multimodal/test_qwen3_5_vl.py (attention of both kinds; experts refused)
 
     def language_model_cls(self):
         return Qwen3_5MoeVLForCausalLM
