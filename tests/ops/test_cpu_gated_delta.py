@@ -5,9 +5,6 @@ a step of both kernels captured and replayed. The suite runs again in the AVX2 b
 this CPU would pick the AVX512 one."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -160,17 +157,6 @@ def test_a_decode_step_replays_from_a_kernel_graph():
     _assert_close_out(out, want)
     assert torch.equal(conv_state, want_cs)
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-6)
-
-
-def test_the_avx2_build(tmp_path):
-    """This file once more with TESSERA_CPU_KERNEL_ISA=avx2 (as on a CPU without AVX512)."""
-    if build.missing_cpu_flags() or build.missing_cpu_flags("gated_delta_avx2.c"):
-        pytest.skip("the AVX2 build runs in the main suite here (no AVX512), or cannot run at all")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__, "-k", "not avx2_build"],
-        env={**os.environ, build.ISA_ENV: "avx2"}, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout
 
 
 def test_the_isa_setting_picks_the_build():

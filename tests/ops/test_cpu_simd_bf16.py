@@ -110,7 +110,8 @@ def test_int16_pair_dot_products(probe):
 _KERNEL_TESTS = ["ops/test_cpu_gemm.py", "ops/test_linear_int8.py", "ops/test_linear_int4.py", "ops/test_cpu_paged_decode.py",
                  "ops/test_cpu_norm.py", "ops/test_cpu_rotary.py", "ops/test_cpu_activation.py",
                  "ops/test_cpu_kv_write.py", "ops/test_cpu_embedding.py", "ops/test_cpu_graph.py",
-                 "ops/test_cpu_simd_bf16.py", "runner/test_decode_graphs.py"]
+                 "ops/test_cpu_simd_bf16.py", "ops/test_cpu_gated_delta.py", "ops/test_cpu_ssm_scan.py",
+                 "runner/test_decode_graphs.py"]
 
 
 def _other_build_reason(isa: str) -> str | None:

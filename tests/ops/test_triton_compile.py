@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.ops.triton_compile import (SHAPES, SHARED_LIMIT, attention_variants, compile_all,
-                                      compile_linear_attention, compile_mxfp4, compile_skinny)
+                                      compile_linear_attention, compile_mxfp4, compile_skinny,
+                                      compile_ssm_scan)
 
 
 def _nvidia_backend_missing() -> str | None:
@@ -126,5 +127,15 @@ def test_linear_attention_kernels_compile_for_hopper_without_spills(dtype):
     results = compile_linear_attention(90, dtype)
     assert {r.kernel for r in results} == {"conv_decode_kernel", "conv_prefill_kernel", "conv_state_kernel",
                                            "gated_delta_kernel"}
+    for r in results:
+        assert r.shared <= SHARED_LIMIT[90] and r.spilled == 0, r
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ssm_scan_kernels_compile_for_hopper_without_spills(dtype):
+    """Mamba-2's fused recurrent scan at Granite 4.0-H's shapes, decode and prefill (its
+    [BP, 128] float32 state tile held in registers)."""
+    results = compile_ssm_scan(90, dtype)
+    assert [r.kernel for r in results] == ["ssm_scan_kernel"] * 2
     for r in results:
         assert r.shared <= SHARED_LIMIT[90] and r.spilled == 0, r

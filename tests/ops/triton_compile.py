@@ -319,3 +319,35 @@ def compile_linear_attention(arch: int, dtype: torch.dtype = torch.bfloat16) -> 
     finally:
         conv._kernels, rule._kernel = original_conv, original_rule
     return out
+
+
+def compile_ssm_scan(arch: int, dtype: torch.dtype = torch.bfloat16) -> list[Compiled]:
+    """Mamba-2's scan (tessera/ops/triton/ssm_scan.py) at Granite 4.0-H-like shapes: 128
+    heads of 64, one group, d_state 128; decode at batch 64, prefill over three chunks; x, B
+    and C are views of the conv output's rows and dt a column slice of the projection's, as
+    Mamba2Scan passes them."""
+    import tessera.ops.triton.ssm_scan as scan
+
+    heads, head_dim, groups, size = 128, 64, 1, 128
+    inner = heads * head_dim
+    out: list[Compiled] = []
+    original = scan._kernel
+    state = torch.zeros((64, heads, head_dim, size), dtype=torch.float32)
+    per_head = torch.zeros(heads, dtype=dtype)
+    A = torch.zeros(heads)
+    try:
+        for phase, rows in (("decode", 64), ("prefill", 700)):
+            case = f"granite-4.0-h {phase} {str(dtype).removeprefix('torch.')} sm_{arch}"
+            scan._kernel = lambda case=case: _Recorder(original(), arch, case, out)
+            conv = torch.zeros((rows, inner + 2 * groups * size), dtype=dtype)
+            x, B, C = conv.split([inner, groups * size, groups * size], dim=-1)
+            x, B, C = x.reshape(rows, heads, head_dim), B.reshape(rows, groups, size), C.reshape(rows, groups, size)
+            dt = torch.zeros((rows, 2 * inner + 2 * groups * size + heads), dtype=dtype)[:, -heads:]  # [z|xBC|dt]
+            args = (x, dt, per_head, A, B, C, per_head, (0.0, float("inf")), state)
+            if phase == "decode":
+                scan.triton_ssm_scan_decode(*args, torch.arange(rows))
+            else:
+                scan.triton_ssm_scan_prefill(*args, [5, 9, 2], [3, 600, 97], [False, True, True])
+    finally:
+        scan._kernel = original
+    return out

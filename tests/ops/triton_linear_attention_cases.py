@@ -1,8 +1,9 @@
-"""The Triton linear-attention kernels (causal conv1d + SiLU, the gated delta rule) against
-the pure-torch ops, both phases: fresh and carried states, chunks shorter than the conv's
+"""The Triton linear-attention kernels (causal conv1d + SiLU, the gated delta rule, Mamba-2's
+selective scan) against the pure-torch ops, both phases: fresh and carried states, chunks shorter than the conv's
 K - 1, several sequences of which some span several program tiles, fewer key heads than
 value heads, strided q/k/v views as the layer passes them, non-consecutive slots, and
-slots no row names left untouched. Run by tests/ops/triton_cases.py, through the
+slots no row names left untouched; for the scan, one or several groups of heads and
+time-step limits that clamp. Run by tests/ops/triton_cases.py, through the
 interpreter on CPU or on a GPU."""
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import torch
 
 from tessera.ops.linear_attention.conv import causal_conv1d_decode_ref, causal_conv1d_prefill_ref
 from tessera.ops.linear_attention.delta_rule import gated_delta_decode_ref, gated_delta_prefill_ref
+from tessera.ops.linear_attention.mamba2 import ssm_scan_decode_ref, ssm_scan_prefill_ref
 from tessera.ops.registry import OpSpec, select_op
 from tessera.ops.triton.causal_conv1d import triton_causal_conv1d_decode, triton_causal_conv1d_prefill
 from tessera.ops.triton.gated_delta import triton_gated_delta_decode, triton_gated_delta_prefill
+from tessera.ops.triton.ssm_scan import triton_ssm_scan_decode, triton_ssm_scan_prefill
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SLOTS = 6
@@ -171,4 +174,65 @@ def check_layer_split(device: str) -> None:
         _close(rec["got"], rec["want"], f"layer step {step} state", float32_tol=2 ** -7)
 
 
-LINEAR_ATTENTION_CHECKS = (check_registration, check_causal_conv1d, check_gated_delta, check_layer_split)
+def _mamba_inputs(tokens: int, heads: int, groups: int, head_dim: int, size: int, dtype: torch.dtype,
+                  g: torch.Generator):
+    """x [T, H, P], B, C [T, G, N] as Mamba2Scan splits the conv output (views of its rows,
+    not contiguous) and dt [T, H] as a column slice of the projection's rows."""
+    conv = torch.randn(tokens, heads * head_dim + 2 * groups * size, generator=g).to(dtype)
+    x, b, c = conv.split([heads * head_dim, groups * size, groups * size], dim=-1)
+    dt = (torch.randn(tokens, heads + 5, generator=g) * 2).to(dtype)[:, 5:]
+    dt[0, 0], dt[-1, -1] = 25.0, -30.0  # softplus's linear branch (> 20) and its far tail
+    return (x.reshape(tokens, heads, head_dim), dt, b.reshape(tokens, groups, size),
+            c.reshape(tokens, groups, size))
+
+
+def check_ssm_scan(device: str) -> None:
+    """Mamba-2's scan, both phases: one group and several, ragged P and N (masked rows and
+    columns), P over several decode blocks, time-step limits that clamp on both sides."""
+    for phase in ("decode", "prefill"):
+        for dtype in DTYPES:
+            chosen = select_op(OpSpec("ssm_scan", "cuda", dtype, phase=phase)).builder.name
+            assert chosen == f"triton_ssm_scan_{phase}", (phase, dtype, chosen)
+    g = torch.Generator().manual_seed(24)
+    on = (lambda t: t.to(device))
+    # (H, G, P, N, limits), small (interpreter time: ~2 s per prefill); fp16 once: it
+    # rounds as bf16 does. P = 24: two decode blocks (16 rows), three prefill ones (8)
+    for heads, groups, head_dim, size, limits in ((2, 1, 16, 16, (0.0, float("inf"))),
+                                                  (4, 2, 12, 24, (0.2, 1.5)), (2, 2, 24, 8, (0.1, 1.0))):
+        for dtype in DTYPES if size == 16 else DTYPES[:2]:
+            what = f"ssm scan {dtype} H={heads} G={groups} P={head_dim} N={size} limits={limits}"
+            state = torch.randn(SLOTS, heads, head_dim, size, generator=g) * 0.5
+            dt_bias = (torch.randn(heads, generator=g) * 0.5).to(dtype)
+            A = -torch.rand(heads, generator=g) * 2 - 0.1
+            D = torch.randn(heads, generator=g).to(dtype)
+
+            slots = torch.tensor([4, 0, 2])
+            x, dt, b, c = _mamba_inputs(3, heads, groups, head_dim, size, dtype, g)
+            assert not (x.is_contiguous() or dt.is_contiguous() or b.is_contiguous())
+            want_state = state.clone()
+            want = ssm_scan_decode_ref(x, dt, dt_bias, A, b, c, D, limits, want_state, slots)
+            got_state = on(state.clone())
+            got = triton_ssm_scan_decode(on(x), on(dt), on(dt_bias), on(A), on(b), on(c), on(D), limits, got_state,
+                                         on(slots))
+            _close(got, want, f"{what} decode")
+            _close(got_state, want_state, f"{what} decode state")
+            assert torch.equal(got_state.cpu()[[1, 3, 5]], state[[1, 3, 5]]), f"{what} decode untouched slots"
+
+            p_slots, lens, fresh = (list(col) for col in zip(*PREFILL))
+            x, dt, b, c = _mamba_inputs(sum(lens), heads, groups, head_dim, size, dtype, g)
+            if limits[1] < float("inf"):  # the limits do clamp, below and above
+                steps = torch.nn.functional.softplus(dt.float() + dt_bias.float())
+                assert (steps < limits[0]).any() and (steps > limits[1]).any(), what
+            want_state = state.clone()
+            want = ssm_scan_prefill_ref(x, dt, dt_bias, A, b, c, D, limits, want_state, p_slots, lens, fresh)
+            got_state = on(state.clone())
+            got = triton_ssm_scan_prefill(on(x), on(dt), on(dt_bias), on(A), on(b), on(c), on(D), limits,
+                                          got_state, p_slots, lens, fresh)
+            # the reference's SSD blocks sum in another order
+            _close(got, want, f"{what} prefill", float32_tol=2e-4)
+            _close(got_state, want_state, f"{what} prefill state", float32_tol=2e-4)
+            assert torch.equal(got_state.cpu()[1], state[1]), f"{what} prefill untouched slot"
+
+
+LINEAR_ATTENTION_CHECKS = (check_registration, check_causal_conv1d, check_gated_delta, check_layer_split,
+                           check_ssm_scan)
