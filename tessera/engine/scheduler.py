@@ -37,7 +37,9 @@ A model with recurrent layers (linear attention) keeps a state per running seque
 of `max_num_seqs` slots: a sequence takes a free one when admitted and gives it back when
 preempted or finished. The running batch never exceeds max_num_seqs, so admission never
 waits for a slot; a preempted sequence recomputes from position 0, which starts its
-state afresh (the step's metadata says so).
+state afresh (the step's metadata says so). With prefix caching such a model's prefill
+chunks stop at the prompt's last block boundary, chunks ending on a boundary save a
+snapshot of the state, and admission restores one (engine/state_cache.py).
 """
 from __future__ import annotations
 
