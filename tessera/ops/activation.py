@@ -79,3 +79,18 @@ class Gelu(OpModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._act(x, self.approximate)
+
+
+@register_op("relu_squared", name="torch_relu_squared", priority=0)
+def relu_squared_ref(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (transformers' "relu2": Nemotron-H's and Primer's MLPs)."""
+    return torch.square(F.relu(x))
+
+
+class ReluSquared(OpModule):
+    def __init__(self, target: OpTarget):
+        super().__init__()
+        self._act = target.op("relu_squared")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._act(x)

@@ -2,7 +2,7 @@
 layers and attention layers (config.layers_block_type / layer_types), each followed by a
 mixture of experts plus a shared MLP (or the shared MLP alone where there are no experts).
 
-- Mamba-2 layers (mamba.py; transformers' GraniteMoeHybridMambaLayer).
+- Mamba-2 layers (models/mamba2_mixer.py; transformers' GraniteMoeHybridMambaLayer).
 - Attention layers: Granite's (scores scaled by attention_multiplier), with rotary only
   where position_embedding_type is "rope" (the Granite 4.0-H releases use none).
 - MoE: softmax over the top-k router logits (= the renormalised top-k of a softmax) and
@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tessera.models.granite.modeling import GraniteAttention
-from tessera.models.granitemoehybrid.mamba import Mamba2Mixer
+from tessera.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from tessera.models.llama.modeling import LlamaForCausalLM, LlamaMLP, LlamaModel, Rope, add_and_norm
 from tessera.ops.moe import SparseMoE
 from tessera.ops.norm import RMSNorm
@@ -31,6 +31,18 @@ def block_types(config: PretrainedConfig) -> list[str]:
     if unknown:
         raise ValueError(f"granitemoehybrid: unknown layer types {sorted(unknown)}")
     return types
+
+
+def mamba_shape(config: PretrainedConfig) -> Mamba2Shape:
+    if config.hidden_act != "silu":
+        raise ValueError(f"Mamba-2 supports hidden_act 'silu' only, got {config.hidden_act!r}")
+    inner = int(config.mamba_expand * config.hidden_size)
+    if config.mamba_n_heads * config.mamba_d_head != inner:
+        raise ValueError(f"Mamba-2: {config.mamba_n_heads} heads of {config.mamba_d_head} != expand x hidden = {inner}")
+    return Mamba2Shape(config.hidden_size, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
+                       config.mamba_d_state, config.mamba_d_conv, bool(config.mamba_conv_bias),
+                       bool(config.mamba_proj_bias), config.rms_norm_eps,
+                       tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))))
 
 
 class GraniteHybridAttention(GraniteAttention):
@@ -66,7 +78,7 @@ class GraniteHybridDecoderLayer(nn.Module):
         super().__init__()
         self.is_mamba = block_type == "linear_attention"
         if self.is_mamba:
-            self.mamba = Mamba2Mixer(config, target)
+            self.mamba = Mamba2Mixer(mamba_shape(config), target)
         else:
             self.self_attn = GraniteHybridAttention(config, target)
         self.mlp = ExpertsAndShared(config, target) if config.num_local_experts > 0 else SharedMLP(config, target)

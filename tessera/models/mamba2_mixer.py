@@ -1,5 +1,6 @@
-"""The Mamba-2 mixer (transformers' Mamba2Mixer and the hybrids' copies of it: Granite 4.0-H,
-Nemotron-H, Falcon-H1, Bamba): in_proj packs [z | x | B | C | dt]; ops/linear_attention's
+"""The Mamba-2 mixer the hybrid model folders share (transformers' Mamba2Mixer and the
+hybrids' copies of it: Granite 4.0-H, Nemotron-H; Falcon-H1 and Bamba have it too), its
+sizes named by `Mamba2Shape` since every config spells them differently: in_proj packs [z | x | B | C | dt]; ops/linear_attention's
 Mamba2Scan runs the causal conv1d + SiLU over x, B, C and the SSD scan (dt = softplus(dt +
 dt_bias) within time_step_limit, A = -exp(A_log), the D skip); SiLU(z) gates the output
 before an RMSNorm over groups of heads; out_proj.
@@ -10,10 +11,11 @@ every rank when there is one group (Granite 4.0-H). A group that spans ranks is 
 by its mean square summed over them."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from tessera.distributed.parallel import Span, all_reduce, even_span
 from tessera.ops.linear import PackedLinear, RowParallelLinear
@@ -43,36 +45,44 @@ class MambaSplit:
         self.norm_spans_ranks = groups < tp  # one group over every rank's heads
 
 
+@dataclass(frozen=True)
+class Mamba2Shape:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    eps: float
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+
 class Mamba2Mixer(nn.Module):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
+    def __init__(self, shape: Mamba2Shape, target: OpTarget):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"Mamba-2 supports hidden_act 'silu' only, got {config.hidden_act!r}")
-        heads, head_dim = config.mamba_n_heads, config.mamba_d_head
-        inner = int(config.mamba_expand * config.hidden_size)
-        if heads * head_dim != inner:
-            raise ValueError(f"Mamba-2: {heads} heads of {head_dim} != expand x hidden = {inner}")
-        groups, state = config.mamba_n_groups, config.mamba_d_state
+        heads, head_dim, groups, state = shape.num_heads, shape.head_dim, shape.num_groups, shape.state_size
+        inner = heads * head_dim
         self.split = split = MambaSplit(heads, head_dim, groups, state, target)
         self.full = (inner, groups * state)  # x's and B's (= C's) full rows
-        self.group_size, self.eps, self.tp_size = inner // groups, config.rms_norm_eps, target.tp_size
-        self.core = Mamba2Scan(split.heads.size, head_dim, split.groups.size, state, config.mamba_d_conv,
-                               tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))), target)
-        bias = bool(config.mamba_proj_bias)
+        self.group_size, self.eps, self.tp_size = inner // groups, shape.eps, target.tp_size
+        self.core = Mamba2Scan(split.heads.size, head_dim, split.groups.size, state, shape.conv_kernel,
+                               shape.time_step_limit, target)
         bc = groups * state
         self.in_proj = PackedLinear(
-            config.hidden_size, {"z": inner, "x": inner, "B": bc, "C": bc, "dt": heads}, target, bias=bias,
+            shape.hidden_size, {"z": inner, "x": inner, "B": bc, "C": bc, "dt": heads}, target, bias=shape.proj_bias,
             shard_spans={"z": split.x_rows, "x": split.x_rows, "B": split.bc_rows, "C": split.bc_rows,
                          "dt": split.heads})
-        self.conv_weight = make_param((self.core.conv_dim, config.mamba_d_conv), target.dtype, target.device,
+        self.conv_weight = make_param((self.core.conv_dim, shape.conv_kernel), target.dtype, target.device,
                                       loader=self._load_conv)
         self.conv_bias = (make_param((self.core.conv_dim,), target.dtype, target.device, loader=self._load_conv)
-                          if config.mamba_conv_bias else None)
+                          if shape.conv_bias else None)
         self.dt_bias, self.A_log, self.D = (make_param((split.heads.size,), target.dtype, target.device,
                                                        loader=self._load_heads) for _ in range(3))
         self.norm_weight = make_param((split.x_rows.size,), target.dtype, target.device, loader=self._load_norm)
         self._norm = target.op("gated_rms_norm")
-        self.out_proj = RowParallelLinear(inner, config.hidden_size, target, bias=bias, in_span=split.x_rows)
+        self.out_proj = RowParallelLinear(inner, shape.hidden_size, target, bias=shape.proj_bias, in_span=split.x_rows)
 
     def _load_conv(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
         """conv1d's weight [x | B | C channels, 1, K] (or bias): this rank's rows of each."""

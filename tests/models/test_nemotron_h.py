@@ -1,0 +1,93 @@
+"""Tessera's Nemotron-H (nemotron_h) against transformers on tiny random checkpoints: blocks
+of one mixer each (Mamba-2 with two groups of heads or one, attention without rotary, a
+relu-squared MLP without gate), float32 norm weights, a time-step floor (time_step_min)
+that clamps, and the checkpoint's backbone.* names. Mamba-2 itself, and the recurrent
+state's life, are tested with Granite 4.0 and Qwen3.5 (test_granite_hybrid.py,
+test_qwen3_next.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams
+
+from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill, check_greedy_alone_and_batched,
+                                 check_prefill_and_decode_logits, hf_generate, make_tiny, prompt_ids)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NUM_KV_BLOCKS = 64
+PROMPT_LENGTHS = (5, 23, 90)
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, mamba_num_heads=4,
+            mamba_head_dim=32, ssm_state_size=16, tie_word_embeddings=False, time_step_min=0.3,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"])
+CASES = {"nemotron-h-two-groups": dict(n_groups=2), "nemotron-h-one-group": dict(n_groups=1)}
+
+
+def _drawn(model: torch.nn.Module, g: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", ".D")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+
+
+def make_tiny_nemotron_h(case: str, folder: Path, tokenizer_dir: Path, seed: int = 0) -> torch.nn.Module:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    return make_tiny(folder, tokenizer_dir, NemotronHConfig, NemotronHForCausalLM, seed=seed,
+                     base={**BASE, **CASES[case]}, tweak=_drawn)
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny_nemotron_h(request.param, folder, tiny_tokenizer_dir, seed=len(request.param))
+    # without prefix caching, which cuts prompts at a block boundary (the checks assert steps)
+    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=False, show_progress=False)
+    return Case(request.param, folder, hf, llm)
+
+
+def test_blocks_and_the_time_step_floor(case: Case):
+    model = case.llm.engine.runner.model
+    assert [type(b.mixer).__name__ for b in model.model.layers] == [
+        "Mamba2Mixer", "NemotronHMLP", "NemotronHAttention", "Mamba2Mixer", "NemotronHMLP"]
+    assert model.model.layers[0].mixer.core.limits == (pytest.approx(0.3), float("inf"))
+    torch.testing.assert_close(model.model.layers[0].norm.weight, case.hf.model.layers[0].norm.weight.float())
+
+
+def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
+
+
+def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
+
+
+def test_chunked_prefill_matches(case: Case, monkeypatch):
+    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
+
+
+def test_second_turn_with_prefix_caching(case: Case):
+    llm = LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    first = prompt_ids(37, seed=21)
+    second = first + llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids + prompt_ids(9, seed=22)
+    assert llm.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids == hf_generate(case.hf, second, 20)
+    assert llm.engine.block_manager.prefix_hits == 48
+
+
+def test_bf16_stays_close(case: Case):
+    check_bf16_close(case.folder, case.hf, NUM_KV_BLOCKS, prompt_len=80, new_tokens=8)
+
+
+def test_moe_blocks_are_refused(tmp_path, tiny_tokenizer_dir):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    make_tiny(tmp_path, tiny_tokenizer_dir, NemotronHConfig, NemotronHForCausalLM, base={
+        **BASE, "n_groups": 1, "layers_block_type": ["linear_attention", "moe", "full_attention"], "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32})
+    with pytest.raises(ValueError, match=r"\['moe'\] blocks are not supported yet"):
+        LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
