@@ -226,3 +226,15 @@ def check_bf16_close(folder: Path, hf: torch.nn.Module, num_kv_blocks: int, prom
     expected = want[:-1].gather(1, torch.tensor(prompt[1:] + tokens)[:, None])[:, 0]
     assert (torch.tensor(got) - expected).abs().max() < 0.15
     return llm
+
+
+def draw_mamba_parameters(model: torch.nn.Module, g: torch.Generator) -> None:
+    """Mamba-2's decays (A_log), time-step biases and skips (D) away from their neutral
+    initial values (a model that ignored one would still match transformers otherwise);
+    routers at scales that matter. A `make_tiny` tweak."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", ".D")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif ".router." in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))

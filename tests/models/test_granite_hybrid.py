@@ -15,7 +15,8 @@ import torch
 from tessera import LLM, SamplingParams
 
 from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, hf_generate, make_tiny, prompt_ids)
+                                 check_prefill_and_decode_logits, draw_mamba_parameters, hf_generate, make_tiny,
+                                 prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,22 +34,11 @@ CASES = {
 }
 
 
-def _drawn(model: torch.nn.Module, g: torch.Generator) -> None:
-    """Decays, time-step biases and skips away from their neutral initial values; routers at
-    scales that matter."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", ".D")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif ".router." in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-
-
 def make_tiny_granite_hybrid(case: str, folder: Path, tokenizer_dir: Path, seed: int = 0) -> torch.nn.Module:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     return make_tiny(folder, tokenizer_dir, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, seed=seed,
-                     base={**BASE, **CASES[case]}, tweak=_drawn)
+                     base={**BASE, **CASES[case]}, tweak=draw_mamba_parameters)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

@@ -14,7 +14,8 @@ import torch
 from tessera import LLM, SamplingParams
 
 from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, hf_generate, make_tiny, prompt_ids)
+                                 check_prefill_and_decode_logits, draw_mamba_parameters, hf_generate, make_tiny,
+                                 prompt_ids)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,18 +28,11 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attentio
 CASES = {"nemotron-h-two-groups": dict(n_groups=2), "nemotron-h-one-group": dict(n_groups=1)}
 
 
-def _drawn(model: torch.nn.Module, g: torch.Generator) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", ".D")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-
-
 def make_tiny_nemotron_h(case: str, folder: Path, tokenizer_dir: Path, seed: int = 0) -> torch.nn.Module:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     return make_tiny(folder, tokenizer_dir, NemotronHConfig, NemotronHForCausalLM, seed=seed,
-                     base={**BASE, **CASES[case]}, tweak=_drawn)
+                     base={**BASE, **CASES[case]}, tweak=draw_mamba_parameters)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
