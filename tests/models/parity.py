@@ -236,5 +236,8 @@ def draw_mamba_parameters(model: torch.nn.Module, g: torch.Generator) -> None:
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "dt_bias", ".D")):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif ".router." in name:
+            elif ".router." in name or name.endswith("mixer.gate.weight"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3-style routers)
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))

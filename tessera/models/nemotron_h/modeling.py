@@ -5,12 +5,13 @@ add (transformers' NemotronHBlock):
 - "linear_attention": the Mamba-2 mixer (models/mamba2_mixer.py), time steps at least
   time_step_min;
 - "full_attention": attention without rotary (the Mamba layers carry position);
-- "mlp": up_proj, relu squared, down_proj (no gate).
+- "mlp": up_proj, relu squared, down_proj (no gate);
+- "moe" (Nemotron 3): DeepSeek-V3's sigmoid router over groups, experts of the same
+  gateless MLP (optionally in a smaller latent width), and a shared one (moe.py).
 
 RMSNorms multiply the float32 normalised row by float32 weights and round once (a float32
 weight, ops/norm.py). The checkpoint keeps the model under `backbone.` and names its
-embedding `embeddings` and its final norm `norm_f`. Mixture-of-experts blocks ("moe":
-Nemotron 3's latent, non-gated experts) are not built yet and are refused."""
+embedding `embeddings` and its final norm `norm_f`."""
 from __future__ import annotations
 
 import torch
@@ -19,12 +20,16 @@ from transformers import PretrainedConfig
 
 from tessera.models.llama.modeling import LlamaAttention, LlamaForCausalLM, LlamaModel, Rope, add_and_norm
 from tessera.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
-from tessera.ops.activation import ReluSquared
-from tessera.ops.linear import PackedLinear, RowParallelLinear
+from tessera.models.nemotron_h.mlp import NemotronHMLP
+from tessera.models.nemotron_h.moe import NemotronHMoE
 from tessera.ops.norm import RMSNorm
+from tessera.ops.moe import expert_weight_target
 from tessera.ops.registry import OpTarget
 
-BLOCK_TYPES = ("linear_attention", "full_attention", "mlp")
+# a gateless expert's checkpoint projections -> our stacks (moe.py's UpDownExperts)
+UP_DOWN_EXPERT_NAMES = {"up_proj": ("w13_weight", 0), "down_proj": ("w2_weight", 0)}
+
+BLOCK_TYPES = ("linear_attention", "full_attention", "mlp", "moe")
 
 
 def mamba_shape(config: PretrainedConfig) -> Mamba2Shape:
@@ -45,20 +50,6 @@ class NemotronHAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v))  # no rotary
 
 
-class NemotronHMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__()
-        if config.mlp_hidden_act != "relu2":
-            raise ValueError(f"Nemotron-H MLP supports mlp_hidden_act 'relu2' only, got {config.mlp_hidden_act!r}")
-        bias = bool(config.mlp_bias)
-        self.up_proj = PackedLinear(config.hidden_size, {0: config.intermediate_size}, target, bias=bias)
-        self.act_fn = ReluSquared(target)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, target, bias=bias)
-
-    def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
-
-
 class NemotronHBlock(nn.Module):
     def __init__(self, config: PretrainedConfig, block_type: str, target: OpTarget):
         super().__init__()
@@ -67,6 +58,8 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(mamba_shape(config), target)
         elif block_type == "full_attention":
             self.mixer = NemotronHAttention(config, target)
+        elif block_type == "moe":
+            self.mixer = NemotronHMoE(config, target)
         else:
             self.mixer = NemotronHMLP(config, target)
 
@@ -81,8 +74,7 @@ class NemotronHModel(LlamaModel):
         self.types = list(config.layers_block_type)
         unknown = set(self.types) - set(BLOCK_TYPES)
         if unknown:
-            raise ValueError(f"nemotron_h: {sorted(unknown)} blocks are not supported yet (Nemotron 3's "
-                             "mixture-of-experts blocks among them); supported: " + ", ".join(BLOCK_TYPES))
+            raise ValueError(f"nemotron_h: unknown block types {sorted(unknown)}; supported: " + ", ".join(BLOCK_TYPES))
         if "full_attention" not in self.types:
             raise ValueError("nemotron_h: no attention block; the engine needs one for its KV cache")
         if getattr(config, "residual_in_fp32", False):
@@ -106,6 +98,9 @@ class NemotronHForCausalLM(LlamaForCausalLM):
                    ".mixer.norm.weight": ".mixer.norm_weight"}
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        expert = expert_weight_target(name, UP_DOWN_EXPERT_NAMES)
+        if expert is not None:
+            return expert
         if name in self.WEIGHT_NAMES:
             return self.WEIGHT_NAMES[name], None
         for theirs, ours in self.MIXER_NAMES.items():
