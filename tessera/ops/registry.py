@@ -15,7 +15,7 @@ import torch
 OP_KINDS = (
     "embedding", "linear", "lora_rows", "rms_norm", "rotary", "silu_and_mul",
     "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
-    "layer_norm", "gelu", "clamped_swiglu", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "ssm_scan", "relu_squared",
+    "layer_norm", "gelu", "clamped_swiglu", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "ssm_scan", "relu_squared", "short_conv",
 )
 PHASES = (None, "prefill", "decode")
 

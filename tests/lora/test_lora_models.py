@@ -21,6 +21,7 @@ from tests.models.families import make_family
 from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
+from tests.models.test_lfm2 import make_tiny_lfm2
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_nemotron_h import make_tiny_nemotron_h
 from tests.models.test_phi3_parity import make_tiny_phi3
@@ -78,6 +79,8 @@ FAMILIES = {
                       ["in_proj", "out_proj", "q_proj", "v_proj", "input_linear"]),
     "nemotron-h": (functools.partial(make_tiny_nemotron_h, "nemotron-h-one-group"), None,
                    ["in_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),  # (PEFT refuses Mamba's out_proj here)
+    # LFM2's short convolution's packed in_proj and out_proj, attention, its w1 / w3 / w2 MLP
+    "lfm2": (functools.partial(make_tiny_lfm2, "lfm2-biased-conv"), None, ["in_proj", "out_proj", "q_proj", "w1", "w2"]),
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
@@ -127,7 +130,7 @@ def test_mixtral_experts_are_refused(tmp_path_factory, tiny_tokenizer_dir):
 
 
 @pytest.mark.parametrize("family", ["phi3-fused", "qwen2-biased-qkv", "qwen3-next-hybrid", "granite-4.0-h",
-                                    "nemotron-h"])
+                                    "nemotron-h", "lfm2"])
 def test_tensor_parallel_adapters_equal_one_process(family, tmp_path_factory, tiny_tokenizer_dir):
     folder, _, adapter, peft_model = _make(family, tmp_path_factory, tiny_tokenizer_dir)
     expected = [hf_generate(peft_model, p, NEW_TOKENS) for p in PROMPTS]
@@ -249,7 +252,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
-              "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h",
+              "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2",
               "qwen3_5_moe_text",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal

@@ -241,3 +241,15 @@ def draw_mamba_parameters(model: torch.nn.Module, g: torch.Generator) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3-style routers)
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def check_second_turn_restores_state(folder: Path, hf: torch.nn.Module, num_kv_blocks: int) -> None:
+    """A model with recurrent layers, prefix caching on (the default): a conversation's
+    second turn starts from the snapshot of the first's state at its last block boundary
+    (48 of its 66 tokens), and its greedy tokens are transformers'."""
+    llm = LLM(folder, dtype="float32", num_kv_blocks=num_kv_blocks, show_progress=False)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    first = prompt_ids(37, seed=21)
+    second = first + llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids + prompt_ids(9, seed=22)
+    assert llm.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids == hf_generate(hf, second, 20)
+    assert llm.engine.block_manager.prefix_hits == 48

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera import LLM, SamplingParams
+from tessera import LLM
 
-from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, draw_mamba_parameters, hf_generate, make_tiny,
-                                 prompt_ids)
+from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill,
+                                 check_greedy_alone_and_batched, check_prefill_and_decode_logits,
+                                 check_second_turn_restores_state, draw_mamba_parameters, make_tiny)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,13 +73,7 @@ def test_chunked_prefill_matches(case: Case, monkeypatch):
 
 
 def test_second_turn_with_prefix_caching(case: Case):
-    llm = LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    first = prompt_ids(37, seed=21)
-    second = first + llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids + prompt_ids(9, seed=22)
-    assert llm.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids == hf_generate(case.hf, second, 20)
-    assert llm.engine.block_manager.prefix_hits == 48
-
+    check_second_turn_restores_state(case.folder, case.hf, NUM_KV_BLOCKS)
 
 def test_bf16_stays_close(case: Case):
     check_bf16_close(case.folder, case.hf, NUM_KV_BLOCKS, prompt_len=80, new_tokens=8)

@@ -1,5 +1,6 @@
 """The short causal depthwise convolution before linear attention (Qwen3-Next's and
-Qwen3.5's Gated DeltaNet, Mamba's conv1d), with SiLU, over a step's varlen rows.
+Qwen3.5's Gated DeltaNet, Mamba's conv1d), with SiLU, over a step's varlen rows; and the same
+convolution without activation (`short_conv`: LFM2's gated short-convolution layers).
 
 Each sequence's conv state holds its last kernel - 1 inputs, so a chunk (or a decode
 token) continues its sequence exactly as one long convolution would. A sequence whose
@@ -7,7 +8,7 @@ state is fresh (its chunk starts at position 0) sees zeros before its first toke
 convolution's left padding.
 
 Rounding follows transformers' torch path: the convolution's sum in float32, rounded to
-the model dtype, then SiLU in the model dtype.
+the model dtype (then SiLU in the model dtype).
 """
 from __future__ import annotations
 
@@ -22,12 +23,7 @@ def causal_conv1d_decode_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
                              conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """x: [B, C] one token per sequence; weight: [C, K]; conv_state: [slots, C, K - 1],
     updated in place for the rows' `slots` [B]."""
-    window = torch.cat((conv_state.index_select(0, slots), x.unsqueeze(-1).to(conv_state.dtype)), dim=-1)
-    conv_state.index_copy_(0, slots, window[:, :, 1:])
-    out = (window.float() * weight.float()).sum(-1)
-    if bias is not None:
-        out = out + bias.float()
-    return F.silu(out.to(x.dtype))
+    return F.silu(conv_decode_sums(x, weight, bias, conv_state, slots).to(x.dtype))
 
 
 @register_op("causal_conv1d", name="torch_causal_conv1d_prefill", priority=0, phases=("prefill",))
@@ -37,6 +33,21 @@ def causal_conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch
     """x: [T, C], the chunks of len(query_lens) sequences one after another; each
     sequence's state (`slots`) is read unless `fresh` and replaced by its chunk's last
     K - 1 inputs."""
+    return F.silu(conv_prefill_sums(x, weight, bias, conv_state, slots, query_lens, fresh).to(x.dtype))
+
+
+def conv_decode_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The decode convolution's float32 sums, before any activation; the state updated."""
+    window = torch.cat((conv_state.index_select(0, slots), x.unsqueeze(-1).to(conv_state.dtype)), dim=-1)
+    conv_state.index_copy_(0, slots, window[:, :, 1:])
+    out = (window.float() * weight.float()).sum(-1)
+    return out if bias is None else out + bias.float()
+
+
+def conv_prefill_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                      slots: list[int], query_lens: list[int], fresh: list[bool]) -> torch.Tensor:
+    """The prefill convolution's float32 sums, before any activation; the states updated."""
     channels, width = weight.shape
     kernel = weight.float().unsqueeze(1)  # [C, 1, K]: depthwise
     bias32 = None if bias is None else bias.float()
@@ -47,7 +58,21 @@ def causal_conv1d_prefill_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch
                   else conv_state[slot])
         full = torch.cat((before, chunk.to(conv_state.dtype)), dim=-1)  # [C, K - 1 + n]
         conv_state[slot] = full[:, full.shape[1] - (width - 1):]
-        out = F.conv1d(full.float().unsqueeze(0), kernel, bias32, groups=channels)[0]  # [C, n]
-        outs.append(out.t())
+        outs.append(F.conv1d(full.float().unsqueeze(0), kernel, bias32, groups=channels)[0].t())  # [n, C]
         start += n
-    return F.silu(torch.cat(outs).to(x.dtype))
+    return torch.cat(outs)
+
+
+@register_op("short_conv", name="torch_short_conv_decode", priority=0, phases=("decode",))
+def short_conv_decode_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The causal convolution without activation (LFM2's short convolution), decode rows."""
+    return conv_decode_sums(x, weight, bias, conv_state, slots).to(x.dtype)
+
+
+@register_op("short_conv", name="torch_short_conv_prefill", priority=0, phases=("prefill",))
+def short_conv_prefill_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           conv_state: torch.Tensor, slots: list[int], query_lens: list[int],
+                           fresh: list[bool]) -> torch.Tensor:
+    """The causal convolution without activation, prefill chunks."""
+    return conv_prefill_sums(x, weight, bias, conv_state, slots, query_lens, fresh).to(x.dtype)

@@ -99,3 +99,32 @@ class GatedDeltaRule(RecurrentLayer):
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return (q.reshape(-1, self.num_k_heads, self.head_k_dim), k.reshape(-1, self.num_k_heads, self.head_k_dim),
                 v.reshape(-1, self.num_v_heads, self.head_v_dim))
+
+
+class GatedShortConv(RecurrentLayer):
+    """LFM2's operator: B x through a short causal convolution without activation, gated by
+    C (B, C and x: the packed projection's thirds). State: the convolution's last K - 1
+    inputs (model dtype)."""
+
+    def __init__(self, channels: int, conv_kernel: int, target: OpTarget):
+        super().__init__()
+        self.channels, self.conv_kernel, self.dtype = channels, conv_kernel, target.dtype
+        self._decode = target.op("short_conv", phase="decode")
+        self._prefill = target.op("short_conv", phase="prefill")
+
+    def state_shapes(self) -> list[StateShape]:
+        return [((self.channels, self.conv_kernel - 1), self.dtype)]
+
+    def forward(self, bcx: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None) -> torch.Tensor:
+        """bcx: [T, 3 * channels] -> [T, channels]."""
+        _, (conv_state,) = self.bound_state()
+        b, c, x = bcx.split(self.channels, dim=-1)
+        bx = b * x
+
+        def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
+            return self._decode(bx[rows], conv_weight, conv_bias, conv_state, slots)
+
+        def prefill(rows: slice, slots: list[int], lens: list[int], fresh: list[bool]) -> torch.Tensor:
+            return self._prefill(bx[rows], conv_weight, conv_bias, conv_state, slots, lens, fresh)
+
+        return c * self.by_phase(bcx.shape[0], decode, prefill)
