@@ -200,7 +200,8 @@ ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", 
 def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     hf = _zoo_checkpoint(kind, tmp_path, tiny_tokenizer_dir)
     assert hf.config.model_type == ("granitemoehybrid" if kind in GRANITE_HYBRID_CASES else
-                                    "nemotron_h" if kind in NEMOTRON_H_CASES else "lfm2" if kind in LFM2_CASES else kind)
+                                    "nemotron_h" if kind in NEMOTRON_H_CASES else
+                                    "lfm2_moe" if kind == "lfm2-moe" else "lfm2" if kind in LFM2_CASES else kind)
     check_tp2_matches_hf(tmp_path, hf)
 
 
@@ -244,7 +245,7 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
 
 def test_every_native_type_claims_tensor_parallel():
     tested = {"llama", *(set(ZOO) - set(GRANITE_HYBRID_CASES) - set(NEMOTRON_H_CASES) - set(LFM2_CASES)),
-              "granitemoehybrid", "nemotron_h", "lfm2", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+              "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 

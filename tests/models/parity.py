@@ -228,18 +228,18 @@ def check_bf16_close(folder: Path, hf: torch.nn.Module, num_kv_blocks: int, prom
     return llm
 
 
-def draw_mamba_parameters(model: torch.nn.Module, g: torch.Generator) -> None:
+def draw_hybrid_parameters(model: torch.nn.Module, g: torch.Generator) -> None:
     """Mamba-2's decays (A_log), time-step biases and skips (D) away from their neutral
     initial values (a model that ignored one would still match transformers otherwise);
-    routers at scales that matter. A `make_tiny` tweak."""
+    routers and their choice biases at scales that matter. A `make_tiny` tweak."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "dt_bias", ".D")):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
-            elif ".router." in name or name.endswith("mixer.gate.weight"):
+            elif ".router." in name or name.endswith(("mixer.gate.weight", "feed_forward.gate.weight")):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3-style routers)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # (sigmoid routers' choice biases)
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 

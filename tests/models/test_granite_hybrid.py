@@ -16,7 +16,7 @@ from tessera import LLM
 
 from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill,
                                  check_greedy_alone_and_batched, check_prefill_and_decode_logits,
-                                 check_second_turn_restores_state, draw_mamba_parameters, make_tiny)
+                                 check_second_turn_restores_state, draw_hybrid_parameters, make_tiny)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,7 +38,7 @@ def make_tiny_granite_hybrid(case: str, folder: Path, tokenizer_dir: Path, seed:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     return make_tiny(folder, tokenizer_dir, GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, seed=seed,
-                     base={**BASE, **CASES[case]}, tweak=draw_mamba_parameters)
+                     base={**BASE, **CASES[case]}, tweak=draw_hybrid_parameters)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

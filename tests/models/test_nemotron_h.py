@@ -16,7 +16,7 @@ from tessera import LLM
 
 from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill,
                                  check_greedy_alone_and_batched, check_prefill_and_decode_logits,
-                                 check_second_turn_restores_state, draw_mamba_parameters, make_tiny)
+                                 check_second_turn_restores_state, draw_hybrid_parameters, make_tiny)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,7 +39,7 @@ def make_tiny_nemotron_h(case: str, folder: Path, tokenizer_dir: Path, seed: int
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     return make_tiny(folder, tokenizer_dir, NemotronHConfig, NemotronHForCausalLM, seed=seed,
-                     base={**BASE, **CASES[case]}, tweak=draw_mamba_parameters)
+                     base={**BASE, **CASES[case]}, tweak=draw_hybrid_parameters)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

@@ -68,10 +68,10 @@ class Lfm2MLP(LlamaMLP):
 
 
 class Lfm2DecoderLayer(LlamaDecoderLayer):
-    mlp_cls = Lfm2MLP
-
-    def __init__(self, config: PretrainedConfig, layer_type: str, target: OpTarget):
+    def __init__(self, config: PretrainedConfig, layer_type: str, target: OpTarget, mlp_cls: type = Lfm2MLP):
+        """`mlp_cls`: the feed-forward of this index (LFM2-MoE's are experts past the dense ones)."""
         self.attention_cls = Lfm2ShortConv if layer_type == "conv" else Qwen3Attention
+        self.mlp_cls = mlp_cls
         super().__init__(config, target)
 
 
@@ -90,7 +90,11 @@ class Lfm2Model(LlamaModel):
         super().__init__(config, target)
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
-        return Lfm2DecoderLayer(config, self.types[layer_idx], target)
+        return Lfm2DecoderLayer(config, self.types[layer_idx], target, self.mlp_cls_for(config, layer_idx))
+
+    def mlp_cls_for(self, config: PretrainedConfig, layer_idx: int) -> type:
+        """LFM2's SwiGLU everywhere; LFM2-MoE overrides this (moe.py)."""
+        return Lfm2MLP
 
 
 class Lfm2ForCausalLM(LlamaForCausalLM):
