@@ -57,6 +57,13 @@ class Mamba2Shape:
     proj_bias: bool
     eps: float
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    # how SiLU(z) meets the output: "gate_first" (gated, then an RMSNorm per group: Granite,
+    # Nemotron-H), "norm_first" (normalised per group, then gated), "none" (gated only)
+    norm: str = "gate_first"
+    in_multiplier: float = 1.0  # the input scaled before in_proj (Falcon-H1's muP)
+    # the projection's [z, x, B, C, dt] parts scaled after it (Falcon-H1's mup_vector)
+    projection_multipliers: tuple[float, float, float, float, float] | None = None
+    out_proj_bias: bool | None = None  # (None: as proj_bias; Falcon-H1 sets it apart)
 
 
 class Mamba2Mixer(nn.Module):
@@ -80,9 +87,20 @@ class Mamba2Mixer(nn.Module):
                           if shape.conv_bias else None)
         self.dt_bias, self.A_log, self.D = (make_param((split.heads.size,), target.dtype, target.device,
                                                        loader=self._load_heads) for _ in range(3))
-        self.norm_weight = make_param((split.x_rows.size,), target.dtype, target.device, loader=self._load_norm)
+        if shape.norm not in ("gate_first", "norm_first", "none"):
+            raise ValueError(f"Mamba-2: unknown output norm {shape.norm!r}")
+        self.norm = shape.norm
+        self.norm_weight = (make_param((split.x_rows.size,), target.dtype, target.device, loader=self._load_norm)
+                            if shape.norm != "none" else None)
         self._norm = target.op("gated_rms_norm")
-        self.out_proj = RowParallelLinear(inner, shape.hidden_size, target, bias=shape.proj_bias, in_span=split.x_rows)
+        self.in_multiplier = shape.in_multiplier
+        self.projection_scale = None
+        if shape.projection_multipliers is not None:  # one factor per local row of [z | x | B | C | dt]
+            sizes = list(self.in_proj.shard_sizes.values())
+            self.projection_scale = torch.cat([torch.full((n,), float(m)) for n, m in
+                                               zip(sizes, shape.projection_multipliers)]).to(target.device, target.dtype)
+        out_bias = shape.proj_bias if shape.out_proj_bias is None else shape.out_proj_bias
+        self.out_proj = RowParallelLinear(inner, shape.hidden_size, target, bias=out_bias, in_span=split.x_rows)
 
     def _load_conv(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
         """conv1d's weight [x | B | C channels, 1, K] (or bias): this rank's rows of each."""
@@ -106,7 +124,9 @@ class Mamba2Mixer(nn.Module):
             copy_checked(param.data, narrow(tensor, 0, self.split.x_rows.start, self.split.x_rows.size), "norm weight")
 
     def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.in_proj(hidden)
+        out = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
+        if self.projection_scale is not None:
+            out = out * self.projection_scale
         z_end = self.split.x_rows.size
         conv_end = z_end + self.core.conv_dim
         z, xbc, dt = out[:, :z_end], out[:, z_end:conv_end], out[:, conv_end:]
@@ -114,10 +134,16 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self._gated_norm(y, z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """SiLU(z) gates y, then an RMSNorm per group of heads (over the ranks where the one
-        group spans them)."""
+        """SiLU(z) gates y, before or after an RMSNorm per group of heads (over the ranks where
+        the one group spans them), or alone."""
+        if self.norm == "none":
+            return y * F.silu(z)
+        gate_first = self.norm == "gate_first"
         if not self.split.norm_spans_ranks:
-            return self._norm(y, z, self.norm_weight, self.eps, True, self.group_size)
-        gated = y.float() * F.silu(z.float())
-        squares = all_reduce(gated.pow(2).sum(-1, keepdim=True), self.tp_size)
-        return self.norm_weight * (gated * torch.rsqrt(squares / self.group_size + self.eps)).to(y.dtype)
+            return self._norm(y, z, self.norm_weight, self.eps, gate_first, self.group_size)
+        rows = y.float() * F.silu(z.float()) if gate_first else y.float()
+        squares = all_reduce(rows.pow(2).sum(-1, keepdim=True), self.tp_size)
+        normed = rows * torch.rsqrt(squares / self.group_size + self.eps)
+        if gate_first:
+            return self.norm_weight * normed.to(y.dtype)
+        return (self.norm_weight.float() * normed * F.silu(z.float())).to(y.dtype)

@@ -72,19 +72,22 @@ class LayerNorm(OpModule):
 def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                        gate_first: bool = False, group_size: int | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension (in groups of `group_size`), and times SiLU(gate).
-    Norm first (Gated DeltaNet: transformers' Qwen3NextRMSNormGated, flash-linear-attention's
-    FusedRMSNormGated): the weight multiplies the normalised row rounded to the model dtype,
-    the gate in float32, one rounding at the end. Gate first (Mamba-2's RMSNormGated): the
-    gated row in float32 is normalised per group, rounded, then weighted."""
+    Norm first, per row (Gated DeltaNet: transformers' Qwen3NextRMSNormGated,
+    flash-linear-attention's FusedRMSNormGated): the weight multiplies the normalised row
+    rounded to the model dtype, the gate in float32, one rounding at the end. Norm first in
+    groups (Falcon-H1's): all in float32, one rounding. Gate first (Mamba-2's RMSNormGated):
+    the gated row in float32 is normalised per group, rounded, then weighted."""
     dtype = x.dtype
     xf = x.float()
     if gate_first:
         xf = xf * F.silu(gate.float())
-        groups = xf.view(*xf.shape[:-1], -1, group_size or xf.shape[-1])
-        normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).view(xf.shape)
+    groups = xf.view(*xf.shape[:-1], -1, group_size or xf.shape[-1])
+    normed = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).view(xf.shape)
+    if gate_first:
         return weight * normed.to(dtype)
-    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (normed * F.silu(gate.float())).to(dtype)
+    if group_size is not None:
+        return (weight.float() * normed * F.silu(gate.float())).to(dtype)
+    return (weight * normed.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
 class GatedRMSNorm(OpModule):

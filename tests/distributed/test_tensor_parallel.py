@@ -23,6 +23,8 @@ from tessera.sampling.params import SamplingParams
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.test_deepseek import CASES as CASES_DEEPSEEK
 from tests.models.test_deepseek import make_tiny_deepseek
+from tests.models.test_falcon_h1 import CASES as FALCON_H1_CASES
+from tests.models.test_falcon_h1 import make_tiny_falcon_h1
 from tests.models.test_gpt_oss import make_mxfp4_checkpoint, make_tiny_gpt_oss
 from tests.models.test_granite_hybrid import CASES as GRANITE_HYBRID_CASES
 from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
@@ -172,6 +174,8 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
     if kind == "gemma3_text":
         from tests.models.test_gemma3_parity import make as make_gemma3
         return make_gemma3(folder, tokenizer_dir, "gemma3-tied")
+    if kind in FALCON_H1_CASES:  # both mixers split in every layer; one group (held whole) or two
+        return make_tiny_falcon_h1(kind, folder, tokenizer_dir, seed=5)
     if kind in LFM2_CASES:  # the short convolution's channels split
         return make_tiny_lfm2(kind, folder, tokenizer_dir, seed=5)
     if kind in NEMOTRON_H_CASES:  # Mamba-2 heads, MLP and attention split
@@ -193,7 +197,7 @@ FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "ol
                 "cohere2": "cohere2-window8-tied"}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
        "deepseek_v2", "deepseek_v3", *FAMILY_CASES, *QWEN3_NEXT_CASES,
-       *GRANITE_HYBRID_CASES, *NEMOTRON_H_CASES, *LFM2_CASES)
+       *GRANITE_HYBRID_CASES, *NEMOTRON_H_CASES, *LFM2_CASES, *FALCON_H1_CASES)
 
 
 @pytest.mark.parametrize("kind", ZOO)
@@ -201,7 +205,8 @@ def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     hf = _zoo_checkpoint(kind, tmp_path, tiny_tokenizer_dir)
     assert hf.config.model_type == ("granitemoehybrid" if kind in GRANITE_HYBRID_CASES else
                                     "nemotron_h" if kind in NEMOTRON_H_CASES else
-                                    "lfm2_moe" if kind == "lfm2-moe" else "lfm2" if kind in LFM2_CASES else kind)
+                                    "lfm2_moe" if kind == "lfm2-moe" else "lfm2" if kind in LFM2_CASES else
+                                    "falcon_h1" if kind in FALCON_H1_CASES else kind)
     check_tp2_matches_hf(tmp_path, hf)
 
 
@@ -244,8 +249,8 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
 
 
 def test_every_native_type_claims_tensor_parallel():
-    tested = {"llama", *(set(ZOO) - set(GRANITE_HYBRID_CASES) - set(NEMOTRON_H_CASES) - set(LFM2_CASES)),
-              "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+    hybrids = set(GRANITE_HYBRID_CASES) | set(NEMOTRON_H_CASES) | set(LFM2_CASES) | set(FALCON_H1_CASES)
+    tested = {"llama", *(set(ZOO) - hybrids), "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 

@@ -19,6 +19,7 @@ from tests.lora.peft_adapters import save_peft_adapter
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.families import make_family
 from tests.models.test_deepseek import make_tiny_deepseek
+from tests.models.test_falcon_h1 import make_tiny_falcon_h1
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
 from tests.models.test_lfm2 import make_tiny_lfm2
@@ -82,6 +83,8 @@ FAMILIES = {
     # LFM2's short convolution's packed in_proj and out_proj, attention, its w1 / w3 / w2 MLP
     "lfm2": (functools.partial(make_tiny_lfm2, "lfm2-biased-conv"), None, ["in_proj", "out_proj", "q_proj", "w1", "w2"]),
     "lfm2-moe": (functools.partial(make_tiny_lfm2, "lfm2-moe"), None, ["in_proj", "k_proj", "w3", "w2"]),
+    "falcon-h1": (functools.partial(make_tiny_falcon_h1, "falcon-h1-norm-then-gate"), None,
+                  ["in_proj", "k_proj", "o_proj", "gate_proj", "down_proj"]),  # (PEFT refuses Mamba's out_proj here)
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
@@ -253,7 +256,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
-              "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe",
+              "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
               "qwen3_5_moe_text",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal

@@ -80,7 +80,7 @@ class TransformersRouter(BaseRouter):
             raise FallbackUnsupportedError(
                 f"{cfg.model_type!r} has {', '.join(recurrent)} layers, which keep a recurrent state between steps "
                 "that the fallback does not carry; hybrid models need a native folder (qwen3_next, qwen3_5, "
-                "granitemoehybrid: `tessera models` lists them)")
+                "granitemoehybrid, nemotron_h, lfm2, falcon_h1: `tessera models` lists them)")
         if not getattr(cfg, "num_attention_heads", None):
             raise FallbackUnsupportedError(f"{cfg.model_type!r} has no attention heads in its config "
                                            "(a state-space or hybrid model?); only attention models are served")
