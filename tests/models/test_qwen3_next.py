@@ -233,3 +233,17 @@ def test_snapshot_copies_reach_every_rank(case: Case):
         got = two.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids
         assert two.engine.block_manager.prefix_hits - hits == 48
     assert got == hf_generate(case.hf, second, 12)
+
+
+def test_async_scheduling_with_preemption(tmp_path, tiny_tokenizer_dir):
+    """Async scheduling launches a step before the previous one's tokens are read; with too
+    few blocks, sequences are preempted while steps are in flight. States, slots and
+    snapshots still give transformers' tokens."""
+    hf = make_tiny_qwen3_next("qwen3_5_text", tmp_path / "m", tiny_tokenizer_dir, seed=4)
+    llm = LLM(tmp_path / "m", dtype="float32", num_kv_blocks=10, async_scheduling=True, show_progress=False)
+    prompts = [prompt_ids(n, seed=s) for n, s in ((37, 1), (60, 2), (15, 3), (40, 4))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [hf_generate(hf, p, 24) for p in prompts]
+    cache = llm.engine.scheduler.state_cache
+    assert len(cache.free) + len(cache.by_hash) == cache.num_slots
