@@ -87,3 +87,24 @@ def test_gpt_oss_and_deepseek_on_the_gpu_match_transformers(tmp_path, tiny_token
         out = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
     tokens = out.outputs[0].token_ids
     assert_rows_match(rec.for_request(out.request_id), hf_logits(hf, prompt + tokens), BF16_ATOL, "mxfp4 cuda")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granite-4.0-h-moe-nope", "lfm2-biased-conv"])
+def test_hybrids_on_the_gpu_match_transformers(family, tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """The recurrent layers on a GPU (the Triton conv, gated-delta and scan kernels, the
+    state slots on the device) in float32: prefill and decode logits, greedy alone and
+    batched, a chunked prefill, and a second turn restored from a state snapshot."""
+    from tests.models.parity import check_chunked_prefill, check_second_turn_restores_state
+    from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
+    from tests.models.test_lfm2 import make_tiny_lfm2
+    from tests.models.test_qwen3_next import make_tiny_qwen3_next
+
+    make = {"qwen3_5_text": make_tiny_qwen3_next, "granite-4.0-h-moe-nope": make_tiny_granite_hybrid,
+            "lfm2-biased-conv": make_tiny_lfm2}[family]
+    hf = make(family, tmp_path, tiny_tokenizer_dir, seed=2)
+    with _llm(tmp_path, "float32", False, enable_prefix_caching=False) as llm:
+        assert llm.engine.runner.state_layers[0].state[0].is_cuda
+        check_prefill_and_decode_logits(llm, hf, f"{family} cuda", monkeypatch)
+        check_greedy_alone_and_batched(llm, hf, PROMPT_LENGTHS)
+        check_chunked_prefill(tmp_path, llm, hf, f"{family} cuda", monkeypatch, 64, PROMPT_LENGTHS)
+    check_second_turn_restores_state(tmp_path, hf, 64)
