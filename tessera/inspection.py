@@ -8,7 +8,6 @@ model type is named here.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -117,7 +116,7 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     attn = [m for m in model.modules() if isinstance(m, Attention)]
     per_token = sum(a.cache_tensors * a.num_kv_heads * a.head_size * a.cache_dtype.itemsize for a in attn)
     recurrent = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
-    state_bytes = sum(math.prod(shape) * dtype.itemsize for layer in recurrent for shape, dtype in layer.state_shapes())
+    state_bytes = sum(layer.state_bytes_per_slot() for layer in recurrent)
     heads = cfg.num_attention_heads
     return {
         "source": {"kind": router.source.kind, "path": str(router.source.path), "name": router.source.name},

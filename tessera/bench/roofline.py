@@ -107,7 +107,7 @@ def engine_roofline(engine) -> Roofline:
             full += per_token
         else:
             windowed[layer.sliding_window] = windowed.get(layer.sliding_window, 0) + per_token
-    state = runner.state_bytes() // runner.num_state_slots if runner.state_layers else 0
+    state = runner.state_bytes_per_sequence()
     return Roofline(bandwidth_gbs=copy_bandwidth_gbs(runner.device), weight_bytes=dense, kv_bytes_per_token=full,
                     expert_bytes=experts, expert_share=share, windowed_kv=tuple(sorted(windowed.items())),
                     state_bytes_per_seq=state)

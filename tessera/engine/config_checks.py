@@ -57,4 +57,4 @@ def check_recurrent_model(config: EngineConfig, runner: ModelRunner) -> None:
     seqs = config.scheduler.max_num_seqs
     logger.info("recurrent state: %d slots (%d running sequences%s), %.1f MiB", runner.num_state_slots, seqs,
                 f", {runner.num_state_slots - seqs} prefix-cache snapshots" if runner.num_state_slots > seqs else "",
-                runner.state_bytes() / 2**20)
+                runner.num_state_slots * runner.state_bytes_per_sequence() / 2**20)

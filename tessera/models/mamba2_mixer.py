@@ -1,9 +1,9 @@
 """The Mamba-2 mixer the hybrid model folders share (transformers' Mamba2Mixer and the
-hybrids' copies of it: Granite 4.0-H, Nemotron-H; Falcon-H1 and Bamba have it too), its
-sizes named by `Mamba2Shape` since every config spells them differently: in_proj packs [z | x | B | C | dt]; ops/linear_attention's
-Mamba2Scan runs the causal conv1d + SiLU over x, B, C and the SSD scan (dt = softplus(dt +
-dt_bias) within time_step_limit, A = -exp(A_log), the D skip); SiLU(z) gates the output
-before an RMSNorm over groups of heads; out_proj.
+hybrids' copies of it: Granite 4.0-H, Nemotron-H, Falcon-H1), its sizes named by
+`Mamba2Shape` since every config spells them differently: in_proj packs [z | x | B | C | dt];
+ops/linear_attention's Mamba2Scan runs the causal conv1d + SiLU over x, B, C and the SSD
+scan (dt = softplus(dt + dt_bias) within time_step_limit, A = -exp(A_log), the D skip);
+SiLU(z) gates the output, around an RMSNorm over groups of heads or alone; out_proj.
 
 Tensor parallelism splits the heads (x, z, dt and their conv channels); B and C belong to
 groups of heads, split with them when the groups divide over the ranks, or held whole by
@@ -21,8 +21,7 @@ from tessera.distributed.parallel import Span, all_reduce, even_span
 from tessera.ops.linear import PackedLinear, RowParallelLinear
 from tessera.ops.linear_attention import Mamba2Scan
 from tessera.ops.registry import OpTarget
-from tessera.ops.weights import copy_checked, make_param
-from tessera.weights.lazy import materialize, narrow
+from tessera.ops.weights import make_param, row_spans_loader
 
 
 class MambaSplit:
@@ -72,7 +71,6 @@ class Mamba2Mixer(nn.Module):
         heads, head_dim, groups, state = shape.num_heads, shape.head_dim, shape.num_groups, shape.state_size
         inner = heads * head_dim
         self.split = split = MambaSplit(heads, head_dim, groups, state, target)
-        self.full = (inner, groups * state)  # x's and B's (= C's) full rows
         self.group_size, self.eps, self.tp_size = inner // groups, shape.eps, target.tp_size
         self.core = Mamba2Scan(split.heads.size, head_dim, split.groups.size, state, shape.conv_kernel,
                                shape.time_step_limit, target)
@@ -81,47 +79,31 @@ class Mamba2Mixer(nn.Module):
             shape.hidden_size, {"z": inner, "x": inner, "B": bc, "C": bc, "dt": heads}, target, bias=shape.proj_bias,
             shard_spans={"z": split.x_rows, "x": split.x_rows, "B": split.bc_rows, "C": split.bc_rows,
                          "dt": split.heads})
+        # this rank's conv channels (its x rows, its groups' B and C rows), head vectors, norm weight
+        conv = row_spans_loader(inner + 2 * bc, [(0, split.x_rows), (inner, split.bc_rows),
+                                                 (inner + bc, split.bc_rows)], "conv1d")
         self.conv_weight = make_param((self.core.conv_dim, shape.conv_kernel), target.dtype, target.device,
-                                      loader=self._load_conv)
-        self.conv_bias = (make_param((self.core.conv_dim,), target.dtype, target.device, loader=self._load_conv)
+                                      loader=conv)
+        self.conv_bias = (make_param((self.core.conv_dim,), target.dtype, target.device, loader=conv)
                           if shape.conv_bias else None)
+        heads_loader = row_spans_loader(heads, [(0, split.heads)], "per-head vector")
         self.dt_bias, self.A_log, self.D = (make_param((split.heads.size,), target.dtype, target.device,
-                                                       loader=self._load_heads) for _ in range(3))
+                                                       loader=heads_loader) for _ in range(3))
         if shape.norm not in ("gate_first", "norm_first", "none"):
             raise ValueError(f"Mamba-2: unknown output norm {shape.norm!r}")
         self.norm = shape.norm
-        self.norm_weight = (make_param((split.x_rows.size,), target.dtype, target.device, loader=self._load_norm)
+        self.norm_weight = (make_param((split.x_rows.size,), target.dtype, target.device,
+                                       loader=row_spans_loader(inner, [(0, split.x_rows)], "norm weight"))
                             if shape.norm != "none" else None)
         self._norm = target.op("gated_rms_norm")
         self.in_multiplier = shape.in_multiplier
         self.projection_scale = None
         if shape.projection_multipliers is not None:  # one factor per local row of [z | x | B | C | dt]
             sizes = list(self.in_proj.shard_sizes.values())
-            self.projection_scale = torch.cat([torch.full((n,), float(m)) for n, m in
-                                               zip(sizes, shape.projection_multipliers)]).to(target.device, target.dtype)
+            scale = torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, shape.projection_multipliers)])
+            self.projection_scale = scale.to(target.device, target.dtype)
         out_bias = shape.proj_bias if shape.out_proj_bias is None else shape.out_proj_bias
         self.out_proj = RowParallelLinear(inner, shape.hidden_size, target, bias=out_bias, in_span=split.x_rows)
-
-    def _load_conv(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-        """conv1d's weight [x | B | C channels, 1, K] (or bias): this rank's rows of each."""
-        tensor = materialize(tensor)
-        tensor = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor
-        x, bc = self.full
-        if tensor.shape[0] != x + 2 * bc:
-            raise ValueError(f"conv1d: checkpoint channels {tensor.shape[0]} != {x + 2 * bc}")
-        rows, parts = self.split.x_rows, [self.split.x_rows, self.split.bc_rows, self.split.bc_rows]
-        starts = (0, x, x + bc)
-        local = torch.cat([narrow(tensor, 0, start + span.start, span.size) for start, span in zip(starts, parts)])
-        with torch.no_grad():
-            copy_checked(param.data, local.reshape(param.shape), f"conv1d ({rows.size} x rows)")
-
-    def _load_heads(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-        with torch.no_grad():
-            copy_checked(param.data, narrow(tensor, 0, self.split.heads.start, self.split.heads.size), "per-head vector")
-
-    def _load_norm(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-        with torch.no_grad():
-            copy_checked(param.data, narrow(tensor, 0, self.split.x_rows.start, self.split.x_rows.size), "norm weight")
 
     def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
         out = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)

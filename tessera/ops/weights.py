@@ -1,12 +1,15 @@
 """Parameters that load themselves: each owns a `weight_loader(param, tensor, shard_id)`."""
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
 from torch import nn
 
-from tessera.weights.lazy import LazyTensor, materialize
+from tessera.weights.lazy import LazyTensor, materialize, narrow
+
+if TYPE_CHECKING:
+    from tessera.distributed.parallel import Span
 
 
 class WeightShapeError(ValueError):
@@ -18,6 +21,22 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor | LazyTensor, what: str) -
     if tuple(dst.shape) != tuple(src.shape):
         raise WeightShapeError(f"{what}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
     dst.copy_(src.to(dst.dtype))
+
+
+def row_spans_loader(full_rows: int, spans: list[tuple[int, "Span"]], what: str) -> Callable:
+    """A loader for a parameter that holds some row spans of a checkpoint tensor of
+    `full_rows` rows, one after another: for each (offset, span), rows offset + span.start
+    onwards (a tensor-parallel rank's heads of each part of a packed conv or per-head
+    vector). Trailing dims are reshaped to the parameter's (conv1d's [C, 1, K] into [C, K])."""
+    def load(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        tensor = materialize(tensor)
+        if tensor.shape[0] != full_rows:
+            raise WeightShapeError(f"{what}: checkpoint rows {tensor.shape[0]} != {full_rows}")
+        tensor = tensor.reshape(full_rows, *param.shape[1:])
+        with torch.no_grad():
+            copy_checked(param.data, torch.cat([narrow(tensor, 0, offset + span.start, span.size)
+                                                for offset, span in spans]), what)
+    return load
 
 
 def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:

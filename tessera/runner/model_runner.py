@@ -3,7 +3,6 @@ token is sampled (or prompt logprobs are wanted), and samples. Owns the KV cache
 and binds them to the model's attention layers, and the recurrent layers' state slots."""
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import torch
@@ -93,13 +92,12 @@ class ModelRunner:
         measures what is left for the KV cache)."""
         if num_slots <= 0:
             raise ValueError(f"{type(self.model).__name__} has recurrent layers: it needs state slots")
-        per_slot = sum(math.prod(shape) * dtype.itemsize for layer in self.state_layers
-                       for shape, dtype in layer.state_shapes())
+        per_slot = self.state_bytes_per_sequence()
         try:
             for layer in self.state_layers:
                 layer.state = tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=self.device)
                                     for shape, dtype in layer.state_shapes())
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
+        except RuntimeError as exc:  # (torch.OutOfMemoryError among them)
             for layer in self.state_layers:
                 layer.state = None
             raise ConfigError(f"the recurrent layers' state for {num_slots} sequences needs "
@@ -107,9 +105,9 @@ class ModelRunner:
                               f"more than there is: lower --max-num-seqs") from exc
         self.num_state_slots = num_slots
 
-    def state_bytes(self) -> int:
-        """What the recurrent layers' states take (all slots)."""
-        return sum(t.numel() * t.element_size() for layer in self.state_layers for t in layer.state or ())
+    def state_bytes_per_sequence(self) -> int:
+        """What one slot of every recurrent layer's state takes."""
+        return sum(layer.state_bytes_per_slot() for layer in self.state_layers)
 
     def kv_bytes_per_block(self) -> int:
         elem = self.kv_cache_dtype.itemsize

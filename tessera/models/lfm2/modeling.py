@@ -20,8 +20,7 @@ from tessera.models.qwen3.modeling import Qwen3Attention
 from tessera.ops.linear import PackedLinear, RowParallelLinear
 from tessera.ops.linear_attention import GatedShortConv
 from tessera.ops.registry import OpTarget
-from tessera.ops.weights import copy_checked, make_param
-from tessera.weights.lazy import materialize, narrow
+from tessera.ops.weights import make_param, row_spans_loader
 
 LAYER_TYPES = ("conv", "full_attention")
 
@@ -42,21 +41,15 @@ class Lfm2ShortConv(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         hidden, width = config.hidden_size, config.conv_L_cache
-        self.span = span = even_span(hidden, target.tp_rank, target.tp_size)
+        span = even_span(hidden, target.tp_rank, target.tp_size)
         bias = bool(config.conv_bias)
         self.in_proj = PackedLinear(hidden, {"B": hidden, "C": hidden, "x": hidden}, target, bias=bias,
                                     shard_spans={"B": span, "C": span, "x": span})
         self.core = GatedShortConv(span.size, width, target)
-        self.conv_weight = make_param((span.size, width), target.dtype, target.device, loader=self._load_conv)
-        self.conv_bias = make_param((span.size,), target.dtype, target.device, loader=self._load_conv) if bias else None
+        conv = row_spans_loader(hidden, [(0, span)], "conv")  # this rank's channels
+        self.conv_weight = make_param((span.size, width), target.dtype, target.device, loader=conv)
+        self.conv_bias = make_param((span.size,), target.dtype, target.device, loader=conv) if bias else None
         self.out_proj = RowParallelLinear(hidden, hidden, target, bias=bias, in_span=span)
-
-    def _load_conv(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-        """conv.weight [channels, 1, K] (or its bias): this rank's channels."""
-        tensor = materialize(tensor)
-        tensor = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor
-        with torch.no_grad():
-            copy_checked(param.data, narrow(tensor, 0, self.span.start, self.span.size).reshape(param.shape), "conv")
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         return self.out_proj(self.core(self.in_proj(hidden), self.conv_weight, self.conv_bias))

@@ -31,8 +31,7 @@ from tessera.ops.linear_attention import GatedDeltaRule
 from tessera.ops.norm import GatedRMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary
-from tessera.ops.weights import copy_checked, make_param
-from tessera.weights.lazy import materialize, narrow
+from tessera.ops.weights import make_param, row_spans_loader
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -77,33 +76,18 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_ba = ba_projection(config.hidden_size, split, num_k, target)
         self.core = GatedDeltaRule(split.k_heads.size, split.v_heads.size, dk, dv, config.linear_conv_kernel_dim,
                                    target)
-        # this rank's conv channels: its q, k and v rows, [conv_dim, K]
+        key, value = self.full_key_dim, self.full_value_dim
+        # this rank's conv channels: its q, k and v rows, [conv_dim, K]; its value heads' vectors
+        conv = row_spans_loader(2 * key + value, [(0, split.k_rows), (key, split.k_rows), (2 * key, split.v_rows)],
+                                "conv1d weight")
+        heads = row_spans_loader(num_v, [(0, split.v_heads)], "per-head vector")
         self.conv_weight = make_param((self.core.conv_dim, config.linear_conv_kernel_dim), target.dtype,
-                                      target.device, loader=self._load_conv)
-        self.dt_bias = make_param((split.v_heads.size,), target.dtype, target.device, loader=self._load_heads)
-        self.A_log = make_param((split.v_heads.size,), target.dtype, target.device, loader=self._load_heads)
+                                      target.device, loader=conv)
+        self.dt_bias = make_param((split.v_heads.size,), target.dtype, target.device, loader=heads)
+        self.A_log = make_param((split.v_heads.size,), target.dtype, target.device, loader=heads)
         self.norm = GatedRMSNorm(dv, config.rms_norm_eps, target)
         self.out_proj = RowParallelLinear(self.full_value_dim, config.hidden_size, target,
                                           in_span=split.v_rows)
-
-    def _load_conv(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-        """The checkpoint's conv1d.weight [q | k | v channels, 1, K]: this rank's rows of each."""
-        tensor = materialize(tensor)
-        tensor = tensor.reshape(tensor.shape[0], -1)
-        key, value, split = self.full_key_dim, self.full_value_dim, self.split
-        if tensor.shape[0] != 2 * key + value:
-            raise ValueError(f"conv1d weight: checkpoint channels {tensor.shape[0]} != {2 * key + value}")
-        parts = (narrow(tensor, 0, split.k_rows.start, split.k_rows.size),
-                 narrow(tensor, 0, key + split.k_rows.start, split.k_rows.size),
-                 narrow(tensor, 0, 2 * key + split.v_rows.start, split.v_rows.size))
-        with torch.no_grad():
-            copy_checked(param.data, torch.cat(parts), "conv1d weight")
-
-    def _load_heads(self, param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
-        """A per-value-head vector (dt_bias, A_log): this rank's heads."""
-        with torch.no_grad():
-            copy_checked(param.data, narrow(tensor, 0, self.split.v_heads.start, self.split.v_heads.size),
-                         "per-head vector")
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         core = self.core

@@ -8,6 +8,8 @@ Rows come decodes first, as for attention: the decode ops take those one token e
 prefill ops each remaining sequence's chunk."""
 from __future__ import annotations
 
+import math
+from abc import ABCMeta, abstractmethod
 from typing import Callable
 
 import torch
@@ -19,14 +21,18 @@ from tessera.ops.registry import OpTarget
 StateShape = tuple[tuple[int, ...], torch.dtype]  # one state tensor's shape per slot, and dtype
 
 
-class RecurrentLayer(OpModule):
+class RecurrentLayer(OpModule, metaclass=ABCMeta):
     """Bound by the runner before the first step: one tensor per `state_shapes()` entry,
     each [num_slots, *shape]."""
 
     state: tuple[torch.Tensor, ...] | None = None
 
+    @abstractmethod
     def state_shapes(self) -> list[StateShape]:
-        raise NotImplementedError
+        """Each state tensor's shape for one sequence, and its dtype."""
+
+    def state_bytes_per_slot(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.state_shapes())
 
     def bound_state(self) -> tuple[AttentionMetadata, tuple[torch.Tensor, ...]]:
         if self.state is None:
