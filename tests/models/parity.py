@@ -253,3 +253,44 @@ def check_second_turn_restores_state(folder: Path, hf: torch.nn.Module, num_kv_b
     second = first + llm.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids + prompt_ids(9, seed=22)
     assert llm.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids == hf_generate(hf, second, 20)
     assert llm.engine.block_manager.prefix_hits == 48
+
+
+# --- models with recurrent layers: what every hybrid family's test file runs ------------------
+
+def recurrent_case(name: str, tmp_path_factory, tokenizer_dir: Path, make: Callable, num_kv_blocks: int = 64) -> Case:
+    """A hybrid family's `case` fixture: `make(name, folder, tokenizer_dir, seed)`'s checkpoint
+    and an engine without prefix caching, which cuts prompts at a block boundary (the
+    checks below assert how steps split)."""
+    folder = tmp_path_factory.mktemp(name)
+    hf = make(name, folder, tokenizer_dir, seed=len(name))
+    llm = LLM(folder, dtype="float32", num_kv_blocks=num_kv_blocks, enable_prefix_caching=False, show_progress=False)
+    return Case(name, folder, hf, llm)
+
+
+class RecurrentParity:
+    """The parity tests of a hybrid family's test file, over its `case` fixture (subclass
+    as `TestParity`)."""
+
+    num_kv_blocks = 64
+    prompt_lengths = (5, 23, 90)  # 90: two of the prefill kernels' 64-token blocks in one chunk
+
+    def test_prefill_and_decode_logits_match(self, case: Case, monkeypatch):
+        check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
+
+    def test_greedy_matches_hf_generate_alone_and_batched(self, case: Case):
+        check_greedy_alone_and_batched(case.llm, case.hf, self.prompt_lengths)
+
+    def test_chunked_prefill_matches(self, case: Case, monkeypatch):
+        """16-token steps: each prompt's chunks continue its recurrent state."""
+        check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, self.num_kv_blocks,
+                              self.prompt_lengths)
+
+
+class RecurrentStateChecks(RecurrentParity):
+    """... and with prefix caching on, a restored second turn; bf16 near float32."""
+
+    def test_second_turn_restores_state(self, case: Case):
+        check_second_turn_restores_state(case.folder, case.hf, self.num_kv_blocks)
+
+    def test_bf16_stays_close(self, case: Case):
+        check_bf16_close(case.folder, case.hf, self.num_kv_blocks, prompt_len=80, new_tokens=8)

@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera import LLM
-
-from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill,
-                                 check_greedy_alone_and_batched, check_prefill_and_decode_logits,
-                                 check_second_turn_restores_state, draw_hybrid_parameters, make_tiny)
+from tests.models.parity import VOCAB, Case, RecurrentStateChecks, draw_hybrid_parameters, make_tiny, recurrent_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NUM_KV_BLOCKS = 64
-PROMPT_LENGTHS = (5, 23, 90)
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
             mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16, mamba_n_groups=2,
@@ -40,11 +34,7 @@ def make_tiny_falcon_h1(case: str, folder: Path, tokenizer_dir: Path, seed: int 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_falcon_h1(request.param, folder, tiny_tokenizer_dir, seed=len(request.param))
-    # without prefix caching, which cuts prompts at a block boundary (the checks assert steps)
-    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=False, show_progress=False)
-    return Case(request.param, folder, hf, llm)
+    return recurrent_case(request.param, tmp_path_factory, tiny_tokenizer_dir, make_tiny_falcon_h1)
 
 
 def test_every_layer_holds_both_mixers(case: Case):
@@ -52,21 +42,5 @@ def test_every_layer_holds_both_mixers(case: Case):
     assert len(runner.attn_layers) == len(runner.state_layers) == 2
 
 
-def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
-
-
-def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
-
-
-def test_chunked_prefill_matches(case: Case, monkeypatch):
-    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
-
-
-def test_second_turn_with_prefix_caching(case: Case):
-    check_second_turn_restores_state(case.folder, case.hf, NUM_KV_BLOCKS)
-
-
-def test_bf16_stays_close(case: Case):
-    check_bf16_close(case.folder, case.hf, NUM_KV_BLOCKS, prompt_len=80, new_tokens=8)
+class TestParity(RecurrentStateChecks):
+    pass

@@ -12,16 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera import LLM
-
-from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill,
-                                 check_greedy_alone_and_batched, check_prefill_and_decode_logits,
-                                 check_second_turn_restores_state, draw_hybrid_parameters, make_tiny)
+from tests.models.parity import VOCAB, Case, RecurrentStateChecks, draw_hybrid_parameters, make_tiny, recurrent_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NUM_KV_BLOCKS = 64
-PROMPT_LENGTHS = (5, 23, 90)  # 90: two scan blocks of 64 in one prefill
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
             layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4, mamba_d_head=32,
@@ -43,11 +37,7 @@ def make_tiny_granite_hybrid(case: str, folder: Path, tokenizer_dir: Path, seed:
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_granite_hybrid(request.param, folder, tiny_tokenizer_dir, seed=len(request.param))
-    # without prefix caching, which cuts prompts at a block boundary (the checks assert steps)
-    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=False, show_progress=False)
-    return Case(request.param, folder, hf, llm)
+    return recurrent_case(request.param, tmp_path_factory, tiny_tokenizer_dir, make_tiny_granite_hybrid)
 
 
 def test_layers(case: Case):
@@ -60,20 +50,5 @@ def test_layers(case: Case):
     torch.testing.assert_close(layers[0].mamba.D, case.hf.model.layers[0].mamba.D)
 
 
-def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
-
-
-def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
-
-
-def test_chunked_prefill_matches(case: Case, monkeypatch):
-    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
-
-
-def test_second_turn_restores_the_mamba_state(case: Case):
-    check_second_turn_restores_state(case.folder, case.hf, NUM_KV_BLOCKS)
-
-def test_bf16_stays_close(case: Case):
-    check_bf16_close(case.folder, case.hf, NUM_KV_BLOCKS, prompt_len=80, new_tokens=8)
+class TestParity(RecurrentStateChecks):
+    pass

@@ -18,14 +18,12 @@ from tessera import LLM, SamplingParams
 from tessera.config import ConfigError
 from tessera.ops.linear_attention import GatedDeltaRule
 
-from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, hf_generate, hf_logits, make_tiny,
-                                 prompt_ids)
+from tests.models.parity import (VOCAB, Case, RecurrentParity, check_bf16_close, hf_generate, hf_logits, make_tiny,
+                                 prompt_ids, recurrent_case)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NUM_KV_BLOCKS = 64
-PROMPT_LENGTHS = (5, 23, 90)  # 90: two delta-rule blocks of 64 in one prefill
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
             eos_token_id=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -62,12 +60,7 @@ def make_tiny_qwen3_next(kind: str, folder: Path, tokenizer_dir: Path, seed: int
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_qwen3_next(request.param, folder, tiny_tokenizer_dir, seed=len(request.param))
-    # without prefix caching, which cuts a prompt at its last block boundary (the parity
-    # checks below assert how steps split); the prefix-caching tests use `cached`
-    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=False, show_progress=False)
-    return Case(request.param, folder, hf, llm)
+    return recurrent_case(request.param, tmp_path_factory, tiny_tokenizer_dir, make_tiny_qwen3_next, NUM_KV_BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -91,20 +84,6 @@ def test_layers_and_state(case: Case, cached: LLM):
     torch.testing.assert_close(layers[0].linear_attn.A_log, case.hf.model.layers[0].linear_attn.A_log)
     core = engine.runner.state_layers[0]
     assert isinstance(core, GatedDeltaRule) and (core.num_k_heads, core.num_v_heads) == (2, 4)
-
-
-def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
-
-
-def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
-    assert sorted(case.llm.engine.scheduler.free_state_slots) == list(range(case.llm.engine.config.scheduler.max_num_seqs))
-
-
-def test_chunked_prefill_matches(case: Case, monkeypatch):
-    """16-token steps: each prompt's chunks continue its conv and delta-rule states."""
-    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
 
 
 def test_prefix_cache_restores_the_state_at_a_block_boundary(case: Case, cached: LLM):
@@ -247,3 +226,10 @@ def test_async_scheduling_with_preemption(tmp_path, tiny_tokenizer_dir):
     assert [o.outputs[0].token_ids for o in outs] == [hf_generate(hf, p, 24) for p in prompts]
     cache = llm.engine.scheduler.state_cache
     assert len(cache.free) + len(cache.by_hash) == cache.num_slots
+
+
+class TestParity(RecurrentParity):
+    def test_greedy_matches_hf_generate_alone_and_batched(self, case: Case):
+        super().test_greedy_matches_hf_generate_alone_and_batched(case)
+        scheduler = case.llm.engine.scheduler
+        assert sorted(scheduler.free_state_slots) == list(range(case.llm.engine.config.scheduler.max_num_seqs))
