@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -214,6 +215,35 @@ def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2
     return model
 
 
+# the Qwen3 vision transformers' tiny shape: 16-pixel patches merged 2 x 2 into 64 wide features
+QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                    temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
+
+
+def _qwen3_vl_checkpoint(folder: Path, corpus: list[str], seed: int, config_cls, model_cls, text: dict,
+                         vision: dict, tweak: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
+    """A Qwen3-VL-style checkpoint in `folder`: the Qwen tokenizer with its image tokens (and
+    chat template), the model of `text` / `vision` (seeded, then `tweak`ed), and Qwen2-VL's
+    image processor at 16-pixel patches."""
+    from transformers import Qwen2VLImageProcessor
+
+    tokenizer = bpe_tokenizer(corpus, QWEN_SPECIALS)
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        tweak(model)
+    model.save_pretrained(folder)
+    Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=64 * 64,
+                          max_pixels=32 * 32 * 64).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
 def make_tiny_qwen3_vl(folder: Path, corpus: list[str], seed: int = 0, moe: bool = False) -> torch.nn.Module:
     """A Qwen3-VL checkpoint: its vision transformer over 16-pixel patches with learned
     position embeddings and DeepStack mergers on both layers, 2 x 2 merging, and a Qwen3
@@ -222,40 +252,29 @@ def make_tiny_qwen3_vl(folder: Path, corpus: list[str], seed: int = 0, moe: bool
     stacked expert tensors saved as the published checkpoints store them ([E, H, 2I],
     [E, I, H]; transformers 5 saves its own [E, 2I, H], [E, H, I], and reads both)."""
     from safetensors.torch import load_file, save_file
-    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
+    from transformers import (Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                              Qwen3VLMoeForConditionalGeneration)
 
-    tokenizer = bpe_tokenizer(corpus, QWEN_SPECIALS)
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = dict(TEXT_CONFIG, num_hidden_layers=3, head_dim=16, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True})
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64,
-                  deepstack_visual_indexes=[0, 1])
-    config_cls, model_cls = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
-                             else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
-    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():  # larger DeepStack features, so that a skipped level would show
+
+    def larger_deepstack(model: torch.nn.Module) -> None:  # so that a skipped level would show
         for name, p in model.named_parameters():
             if "deepstack_merger_list" in name and name.endswith("linear_fc2.weight"):
                 p.mul_(8.0)
-    model.save_pretrained(folder)
+
+    config_cls, model_cls = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
+                             else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    model = _qwen3_vl_checkpoint(folder, corpus, seed, config_cls, model_cls, text,
+                                 dict(QWEN3_VISION, deepstack_visual_indexes=[0, 1]), larger_deepstack)
     if moe:
         tensors = load_file(folder / "model.safetensors")
         stacked = [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
         assert stacked
         save_file({name: t.transpose(1, 2).contiguous() if name in stacked else t for name, t in tensors.items()},
                   folder / "model.safetensors", metadata={"format": "pt"})
-    Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=64 * 64,
-                          max_pixels=32 * 32 * 64).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return model
 
 
@@ -264,12 +283,9 @@ def make_tiny_qwen3_5_vl(folder: Path, corpus: list[str], seed: int = 0, moe: bo
     transformer without DeepStack, and a Qwen3.5 language model of Gated DeltaNet and gated
     attention layers (linear, full, linear, full) whose rotary turns a quarter of each
     32-wide head, in interleaved M-RoPE sections (2, 1, 1)."""
-    from transformers import (Qwen2VLImageProcessor, Qwen3_5Config, Qwen3_5ForConditionalGeneration,
-                              Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+    from transformers import (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                              Qwen3_5MoeForConditionalGeneration)
 
-    tokenizer = bpe_tokenizer(corpus, QWEN_SPECIALS)
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     text = dict(TEXT_CONFIG, num_hidden_layers=4, head_dim=32, intermediate_size=96,
                 layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
@@ -277,24 +293,15 @@ def make_tiny_qwen3_5_vl(folder: Path, corpus: list[str], seed: int = 0, moe: bo
                                  "mrope_section": [2, 1, 1], "mrope_interleaved": True})
     if moe:
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64)
-    config_cls, model_cls = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
-                             else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
-    config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():  # decays that matter (the default init decays slowly and evenly)
+
+    def decays_that_matter(model: torch.nn.Module) -> None:  # (the default init decays slowly and evenly)
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 p.copy_(0.5 * torch.randn(p.shape) - 1.0)
-    model.save_pretrained(folder)
-    Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=64 * 64,
-                          max_pixels=32 * 32 * 64).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return model
+
+    config_cls, model_cls = ((Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration) if moe
+                             else (Qwen3_5Config, Qwen3_5ForConditionalGeneration))
+    return _qwen3_vl_checkpoint(folder, corpus, seed, config_cls, model_cls, text, QWEN3_VISION, decays_that_matter)
 
 
 def _qwen_inputs(folder: Path, text: str, images: list, add_special_tokens: bool) -> tuple[list[int], dict]:
