@@ -186,14 +186,22 @@ class QKVLinear(PackedLinear):
     `o_proj_span` is the matching input span of the output projection."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 target: OpTarget, bias: bool = False):
+                 target: OpTarget, bias: bool = False, values: bool = True):
+        """`values` False: Q and K only; split() returns the keys as the values too (Gemma 4's
+        attention_k_eq_v layers have no v_proj)."""
         heads: HeadSplit = split_heads(num_heads, num_kv_heads, target.tp_rank, target.tp_size)
         q, kv = heads.q, heads.kv
         kv_span = Span(kv.start * head_dim, kv.size * head_dim)
-        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
-                                       "v": num_kv_heads * head_dim}, target, bias,
-                         shard_spans={"q": Span(q.start * head_dim, q.size * head_dim),
-                                      "k": kv_span, "v": kv_span})
+        parts = ("k", "v") if values else ("k",)
+        super().__init__(hidden_size, {"q": num_heads * head_dim, **{p: num_kv_heads * head_dim for p in parts}},
+                         target, bias, shard_spans={"q": Span(q.start * head_dim, q.size * head_dim),
+                                                    **{p: kv_span for p in parts}})
+        self.values = values
         self.heads = heads
         self.num_heads, self.num_kv_heads = q.size, kv.size  # this rank's
         self.o_proj_span = Span(q.start * head_dim, q.size * head_dim)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v); v is k where the layer has no values of its own."""
+        parts = super().split(out)
+        return parts if self.values else (*parts, parts[1])

@@ -13,7 +13,7 @@ import torch
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 # Kinds whose frequencies depend on the current sequence length (transformers'
 # dynamic_rope_update): computed per token from that token's own sequence length.
 LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -89,6 +89,17 @@ def _longrope(dim: int, params: dict, seq_len: int | None) -> tuple[torch.Tensor
     return 1.0 / (ext * float(params["rope_theta"]) ** shape), float(attention)
 
 
+def _proportional(dim: int, params: dict) -> torch.Tensor:
+    """Gemma 4's full-attention rope: the first partial_rotary_factor of the head's
+    frequency pairs turn at base^(2i / head_dim) (the whole head's spacing, not the rotated
+    part's), the rest have frequency 0 and pass through unturned."""
+    turned = int(float(params.get("partial_rotary_factor", 1.0)) * dim // 2)
+    inv_freq = torch.zeros(dim // 2, dtype=torch.float32)
+    inv_freq[:turned] = 1.0 / (float(params["rope_theta"])
+                               ** (torch.arange(0, 2 * turned, 2, dtype=torch.int64).float() / dim))
+    return inv_freq / float(params.get("factor", 1.0))
+
+
 def rope_frequencies(rotary_dim: int, params: dict,
                      seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention scaling of cos/sin), as transformers' ROPE_INIT_FUNCTIONS return
@@ -122,6 +133,8 @@ def _kind_frequencies(rotary_dim: int, params: dict, seq_len: int | None) -> tup
         return _yarn(rotary_dim, params)
     if kind == "longrope":
         return _longrope(rotary_dim, params, seq_len)
+    if kind == "proportional":
+        return _proportional(rotary_dim, params), 1.0
     if kind == "llama3":
         inv_freq = _plain_inv_freq(rotary_dim, base)
         factor = float(params["factor"])

@@ -184,6 +184,11 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         return make_tiny_granite_hybrid(kind, folder, tokenizer_dir, seed=5)
     if kind in QWEN3_NEXT_CASES:  # linear attention: each rank one key head and its two value heads
         return make_tiny_qwen3_next(kind, folder, tokenizer_dir, seed=5)
+    if kind in GEMMA4_CASES:  # PLE and KV sharing; experts, and full layers' one KV head replicated
+        from tests.models import test_gemma4
+        if kind == "gemma4":  # the released layout: vision and audio towers skipped
+            return test_gemma4.make_released(folder, tokenizer_dir, seed=5)
+        return test_gemma4.make(folder, tokenizer_dir, GEMMA4_CASES[kind])
     if kind in FAMILY_CASES:  # (olmo3: one KV head, replicated over the ranks)
         from tests.models.families import make_family
         return make_family(folder, tokenizer_dir, FAMILY_CASES[kind], seed=5,
@@ -195,9 +200,10 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
 FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "olmo3-window8-yarn",
                 "ministral3": "ministral3-yarn-temperature", "granite": "granite-tied-bias", "glm4": "glm4-gqa-bias",
                 "cohere2": "cohere2-window8-tied"}
+GEMMA4_CASES = {"gemma4-e2b": "e2b", "gemma4-moe": "moe", "gemma4": None}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
        "deepseek_v2", "deepseek_v3", *FAMILY_CASES, *QWEN3_NEXT_CASES,
-       *GRANITE_HYBRID_CASES, *NEMOTRON_H_CASES, *LFM2_CASES, *FALCON_H1_CASES)
+       *GRANITE_HYBRID_CASES, *NEMOTRON_H_CASES, *LFM2_CASES, *FALCON_H1_CASES, *GEMMA4_CASES)
 
 
 @pytest.mark.parametrize("kind", ZOO)
@@ -206,7 +212,8 @@ def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     assert hf.config.model_type == ("granitemoehybrid" if kind in GRANITE_HYBRID_CASES else
                                     "nemotron_h" if kind in NEMOTRON_H_CASES else
                                     "lfm2_moe" if kind == "lfm2-moe" else "lfm2" if kind in LFM2_CASES else
-                                    "falcon_h1" if kind in FALCON_H1_CASES else kind)
+                                    "falcon_h1" if kind in FALCON_H1_CASES else
+                                    "gemma4_text" if kind in ("gemma4-e2b", "gemma4-moe") else kind)
     check_tp2_matches_hf(tmp_path, hf)
 
 
@@ -250,7 +257,9 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
 
 def test_every_native_type_claims_tensor_parallel():
     hybrids = set(GRANITE_HYBRID_CASES) | set(NEMOTRON_H_CASES) | set(LFM2_CASES) | set(FALCON_H1_CASES)
-    tested = {"llama", *(set(ZOO) - hybrids), "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+    cases = hybrids | set(GEMMA4_CASES)
+    tested = {"llama", *(set(ZOO) - cases), "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
+              "gemma4_text", "gemma4", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 

@@ -44,6 +44,16 @@ def make_tiny_gemma2(folder, tokenizer_dir, seed: int = 0):
                      attn_implementation="eager")
 
 
+def make_tiny_gemma4(folder, tokenizer_dir, seed: int = 0, case: str = "e2b"):
+    from tests.models.test_gemma4 import make
+    return make(folder, tokenizer_dir, case)
+
+
+def make_tiny_gemma4_released(folder, tokenizer_dir, seed: int = 0):
+    from tests.models.test_gemma4 import make_released
+    return make_released(folder, tokenizer_dir, seed)
+
+
 def make_tiny_gemma3(folder, tokenizer_dir, seed: int = 0):
     """Gemma 3 (head norms, a rotary table per layer type), as its parity test makes it."""
     from tests.models.test_gemma3_parity import make
@@ -87,6 +97,12 @@ FAMILIES = {
                   ["in_proj", "k_proj", "o_proj", "gate_proj", "down_proj"]),  # (PEFT refuses Mamba's out_proj here)
     "gemma2": (make_tiny_gemma2, None, ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     "gemma3": (make_tiny_gemma3, None, ["q_proj", "k_proj", "up_proj", "down_proj"]),
+    # KV-shared layers' q_proj, the full layers' k_proj that is also their v_proj (moe), PLE's gate
+    "gemma4-e2b": (functools.partial(make_tiny_gemma4, case="e2b"), None,
+                   ["q_proj", "v_proj", "o_proj", "per_layer_input_gate", "down_proj"]),
+    "gemma4-moe": (functools.partial(make_tiny_gemma4, case="moe"), None, ["q_proj", "k_proj", "o_proj", "up_proj"]),
+    # (a pattern: the vision tower's projections are not nn.Linear, PEFT refuses them)
+    "gemma4-released": (make_tiny_gemma4_released, None, r".*language_model.*\.(q_proj|k_proj|gate_proj)"),
     "mistral-sliding": (make_tiny_mistral, None, ["k_proj", "v_proj", "up_proj"]),
     **{f"{case}-family": (functools.partial(make_family, name=case), None, targets) for case, targets in (
         ("smollm3-alternate-tied", ["q_proj", "k_proj", "o_proj", "gate_proj"]),
@@ -257,7 +273,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
               "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
-              "qwen3_5_moe_text",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
+              "qwen3_5_moe_text", "gemma4_text", "gemma4",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera import LLM
 from tessera.models.registry import router_classes
 from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, make_tiny)
+                                 check_prefill_and_decode_logits, make_tiny, tiny_case)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,10 +41,7 @@ def make(folder, tokenizer_dir, name: str, **overrides):
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = make(folder, tiny_tokenizer_dir, request.param)
-    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    return Case(request.param, folder, hf, llm)
+    return tiny_case(request.param, tmp_path_factory, tiny_tokenizer_dir, make, NUM_KV_BLOCKS)
 
 
 def test_checkpoint_has_what_the_case_claims(case: Case):

@@ -46,7 +46,7 @@ def test_matches_torch_decode(num_heads, num_kv_heads, head_size, block_size, wi
 # split, and must agree all the same); a context past 4096 keys is split whatever the batch.
 # Lengths mix split and unsplit sequences in one call; 20 is a head size that is not a
 # multiple of 8 (scalar tails in both passes).
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (8, 2, 128), (4, 2, 20)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (8, 2, 128), (4, 2, 20), (2, 1, 512)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (None, 2.0)])
 @pytest.mark.parametrize("lengths", [(1000,), (700, 1, 300), (4200, 1, 5, 9, 17, 2, 33, 64, 100)],
                          ids=["one", "three", "nine"])

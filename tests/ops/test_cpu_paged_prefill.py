@@ -82,7 +82,7 @@ def test_windows_past_32_bits_mean_no_window(window):
 # eight parts); decode rows ahead.
 @pytest.mark.parametrize("specs", [[(5, 1), (2000, 10)], [(3000, 5)], [(1300, 60), (900, 3)], [(700, 40)]],
                          ids=["after-decodes", "eight-parts", "two-seqs", "two-parts"])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (16, 1, 64), (4, 2, 20)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (16, 1, 64), (4, 2, 20), (2, 1, 512)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (1000, 2.0)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_long_prefix_short_chunk_splits_keys(specs, num_heads, num_kv_heads, head_size, window, softcap, threads):

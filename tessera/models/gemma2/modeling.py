@@ -41,12 +41,13 @@ class Gemma2RMSNorm(RMSNorm):
 
 
 class Gemma2MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, target: OpTarget):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, intermediate_size: int | None = None):
+        """`intermediate_size`: other than the config's (Gemma 4's double-wide layers)."""
         super().__init__()
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         if act != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma2 MLP supports gelu_pytorch_tanh only, got {act!r}")
-        size = config.intermediate_size
+            raise ValueError(f"Gemma MLP supports gelu_pytorch_tanh only, got {act!r}")
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, {0: size, 1: size}, target, bias=False)
         self.down_proj = RowParallelLinear(size, config.hidden_size, target, bias=False)
         self.act_fn = GeluTanhAndMul(target)

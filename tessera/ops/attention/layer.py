@@ -44,6 +44,10 @@ class Attention(OpModule):
         # Bound by the runner once the cache is allocated: (k_cache, v_cache), of this dtype.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.cache_dtype = target.kv_cache_dtype or target.dtype
+        # Set by SharedKVAttention when later layers read this one's cache: this step's K/V
+        # ([T, Hk, D]) stay here until the next step, for those layers' prefill rows.
+        self.keeps_step_kv = False
+        self.step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,12 +59,21 @@ class Attention(OpModule):
             raise ValueError("attention sinks must be passed exactly when the layer was built with sinks=True")
         if self.value_is_key and v is not k:
             raise ValueError("a value_is_key layer caches its keys as its values: pass the keys as v")
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        meta = current_metadata()
+        self._write(k, v, *self.kv_cache, meta.slot_mapping, meta.has_padding)
+        if self.keeps_step_kv:
+            self.step_kv = (k, v)
+        return self.attend(q, k, v, sinks)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q ([T, Hq*D]) over the cache, whose rows for this step's tokens are
+        written already; k / v ([T, Hk, D]) are those rows, which prefill reads directly."""
         meta = current_metadata()
         k_cache, v_cache = self.kv_cache
         q = q.view(-1, self.num_heads, self.head_size)
-        k = k.view(-1, self.num_kv_heads, self.head_size)
-        v = v.view(-1, self.num_kv_heads, self.head_size)
-        self._write(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
         nd = meta.num_decode_tokens
         extra = (self.scale, self.sliding_window, self.softcap, sinks)
         prefill = self._prefill
@@ -78,3 +91,22 @@ class Attention(OpModule):
                 prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, *extra),
             ))
         return out.flatten(1)
+
+
+class SharedKVAttention(OpModule):
+    """Attention over another layer's cache (Gemma 4's num_kv_shared_layers: the last layers
+    compute queries only and read the keys and values of the last earlier layer of their
+    type). It owns no cache, so the runner sizes none for it; the producer keeps its step's
+    K/V for the prefill rows."""
+
+    def __init__(self, producer: Attention):
+        super().__init__()
+        producer.keeps_step_kv = True
+        # a plain attribute, not a submodule: the producer is counted (and bound) once
+        self.__dict__["producer"] = producer
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        producer = self.producer
+        if producer.step_kv is None:
+            raise RuntimeError("the layer whose cache this one shares has not run this step")
+        return producer.attend(q, *producer.step_kv)

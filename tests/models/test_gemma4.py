@@ -1,0 +1,191 @@
+"""Tessera's Gemma 4 (text) against transformers' Gemma4ForCausalLM on tiny random checkpoints,
+one per release shape:
+- "e2b": the small models' per-layer embeddings, KV sharing (the last two layers read the
+  caches of layers 2 and 3) and double-wide MLPs on the shared layers;
+- "moe": the 26B A4B's experts beside the dense MLP, full layers whose values are their keys
+  (one global KV head), an untied head and a final soft-cap.
+Both have a sliding window (8) shorter than prompt + generation, sliding layers with a 16-wide
+head and full layers with a 32-wide one under proportional rope, and random layer scalars,
+router scales and norms, so a skipped or misapplied piece changes the logits. Then the
+released checkpoints' layout: Gemma4ForConditionalGeneration with vision and audio towers,
+served text-only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.models.registry import router_classes
+from tessera.ops.attention import Attention
+from tests.models.parity import (VOCAB, Case, check_bf16_close, check_chunked_prefill, check_greedy_alone_and_batched,
+                                 check_prefill_and_decode_logits, greedy, hf_generate, make_tiny, prompt_ids,
+                                 tiny_case)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NUM_KV_BLOCKS = 64
+PROMPT_LENGTHS = (5, 23, 47)
+SLIDING, FULL = "sliding_attention", "full_attention"
+LAYER_TYPES = [SLIDING, FULL, SLIDING, FULL, SLIDING, FULL]
+ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 100.0}}
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, global_head_dim=32, max_position_embeddings=512,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
+            sliding_window=8, layer_types=LAYER_TYPES, rope_parameters=ROPE, hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=VOCAB)
+CASES = {
+    "e2b": dict(hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True),
+    "moe": dict(attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
+                top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=False, final_logit_softcapping=3.0),
+}
+
+
+def draw_scales(model: torch.nn.Module, g: torch.Generator) -> None:
+    """Layer scalars (a buffer transformers saves) and router scales away from 1; query and
+    key norms around 0.5, as Gemma 4 leaves scores unscaled: with weights around 1 a random
+    model's scores reach ~20 and its softmax turns chaotic (bf16 rounding flips it)."""
+    for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+        if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+            tensor.copy_(0.75 + 0.5 * torch.rand(tensor.shape, generator=g))
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensor.copy_(0.4 + 0.2 * torch.rand(tensor.shape, generator=g))
+
+
+def make(folder, tokenizer_dir, name: str, **overrides):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    return make_tiny(folder, tokenizer_dir, Gemma4TextConfig, Gemma4ForCausalLM, seed=len(name), base=BASE,
+                     tweak=draw_scales, attn_implementation="eager", **{**CASES.get(name, {}), **overrides})
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
+    return tiny_case(request.param, tmp_path_factory, tiny_tokenizer_dir, make, NUM_KV_BLOCKS)
+
+
+def test_checkpoint_has_what_the_case_claims(case: Case):
+    model = case.llm.engine.runner.model
+    assert type(model).__name__ == "Gemma4ForCausalLM"
+    layers = model.model.layers
+    attn = [layer.self_attn.attn for layer in layers]
+    caches = [a for a in attn if isinstance(a, Attention)]
+    assert caches == case.llm.engine.runner.attn_layers  # shared layers own no cache
+    if case.name == "e2b":
+        assert len(caches) == 4
+        assert attn[4].producer is attn[2] and attn[5].producer is attn[3]
+        assert layers[4].mlp.down_proj.weight.shape[1] == 2 * 96  # double-wide where shared
+    else:
+        assert len(caches) == 6
+        assert [a.num_kv_heads for a in attn] == [2, 1] * 3
+        assert all(layer.self_attn.qkv_proj.values == (i % 2 == 0) for i, layer in enumerate(layers))
+    assert [layer.self_attn.head_dim for layer in layers] == [16, 32] * 3
+    assert [a.sliding_window for a in caches[:2]] == [8, None]
+    assert all(a.scale == 1.0 for a in caches)
+    hf_scalar = case.hf.model.layers[1].layer_scalar
+    torch.testing.assert_close(layers[1].layer_scalar, hf_scalar)
+    assert not torch.equal(hf_scalar, torch.ones_like(hf_scalar))
+
+
+def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
+    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
+
+
+def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
+    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
+
+
+def test_chunked_prefill_matches(case: Case, monkeypatch):
+    """Chunks attend to cached context; KV-shared layers read their producer's cache and its
+    step's rows."""
+    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS,
+                          PROMPT_LENGTHS)
+
+
+def test_prefix_cache_hit_matches(case: Case):
+    """A second request sharing a 32-token prefix reads the first one's blocks (shared layers
+    included, through their producers' caches)."""
+    llm = LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=True,
+              show_progress=False)
+    first = prompt_ids(40, seed=8)
+    second = first[:32] + prompt_ids(9, seed=9)
+    llm.generate([first], greedy(4), use_tqdm=False)
+    out = llm.generate([second], greedy(12), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 32
+    assert out.outputs[0].token_ids == hf_generate(case.hf, second, 12)
+
+
+def test_bf16_stays_close(case: Case):
+    """Within 0.15 of float32 logprobs, or within twice transformers' own bf16 error where
+    that is larger (these random models' unscaled scores make some draws touchy)."""
+    import copy
+
+    ids = torch.tensor([prompt_ids(40, seed=6)])  # check_bf16_close's prompt
+    with torch.no_grad():
+        want = case.hf(ids).logits[0, :-1].log_softmax(-1)
+        own = copy.deepcopy(case.hf).to(torch.bfloat16)(ids).logits[0, :-1].float().log_softmax(-1)
+    hf_error = (own - want).gather(1, ids[0, 1:, None]).abs().max().item()
+    check_bf16_close(case.folder, case.hf, NUM_KV_BLOCKS, tolerance=max(0.15, 2 * hf_error))
+
+
+def test_proportional_rope_matters(tmp_path, tiny_tokenizer_dir):
+    """Full layers with default rope over the whole head give other logits: the parity above
+    checks the proportional table."""
+    hf = make(tmp_path / "a", tiny_tokenizer_dir, "e2b")
+    plain = make(tmp_path / "b", tiny_tokenizer_dir, "e2b", rope_parameters={**ROPE, FULL: ROPE[SLIDING]})
+    plain.load_state_dict(hf.state_dict())
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(ids).logits - plain(ids).logits).abs().max() > 1e-2
+
+
+def make_released(folder, tokenizer_dir, seed: int = 0):
+    """Gemma4ForConditionalGeneration (the "e2b" text model with vision and audio towers), as
+    the released checkpoints are laid out."""
+    from transformers import (AutoTokenizer, Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration,
+                              Gemma4TextConfig, Gemma4VisionConfig)
+
+    torch.manual_seed(seed)
+    text = Gemma4TextConfig(**{**BASE, **CASES["e2b"]})
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16, position_embedding_size=64)
+    audio = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              subsampling_conv_channels=[8, 4], output_proj_dims=32)
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=audio, eos_token_id=[2, 5],
+                          image_token_id=VOCAB - 1, boi_token_id=VOCAB - 2, eoi_token_id=VOCAB - 3,
+                          audio_token_id=VOCAB - 4, boa_token_id=VOCAB - 5, eoa_token_index=VOCAB - 6,
+                          video_token_id=VOCAB - 7)
+    hf = Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        draw_scales(hf, torch.Generator().manual_seed(seed + 2))
+    hf.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return hf
+
+
+def test_released_layout_serves_text(tmp_path, tiny_tokenizer_dir):
+    """model_type "gemma4" (vision and audio towers beside the language model): its text
+    generation equals transformers'; the towers are not loaded."""
+    hf = make_released(tmp_path, tiny_tokenizer_dir)
+    llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    assert type(llm.engine.runner.model).__name__ == "Gemma4ForCausalLM"
+    assert llm.engine.router.config.eos_token_id == [2, 5]  # the top level's end-of-turn ids
+    prompt = prompt_ids(30, seed=5)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_generate(hf, prompt, 12)
+
+
+def test_assistant_only_config_is_refused(tmp_path, tiny_tokenizer_dir):
+    """Every layer sharing KV is Gemma 4's drafting assistant (it reads its target's cache):
+    a clear error, not a model that attends to nothing."""
+    from tessera.models.gemma4.modeling import kv_producers
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(**{**BASE, "num_kv_shared_layers": 6})
+    with pytest.raises(ValueError, match="assistant"):
+        kv_producers(config)
+
+
+def test_routed_by_model_type():
+    assert router_classes()["gemma4_text"].__name__ == "Gemma4TextRouter"
+    assert router_classes()["gemma4"].__name__ == "Gemma4Router"
