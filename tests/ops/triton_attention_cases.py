@@ -200,5 +200,26 @@ def check_wide_heads_of_large_groups(device: str) -> None:
         assert err < 1e-4, ("wide prefill", err)
 
 
+def check_512_wide_heads(device: str) -> None:
+    """Gemma 4's full-attention layers: 512-wide heads, two query heads per KV head, scale 1
+    (normed queries and keys), decode and prefill over cached context."""
+    case = make_case([(33, 1), (9, 1), (40, 24)], block_size=16, num_heads=4, num_kv_heads=2, head_size=512, seed=9)
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    nd = case.meta.num_decodes
+    want_decode = paged_decode_ref(case.query[:nd], case.k_cache, case.v_cache, case.meta, 1.0)
+    want_prefill = paged_prefill_ref(case.query[nd:], case.key[nd:], case.value[nd:], case.k_cache,
+                                     case.v_cache, case.meta, 1.0)
+    meta = case.meta
+    for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    k_cache, v_cache = case.k_cache.to(device), case.v_cache.to(device)
+    got = triton_paged_decode(case.query[:nd].to(device), k_cache, v_cache, meta, 1.0)
+    assert (got.cpu() - want_decode).abs().max().item() < 1e-4
+    got = triton_paged_prefill(case.query[nd:].to(device), case.key[nd:].to(device), case.value[nd:].to(device),
+                               k_cache, v_cache, meta, 1.0)
+    assert (got.cpu() - want_prefill).abs().max().item() < 1e-4
+
+
 ATTENTION_CHECKS = (check_kv_write, check_paged_decode, check_paged_decode_skips_dead_partitions, check_paged_prefill,
-                    check_paged_prefill_key_limits, check_attention_sinks, check_wide_heads_of_large_groups)
+                    check_paged_prefill_key_limits, check_attention_sinks, check_wide_heads_of_large_groups,
+                    check_512_wide_heads)

@@ -51,6 +51,9 @@ SHAPES = (
     # one 576-wide latent KV head (its split over programs, its narrow prefill tiles)
     Shape("gpt-oss-20b", 64, 8, 64, 2880, 2880, window=128, sinks=True),
     Shape("deepseek-v3-mla", 128, 1, 576, 7168, 2048),
+    # Gemma 4's full-attention layers: 512-wide heads over few KV heads, scale 1 (the kernels
+    # take the scale as an argument; the head size is what changes their tiles)
+    Shape("gemma-4-full", 32, 4, 512, 5376, 21504),
 )
 
 
