@@ -16,6 +16,7 @@ class LazyTensor:
     `load` reads all of it."""
 
     def __init__(self, handle, name: str):
+        self._handle = handle
         self._slice = handle.get_slice(name)
         self.shape = torch.Size(self._slice.get_shape())
         self.name = name
@@ -30,6 +31,8 @@ class LazyTensor:
         return self._slice[index]
 
     def load(self) -> torch.Tensor:
+        if not self.shape:  # a scalar (Gemma 4's clipping bounds): slices do not apply
+            return self._handle.get_tensor(self.name)
         return self._slice[:]
 
 

@@ -7,8 +7,8 @@ one per release shape:
 Both have a sliding window (8) shorter than prompt + generation, sliding layers with a 16-wide
 head and full layers with a 32-wide one under proportional rope, and random layer scalars,
 router scales and norms, so a skipped or misapplied piece changes the logits. Then the
-released checkpoints' layout: Gemma4ForConditionalGeneration with vision and audio towers,
-served text-only."""
+released checkpoints' layout (Gemma4ForConditionalGeneration with vision and audio towers)
+with text prompts; with images: tests/multimodal/test_gemma4.py."""
 from __future__ import annotations
 
 import pytest
@@ -139,40 +139,30 @@ def test_proportional_rope_matters(tmp_path, tiny_tokenizer_dir):
         assert (hf(ids).logits - plain(ids).logits).abs().max() > 1e-2
 
 
-def make_released(folder, tokenizer_dir, seed: int = 0):
-    """Gemma4ForConditionalGeneration (the "e2b" text model with vision and audio towers), as
-    the released checkpoints are laid out."""
-    from transformers import (AutoTokenizer, Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration,
-                              Gemma4TextConfig, Gemma4VisionConfig)
+def make_released(folder, tokenizer_dir=None, seed: int = 0):
+    """Gemma4ForConditionalGeneration (the "e2b" language model with vision and audio towers),
+    as the small releases are laid out; it brings its own tokenizer (with Gemma 4's named
+    image tokens), so `tokenizer_dir` is not used."""
+    from tests.conftest import TINY_CORPUS
+    from tests.multimodal.checkpoints import make_tiny_gemma4
 
-    torch.manual_seed(seed)
-    text = Gemma4TextConfig(**{**BASE, **CASES["e2b"]})
-    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                num_key_value_heads=2, head_dim=16, position_embedding_size=64)
-    audio = Gemma4AudioConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                              subsampling_conv_channels=[8, 4], output_proj_dims=32)
-    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=audio, eos_token_id=[2, 5],
-                          image_token_id=VOCAB - 1, boi_token_id=VOCAB - 2, eoi_token_id=VOCAB - 3,
-                          audio_token_id=VOCAB - 4, boa_token_id=VOCAB - 5, eoa_token_index=VOCAB - 6,
-                          video_token_id=VOCAB - 7)
-    hf = Gemma4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        draw_scales(hf, torch.Generator().manual_seed(seed + 2))
-    hf.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
-    return hf
+    return make_tiny_gemma4(folder, TINY_CORPUS, seed, bidirectional=False, audio=True)
 
 
-def test_released_layout_serves_text(tmp_path, tiny_tokenizer_dir):
+def test_released_layout_serves_text(tmp_path):
     """model_type "gemma4" (vision and audio towers beside the language model): its text
-    generation equals transformers'; the towers are not loaded."""
-    hf = make_released(tmp_path, tiny_tokenizer_dir)
+    generation equals transformers'; the end-of-turn id comes from the top level. Image and
+    audio placeholder ids without their media read as the padding token, as transformers
+    reads them. (Images: tests/multimodal/test_gemma4.py.)"""
+    hf = make_released(tmp_path)
     llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    assert type(llm.engine.runner.model).__name__ == "Gemma4ForCausalLM"
-    assert llm.engine.router.config.eos_token_id == [2, 5]  # the top level's end-of-turn ids
-    prompt = prompt_ids(30, seed=5)
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert out[0].outputs[0].token_ids == hf_generate(hf, prompt, 12)
+    assert type(llm.engine.runner.model.language_model).__name__ == "Gemma4ForCausalLM"
+    assert llm.engine.router.config.eos_token_id == hf.config.eos_token_id and len(hf.config.eos_token_id) == 2
+    stray = prompt_ids(30, seed=5)
+    stray[10], stray[20] = hf.config.image_token_id, hf.config.audio_token_id
+    for prompt in (prompt_ids(30, seed=5), stray):
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == hf_generate(hf, prompt, 12)
 
 
 def test_assistant_only_config_is_refused(tmp_path, tiny_tokenizer_dir):
@@ -188,4 +178,4 @@ def test_assistant_only_config_is_refused(tmp_path, tiny_tokenizer_dir):
 
 def test_routed_by_model_type():
     assert router_classes()["gemma4_text"].__name__ == "Gemma4TextRouter"
-    assert router_classes()["gemma4"].__name__ == "Gemma4Router"
+    assert router_classes()["gemma4"].__name__ == "Gemma4VisionRouter"

@@ -70,8 +70,10 @@ class Gemma4Attention(nn.Module):
         self.k_norm = gemma4_norm(self.head_dim, eps, target)
         self.v_norm = UnitRMSNorm(self.head_dim, eps, target)
         self.rotary = ApplyRotary(self.head_dim, target)  # proportional rope: a full-width table
+        # (images: transformers' Gemma 4 lets an image's tokens see each other on sliding
+        # layers only)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=1.0, target=target,
-                              sliding_window=config.sliding_window if sliding else None)
+                              sliding_window=config.sliding_window if sliding else None, image_spans=sliding)
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))

@@ -123,6 +123,12 @@ class Gemma4Model(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = gemma4_norm(size, config.rms_norm_eps, target)
         self.per_layer_size = getattr(config, "hidden_size_per_layer_input", 0) or 0
+        # image (video, audio) placeholder ids (the multimodal router sets them): embedded as
+        # the padding token wherever they are not replaced by features, and the padding
+        # token's per-layer embedding everywhere (transformers' Gemma 4 does both)
+        self.register_buffer("placeholder_ids", torch.tensor(getattr(config, "placeholder_token_ids", None) or [],
+                                                             dtype=torch.long, device=target.device), persistent=False)
+        self.pad_token_id = config.pad_token_id or 0
         if self.per_layer_size:
             packed = config.num_hidden_layers * self.per_layer_size
             self.embed_tokens_per_layer = VocabEmbedding(config.vocab_size_per_layer_input, packed, target,
@@ -131,8 +137,14 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = gemma4_norm(self.per_layer_size, config.rms_norm_eps, target)
             self.projection_scale = size ** -0.5
 
+    def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids` with placeholder ids made the padding token's."""
+        if not self.placeholder_ids.numel():
+            return input_ids
+        return input_ids.masked_fill(torch.isin(input_ids, self.placeholder_ids), self.pad_token_id)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        return self.embed_tokens(self.text_ids(input_ids))
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T, layers, per-layer size]: the token's own per-layer embedding and a normed
@@ -144,7 +156,8 @@ class Gemma4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        input_ids = self.text_ids(input_ids)
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer = self.per_layer_inputs(input_ids, hidden) if self.per_layer_size else None
         ropes = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types)):

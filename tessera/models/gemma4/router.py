@@ -1,33 +1,53 @@
+from functools import cached_property
+
 from transformers import PretrainedConfig
 
 from tessera.models.base import BaseRouter
 from tessera.models.gemma4.modeling import Gemma4ForCausalLM
+from tessera.models.gemma4.processing import Gemma4ImagePrompts
+from tessera.models.vision_language import VisionLanguageRouter
+
+# the top-level config's placeholder token ids (their per-layer embeddings are the padding's)
+PLACEHOLDER_ATTRS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
 class Gemma4TextRouter(BaseRouter):
     model_types = ("gemma4_text",)
     model_cls = Gemma4ForCausalLM
-    supports_sliding_window = True  # tests/models/test_gemma4.py
     is_moe = True  # tests/models/test_gemma4.py (the 26B A4B: experts beside the dense MLP)
-    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
-    supports_lora = True  # tests/lora/test_lora_models.py
-
-
-class Gemma4Router(Gemma4TextRouter):
-    """Gemma 4's released checkpoints (E2B, E4B, 26B A4B, 31B): image-text (the small ones
-    audio too). Served text in, text out: its language model from text_config; images and
-    audio are refused (supports_images is not claimed)."""
-    model_types = ("gemma4",)
-    is_moe = True  # tests/models/test_gemma4.py
     supports_sliding_window = True  # tests/models/test_gemma4.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py
+
+
+class Gemma4VisionRouter(VisionLanguageRouter):
+    """Gemma 4's released checkpoints (E2B, E4B, 26B A4B, 31B): images through transformers'
+    Gemma 4 vision tower and embedder, text through the native model. Where the text config
+    says use_bidirectional_attention "vision", an image's tokens see each other on the
+    sliding layers (the full layers stay causal, as in transformers). Audio and video are not
+    served (the audio tower is loaded with the checkpoint, never run)."""
+    model_types = ("gemma4",)
+    image_prompts_cls = Gemma4ImagePrompts
+    is_moe = True  # tests/models/test_gemma4.py
+    supports_images = True  # tests/multimodal/test_gemma4.py
+    supports_sliding_window = True  # tests/multimodal/test_gemma4.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py
+
+    @cached_property
+    def bidirectional_image_attention(self) -> bool:  # type: ignore[override]
+        return getattr(self.config, "use_bidirectional_attention", None) == "vision"
+
+    @property
+    def longest_attention_span(self) -> int:
+        return self.image_prompts.longest_image_tokens() if self.bidirectional_image_attention else 0
 
     def get_config(self) -> PretrainedConfig:
-        full = super().get_config()
-        text = full.text_config
+        text = super().get_config()
+        full = self.full_config
         # the end-of-turn ids are among the top level's EOS ids
         if getattr(full, "eos_token_id", None) is not None:
             text.eos_token_id = full.eos_token_id
         text.tie_word_embeddings = bool(getattr(full, "tie_word_embeddings", True))
+        text.placeholder_token_ids = [v for v in (getattr(full, a, None) for a in PLACEHOLDER_ATTRS) if v is not None]
         return text

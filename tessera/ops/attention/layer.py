@@ -13,13 +13,16 @@ from tessera.ops.registry import OpTarget, get_op
 class Attention(OpModule):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  target: OpTarget, sliding_window: int | None = None,
-                 softcap: float | None = None, sinks: bool = False, value_is_key: bool = False):
+                 softcap: float | None = None, sinks: bool = False, value_is_key: bool = False,
+                 image_spans: bool = True):
         """sliding_window: the query at position p sees keys in (p - window, p] (None: all).
         softcap: attention scores become softcap * tanh(scores / softcap) (gemma2).
         sinks: every forward passes a learned logit per query head that joins each softmax's
         denominator and adds no value (gpt-oss), so a head may attend to nothing.
         value_is_key: every forward's values are its keys (MLA's latent): the runner binds one
-        cache tensor as both, half the memory."""
+        cache tensor as both, half the memory.
+        image_spans: whether a step's key limits (an image's tokens seeing each other) apply
+        here; Gemma 4's full layers stay causal over images."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -28,7 +31,7 @@ class Attention(OpModule):
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.scale = scale
         self.sliding_window, self.softcap, self.has_sinks = sliding_window, softcap, sinks
-        self.value_is_key = value_is_key
+        self.value_is_key, self.image_spans = value_is_key, image_spans
         self.cache_tensors = 1 if value_is_key else 2  # what a cached token takes: K (and V)
         # The spec states which features are needed, so a kernel without them is rejected.
         # The cache keeps every token; freeing blocks that left the window is not done yet.
@@ -72,6 +75,8 @@ class Attention(OpModule):
         """Attention of q ([T, Hq*D]) over the cache, whose rows for this step's tokens are
         written already; k / v ([T, Hk, D]) are those rows, which prefill reads directly."""
         meta = current_metadata()
+        if not self.image_spans:
+            meta = meta.causal()
         k_cache, v_cache = self.kv_cache
         q = q.view(-1, self.num_heads, self.head_size)
         nd = meta.num_decode_tokens

@@ -7,7 +7,7 @@ follow already-cached context (chunked prefill, prefix caching).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -38,6 +38,16 @@ class AttentionMetadata:
     _decode_views: dict = field(default_factory=dict, repr=False)
     _decode_int32: tuple | None = field(default=None, repr=False)
     _prefill_int32: tuple | None = field(default=None, repr=False)
+    _causal: "AttentionMetadata | None" = field(default=None, repr=False)
+
+    def causal(self) -> "AttentionMetadata":
+        """This step's metadata without key limits (layers that keep images causal: Gemma 4's
+        full layers), built once per step; the per-step caches are shared."""
+        if self.key_limits is None:
+            return self
+        if self._causal is None:
+            self._causal = replace(self, key_limits=None, _causal=None)
+        return self._causal
 
     def decode_view(self, block_size: int,
                     sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
