@@ -128,7 +128,8 @@ class StepChannel:
         lora_segments = [tuple(segment) for segment in segments.view(-1, 3).tolist()]
         inputs = ModelInputs(
             ids, positions, attn, lm_rows, [], max_block, num_prompt_logit_rows=prompt_rows,
-            lora_segments=lora_segments, lora_row_slots=row_slots_for(lora_segments, tokens, self.device))
+            lora_segments=lora_segments, lora_row_slots=row_slots_for(lora_segments, tokens, self.device),
+            lm_head_rows=lm_rows.tolist())
         copies = [tuple(pair) for pair in state_copies.view(-1, 2).tolist()]
         inputs.state_restores, inputs.state_saves = copies[:restores], copies[restores:]
         if image_rows:

@@ -72,7 +72,7 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
             for _ in runner.forward(msg.inputs):  # its LM head joins each pass's all-gather
                 pass
         else:
-            runner.forward_no_logits(msg.inputs)
+            runner.forward_no_logits(msg.inputs, hidden_read=bool(msg.arg))
 
 
 def exit_now(code: int = 0) -> None:

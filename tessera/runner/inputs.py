@@ -63,6 +63,18 @@ class ModelInputs:
     # makes before the forward (snapshots restored) and after it (snapshots saved)
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # lm_head_indices on the host (empty where unknown, e.g. warm-up: every row then counts)
+    lm_head_rows: list[int] = field(default_factory=list)
+
+    def mark_output_rows(self, hidden_read: bool = True) -> None:
+        """Tell the model which rows' final hidden states are read: the LM head's (none when
+        `hidden_read` is False: partial prefill chunks), or all of them (pooling, adapter
+        steps, whose rows must stay where the adapters' segments say)."""
+        if self.lora_segments or (hidden_read and not self.lm_head_rows):
+            return
+        rows = self.lm_head_rows if hidden_read else []
+        self.attn.output_rows = self.lm_head_indices if hidden_read else self.lm_head_indices[:0]
+        self.attn.output_rows_list = rows
 
     @property
     def model_kwargs(self) -> dict[str, torch.Tensor]:
@@ -215,7 +227,7 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
     inputs = ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
                          sampled_rows, max_block_id, prompt_rows, len(prompt_indices),
                          lora_segments=segments, lora_row_slots=row_slots_for(segments, len(tokens), device),
-                         pooling_rows=pooling_rows)
+                         pooling_rows=pooling_rows, lm_head_rows=lm_head_indices + prompt_indices)
     if limited:
         attn.key_limits = to([p for limits in key_limits for p in limits])
     if getattr(rows[0].seq, "state_slot", None) is not None:  # recurrent layers (a draft model's rows have none)

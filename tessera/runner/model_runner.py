@@ -165,6 +165,7 @@ class ModelRunner:
         rank runs the same passes (each joins the LM head's all-gather)."""
         if self.channel is not None:
             self.channel.send(Command.FORWARD, inputs=inputs)
+        inputs.mark_output_rows()
         hidden = self._run_model(inputs).index_select(0, inputs.lm_head_indices)
         num_sampled = hidden.shape[0] - inputs.num_prompt_logit_rows
         if num_sampled:
@@ -173,11 +174,14 @@ class ModelRunner:
             yield self.model.compute_logits(hidden[start:start + PROMPT_LOGIT_ROWS])
 
     @torch.inference_mode()
-    def forward_no_logits(self, inputs: ModelInputs) -> torch.Tensor:
+    def forward_no_logits(self, inputs: ModelInputs, hidden_read: bool = True) -> torch.Tensor:
         """A step no row samples in (partial prefill chunks, embedding requests): fill the
-        cache; returns the final hidden states."""
+        cache; returns the final hidden states (`hidden_read` False: none of them is read,
+        and a model may leave them unfinished)."""
         if self.channel is not None:
-            self.channel.send(Command.FORWARD_NO_LOGITS, inputs=inputs)
+            self.channel.send(Command.FORWARD_NO_LOGITS, int(hidden_read), inputs=inputs)
+        if not hidden_read:
+            inputs.mark_output_rows(hidden_read=False)
         return self._run_model(inputs)
 
     def _run_model(self, inputs: ModelInputs) -> torch.Tensor:
@@ -253,7 +257,7 @@ class ModelRunner:
             hidden = self.forward_no_logits(inputs)
             return LaunchedStep(inputs, pooled=self._classified(self.pooler.pool(hidden, inputs.pooling_rows)))
         if not inputs.sampled_rows and not inputs.prompt_rows:  # only partial prefill chunks
-            self.forward_no_logits(inputs)
+            self.forward_no_logits(inputs, hidden_read=False)
             return LaunchedStep(inputs)
         passes = self.forward(inputs)
         try:

@@ -179,3 +179,34 @@ def test_assistant_only_config_is_refused(tmp_path, tiny_tokenizer_dir):
 def test_routed_by_model_type():
     assert router_classes()["gemma4_text"].__name__ == "Gemma4TextRouter"
     assert router_classes()["gemma4"].__name__ == "Gemma4VisionRouter"
+
+
+def test_shared_layers_run_only_the_rows_read(tmp_path, tiny_tokenizer_dir):
+    """The KV-shared layers write no cache: a prefill runs them for its last row alone (as a
+    decode over the producers' caches), a partial chunk not at all, prompt logprobs for every
+    row; the tokens and logprobs stay transformers'."""
+    hf = make(tmp_path, tiny_tokenizer_dir, "e2b")
+    llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=16, max_num_seqs=4,
+              show_progress=False)
+    shared = llm.engine.runner.model.model.layers[4]
+    seen = []
+    run = shared.forward
+    shared.forward = lambda rope, hidden, per_layer: seen.append(hidden.shape[0]) or run(rope, hidden, per_layer)
+    prompt = prompt_ids(40, seed=2)
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == hf_generate(hf, prompt, 3)
+    assert seen == [1, 1, 1]  # chunks of 16, 16 (none), 8 (its last row), two decodes
+    seen.clear()
+    out = llm.generate([prompt[:12]], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    assert seen == [12]
+    with torch.no_grad():
+        want = case_logprobs(hf, prompt[:12])
+    got = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, 12)]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def case_logprobs(hf, ids: list[int]) -> list[float]:
+    logp = hf(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    return logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()

@@ -27,6 +27,7 @@ from tessera.models.gemma4.attention import Gemma4Attention, Gemma4SharedKVAtten
 from tessera.models.gemma4.moe import Gemma4Experts, Gemma4Router
 from tessera.models.llama.modeling import Rope
 from tessera.ops.activation import Gelu
+from tessera.ops.attention import attention_context, current_metadata
 from tessera.ops.embedding import VocabEmbedding
 from tessera.ops.linear import Linear
 from tessera.ops.moe import HF_EXPERT_NAMES, expert_weight_target
@@ -121,6 +122,7 @@ class Gemma4Model(nn.Module):
             producer = layers[producers[i]].self_attn if i in producers else None
             layers.append(Gemma4DecoderLayer(config, i, target, producer))
         self.layers = nn.ModuleList(layers)
+        self.first_shared = min(producers, default=len(layers))
         self.norm = gemma4_norm(size, config.rms_norm_eps, target)
         self.per_layer_size = getattr(config, "hidden_size_per_layer_input", 0) or 0
         # image (video, audio) placeholder ids (the multimodal router sets them): embedded as
@@ -160,9 +162,36 @@ class Gemma4Model(nn.Module):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         per_layer = self.per_layer_inputs(input_ids, hidden) if self.per_layer_size else None
         ropes = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
-        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types)):
-            hidden = layer(ropes[kind], hidden, None if per_layer is None else per_layer[:, i])
+        hidden = self.run_layers(range(self.first_shared), hidden, ropes, per_layer)
+        if self.first_shared < len(self.layers):
+            hidden = self.shared_layers(hidden, ropes, per_layer)
         return self.norm(hidden)
+
+    def run_layers(self, indices: range, hidden: torch.Tensor, ropes: dict[str, Rope],
+                   per_layer: torch.Tensor | None) -> torch.Tensor:
+        for i in indices:
+            hidden = self.layers[i](ropes[self.layer_types[i]], hidden, None if per_layer is None else per_layer[:, i])
+        return hidden
+
+    def shared_layers(self, hidden: torch.Tensor, ropes: dict[str, Rope],
+                      per_layer: torch.Tensor | None) -> torch.Tensor:
+        """The KV-shared layers write no cache, so where the step says which rows' outputs
+        are read (the LM head's) only those rows run them, each as a decode over its
+        producers' caches (transformers' generate skips the other prompt rows too); no row
+        at all for a partial prefill chunk. Steps whose rows see past themselves (images)
+        run every row."""
+        meta = current_metadata()
+        indices = range(self.first_shared, len(self.layers))
+        if meta.output_rows is None or meta.key_limits is not None or len(meta.output_rows_list) == hidden.shape[0]:
+            return self.run_layers(indices, hidden, ropes, per_layer)
+        if not meta.output_rows_list:
+            return hidden  # nothing reads it
+        rows = meta.output_rows
+        picked = {kind: (cos.index_select(0, rows), sin.index_select(0, rows)) for kind, (cos, sin) in ropes.items()}
+        with attention_context(meta.rows_as_decodes()):
+            out = self.run_layers(indices, hidden.index_select(0, rows), picked,
+                                  None if per_layer is None else per_layer.index_select(0, rows))
+        return hidden.index_copy(0, rows, out)
 
 
 class Gemma4ForCausalLM(Gemma2ForCausalLM):

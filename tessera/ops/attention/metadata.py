@@ -6,6 +6,7 @@ follow already-cached context (chunked prefill, prefix caching).
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator
@@ -33,6 +34,11 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None   # [num_seqs] int64
     state_slots_list: list[int] | None = None
     state_fresh_list: list[bool] | None = None
+    # the rows whose final hidden states are read (the LM head's), on the device and the
+    # host; None: all of them. A model may skip what only the other rows need (Gemma 4's
+    # KV-shared layers, which write no cache, run for these rows alone)
+    output_rows: torch.Tensor | None = None
+    output_rows_list: list[int] | None = None
     # (block_size, sliding_window) -> (tables, mask); a dict because layers may differ in
     # window (gemma2 alternates), and each variant is built once per step
     _decode_views: dict = field(default_factory=dict, repr=False)
@@ -87,6 +93,30 @@ class AttentionMetadata:
                                    self.seq_lens[b:].to(torch.int32).contiguous(),
                                    (starts - starts[0]).to(torch.int32).contiguous())
         return self._prefill_int32
+
+    def rows_as_decodes(self) -> "AttentionMetadata":
+        """Metadata for the output rows alone, each a decode: one query over its sequence's
+        cache up to its own position (every key of this step is written already). For
+        layers that read the cache and write none; without key limits (rows that see past
+        themselves are not decodes)."""
+        if self.output_rows is None or self.key_limits is not None:
+            raise ValueError("rows_as_decodes needs output rows and no key limits")
+        starts = [0]
+        for n in self.query_lens_list:
+            starts.append(starts[-1] + n)
+        seqs, lens = [], []
+        for row in self.output_rows_list:
+            s = bisect_right(starts, row) - 1
+            seqs.append(s)
+            lens.append(self.seq_lens_list[s] - (starts[s + 1] - 1 - row))
+        device, n = self.seq_lens.device, len(seqs)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping.index_select(0, self.output_rows),
+            block_tables=self.block_tables.index_select(0, torch.tensor(seqs, device=device)),
+            seq_lens=torch.tensor(lens, dtype=self.seq_lens.dtype, device=device),
+            query_start_loc=torch.arange(n + 1, dtype=self.query_start_loc.dtype, device=device),
+            num_decodes=n, num_decode_tokens=n, seq_lens_list=lens, query_lens_list=[1] * n,
+            has_padding=self.has_padding)
 
     @property
     def num_seqs(self) -> int:
