@@ -129,8 +129,11 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         "config": {
             "num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
             "num_attention_heads": heads,
-            "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-            "head_dim": head_dim_of(cfg), "vocab_size": cfg.vocab_size,
+            # from the attention layers where the model has them: per layer type they may
+            # differ (Gemma 4: "2/1" KV heads, head_dim "256/512")
+            "num_key_value_heads": _each({a.num_kv_heads for a in attn}) or getattr(cfg, "num_key_value_heads", None)
+            or heads,
+            "head_dim": _each({a.head_size for a in attn}) or head_dim_of(cfg), "vocab_size": cfg.vocab_size,
             "max_model_len": router.max_model_len,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
             "dtype": str(dtype).removeprefix("torch."),
@@ -152,6 +155,13 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         # linear attention: a fixed-size state per running sequence, whatever its length
         "recurrent_state": {"layers": len(recurrent), "bytes_per_sequence": state_bytes} if recurrent else None,
     }
+
+
+def _each(values: set[int]) -> int | str | None:
+    """One value, or the layers' several as "a/b" (descending), or None for none."""
+    if not values:
+        return None
+    return next(iter(values)) if len(values) == 1 else "/".join(map(str, sorted(values, reverse=True)))
 
 
 def format_report(info: dict[str, Any]) -> str:

@@ -60,9 +60,19 @@ def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     assert all(row[-3:-1] == ["yes", "yes"] for row in text.values())  # every generating text type: TP and LoRA
     assert {t for t, row in rows.items() if row[-1] == "yes"} == {"llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl",
                                                                      "qwen3_vl", "qwen3_vl_moe", "gemma3", "qwen3_5",
-                                                                     "qwen3_5_moe"}
+                                                                     "qwen3_5_moe", "gemma4"}
     assert rows["qwen2_5_vl"][1] == "VisionLanguageForCausalLM" and rows["qwen2_5_vl"][-3:] == ["yes"] * 3
     assert "transformers fallback" in note and "--model-impl" in note
+
+
+def test_inspect_reports_kv_heads_and_head_sizes_per_layer_type(tmp_path, tiny_tokenizer_dir, capsys):
+    """Gemma 4's layer types differ in KV heads and head size (its config refuses to name one
+    for all): inspect reads them from the attention layers."""
+    from tests.models.test_gemma4 import make
+
+    make(tmp_path, tiny_tokenizer_dir, "moe")
+    assert main(["inspect", "--model", str(tmp_path), "--dtype", "float32"]) == 0
+    assert "4 heads / 2/1 kv heads, head_dim 32/16" in capsys.readouterr().out
 
 
 def test_models_json(capsys):

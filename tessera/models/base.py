@@ -211,10 +211,11 @@ class BaseRouter:
         if self.source.is_gguf:
             cfg = self.config
             self._note_gguf_format()
+            permute = self.gguf_permute_qk  # (the head counts matter only then; Gemma 4's vary by layer)
             return iter_gguf_weights(
-                self.source.path, permute_qk=self.gguf_permute_qk,
-                num_heads=cfg.num_attention_heads,
-                num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                self.source.path, permute_qk=permute,
+                num_heads=cfg.num_attention_heads if permute else 0,
+                num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) if permute else 0,
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset)
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from tessera.weights.gguf_config import complete_gguf_config
+from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
+from tessera.weights.gguf_gemma4 import gemma4_config
 from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
 
 logger = logging.getLogger(__name__)
@@ -36,9 +38,13 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    # per-layer embeddings (Gemma 4)
+    "per_layer_token_embd": "model.embed_tokens_per_layer", "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
-# blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)$")
+# blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files; some
+# parts carry a .scale (Gemma 4's router)
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*)(?:\.(\d+))?\.(weight|bias|scale)$")
 CONVERSION_VERSION = 7  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
 EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF tensor is split)
@@ -48,11 +54,14 @@ def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None) -> st
     """The Hugging Face name of a llama.cpp tensor. `names` (a router's `gguf_names`) adds or
     overrides layer parts (e.g. Gemma 2's four norms, MoE experts); a name holding EXPERT
     stands for one tensor per expert, filled in from an old per-expert GGUF name
-    ("ffn_gate.{e}") or left for the caller to split a stacked one ("ffn_gate_exps")."""
+    ("ffn_gate.{e}") or left for the caller to split a stacked one ("ffn_gate_exps"). A key
+    "part.kind" names the whole tensor (Gemma 4's "ffn_gate_inp.scale": "router.scale")."""
     m = _LAYER_RE.match(gguf_name)
     if m:
         layer, part, expert, kind = m.groups()
         table = {**_LAYER_NAMES, **(names or {})}
+        if expert is None and f"{part}.{kind}" in table:
+            return f"model.layers.{layer}.{table[f'{part}.{kind}']}"
         key = part if expert is None else f"{part}.{EXPERT}"
         if key not in table:
             raise KeyError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
@@ -177,7 +186,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     if marker.is_file():
         return folder
     from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     logger.info("converting GGUF metadata and tokenizer of %s once (cached in %s)", path.name, folder)
     try:
@@ -188,10 +197,16 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     if parts is not None and int(parts) > 1:
         raise ValueError(f"{path.name} is one of {int(parts)} parts of a split GGUF, which tessera does not "
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     index = tensor_index(reader)
-    config = complete_gguf_config(config, reader.fields, reader.tensors)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if field_value(reader.fields, "general.architecture") == GEMMA4:
+        # per-layer KV heads and widths transformers' conversion refuses (gguf_gemma4.py); its
+        # tokenizer then loads without a config
+        config = gemma4_config(reader.fields, reader.tensors)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = complete_gguf_config(config, reader.fields, reader.tensors)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(tmp)

@@ -320,12 +320,19 @@ def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, a
     w.add_name(f"tiny random {cfg.model_type}")
     _model_metadata(w, cfg, arch)
     add_tokenizer(w, tokenizer_json, cfg.vocab_size)
-    for name, array in model_tensors(model, arch, per_expert, fuse_gate_up).items():
-        stored = qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32
+    write_tensors(w, ((name, array, qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32)
+                      for name, array in model_tensors(model, arch, per_expert, fuse_gate_up).items()))
+    return path
+
+
+def write_tensors(w: gguf.GGUFWriter, tensors) -> None:
+    """Add (llama.cpp name, float32 array, storage type) tensors, then write and close the file."""
+    for name, array, stored in tensors:
         data = gguf.quants.quantize(np.ascontiguousarray(array), stored)
+        # F32/F16 go in as float arrays (the writer infers the type); everything else as the
+        # quantizer's uint8 rows, with raw_dtype so the writer recovers the element shape.
         w.add_tensor(name, data, raw_dtype=None if stored in (QT.F32, QT.F16) else stored)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path

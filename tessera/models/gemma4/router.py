@@ -3,6 +3,7 @@ from functools import cached_property
 from transformers import PretrainedConfig
 
 from tessera.models.base import BaseRouter
+from tessera.models.gemma2.router import Gemma2Router
 from tessera.models.gemma4.modeling import Gemma4ForCausalLM
 from tessera.models.gemma4.processing import Gemma4ImagePrompts
 from tessera.models.vision_language import VisionLanguageRouter
@@ -12,8 +13,19 @@ PLACEHOLDER_ATTRS = ("image_token_id", "video_token_id", "audio_token_id")
 
 
 class Gemma4TextRouter(BaseRouter):
+    """gemma4_text: a text-only checkpoint, and every size's GGUF (llama.cpp writes the
+    language model; weights/gguf_gemma4.py reads its config)."""
     model_types = ("gemma4_text",)
     model_cls = Gemma4ForCausalLM
+    supports_gguf = True  # tests/weights/test_gguf_gemma4.py
+    # llama.cpp's names beyond Gemma 2's four norms (plain weights: no norm offset)
+    gguf_names = {**Gemma2Router.gguf_names, "post_ffw_norm_1": "post_feedforward_layernorm_1",
+                  "post_ffw_norm_2": "post_feedforward_layernorm_2", "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+                  "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection",
+                  "post_norm": "post_per_layer_input_norm", "ffn_gate_inp": "router.proj",
+                  "ffn_gate_up_exps": "experts.gate_up_proj", "ffn_down_exps": "experts.down_proj",
+                  "ffn_gate_inp.scale": "router.scale", "ffn_down_exps.scale": "router.per_expert_scale",
+                  "layer_output_scale.weight": "layer_scalar"}
     is_moe = True  # tests/models/test_gemma4.py (the 26B A4B: experts beside the dense MLP)
     supports_sliding_window = True  # tests/models/test_gemma4.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py

@@ -1,0 +1,66 @@
+"""Gemma 4 GGUF files, written as llama.cpp's converter writes them (gguf_gemma4.py): tessera
+reads the config from the file itself (per-layer KV heads and MLP widths, which transformers'
+GGUF conversion refuses) and the weights under llama.cpp's names, and gives the original
+model's tokens and logprobs (quantized files: the dequantized model's)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from tessera import LLM
+from tests.models.parity import check_greedy_and_logprobs
+from tests.models.test_gemma4 import make
+from tests.weights.gguf_gemma4 import gemma4_tensors, stored_type, write_gemma4_gguf
+from tests.weights.test_gguf_models import NEW_TOKENS, prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("case, qtype", [("e2b", QT.F32), ("moe", QT.F32), ("e2b", QT.Q8_0)],
+                         ids=["e2b", "moe", "e2b-q8_0"])
+def test_gguf_gives_the_original_models_outputs(case, qtype, tmp_path, tiny_tokenizer_dir):
+    hf = make(tmp_path / "hf", tiny_tokenizer_dir, case)
+    path = write_gemma4_gguf(tmp_path / f"{case}.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    assert llm.engine.router.config.model_type == "gemma4_text"
+    check_greedy_and_logprobs(llm, as_stored(hf, qtype), prompts(), NEW_TOKENS)
+
+
+def as_stored(model: torch.nn.Module, qtype: QT) -> torch.nn.Module:
+    """The model holding what a `qtype` file stores: each tensor the writer quantizes,
+    quantized and back."""
+    if qtype == QT.F32:
+        return model
+    ref = copy.deepcopy(model)
+    written = gemma4_tensors(ref)
+    with torch.no_grad():
+        for hf_name, tensor in ref.state_dict().items():
+            if hf_name not in written or stored_type(written[hf_name][0], tuple(tensor.shape), qtype) == QT.F32:
+                continue
+            a = tensor.float().numpy()
+            stored = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
+            tensor.copy_(torch.from_numpy(stored.reshape(a.shape)))
+    return ref
+
+
+@pytest.mark.parametrize("case", ["e2b", "moe"])
+def test_config_read_from_the_file(case, tmp_path, tiny_tokenizer_dir):
+    """What the file says per layer, as the checkpoint's own config says it."""
+    hf = make(tmp_path / "hf", tiny_tokenizer_dir, case)
+    path = write_gemma4_gguf(tmp_path / f"{case}.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json")
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    got, want = llm.engine.router.config, hf.config
+    for layer in range(want.num_hidden_layers):
+        assert got.per_layer_config[layer].head_dim == want.per_layer_config[layer].head_dim
+        assert got.per_layer_config[layer].num_key_value_heads == want.per_layer_config[layer].num_key_value_heads
+    for name in ("layer_types", "num_kv_shared_layers", "use_double_wide_mlp", "attention_k_eq_v",
+                 "hidden_size_per_layer_input", "enable_moe_block", "num_experts", "top_k_experts",
+                 "moe_intermediate_size", "final_logit_softcapping", "sliding_window", "tie_word_embeddings"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert json.dumps(got.rope_parameters, sort_keys=True) == json.dumps(want.rope_parameters, sort_keys=True)
