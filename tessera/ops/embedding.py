@@ -20,6 +20,9 @@ from tessera.ops.weights import copy_checked, make_param, prepared_param
 from tessera.weights.lazy import narrow
 
 
+ROW_SLICE_ELEMENTS = 1 << 24  # a vocabulary table loads 64 MiB of float32 at a time
+
+
 @register_op("embedding", name="torch_embedding", priority=0)
 def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """weight[input_ids], times `scale` if given (computed in float32 for a bf16 table, as
@@ -35,8 +38,12 @@ def _vocab_rows_param(vocab_size: int, hidden_size: int, target: OpTarget) -> nn
     def load(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         if tuple(tensor.shape) != (vocab_size, hidden_size):
             raise ValueError(f"checkpoint shape {tuple(tensor.shape)} != model shape {(vocab_size, hidden_size)}")
+        # in slices of rows: a lazy table (a GGUF's, read by rows) never lies whole in float32
+        step = max(1, ROW_SLICE_ELEMENTS // hidden_size)
         with torch.no_grad():
-            copy_checked(param.data[:owned], narrow(tensor, 0, span.start, owned), "vocabulary rows")
+            for lo in range(0, owned, step):
+                n = min(step, owned - lo)
+                copy_checked(param.data[lo:lo + n], narrow(tensor, 0, span.start + lo, n), "vocabulary rows")
             param.data[owned:].zero_()
 
     param = make_param((span.size, hidden_size), target.dtype, target.device, loader=load)

@@ -25,6 +25,7 @@ from tessera.weights.gguf_config import complete_gguf_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
 from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
+from tessera.weights.lazy import LazyTensor
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*)(?:\.(\d+))?\.(weight|bia
 CONVERSION_VERSION = 7  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
 EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF tensor is split)
+LAZY_BYTES = 256 << 20  # 2-D tensors larger than this in float32 are read by rows (GGUFRows)
 
 
 def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None) -> str:
@@ -144,6 +146,10 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
                 array = _dequantized(tensor, data[e], shape[1:])
                 yield name.replace(EXPERT, str(e)), torch.from_numpy(array)
             continue
+        if len(shape) == 2 and shape[0] * shape[1] * 4 > LAZY_BYTES and not name.endswith(
+                ("q_proj.weight", "k_proj.weight", "norm.weight")):
+            yield name, GGUFRows(tensor, data, shape)  # dequantized by rows as the loader reads them
+            continue
         array = _dequantized(tensor, data, shape)
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute_rows(array, num_heads)
@@ -152,6 +158,29 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         if norm_offset and name.endswith("norm.weight"):
             array -= np.float32(norm_offset)
         yield name, torch.from_numpy(array)
+
+
+class GGUFRows(LazyTensor):
+    """A large 2-D tensor (a vocabulary table: Gemma 4's per-layer one is 262144 x 8960)
+    dequantized when read, by rows where a loader narrows it (quant blocks run along rows, so
+    a span of rows is a span of bytes): a loader that copies it in slices (ops/embedding.py)
+    never holds all of it in float32."""
+
+    def __init__(self, tensor: GGUFTensor, data: np.ndarray, shape: tuple[int, int]):
+        self.gguf_tensor, self.data, self.shape, self.name = tensor, data, torch.Size(shape), tensor.name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim != 0:
+            return self.load().narrow(dim, start, length)
+        rows = self.data[start:start + length]
+        return torch.from_numpy(_dequantized(self.gguf_tensor, rows, (length, self.shape[1])))
+
+    def load(self) -> torch.Tensor:
+        return torch.from_numpy(_dequantized(self.gguf_tensor, self.data, tuple(self.shape)))
 
 
 def _dequantized(tensor: GGUFTensor, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -64,3 +64,25 @@ def test_config_read_from_the_file(case, tmp_path, tiny_tokenizer_dir):
                  "moe_intermediate_size", "final_logit_softcapping", "sliding_window", "tie_word_embeddings"):
         assert getattr(got, name) == getattr(want, name), name
     assert json.dumps(got.rope_parameters, sort_keys=True) == json.dumps(want.rope_parameters, sort_keys=True)
+
+
+def test_large_tables_are_read_by_rows(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """Every 2-D tensor read lazily (as the vocabulary tables of real files are): the
+    embedding tables load in slices of rows, never dequantized whole, and the model is the
+    same."""
+    from tessera.ops import embedding
+    from tessera.weights import gguf as tessera_gguf
+
+    monkeypatch.setattr(tessera_gguf, "LAZY_BYTES", 0)
+    monkeypatch.setattr(embedding, "ROW_SLICE_ELEMENTS", 64 * 100)  # 100 rows of the token table
+    whole, sliced = [], []
+    load, narrow = tessera_gguf.GGUFRows.load, tessera_gguf.GGUFRows.narrow
+    monkeypatch.setattr(tessera_gguf.GGUFRows, "load", lambda self: whole.append(self.name) or load(self))
+    monkeypatch.setattr(tessera_gguf.GGUFRows, "narrow",
+                        lambda self, dim, start, n: sliced.append((self.name, dim, n)) or narrow(self, dim, start, n))
+    hf = make(tmp_path / "hf", tiny_tokenizer_dir, "e2b")
+    path = write_gemma4_gguf(tmp_path / "e2b.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", QT.Q8_0)
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    assert not {"token_embd.weight", "per_layer_token_embd.weight"} & set(whole)
+    assert [n for name, dim, n in sliced if name == "token_embd.weight"] == [100] * 5 + [12]
+    check_greedy_and_logprobs(llm, as_stored(hf, QT.Q8_0), prompts(), NEW_TOKENS)
