@@ -108,3 +108,18 @@ def test_hybrids_on_the_gpu_match_transformers(family, tmp_path, tiny_tokenizer_
         check_greedy_alone_and_batched(llm, hf, PROMPT_LENGTHS)
         check_chunked_prefill(tmp_path, llm, hf, f"{family} cuda", monkeypatch, 64, PROMPT_LENGTHS)
     check_second_turn_restores_state(tmp_path, hf, 64)
+
+
+@pytest.mark.parametrize("case", ["e2b", "moe"])
+def test_gemma4_on_the_gpu_matches_transformers(case, tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """Gemma 4 on a GPU in float32: the Triton attention at two head sizes with scale 1, the
+    KV-shared layers over their producers' caches (prefill rows as decodes), keys as values,
+    experts; CUDA decode graphs on; a chunked prefill."""
+    from tests.models.parity import check_chunked_prefill
+    from tests.models.test_gemma4 import make
+
+    hf = make(tmp_path, tiny_tokenizer_dir, case)
+    with _llm(tmp_path, "float32", False) as llm:
+        check_prefill_and_decode_logits(llm, hf, f"gemma4 {case} cuda", monkeypatch)
+        check_greedy_alone_and_batched(llm, hf, PROMPT_LENGTHS)
+        check_chunked_prefill(tmp_path, llm, hf, f"gemma4 {case} cuda", monkeypatch, 64, PROMPT_LENGTHS)

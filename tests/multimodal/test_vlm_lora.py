@@ -20,6 +20,8 @@ N = 12
 def _hf_tokens(model, folder, kind: str, text: str, images: list, llm: LLM) -> list[int]:
     """transformers' (or PEFT's) greedy tokens; Mistral 3's ids come from tessera's own
     expansion (its test checks that expansion against the layout written out)."""
+    if kind == "gemma4":  # (its transformers processor needs torchvision)
+        return checkpoints.hf_gemma4_generate(model, folder, text, images, N)[1]
     if kind != "mistral3":
         return checkpoints.hf_image_generate(model, folder, text, images, N)[1]
     from transformers import AutoImageProcessor
@@ -34,10 +36,12 @@ def _hf_tokens(model, folder, kind: str, text: str, images: list, llm: LLM) -> l
 
 
 @pytest.mark.parametrize("kind, placeholder", [("llava_next", "<image>"), ("idefics3", "<image>"),
-                                               ("mistral3", "[IMG]"), ("gemma3", checkpoints.GEMMA3_IMAGE)])
+                                               ("mistral3", "[IMG]"), ("gemma3", checkpoints.GEMMA3_IMAGE),
+                                               ("gemma4", checkpoints.GEMMA4_IMAGE)])
 def test_lora_with_images_equals_peft(kind, placeholder, tmp_path):
     make = {"llava_next": checkpoints.make_tiny_llava_next, "idefics3": checkpoints.make_tiny_idefics3,
-            "mistral3": checkpoints.make_tiny_mistral3, "gemma3": checkpoints.make_tiny_gemma3}[kind]
+            "mistral3": checkpoints.make_tiny_mistral3, "gemma3": checkpoints.make_tiny_gemma3,
+            "gemma4": checkpoints.make_tiny_gemma4}[kind]
     folder = tmp_path / kind
     hf = make(folder, TINY_CORPUS, seed=5)
     adapter = tmp_path / "adapter"
