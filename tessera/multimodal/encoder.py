@@ -16,6 +16,8 @@ from transformers import PretrainedConfig
 LANGUAGE_MODEL_ATTRS = ("language_model", "text_model")
 # buffers older checkpoints saved that transformers now recomputes
 RECOMPUTED_SUFFIXES = ("position_ids", "inv_freq")
+# towers tessera does not serve (Gemma 4's audio): not built, their checkpoint tensors skipped
+UNSERVED_TOWERS = ("audio_tower", "embed_audio")
 
 
 class VisionWeightsError(ValueError):
@@ -55,7 +57,11 @@ class VisionEncoder(nn.Module):
                 break
         else:
             raise ValueError(f"{type(hf).__name__}: no language model under {LANGUAGE_MODEL_ATTRS}")
-        self.top_names = {name for name, _ in hf.named_children()} | {n for n, _ in hf.named_parameters(recurse=False)}
+        self.unserved = {attr for attr in UNSERVED_TOWERS if isinstance(getattr(hf, attr, None), nn.Module)}
+        for attr in self.unserved:
+            setattr(hf, attr, None)  # (transformers' forward checks them for None)
+        self.top_names = ({name for name, _ in hf.named_children()} | {n for n, _ in hf.named_parameters(recurse=False)}
+                          | self.unserved)
         self.materialized = materialize
         if not materialize:
             self.hf = None
@@ -86,7 +92,7 @@ class VisionEncoder(nn.Module):
 
     def load_tensor(self, ckpt_name: str, tensor: torch.Tensor) -> None:
         """Copy one of the vision side's checkpoint tensors in."""
-        if not self.materialized:
+        if not self.materialized or canonical_name(ckpt_name).split(".", 1)[0] in self.unserved:
             return
         name = self._by_canonical.get(canonical_name(ckpt_name))
         if name is None and ckpt_name.endswith(RECOMPUTED_SUFFIXES):

@@ -1,6 +1,6 @@
 """Gemma 4 with images against transformers' Gemma4ForConditionalGeneration (float32): the
 vision tower's soft tokens (a variable count per image, by its aspect ratio) in place of the
-placeholders, the padding token's per-layer embeddings at image rows, and where the text
+placeholders (the audio tower of the small releases not built), the padding token's per-layer embeddings at image rows, and where the text
 config says use_bidirectional_attention "vision" (the larger releases) an image's tokens
 seeing each other on the sliding layers only. The language model is the "e2b" one of
 tests/models/test_gemma4.py (per-layer embeddings, KV sharing, a window of 8)."""
@@ -50,6 +50,8 @@ def test_images_match_transformers(tiny_gemma4):
         router = llm.engine.router
         bidirectional = hf.config.text_config.use_bidirectional_attention == "vision"
         assert router.longest_attention_span == (70 if bidirectional else 0)
+        vision = llm.engine.model.vision.hf  # the small releases' audio tower: skipped, never built
+        assert vision.audio_tower is None and (hf.model.audio_tower is None) == bidirectional
         out = llm.generate(image_prompt(TWO_IMAGES, images), greedy(logprobs=0), use_tqdm=False)[0]
         assert llm.engine.block_manager.all_free()
     assert out.prompt_token_ids == prompt
