@@ -16,9 +16,9 @@ from tessera.platform import resolve_device
 
 # tessera/server/tool_parsers/'s PARSERS (not imported here: it would load the server)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai", "deepseek_v3", "deepseek_v31",
-                     "qwen3_coder", "qwen3_xml")
+                     "qwen3_coder", "qwen3_xml", "gemma4")
 # tessera/server/reasoning.py's REASONING_PARSERS (likewise)
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss", "gemma4")
 # tool-call parsers that read what a reasoning parser writes into the content: gpt-oss's
 # calls are harmony messages, which only --reasoning-parser openai_gptoss turns into calls' text
 TOOL_PARSER_NEEDS = {"openai": "openai_gptoss"}
@@ -132,12 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "[f(x=1), g()], as Llama 3.2 and 4 write; openai: gpt-oss's harmony calls, "
                             "with --reasoning-parser openai_gptoss; deepseek_v3 / deepseek_v31: DeepSeek's "
                             "<｜tool▁calls▁begin｜> blocks; qwen3_coder / qwen3_xml: <function=NAME><parameter=KEY>"
-                            "..., as Qwen3-Coder and Qwen3.5 write, values typed by the tools' schemas)")
+                            "..., as Qwen3-Coder and Qwen3.5 write, values typed by the tools' schemas; gemma4: "
+                            "<|tool_call>call:NAME{...}<tool_call|>, as Gemma 4 writes)")
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                        help="split chat answers into reasoning_content (the <think>...</think> part) and "
                             "content: deepseek_r1 (DeepSeek-R1 and its distills, whose template opens "
-                            "<think>), qwen3 (Qwen3, which writes <think> itself) or openai_gptoss "
-                            "(gpt-oss's harmony channels)")
+                            "<think>), qwen3 (Qwen3, which writes <think> itself), openai_gptoss "
+                            "(gpt-oss's harmony channels) or gemma4 (<|channel>thought ... <channel|>)")
     serve.add_argument("--payload-limit", type=positive_int, default=None, metavar="BYTES",
                        help="largest request body accepted (TGI's flag; default 2000000, or 50000000 "
                             "for a model that takes images, which come base64-encoded)")

@@ -23,8 +23,8 @@ from tessera.server.openai_common import (FINISH, admit, continuous_usage, state
 from tessera.server.openai_validation import (MAX_LOGPROBS, output_limit, resolve_model, sampling_params,
                                               wire_prompt_logprobs)
 from tessera.server.protocol import ChatCompletionRequest, ChatMessage, VllmTokenizeRequest, wire_logprob
-from tessera.server.reasoning import (keeps_special_tokens, output_opens_inside, prompt_closes_reasoning,
-                                     reasoning_stream, split_reasoning)
+from tessera.server.reasoning import (REASONING_PARSERS, START, keeps_special_tokens, output_opens_inside,
+                                     prompt_closes_reasoning, reasoning_stream, split_reasoning)
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
 from tessera.server.tracking import collect, run_request
@@ -135,7 +135,8 @@ def plan_reasoning(state: ServerState, params: SamplingParams, prompt_text: str)
     if keeps_special_tokens(state.reasoning_parser):  # harmony's markers are special tokens
         params.skip_special_tokens = False
     if state.reasoning_parser is not None and params.structured_outputs is not None \
-            and not prompt_closes_reasoning(prompt_text):
+            and REASONING_PARSERS[state.reasoning_parser].start == START \
+            and not prompt_closes_reasoning(prompt_text, state.reasoning_parser):
         start, end = state.think_tokens
         if end is not None and (opened or start is not None):
             params.reasoning_end_token_id = end

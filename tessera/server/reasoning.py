@@ -16,6 +16,8 @@ is all reasoning.
 - `openai_gptoss`: gpt-oss's harmony channels (harmony.py): the analysis channel is the
   reasoning, the final and commentary ones the content. Its markers are special tokens, so
   its requests keep special tokens in their text; the parser takes them out.
+- `gemma4`: as `qwen3` with Gemma 4's tags, `<|channel>thought` ... `<channel|>` (special
+  tokens: its requests keep special tokens in their text).
 
 Structured outputs (`response_format`, a required tool call) constrain the content: the
 reasoning before `</think>` is the model's own (vLLM's behaviour), and an output the
@@ -39,38 +41,45 @@ START, END = "<think>", "</think>"
 class ReasoningSyntax:
     always_opened: bool  # the output starts inside the reasoning whatever the prompt says
     harmony: bool = False  # gpt-oss's channels, read from text with its special tokens
+    start: str = START
+    end: str = END
+    special_tags: bool = False  # the tags are special tokens: kept in the text
 
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningSyntax(always_opened=True),
                      "qwen3": ReasoningSyntax(always_opened=False),
-                     "openai_gptoss": ReasoningSyntax(always_opened=False, harmony=True)}
+                     "openai_gptoss": ReasoningSyntax(always_opened=False, harmony=True),
+                     "gemma4": ReasoningSyntax(always_opened=False, start="<|channel>thought", end="<channel|>",
+                                               special_tags=True)}
 
 
 def keeps_special_tokens(parser: str | None) -> bool:
-    """Whether parser `parser` reads markers that are special tokens (harmony's)."""
-    return parser is not None and REASONING_PARSERS[parser].harmony
+    """Whether parser `parser` reads markers that are special tokens (harmony's, Gemma 4's)."""
+    return parser is not None and (REASONING_PARSERS[parser].harmony or REASONING_PARSERS[parser].special_tags)
 
 
 def reasoning_stream(parser: str, opened: bool) -> ReasoningStream | HarmonyStream:
     """The splitter of one choice's text under reasoning parser `parser`."""
-    return HarmonyStream() if REASONING_PARSERS[parser].harmony else ReasoningStream(opened)
+    syntax = REASONING_PARSERS[parser]
+    return HarmonyStream() if syntax.harmony else ReasoningStream(opened, syntax.start, syntax.end)
 
 
-def prompt_opens_reasoning(prompt: str) -> bool:
-    """Whether a rendered chat prompt ends inside `<think>` (the generation prompt opened it)."""
-    return prompt.rstrip().endswith(START)
+def prompt_opens_reasoning(prompt: str, parser: str = "qwen3") -> bool:
+    """Whether a rendered chat prompt ends inside the reasoning's opening tag (the generation
+    prompt opened it)."""
+    return prompt.rstrip().endswith(REASONING_PARSERS[parser].start)
 
 
 def output_opens_inside(parser: str | None, prompt: str) -> bool:
     """Whether, under reasoning parser `parser` (None: none), the output starts inside the
     reasoning: the parser says it always does, or the rendered prompt opened it."""
-    return parser is not None and (REASONING_PARSERS[parser].always_opened or prompt_opens_reasoning(prompt))
+    return parser is not None and (REASONING_PARSERS[parser].always_opened or prompt_opens_reasoning(prompt, parser))
 
 
-def prompt_closes_reasoning(prompt: str) -> bool:
-    """Whether a rendered chat prompt ends just after `</think>` (a template that turns
-    thinking off writes an empty reasoning itself): the output is all content."""
-    return prompt.rstrip().endswith(END)
+def prompt_closes_reasoning(prompt: str, parser: str = "qwen3") -> bool:
+    """Whether a rendered chat prompt ends just after the reasoning's closing tag (a template
+    that turns thinking off writes an empty reasoning itself): the output is all content."""
+    return prompt.rstrip().endswith(REASONING_PARSERS[parser].end)
 
 
 def tag_token(tokenizer, tag: str) -> int | None:
@@ -108,8 +117,8 @@ class ReasoningStream:
     a tag is held back until it is one or the output ends; each piece is looked at once (a
     long reasoning costs no more per token at its end than at its start)."""
 
-    def __init__(self, opened: bool):
-        self.opened = opened
+    def __init__(self, opened: bool, start: str = START, end: str = END):
+        self.opened, self.start, self.end = opened, start, end
         self.phase = "start"  # then "reasoning", then "content"
         self.held = ""        # text not yet placed
 
@@ -119,21 +128,21 @@ class ReasoningStream:
         self.held = ""
         if self.phase == "start":
             body = held.lstrip()
-            if not final and START.startswith(body):  # nothing yet, or maybe `<think>`: wait
+            if not final and self.start.startswith(body):  # nothing yet, or maybe the tag: wait
                 self.held = held
                 return "", ""
-            if body.startswith(START):
-                held = body[len(START):]
+            if body.startswith(self.start):
+                held = body[len(self.start):]
             elif not self.opened:
                 self.phase = "content"
                 return "", held
             self.phase = "reasoning"
         if self.phase == "content":
             return "", held
-        end = held.find(END)
+        end = held.find(self.end)
         if end >= 0:
             self.phase = "content"
-            return held[:end], held[end + len(END):]
-        keep = 0 if final else _partial_suffix(held, END)
+            return held[:end], held[end + len(self.end):]
+        keep = 0 if final else _partial_suffix(held, self.end)
         self.held = held[len(held) - keep:]
         return held[:len(held) - keep], ""

@@ -389,10 +389,15 @@ def test_pythonic_values_become_json_with_their_digits():
     assert pythonic.parse("[f(x=1e999)]")[1] is None  # infinite: no JSON number for it
 
 
-def test_auto_with_the_mistral_pythonic_and_qwen3_xml_parsers_over_http(client, server, monkeypatch):
+GEMMA4_OUTPUT = ('Let me check.<|tool_call>call:get_time{zone:<|"|>UTC<|"|>}<tool_call|>'
+                 '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,metric:true}<tool_call|>')
+
+
+def test_auto_with_the_mistral_pythonic_qwen3_xml_and_gemma4_parsers_over_http(client, server, monkeypatch):
     for parser, output, content in (("mistral", MISTRAL_OUTPUTS[1], "Let me check."),
                                     ("pythonic", PYTHONIC_OUTPUT, None),
-                                    ("qwen3_coder", QWEN3_XML_OUTPUT, "Let me check.")):
+                                    ("qwen3_coder", QWEN3_XML_OUTPUT, "Let me check."),
+                                    ("gemma4", GEMMA4_OUTPUT, "Let me check.")):
         monkeypatch.setattr(server.state, "tool_call_parser", parser)
         forced = {"guided_choice": [output]}  # the tiny model is made to write the calls
         full = chat(client, tools=[WEATHER, TIME], extra_body=forced, max_tokens=400).choices[0]

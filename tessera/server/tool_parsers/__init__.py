@@ -24,10 +24,13 @@ text, as the model wrote it.
 - `qwen3_coder` (also `qwen3_xml`): Qwen3-Coder's and Qwen3.5's `<tool_call><function=NAME>
   <parameter=KEY>value</parameter></function></tool_call>`, values typed by the request's
   tool schemas (xml_calls.py).
+- `gemma4`: Gemma 4's `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>` blocks, in
+  its own notation (gemma4_calls.py); calls are sent once whole.
 A malformed call leaves the whole output as content.
 """
 
 from tessera.server.tool_parsers.base import Call, Parsed, PartialCall, ToolCallParser, json_text, loads
+from tessera.server.tool_parsers.gemma4_calls import Gemma4CallParser
 from tessera.server.tool_parsers.json_calls import HermesParser, Llama3JsonParser, MistralParser
 from tessera.server.tool_parsers.marker_calls import DeepSeekCallParser, HarmonyCallParser
 from tessera.server.tool_parsers.pythonic import PythonicParser
@@ -37,6 +40,6 @@ PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": L
                                       "mistral": MistralParser(), "pythonic": PythonicParser(),
                                       "openai": HarmonyCallParser(), "deepseek_v3": DeepSeekCallParser(),
                                       "deepseek_v31": DeepSeekCallParser(), "qwen3_coder": Qwen3XmlParser(),
-                                      "qwen3_xml": Qwen3XmlParser()}
+                                      "qwen3_xml": Qwen3XmlParser(), "gemma4": Gemma4CallParser()}
 
 __all__ = ["PARSERS", "Call", "Parsed", "PartialCall", "ToolCallParser", "json_text", "loads"]
