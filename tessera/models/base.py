@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 # Phi-3's <|end|>, Llama 3's <|eot_id|> / <|eom_id|>, ChatML's <|im_end|>, ...), which a
 # Hugging Face folder lists in generation_config.json.
 GGUF_END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>",
-                          "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>")
+                          "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>",
+                          # Gemma 4: its turn's end, and where it waits for tool results
+                          "<turn|>", "<|tool_response>")
 
 
 # generation_config.json values vLLM takes as request defaults; max_new_tokens also caps what

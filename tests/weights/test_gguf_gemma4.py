@@ -49,6 +49,15 @@ def as_stored(model: torch.nn.Module, qtype: QT) -> torch.nn.Module:
     return ref
 
 
+def test_gemma4_turn_markers_end_generation(tmp_path, tiny_tokenizer_dir):
+    """A GGUF names one EOS id; Gemma 4 also ends on <turn|> and waits on <|tool_response>."""
+    hf = make(tmp_path / "hf", tiny_tokenizer_dir, "e2b")
+    path = write_gemma4_gguf(tmp_path / "e2b.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json",
+                             token_overrides={500: "<turn|>", 501: "<|tool_response>"})
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    assert {500, 501} <= set(llm.engine.router.eos_token_ids)
+
+
 @pytest.mark.parametrize("case", ["e2b", "moe"])
 def test_config_read_from_the_file(case, tmp_path, tiny_tokenizer_dir):
     """What the file says per layer, as the checkpoint's own config says it."""
