@@ -76,6 +76,8 @@ def gemma4_config(fields: dict, tensors: list) -> Any:
     embed = next(t for t in tensors if t.name == "token_embd.weight")
     per_layer = next((t for t in tensors if t.name == "per_layer_token_embd.weight"), None)
     experts = int(key("expert_count", 0))
+    if experts and (key("expert_used_count") is None or key("expert_feed_forward_length") is None):
+        raise ValueError("gemma4 GGUF: expert_count without expert_used_count and expert_feed_forward_length")
     extra = dict(enable_moe_block=True, num_experts=experts, top_k_experts=int(key("expert_used_count")),
                  moe_intermediate_size=int(key("expert_feed_forward_length"))) if experts else {}
     if k_eq_v:  # (transformers' config gives the full layers their own KV heads only then)

@@ -95,3 +95,16 @@ def test_large_tables_are_read_by_rows(tmp_path, tiny_tokenizer_dir, monkeypatch
     assert not {"token_embd.weight", "per_layer_token_embd.weight"} & set(whole)
     assert [n for name, dim, n in sliced if name == "token_embd.weight"] == [100] * 5 + [12]
     check_greedy_and_logprobs(llm, as_stored(hf, QT.Q8_0), prompts(), NEW_TOKENS)
+
+
+def test_files_missing_what_gemma4_needs_are_refused_with_the_reason(tmp_path, tiny_tokenizer_dir):
+    from tessera.weights.gguf_gemma4 import gemma4_config
+
+    hf = make(tmp_path / "hf", tiny_tokenizer_dir, "moe")
+    path = write_gemma4_gguf(tmp_path / "moe.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json")
+    reader = gguf.GGUFReader(str(path))
+    for key, reason in (("gemma4.attention.sliding_window_pattern", "each layer's type"),
+                        ("gemma4.expert_used_count", "expert_used_count")):
+        fields = {k: v for k, v in reader.fields.items() if k != key}
+        with pytest.raises(ValueError, match=reason):
+            gemma4_config(fields, reader.tensors)
