@@ -230,7 +230,7 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
     """Image features (and M-RoPE's 3-D positions) reach every rank: the same greedy tokens
     as one rank for prompts with images, text alone, and 8-token chunks that split images."""
     from tests.conftest import TINY_CORPUS
-    from tests.multimodal import checkpoints
+    from tests.multimodal import checkpoints, gemma4_checkpoint
 
     make = {"llava": checkpoints.make_tiny_llava, "llava_next": checkpoints.make_tiny_llava_next,
             "idefics3": checkpoints.make_tiny_idefics3, "mistral3": checkpoints.make_tiny_mistral3,
@@ -238,12 +238,12 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
             "qwen3_vl_moe": functools.partial(checkpoints.make_tiny_qwen3_vl, moe=True),
             "gemma3": checkpoints.make_tiny_gemma3, "qwen3_5": checkpoints.make_tiny_qwen3_5_vl,
             "qwen3_5_moe": functools.partial(checkpoints.make_tiny_qwen3_5_vl, moe=True),
-            "gemma4": checkpoints.make_tiny_gemma4}[kind]
+            "gemma4": gemma4_checkpoint.make_tiny_gemma4}[kind]
     make(tmp_path, TINY_CORPUS, seed=3)
     placeholder = {"qwen2_5_vl": checkpoints.QWEN_IMAGE, "qwen3_vl": checkpoints.QWEN_IMAGE,
                    "qwen3_5": checkpoints.QWEN_IMAGE, "qwen3_5_moe": checkpoints.QWEN_IMAGE,
                    "qwen3_vl_moe": checkpoints.QWEN_IMAGE, "mistral3": "[IMG]",
-                   "gemma3": checkpoints.GEMMA3_IMAGE, "gemma4": checkpoints.GEMMA4_IMAGE}.get(kind, "<image>")
+                   "gemma3": checkpoints.GEMMA3_IMAGE, "gemma4": gemma4_checkpoint.GEMMA4_IMAGE}.get(kind, "<image>")
     random_image = checkpoints.random_image
     prompts = [{"prompt": f"The quick {placeholder} brown fox {placeholder} jumps",
                 "multi_modal_data": {"image": [random_image(1, size=(70, 100)), random_image(2)]}},

@@ -144,7 +144,7 @@ def make_released(folder, tokenizer_dir=None, seed: int = 0):
     as the small releases are laid out; it brings its own tokenizer (with Gemma 4's named
     image tokens), so `tokenizer_dir` is not used."""
     from tests.conftest import TINY_CORPUS
-    from tests.multimodal.checkpoints import make_tiny_gemma4
+    from tests.multimodal.gemma4_checkpoint import make_tiny_gemma4
 
     return make_tiny_gemma4(folder, TINY_CORPUS, seed, bidirectional=False, audio=True)
 

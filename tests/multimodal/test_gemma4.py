@@ -12,8 +12,8 @@ import torch
 from tessera import LLM
 from tessera.models.gemma4.modeling import Gemma4Model
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (GEMMA4_IMAGE, greedy, hf_gemma4_generate, hf_gemma4_inputs, image_prompt,
-                                          make_tiny_gemma4, random_image)
+from tests.multimodal.checkpoints import greedy, image_prompt, random_image
+from tests.multimodal.gemma4_checkpoint import GEMMA4_IMAGE, hf_gemma4_generate, hf_gemma4_inputs, make_tiny_gemma4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
