@@ -15,6 +15,7 @@ from tessera.ops.cpu.graph import capture
 from tessera.ops.linear_attention.conv import causal_conv1d_decode_ref
 from tessera.ops.linear_attention.delta_rule import gated_delta_decode_ref
 from tessera.ops.registry import OpSpec, select_op
+from tests.ops.state_slots import check_steps_on_scattered_slots
 
 UNAVAILABLE = "; ".join(cpu_gd._RULE.check(None)) or None  # either build; else the registry keeps torch_*
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -44,22 +45,16 @@ def _assert_close_out(got, want):
 @pytest.mark.parametrize("dk,dv", [(64, 64), (40, 203), (128, 24)])  # partial tiles, vectors, lanes
 def test_delta_rule_matches_the_torch_builder(dtype, hk, hv, b, dk, dv):
     gen = torch.Generator().manual_seed(b * 1000 + hv * 100 + dv)
-    num_slots = 2 * b + 3
-    state = 0.1 * torch.randn(num_slots, hv, dk, dv, generator=gen)
-    slots = torch.randperm(num_slots, generator=gen)[:b]  # not consecutive, not in order
-    untouched = torch.ones(num_slots, dtype=torch.bool)
-    untouched[slots] = False
-    before = state.clone()
-    want_state = state.clone()
-    for _ in range(3):  # consecutive steps: the updated state feeds the next
+    state = 0.1 * torch.randn(2 * b + 3, hv, dk, dv, generator=gen)
+
+    def step(state, want_state, slots):
         q, k, v = _qkv(b, hk, hv, dk, dv, dtype, gen)
         g = -torch.rand(b, hv, generator=gen) * 2
         beta = torch.rand(b, hv, generator=gen)
         got = cpu_gd.gated_delta_decode(q, k, v, g, beta, state, slots)
-        want = gated_delta_decode_ref(q, k, v, g, beta, want_state, slots)
-        _assert_close_out(got, want)
-        torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-6)
-    assert torch.equal(state[untouched], before[untouched])
+        _assert_close_out(got, gated_delta_decode_ref(q, k, v, g, beta, want_state, slots))
+
+    check_steps_on_scattered_slots(state, b, gen, step, rtol=1e-5, atol=1e-6)
 
 
 def test_delta_rule_copies_views_it_cannot_read_in_place():

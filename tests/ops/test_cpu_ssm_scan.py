@@ -16,6 +16,7 @@ from tessera.ops.cpu import ssm_scan as cpu_ssm
 from tessera.ops.cpu.graph import capture
 from tessera.ops.linear_attention.mamba2 import ssm_scan_decode_ref
 from tessera.ops.registry import OpSpec, select_op
+from tests.ops.state_slots import check_steps_on_scattered_slots
 
 UNAVAILABLE = "; ".join(cpu_ssm._SCAN.check(None)) or None  # either build; else the registry keeps torch_*
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -52,20 +53,14 @@ def _assert_close_out(got, want):
 @pytest.mark.parametrize("limits", [NO_LIMIT, (0.05, 0.6)])  # the second clamps both ways
 def test_scan_matches_the_torch_builder(dtype, h, g, b, p, n, limits):
     gen = torch.Generator().manual_seed(b * 1000 + h * 100 + n + p)
-    num_slots = 2 * b + 3
-    state = 0.5 * torch.randn(num_slots, h, p, n, generator=gen)
-    slots = torch.randperm(num_slots, generator=gen)[:b]  # not consecutive, not in order
-    untouched = torch.ones(num_slots, dtype=torch.bool)
-    untouched[slots] = False
-    before = state.clone()
-    want_state = state.clone()
-    for _ in range(3):  # consecutive steps: the updated state feeds the next
+    state = 0.5 * torch.randn(2 * b + 3, h, p, n, generator=gen)
+
+    def step(state, want_state, slots):
         args = _inputs(b, h, p, n, g, dtype, gen)
         got = cpu_ssm.ssm_scan_decode(*args, limits, state, slots)
-        want = ssm_scan_decode_ref(*args, limits, want_state, slots)
-        _assert_close_out(got, want)
-        torch.testing.assert_close(state, want_state, rtol=1e-6, atol=1e-6)
-    assert torch.equal(state[untouched], before[untouched])
+        _assert_close_out(got, ssm_scan_decode_ref(*args, limits, want_state, slots))
+
+    check_steps_on_scattered_slots(state, b, gen, step, rtol=1e-6, atol=1e-6)
 
 
 def test_the_limits_clamp_the_time_step():
