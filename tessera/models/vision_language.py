@@ -52,6 +52,9 @@ class VisionLanguageRouter(BaseRouter):
     # an image's tokens attend to each other, not causally (Gemma 3): the scheduler never
     # splits a run of them between steps, and its rows get key limits (attention/metadata.py)
     bidirectional_image_attention: ClassVar[bool] = False
+    # the top level's EOS ids replace the text config's (Gemma: its end-of-turn ids are
+    # there only); otherwise they fill in where the text config names none
+    eos_from_top_level: ClassVar[bool] = False
     model_cls = VisionLanguageForCausalLM
 
     @cached_property
@@ -61,7 +64,8 @@ class VisionLanguageRouter(BaseRouter):
     def get_config(self) -> PretrainedConfig:
         full = self.full_config
         text = full.text_config
-        if getattr(full, "eos_token_id", None) is not None and getattr(text, "eos_token_id", None) is None:
+        if getattr(full, "eos_token_id", None) is not None and (
+                self.eos_from_top_level or getattr(text, "eos_token_id", None) is None):
             text.eos_token_id = full.eos_token_id
         # transformers ties the LM head by the top level's flag (Qwen2.5-VL-3B ties, 7B does
         # not; the saved text config says False either way)

@@ -1,5 +1,3 @@
-from transformers import PretrainedConfig
-
 from tessera.models.base import BaseRouter
 from tessera.models.gemma2.router import Gemma2Router
 from tessera.models.gemma3.modeling import Gemma3ForCausalLM
@@ -29,6 +27,7 @@ class Gemma3VisionRouter(VisionLanguageRouter):
     model_types = ("gemma3",)
     image_prompts_cls = Gemma3ImagePrompts
     bidirectional_image_attention = True
+    eos_from_top_level = True  # the end-of-turn id (the text config keeps its default, <eos>)
     supports_images = True  # tests/multimodal/test_gemma3.py
     supports_sliding_window = True  # tests/multimodal/test_gemma3.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
@@ -37,11 +36,3 @@ class Gemma3VisionRouter(VisionLanguageRouter):
     @property
     def longest_attention_span(self) -> int:
         return int(self.full_config.mm_tokens_per_image)  # each image, and each pan-and-scan crop
-
-    def get_config(self) -> PretrainedConfig:
-        text = super().get_config()
-        # the end-of-turn id is among the top level's EOS ids only (the text config keeps
-        # its default, <eos>)
-        if getattr(self.full_config, "eos_token_id", None) is not None:
-            text.eos_token_id = self.full_config.eos_token_id
-        return text

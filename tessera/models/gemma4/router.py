@@ -37,9 +37,10 @@ class Gemma4VisionRouter(VisionLanguageRouter):
     Gemma 4 vision tower and embedder, text through the native model. Where the text config
     says use_bidirectional_attention "vision", an image's tokens see each other on the
     sliding layers (the full layers stay causal, as in transformers). Audio and video are not
-    served (the audio tower is loaded with the checkpoint, never run)."""
+    served (the audio tower is not built: multimodal/encoder.py's UNSERVED_TOWERS)."""
     model_types = ("gemma4",)
     image_prompts_cls = Gemma4ImagePrompts
+    eos_from_top_level = True  # the end-of-turn ids
     is_moe = True  # tests/models/test_gemma4.py
     supports_images = True  # tests/multimodal/test_gemma4.py
     supports_sliding_window = True  # tests/multimodal/test_gemma4.py
@@ -56,10 +57,6 @@ class Gemma4VisionRouter(VisionLanguageRouter):
 
     def get_config(self) -> PretrainedConfig:
         text = super().get_config()
-        full = self.full_config
-        # the end-of-turn ids are among the top level's EOS ids
-        if getattr(full, "eos_token_id", None) is not None:
-            text.eos_token_id = full.eos_token_id
-        text.tie_word_embeddings = bool(getattr(full, "tie_word_embeddings", True))
-        text.placeholder_token_ids = [v for v in (getattr(full, a, None) for a in PLACEHOLDER_ATTRS) if v is not None]
+        text.placeholder_token_ids = [v for v in (getattr(self.full_config, a, None) for a in PLACEHOLDER_ATTRS)
+                                      if v is not None]
         return text
