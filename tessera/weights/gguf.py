@@ -146,8 +146,8 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
                 array = _dequantized(tensor, data[e], shape[1:])
                 yield name.replace(EXPERT, str(e)), torch.from_numpy(array)
             continue
-        if len(shape) == 2 and shape[0] * shape[1] * 4 > LAZY_BYTES and not name.endswith(
-                ("q_proj.weight", "k_proj.weight", "norm.weight")):
+        if len(shape) == 2 and shape[0] * shape[1] * 4 > LAZY_BYTES and not (
+                permute_qk and name.endswith(("q_proj.weight", "k_proj.weight"))):  # (those are un-permuted whole)
             yield name, GGUFRows(tensor, data, shape)  # dequantized by rows as the loader reads them
             continue
         array = _dequantized(tensor, data, shape)
