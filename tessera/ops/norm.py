@@ -49,6 +49,13 @@ class RMSNorm(OpModule):
         return out if residual is None else (out, new_residual)
 
 
+def norm_per_head(norm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`norm` over each head of x ([T, heads * head_dim]) on its own (q/k head norms). `x` is
+    often a slice of a QKV projection's rows, so [T, heads, head_dim] is a view (a reshape to
+    [T * heads, head_dim] would copy from two tokens on); the CPU kernel reads it in place."""
+    return norm(x.reshape(x.shape[0], -1, head_dim)).reshape(x.shape[0], -1)
+
+
 @register_op("layer_norm", name="torch_layer_norm", priority=0)
 def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """torch's LayerNorm, as transformers runs it (its bf16 kernels accumulate in float32)."""

@@ -67,7 +67,7 @@ def gemma4_config(fields: dict, tensors: list) -> Any:
         raise ValueError(f"gemma4 GGUF: KV heads differ within a layer type ({kv_heads})")
     first_shared = layers - shared
     double = widths[-1] == 2 * widths[0] and shared > 0
-    if widths != [w * (2 if double and i >= first_shared else 1) for i, w in enumerate([widths[0]] * layers)]:
+    if widths != [widths[0] * (2 if double and i >= first_shared else 1) for i in range(layers)]:
         raise ValueError(f"gemma4 GGUF: MLP widths {widths} are not one width (doubled on KV-shared layers)")
     names = {t.name for t in tensors}
     full_layers = [i for i, kind in enumerate(types) if kind == "full_attention" and i < first_shared]

@@ -18,7 +18,7 @@ from tessera.ops.attention import Attention
 from tessera.ops.attention.layer import SharedKVAttention
 from tessera.ops.linear import PackedLinear, QKVLinear, RowParallelLinear
 from tessera.ops.module import OpModule
-from tessera.ops.norm import RMSNorm
+from tessera.ops.norm import RMSNorm, norm_per_head
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary
 
@@ -41,11 +41,6 @@ class UnitRMSNorm(OpModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.eps, None)[0]
-
-
-def per_head(norm: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """`norm` over each head of x ([T, heads * head_dim])."""
-    return norm(x.reshape(x.shape[0], -1, head_dim)).reshape(x.shape[0], -1)
 
 
 def layer_shape(config: PretrainedConfig, layer_idx: int) -> tuple[int, int]:
@@ -77,8 +72,8 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        v = per_head(self.v_norm, v, self.head_dim)  # k_proj's raw output where values are keys
-        q, k = per_head(self.q_norm, q, self.head_dim), per_head(self.k_norm, k, self.head_dim)
+        v = norm_per_head(self.v_norm, v, self.head_dim)  # k_proj's raw output where values are keys
+        q, k = norm_per_head(self.q_norm, q, self.head_dim), norm_per_head(self.k_norm, k, self.head_dim)
         q, k = self.rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v))
 
@@ -102,7 +97,7 @@ class Gemma4SharedKVAttention(nn.Module):
         self.attn = SharedKVAttention(producer.attn)
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
-        q = per_head(self.q_norm, self.qkv_proj(hidden), self.head_dim)
+        q = norm_per_head(self.q_norm, self.qkv_proj(hidden), self.head_dim)
         # the rotary op turns a query and a key: one query head stands in for the key
         q, _ = self.rotary(q, q[:, :self.head_dim], rope)
         return self.o_proj(self.attn(q))

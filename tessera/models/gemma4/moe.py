@@ -31,13 +31,11 @@ class Gemma4Router(nn.Module):
         self.scale = make_param((size,), target.dtype, target.device)
         self.per_expert_scale = make_param((num_experts,), target.dtype, target.device)
         self.root_size = size ** -0.5
+        self._route = target.op("moe_routing")  # float32 softmax, top k, renormalised
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""
-        logits = self.proj(self.norm(x) * self.scale * self.root_size)
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = self._route(self.proj(self.norm(x) * self.scale * self.root_size), self.top_k, True)
         return weights * self.per_expert_scale[ids], ids
 
 

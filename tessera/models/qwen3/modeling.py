@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM,
                                            LlamaModel, Rope)
 from tessera.models.qwen2.modeling import check_no_sliding_window
-from tessera.ops.norm import RMSNorm
+from tessera.ops.norm import RMSNorm, norm_per_head
 from tessera.ops.registry import OpTarget
 
 
@@ -18,10 +18,7 @@ class HeadNormForward:
     head over head_dim before rotary (Qwen3, Gemma 3); mixed in before a LlamaAttention."""
 
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        # [tokens, heads, head_dim]: every head normalised on its own. `x` is a slice of the
-        # QKV projection's rows, so this is a view (a reshape to [tokens * heads, head_dim]
-        # would copy from two tokens on); the CPU kernel reads it in place
-        return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape[0], -1)
+        return norm_per_head(norm, x, self.head_dim)
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))

@@ -28,7 +28,7 @@ from tessera.models.qwen3_next.projections import DeltaNetSplit, GatedQKVLinear,
 from tessera.ops.attention import Attention
 from tessera.ops.linear import RowParallelLinear
 from tessera.ops.linear_attention import GatedDeltaRule
-from tessera.ops.norm import GatedRMSNorm
+from tessera.ops.norm import GatedRMSNorm, norm_per_head
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary
 from tessera.ops.weights import make_param, row_spans_loader
@@ -53,7 +53,7 @@ class GatedAttention(nn.Module):
                               target=target)
 
     def _head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return norm(x.reshape(x.shape[0], -1, self.head_dim)).reshape(x.shape[0], -1)
+        return norm_per_head(norm, x, self.head_dim)
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
