@@ -50,12 +50,6 @@ class GraniteHybridAttention(GraniteAttention):
         super().__init__(config, target)
         self.uses_rope = getattr(config, "position_embedding_type", None) == "rope"
 
-    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.uses_rope:
-            q, k = self.rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v))
-
 
 class SharedMLP(LlamaMLP):
     def __init__(self, config: PretrainedConfig, target: OpTarget):

@@ -45,6 +45,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    uses_rope = True  # False: no rotary (SmolLM3's NoPE layers, Granite 4.0-H's, Nemotron-H's attention)
+
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -73,7 +75,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(q, k, rope)
+        if self.uses_rope:
+            q, k = self.rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v))
 
 

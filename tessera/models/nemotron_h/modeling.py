@@ -41,13 +41,11 @@ def mamba_shape(config: PretrainedConfig) -> Mamba2Shape:
 
 
 class NemotronHAttention(LlamaAttention):
+    uses_rope = False
+
     @staticmethod
     def biases(config: PretrainedConfig) -> tuple[bool, bool]:
         return False, False
-
-    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        return self.o_proj(self.attn(q, k, v))  # no rotary
 
 
 class NemotronHBlock(nn.Module):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
+from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from tessera.ops.registry import OpTarget
 
 
@@ -24,12 +23,6 @@ class SmolLM3Attention(LlamaAttention):
 
     def attention_options(self, config: PretrainedConfig) -> dict:
         return {"scale": self.head_dim ** -0.5, "sliding_window": self.window}
-
-    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.uses_rope:
-            q, k = self.rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v))
 
 
 class SmolLM3DecoderLayer(LlamaDecoderLayer):
