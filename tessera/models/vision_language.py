@@ -20,7 +20,6 @@ from tessera.multimodal.processor import ImagePrompts
 from tessera.ops.registry import OpTarget
 from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
-from tessera.weights.lazy import materialize
 from tessera.weights.loader import load_weights
 from tessera.weights.prequantized import checkpoint_quantization
 
@@ -145,8 +144,7 @@ class VisionLanguageRouter(BaseRouter):
         def language_weights():
             for name, tensor in progress(self.iter_weights()):
                 if vision.owns(name):
-                    if vision.materialized:  # (a tensor-parallel rank that is not the driver: skipped unread)
-                        vision.load_tensor(name, materialize(tensor))
+                    vision.load_tensor(name, tensor)  # (read there only if the vision side keeps it)
                 else:
                     yield language_model_name(name), tensor
 

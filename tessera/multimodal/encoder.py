@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from tessera.weights.lazy import LazyTensor, materialize
+
 
 # the attribute a transformers multimodal base model keeps its language model under
 LANGUAGE_MODEL_ATTRS = ("language_model", "text_model")
@@ -90,8 +92,9 @@ class VisionEncoder(nn.Module):
         """Whether a checkpoint tensor is the vision side's (else the language model's)."""
         return canonical_name(checkpoint_name).split(".", 1)[0] in self.top_names
 
-    def load_tensor(self, ckpt_name: str, tensor: torch.Tensor) -> None:
-        """Copy one of the vision side's checkpoint tensors in."""
+    def load_tensor(self, ckpt_name: str, tensor: torch.Tensor | LazyTensor) -> None:
+        """Copy one of the vision side's checkpoint tensors in (read only here: a rank that
+        is not the driver, or an unserved tower, leaves it unread)."""
         if not self.materialized or canonical_name(ckpt_name).split(".", 1)[0] in self.unserved:
             return
         name = self._by_canonical.get(canonical_name(ckpt_name))
@@ -104,7 +107,7 @@ class VisionEncoder(nn.Module):
             raise VisionWeightsError(f"{ckpt_name}: shape {tuple(tensor.shape)}, the model has "
                                      f"{tuple(target.shape)}")
         with torch.no_grad():
-            target.copy_(tensor)
+            target.copy_(materialize(tensor))
         self._loaded.add(name)
 
     def check_loaded(self) -> int:
