@@ -31,6 +31,12 @@ def _plus_one_loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashab
         copy_checked(param.data, 1.0 + materialize(tensor).float(), getattr(param, "tessera_name", "norm"))
 
 
+def rounded(value: float, target: OpTarget) -> float:
+    """A scale as transformers applies it: a tensor of the model dtype (Gemma's sqrt(hidden)
+    embedding scale is 55.5, not 55.43, in bf16)."""
+    return torch.tensor(value, dtype=target.dtype).item()
+
+
 class Gemma2RMSNorm(RMSNorm):
     """(1 + w) kept in float32 whatever the model dtype: transformers multiplies the float32
     normalised row by (1 + w) in float32 and rounds once (the rms_norm op does so for a
@@ -99,7 +105,7 @@ class Gemma2Model(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         # transformers multiplies by sqrt(hidden) rounded to the hidden states' dtype
-        self.normalizer = torch.tensor(config.hidden_size ** 0.5, dtype=target.dtype).item()
+        self.normalizer = rounded(config.hidden_size ** 0.5, target)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, target, scale=self.normalizer)
         self.make_rotary(config, target)
         self.layers = nn.ModuleList(self.layer_cls(config, i, target)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.gemma2.modeling import Gemma2ForCausalLM, Gemma2MLP
+from tessera.models.gemma2.modeling import Gemma2ForCausalLM, Gemma2MLP, rounded
 from tessera.models.gemma3.modeling import LAYER_TYPES, layer_rope_parameters
 from tessera.models.gemma4.attention import Gemma4Attention, Gemma4SharedKVAttention, gemma4_norm, layer_shape
 from tessera.models.gemma4.moe import Gemma4Experts, Gemma4Router
@@ -34,11 +34,6 @@ from tessera.ops.moe import HF_EXPERT_NAMES, expert_weight_target
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import RotaryEmbedding
 from tessera.ops.weights import make_param
-
-
-def rounded(value: float, target: OpTarget) -> float:
-    """A scale as transformers applies it: a tensor of the model dtype."""
-    return torch.tensor(value, dtype=target.dtype).item()
 
 
 def kv_producers(config: PretrainedConfig) -> dict[int, int]:
