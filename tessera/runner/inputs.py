@@ -224,10 +224,11 @@ def build_inputs(scheduled: list[ScheduledSeq], block_size: int, device: torch.d
         seq_lens=to(seq_lens, torch.int32), query_start_loc=to(query_start, torch.int32),
         num_decodes=num_decodes, num_decode_tokens=num_decodes,
         seq_lens_list=seq_lens, query_lens_list=query_lens)
-    inputs = ModelInputs(to(tokens), to(positions), attn, to(lm_head_indices + prompt_indices),
+    logit_rows = lm_head_indices + prompt_indices
+    inputs = ModelInputs(to(tokens), to(positions), attn, to(logit_rows),
                          sampled_rows, max_block_id, prompt_rows, len(prompt_indices),
                          lora_segments=segments, lora_row_slots=row_slots_for(segments, len(tokens), device),
-                         pooling_rows=pooling_rows, lm_head_rows=lm_head_indices + prompt_indices)
+                         pooling_rows=pooling_rows, lm_head_rows=logit_rows)
     if limited:
         attn.key_limits = to([p for limits in key_limits for p in limits])
     if getattr(rows[0].seq, "state_slot", None) is not None:  # recurrent layers (a draft model's rows have none)
