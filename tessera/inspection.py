@@ -25,6 +25,7 @@ from tessera.ops.linear_attention import RecurrentLayer
 from tessera.ops.cpu.build import isa_description, unavailable_reason
 from tessera.ops.registry import OpChoice, OpTarget
 from tessera.platform import cpu_bf16_reason, resolve_dtype
+from tessera.pooling.model import as_pooling_model
 
 
 def model_table() -> list[dict[str, Any]]:
@@ -106,6 +107,8 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
         model = router.build_model(OpTarget(torch.device(device).type, dtype,
                                             quant=model_config.quantization,
                                             kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype))).eval()
+        if not router.generates:  # an encoder: its checkpoint names the backbone bare, as the engine loads it
+            model = as_pooling_model(model)
     # counted as built (checkpoint shapes): after loading, builders may repack or quantize
     # weights and give a tied LM head its own copy
     num_parameters = sum(p.numel() for p in model.parameters())

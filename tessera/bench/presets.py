@@ -76,6 +76,16 @@ PRESETS["bge-base-en-v1.5"] = dict(
     vocab_size=30522, layer_norm_eps=1e-12, pad_token_id=0, position_embedding_type="absolute",
     initializer_range=0.02, torch_dtype="float32")
 
+# nomic-ai/modernbert-embed-base (ModernBERT-base: 22 layers, every third global, the others
+# 64 tokens each side; mean pooling, normalized)
+PRESETS["modernbert-embed-base"] = dict(
+    architectures=["ModernBertModel"], model_type="modernbert", hidden_activation="gelu", hidden_size=768,
+    intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12, max_position_embeddings=8192,
+    vocab_size=50368, norm_eps=1e-5, norm_bias=False, attention_bias=False, mlp_bias=False,
+    global_attn_every_n_layers=3, local_attention=128, global_rope_theta=160000.0, local_rope_theta=10000.0,
+    classifier_pooling="mean", pad_token_id=50283, bos_token_id=50281, eos_token_id=50282,
+    cls_token_id=50281, sep_token_id=50282, initializer_range=0.02, torch_dtype="float32")
+
 # BAAI/bge-reranker-base (an XLM-RoBERTa cross-encoder: one label, the CLS row)
 PRESETS["bge-reranker-base"] = dict(
     architectures=["XLMRobertaForSequenceClassification"], model_type="xlm-roberta", hidden_act="gelu",

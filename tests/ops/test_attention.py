@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tessera.ops.attention import Attention, AttentionMetadata, attention_context
+from tessera.ops.attention import torch_paged
 from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
 from tessera.ops.registry import OpTarget
 
@@ -286,6 +287,32 @@ def test_key_limits_let_a_span_see_itself(window, softcap, dtype):
     assert layer._limited is paged_prefill_ref
     # the spans matter: causal attention gives another answer
     assert not torch.allclose(naive_windowed(case, window, softcap), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("window, lookahead", [(3, None), (8, None), (4, 3), (9, 8)])
+@pytest.mark.parametrize("tile", [4, torch_paged.WINDOW_TILE])
+def test_long_windowed_chunks_in_tiles_match_dense(monkeypatch, window, lookahead, tile):
+    """A windowed chunk longer than two tiles runs a tile of queries at a time over only the
+    keys they see (made 4 rows here so that small cases take that path): the same answer.
+    With a lookahead and an encoder's key limits (every row up to its chunk's end), the
+    window spans both sides (ModernBERT's local layers)."""
+    monkeypatch.setattr(torch_paged, "WINDOW_TILE", tile)
+    specs = [(9, 1), (40, 40), (50, 33), (61, 25), (7, 7)]
+    case = make_case(specs, block_size=4, num_heads=4, num_kv_heads=2, head_size=16, seed=31)
+    limits = None
+    if lookahead is not None:
+        limits = [min(pos + lookahead, ctx - 1) for ctx, q_len in specs[1:] for pos in range(ctx - q_len, ctx)]
+        case.meta.key_limits = torch.tensor([ctx - 1 for ctx, q_len in specs[1:] for _ in range(q_len)])
+        limits = [specs[0][0] - 1, *limits]  # the decode row: causal
+    layer = Attention(4, 16, 2, case.scale, OpTarget("cpu", torch.float32), sliding_window=window,
+                      lookahead=lookahead)
+    layer.kv_cache = (case.k_cache, case.v_cache)
+    with attention_context(case.meta):
+        out = layer(case.query.flatten(1), case.key.flatten(1), case.value.flatten(1))
+    expected = naive_windowed(case, window, None, limits)
+    torch.testing.assert_close(out.view_as(case.query), expected, atol=1e-5, rtol=1e-4)
+    if lookahead is not None:  # the keys past a row matter
+        assert not torch.allclose(naive_windowed(case, window, None), expected, atol=1e-3)
 
 
 def test_window_and_softcap_change_the_answer():

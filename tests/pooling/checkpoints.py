@@ -123,16 +123,26 @@ def make_encoder(folder: Path, kind: str, pooling: str | None, normalize: bool, 
         config = XLMRobertaConfig(vocab_size=vocab, max_position_embeddings=130, type_vocab_size=1,
                                   pad_token_id=1, **{**ENCODER, **overrides})
         model = XLMRobertaModel(config, add_pooling_layer=False)
-    model.eval()
-    with torch.no_grad():  # norms and biases away from their 1 / 0 defaults: skipping one would show
-        g = torch.Generator().manual_seed(seed + 3)
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or name.endswith(".bias"):
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    nudge_norms_and_biases(model.eval(), seed, "LayerNorm")
     model.save_pretrained(folder)
     if pooling is not None:
         write_sentence_transformers(folder, pooling, normalize)
     return Embedder(folder, model, pooling or "CLS", normalize)
+
+
+def nudge_norms_and_biases(model: torch.nn.Module, seed: int, norm_marker: str,
+                           scales: dict[str, float] | None = None) -> None:
+    """Norms (names holding `norm_marker`) and biases away from their 1 / 0 defaults, so a
+    loader that skipped one would show; then parameters whose name holds a key of `scales`
+    multiplied by its value."""
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 3)
+        for name, p in model.named_parameters():
+            if norm_marker in name or name.endswith(".bias"):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+            for part, scale in (scales or {}).items():
+                if part in name:
+                    p.mul_(scale)
 
 
 def make_cross_encoder(folder: Path, kind: str, corpus: list[str], num_labels: int = 1, seed: int = 0,
@@ -160,4 +170,33 @@ def make_cross_encoder(folder: Path, kind: str, corpus: list[str], num_labels: i
             if "classifier" in name or "pooler" in name:
                 p.mul_(20.0)  # logits of order 1, not 0.1: differences show
     model.save_pretrained(folder)
+    return model
+
+
+MODERNBERT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  max_position_embeddings=512, local_attention=16, global_attn_every_n_layers=3,
+                  pad_token_id=0, cls_token_id=2, bos_token_id=2, sep_token_id=3, eos_token_id=3)
+
+
+def make_modernbert(folder: Path, corpus: list[str], pooling: str | None = None, normalize: bool = True,
+                    num_labels: int | None = None, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random ModernBertModel saved bare (an embedder; with `pooling`, sentence-
+    transformers' files) or, given `num_labels`, a ModernBertForSequenceClassification. Its
+    local layers see 8 tokens on each side, so prompts longer than 17 tokens test the window.
+    Returns transformers' model (float32, eval)."""
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification, ModernBertModel
+
+    vocab = write_wordpiece_tokenizer(folder, corpus)
+    torch.manual_seed(seed)
+    config = ModernBertConfig(vocab_size=vocab, **{**MODERNBERT, **overrides})
+    if num_labels is None:
+        model = ModernBertModel(config)
+    else:
+        config.num_labels = num_labels
+        model = ModernBertForSequenceClassification(config)
+    # logits of order 1, not 0.1, so differences show; peaked attention, so which keys a token sees shows
+    nudge_norms_and_biases(model.eval(), seed, "norm", {"classifier": 20.0, ".attn.": 4.0})
+    model.save_pretrained(folder)
+    if pooling is not None:
+        write_sentence_transformers(folder, pooling, normalize)
     return model

@@ -14,7 +14,7 @@ class Attention(OpModule):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  target: OpTarget, sliding_window: int | None = None,
                  softcap: float | None = None, sinks: bool = False, value_is_key: bool = False,
-                 image_spans: bool = True):
+                 image_spans: bool = True, lookahead: int | None = None):
         """sliding_window: the query at position p sees keys in (p - window, p] (None: all).
         softcap: attention scores become softcap * tanh(scores / softcap) (gemma2).
         sinks: every forward passes a learned logit per query head that joins each softmax's
@@ -22,7 +22,10 @@ class Attention(OpModule):
         value_is_key: every forward's values are its keys (MLA's latent): the runner binds one
         cache tensor as both, half the memory.
         image_spans: whether a step's key limits (an image's tokens seeing each other) apply
-        here; Gemma 4's full layers stay causal over images."""
+        here; Gemma 4's full layers stay causal over images.
+        lookahead: where a step's key limits let rows see past themselves (an encoder's
+        prompt), the query at p sees keys up to p + lookahead at most; with sliding_window
+        w = lookahead + 1, a window of lookahead tokens on each side (ModernBERT's local layers)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -32,6 +35,9 @@ class Attention(OpModule):
         self.scale = scale
         self.sliding_window, self.softcap, self.has_sinks = sliding_window, softcap, sinks
         self.value_is_key, self.image_spans = value_is_key, image_spans
+        if lookahead is not None and lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0 or None, got {lookahead}")
+        self.lookahead = lookahead
         self.cache_tensors = 1 if value_is_key else 2  # what a cached token takes: K (and V)
         # The spec states which features are needed, so a kernel without them is rejected.
         # The cache keeps every token; freeing blocks that left the window is not done yet.
@@ -77,6 +83,8 @@ class Attention(OpModule):
         meta = current_metadata()
         if not self.image_spans:
             meta = meta.causal()
+        elif self.lookahead is not None:
+            meta = meta.within_lookahead(self.lookahead)
         k_cache, v_cache = self.kv_cache
         q = q.view(-1, self.num_heads, self.head_size)
         nd = meta.num_decode_tokens

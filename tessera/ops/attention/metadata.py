@@ -45,6 +45,7 @@ class AttentionMetadata:
     _decode_int32: tuple | None = field(default=None, repr=False)
     _prefill_int32: tuple | None = field(default=None, repr=False)
     _causal: "AttentionMetadata | None" = field(default=None, repr=False)
+    _ahead: dict = field(default_factory=dict, repr=False)  # lookahead -> metadata (within_lookahead)
 
     def causal(self) -> "AttentionMetadata":
         """This step's metadata without key limits (layers that keep images causal: Gemma 4's
@@ -52,8 +53,22 @@ class AttentionMetadata:
         if self.key_limits is None:
             return self
         if self._causal is None:
-            self._causal = replace(self, key_limits=None, _causal=None)
+            self._causal = replace(self, key_limits=None, _causal=None, _ahead={})
         return self._causal
+
+    def within_lookahead(self, lookahead: int) -> "AttentionMetadata":
+        """This step's metadata with each prefill row's key limit at most `lookahead` past
+        its own position: with a window behind, a window on both sides (ModernBERT's local
+        layers in an encoder's prompt). Without key limits rows are causal, which already
+        stays within; built once per step and lookahead, sharing the per-step caches."""
+        if self.key_limits is None:
+            return self
+        if lookahead not in self._ahead:
+            own = torch.cat([torch.arange(n - q, n) for n, q in
+                             zip(self.seq_lens_list[self.num_decodes:], self.query_lens_list[self.num_decodes:])])
+            limits = torch.minimum(self.key_limits, own.to(self.key_limits) + lookahead)
+            self._ahead[lookahead] = replace(self, key_limits=limits, _causal=None, _ahead={})
+        return self._ahead[lookahead]
 
     def decode_view(self, block_size: int,
                     sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
