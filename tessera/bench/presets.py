@@ -86,6 +86,14 @@ PRESETS["modernbert-embed-base"] = dict(
     classifier_pooling="mean", pad_token_id=50283, bos_token_id=50281, eos_token_id=50282,
     cls_token_id=50281, sep_token_id=50282, initializer_range=0.02, torch_dtype="float32")
 
+# nomic-ai/nomic-embed-text-v1.5 (NomicBERT: 12 post-norm layers, rotary, SwiGLU, no biases;
+# mean pooling; its folder's config uses the remote code's keys, these are transformers')
+PRESETS["nomic-embed-text-v1.5"] = dict(
+    architectures=["NomicBertModel"], model_type="nomic_bert", hidden_act="silu", hidden_size=768,
+    intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=2048,
+    type_vocab_size=2, vocab_size=30528, layer_norm_eps=1e-12, pad_token_id=0,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, initializer_range=0.02, torch_dtype="float32")
+
 # BAAI/bge-reranker-base (an XLM-RoBERTa cross-encoder: one label, the CLS row)
 PRESETS["bge-reranker-base"] = dict(
     architectures=["XLMRobertaForSequenceClassification"], model_type="xlm-roberta", hidden_act="gelu",

@@ -185,8 +185,9 @@ class BaseRouter:
     @property
     def longest_attention_span(self) -> int:
         """The most prompt tokens that attend to each other rather than causally (one image
-        of Gemma 3): a step may take them whole, past its budget; 0: causal throughout."""
-        return 0
+        of Gemma 3; an encoder's whole prompt): a step may take them whole, past its budget;
+        0: causal throughout."""
+        return self.max_model_len if self.bidirectional else 0
 
     def path_note(self) -> str:
         """How this model runs, for `tessera inspect`."""

@@ -200,3 +200,30 @@ def make_modernbert(folder: Path, corpus: list[str], pooling: str | None = None,
     if pooling is not None:
         write_sentence_transformers(folder, pooling, normalize)
     return model
+
+
+def make_rotary_encoder(folder: Path, family: str, corpus: list[str], pooling: str | None = None,
+                        normalize: bool = True, num_labels: int | None = None, seed: int = 0,
+                        **overrides) -> torch.nn.Module:
+    """A tiny random NomicBertModel or GteModel ("nomic", "gte"; saved as transformers saves
+    them: in the families' own tensor names), or with `num_labels` its
+    *ForSequenceClassification. Returns transformers' model (float32, eval)."""
+    import transformers
+
+    vocab = write_wordpiece_tokenizer(folder, corpus)
+    name = {"nomic": "NomicBert", "gte": "Gte"}[family]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=vocab, max_position_embeddings=256, pad_token_id=0,
+        **{**ENCODER, "type_vocab_size": 2, "hidden_act": "silu" if family == "nomic" else "gelu", **overrides})
+    torch.manual_seed(seed)
+    if num_labels is None:
+        model = getattr(transformers, f"{name}Model")(config)
+    else:
+        config.num_labels = num_labels
+        model = getattr(transformers, f"{name}ForSequenceClassification")(config)
+    # peaked attention and logits of order 1, so that differences show
+    nudge_norms_and_biases(model.eval(), seed, "LayerNorm", {"self_attn": 3.0, "classifier": 20.0, "pooler": 5.0})
+    model.save_pretrained(folder)
+    if pooling is not None:
+        write_sentence_transformers(folder, pooling, normalize)
+    return model

@@ -26,7 +26,3 @@ class BertRouter(BaseRouter):
         if wanted is not None and wanted > limit:
             raise ValueError(f"max_model_len {wanted} exceeds the encoder's {limit} positions")
         return wanted or limit
-
-    @property
-    def longest_attention_span(self) -> int:
-        return self.max_model_len  # a whole prompt attends to itself

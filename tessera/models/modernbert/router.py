@@ -21,7 +21,3 @@ class ModernBertRouter(BaseRouter):
         """What the checkpoint's classifier reads (config.classifier_pooling: cls or mean);
         embeddings without sentence-transformers' pooling file pool the same way."""
         return "MEAN" if getattr(self.config, "classifier_pooling", "cls") == "mean" else "CLS"
-
-    @property
-    def longest_attention_span(self) -> int:
-        return self.max_model_len  # a whole prompt attends to itself
