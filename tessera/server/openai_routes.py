@@ -23,7 +23,7 @@ from tessera.server.openai_common import (FINISH, admit, continuous_usage, state
 from tessera.server.openai_validation import (MAX_LOGPROBS, output_limit, resolve_model, sampling_params,
                                               wire_prompt_logprobs)
 from tessera.server.protocol import ChatCompletionRequest, ChatMessage, VllmTokenizeRequest, wire_logprob
-from tessera.server.reasoning import (REASONING_PARSERS, START, keeps_special_tokens, output_opens_inside,
+from tessera.server.reasoning import (keeps_special_tokens, output_opens_inside,
                                      prompt_closes_reasoning, reasoning_stream, split_reasoning)
 from tessera.server.state import ServerState
 from tessera.server.tool_calls import ToolCallStream, plan_tool_calls, tool_calls
@@ -129,15 +129,15 @@ def template_kwargs(body: ChatCompletionRequest | VllmTokenizeRequest) -> dict:
 def plan_reasoning(state: ServerState, params: SamplingParams, prompt_text: str) -> bool:
     """Under a reasoning parser: whether the output starts inside the reasoning. A
     constrained output (a schema, a tool) of a reasoning model gets its constraint set to
-    wait for </think>, where the tags are tokens (reasoning.py); an output the prompt has not
-    opened the reasoning for opens it with <think> first, or is the answer at once."""
+    wait for </think> (Gemma 4's <channel|>), where the tags are tokens (reasoning.py); an
+    output the prompt has not opened the reasoning for opens it with <think> (<|channel>)
+    first, or is the answer at once."""
     opened = output_opens_inside(state.reasoning_parser, prompt_text)
     if keeps_special_tokens(state.reasoning_parser):  # harmony's markers are special tokens
         params.skip_special_tokens = False
     if state.reasoning_parser is not None and params.structured_outputs is not None \
-            and REASONING_PARSERS[state.reasoning_parser].start == START \
             and not prompt_closes_reasoning(prompt_text, state.reasoning_parser):
-        start, end = state.think_tokens
+        start, end = state.reasoning_tokens(state.reasoning_parser)
         if end is not None and (opened or start is not None):
             params.reasoning_end_token_id = end
             params.reasoning_start_token_id = None if opened else start

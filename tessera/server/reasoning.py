@@ -23,8 +23,9 @@ Structured outputs (`response_format`, a required tool call) constrain the conte
 reasoning before `</think>` is the model's own (vLLM's behaviour), and an output the
 prompt has not opened a reasoning for either opens one with `<think>` or is the answer
 from its first token. That needs the tags to be tokens of their own, kept in the text (they
-are for Qwen3, QwQ and DeepSeek-R1); otherwise, and when the prompt closes the reasoning
-itself, the output is the constraint's from its first token.
+are for Qwen3, QwQ and DeepSeek-R1; Gemma 4's `<|channel>` and `<channel|>` are special
+tokens its parser keeps); otherwise, and when the prompt closes the reasoning itself, the
+output is the constraint's from its first token.
 
 Tool calls (`--tool-call-parser`) are read from the content only.
 """
@@ -44,13 +45,20 @@ class ReasoningSyntax:
     start: str = START
     end: str = END
     special_tags: bool = False  # the tags are special tokens: kept in the text
+    # the token a start tag of several tokens opens with (Gemma 4's <|channel>, then
+    # "thought"): what a structured output's first token may be to reason first
+    opening_token: str | None = None
+
+    @property
+    def opening(self) -> str:
+        return self.opening_token or self.start
 
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningSyntax(always_opened=True),
                      "qwen3": ReasoningSyntax(always_opened=False),
                      "openai_gptoss": ReasoningSyntax(always_opened=False, harmony=True),
                      "gemma4": ReasoningSyntax(always_opened=False, start="<|channel>thought", end="<channel|>",
-                                               special_tags=True)}
+                                               special_tags=True, opening_token="<|channel>")}
 
 
 def keeps_special_tokens(parser: str | None) -> bool:
@@ -82,18 +90,30 @@ def prompt_closes_reasoning(prompt: str, parser: str = "qwen3") -> bool:
     return prompt.rstrip().endswith(REASONING_PARSERS[parser].end)
 
 
-def tag_token(tokenizer, tag: str) -> int | None:
+def tag_token(tokenizer, tag: str, kept_special: bool = False) -> int | None:
     """`tag` (`<think>`, `</think>`) as one token of this tokenizer that decodes to the tag
     in the text the client gets (Qwen3's, QwQ's, DeepSeek-R1's are), or None. A
     structured-output constraint waits for `</think>` only where it is such a token: a tag
     split over tokens could end inside one, mid-way into the answer, and a special token
-    skipped in the text would leave no tag to split the answer at."""
+    skipped in the text would leave no tag to split the answer at (`kept_special`: the
+    parser keeps special tokens in the text, as Gemma 4's does)."""
     token_id = tokenizer.convert_tokens_to_ids(tag)
     if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
         return None
     if tokenizer.encode(tag, add_special_tokens=False) != [token_id]:
         return None
-    return token_id if tokenizer.decode([token_id], skip_special_tokens=True) == tag else None
+    return token_id if tokenizer.decode([token_id], skip_special_tokens=not kept_special) == tag else None
+
+
+def reasoning_tag_tokens(tokenizer, parser: str) -> tuple[int | None, int | None]:
+    """(the token that opens parser `parser`'s reasoning, the token that ends it) where each
+    is a token of its own kept in the text (tag_token), else None; (None, None) for
+    harmony's channels, which a constraint does not wait through."""
+    syntax = REASONING_PARSERS[parser]
+    if syntax.harmony:
+        return None, None
+    return (tag_token(tokenizer, syntax.opening, syntax.special_tags),
+            tag_token(tokenizer, syntax.end, syntax.special_tags))
 
 
 def _partial_suffix(text: str, tag: str) -> int:

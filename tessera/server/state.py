@@ -14,7 +14,7 @@ from tessera.engine.stats import EngineStats
 from tessera.pooling.config import PoolerConfig
 from tessera.server.async_engine import AsyncEngine
 from tessera.server.metrics import ServerMetrics
-from tessera.server.reasoning import END, START, tag_token
+from tessera.server.reasoning import reasoning_tag_tokens
 from tessera.server.responses_store import ResponseStore
 
 
@@ -48,8 +48,9 @@ class ServerState:
     allow_runtime_lora_updating: bool = False  # mount /v1/load_lora_adapter and unload
     ready: bool = False
     special_ids: frozenset[int] = frozenset()
-    # <think> and </think> as tokens of the model (server/reasoning.py's tag_token), or None
-    think_tokens: tuple[int | None, int | None] = (None, None)
+    # per reasoning parser, its opening and end tags as tokens of the model (reasoning.py's
+    # reasoning_tag_tokens), or None
+    _reasoning_tokens: dict = field(default_factory=dict)
     # the model's generation_config.json sampling values: defaults of OpenAI requests
     sampling_defaults: dict = field(default_factory=dict)
     model_root: str | None = None  # what /v1/models gives as the base model's root: its --model
@@ -75,6 +76,15 @@ class ServerState:
             return EngineStats(0, 0, 0.0, 0, 0, 0, 0)
         return self.engine.engine.stats()
 
+    def reasoning_tokens(self, parser: str) -> tuple[int | None, int | None]:
+        """Reasoning parser `parser`'s (opening, end) tag tokens in this model (None where a
+        tag is not one token kept in the text, or past the model's vocabulary)."""
+        if parser not in self._reasoning_tokens:
+            vocab = self.engine.engine.router.config.vocab_size
+            tags = reasoning_tag_tokens(self.tokenizer, parser)
+            self._reasoning_tokens[parser] = tuple(t if t is not None and t < vocab else None for t in tags)
+        return self._reasoning_tokens[parser]
+
     def attach(self, engine: AsyncEngine) -> None:
         """The model is loaded and warm: start answering requests."""
         core = engine.engine
@@ -85,9 +95,7 @@ class ServerState:
         self.decode = fast_decoder(core.tokenizer)
         self.sampling_defaults = core.router.sampling_defaults  # generation_config.json's
         self.model_root = core.config.model.model or str(core.router.source.path)
-        vocab = core.router.config.vocab_size
-        tags = (tag_token(core.tokenizer, START), tag_token(core.tokenizer, END))
-        self.think_tokens = tuple(t if t is not None and t < vocab else None for t in tags)
+        self._reasoning_tokens.clear()
         self.limits.max_total_tokens = core.max_model_len
         room = 0 if core.is_pooling else 1  # a prompt to pool may fill the context
         if not self.limits.max_input_tokens or self.limits.max_input_tokens > core.max_model_len - room:

@@ -165,14 +165,14 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(chat, server, 
     assert list(calls.values()) == HERMES_CALLS
 
 
-def _with_tags(tiny_model_dir, folder, special: bool):
-    """The tiny model with `<think>` and `</think>` as tokens of their own, as a reasoning
-    model's vocabulary has them (ids past the trained ones, inside the model's 512)."""
+def _with_tags(tiny_model_dir, folder, special: bool, tags: tuple[str, ...] = (START, END)):
+    """The tiny model with `tags` (`<think>` and `</think>`) as tokens of their own, as a
+    reasoning model's vocabulary has them (ids past the trained ones, inside the model's 512)."""
     from transformers import AutoTokenizer
 
     shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_tokens([START, END], special_tokens=special)
+    tokenizer.add_tokens(list(tags), special_tokens=special)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -261,3 +261,30 @@ def test_qwen3_may_think_first_or_answer_at_once_under_a_constraint(thinking_ser
             assert reply["finish_reason"] == "tool_calls"
         else:
             assert re.fullmatch(REGEX, message["content"]), message
+
+
+GEMMA4_TAGS = ("<|channel>", "<channel|>")
+
+
+def test_gemma4_may_think_first_or_answer_at_once_under_a_constraint(tiny_model_dir, tmp_path):
+    """Gemma 4's tags are special tokens its parser keeps in the text: a constrained output's
+    first token may be `<|channel>` (the thought follows, free until `<channel|>`, then the
+    constraint's answer) or the constraint's own."""
+    running = start_server(_with_tags(tiny_model_dir, tmp_path / "gemma4", special=True, tags=GEMMA4_TAGS))
+    try:
+        tokenizer = running.state.tokenizer
+        opening, end = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA4_TAGS)
+        assert running.state.reasoning_tokens("gemma4") == (opening, end)
+        assert running.state.reasoning_tokens("qwen3") == (None, None)  # no <think> here
+        for bias, first in (({str(opening): 50, str(end): 100}, list(GEMMA4_TAGS)), ({str(opening): -100}, None)):
+            reply = _post(running, "gemma4", max_tokens=60, logit_bias=bias, logprobs=True,
+                          structured_outputs={"regex": REGEX}).json()["choices"][0]
+            tokens = [t["token"] for t in reply["logprobs"]["content"]]
+            if first:  # it opened a thought and closed it at once; the answer follows
+                assert tokens[:2] == first, tokens
+                assert re.fullmatch(REGEX, "".join(tokens[2:]).removesuffix(tokenizer.eos_token)), tokens
+            else:
+                assert not set(GEMMA4_TAGS) & set(tokens), tokens
+                assert re.fullmatch(REGEX, reply["message"]["content"]), reply["message"]
+    finally:
+        running.stop()
