@@ -57,8 +57,10 @@ def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:
         if router.classifies and override:
             raise ConfigError("--pooler-config applies to embedding models and classifier_from_token, "
                               "not to a sequence-classification checkpoint")
+        # --chat-template given for a classifier writes its scored pairs (vLLM's score template)
+        template = router.chat_template if config.model.chat_template else None
         return classifier_config(router.config, router.default_pooling_type,
-                                 _classifier_tokens(router, override) if override else None)
+                                 _classifier_tokens(router, override) if override else None, template)
     return pooler_config_for(router.metadata_dir, router.config, config.model.pooler_config,
                              router.default_pooling_type)
 

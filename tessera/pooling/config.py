@@ -55,6 +55,9 @@ class PoolerConfig:
     classifier_token_ids: tuple[int, ...] = ()
     # a pair's second text has its own segment id (BERT's token types; decoders have none)
     pair_segments: bool = False
+    # a chat template that writes a scored pair (--chat-template for a classifier: vLLM's
+    # score template, e.g. Qwen3-Reranker's instruction); None: the tokenizer's pair encoding
+    pair_template: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -67,10 +70,11 @@ class PoolerConfig:
 
 
 def classifier_config(hf_config: PretrainedConfig, pooling_type: str,
-                      from_tokens: dict[str, int] | None = None) -> PoolerConfig:
+                      from_tokens: dict[str, int] | None = None, pair_template: str | None = None) -> PoolerConfig:
     """A *ForSequenceClassification checkpoint: its head reads the `pooling_type` row. With
     `from_tokens` (token -> id), a causal LM's logits at those tokens are the labels (two: one
-    label, the second's logit minus the first's)."""
+    label, the second's logit minus the first's). `pair_template`: a chat template that
+    writes each scored pair (PoolerConfig.pair_template)."""
     labels = getattr(hf_config, "id2label", None) or {0: "LABEL_0"}
     names = tuple(str(labels[i]) for i in sorted(labels, key=int))
     if from_tokens:
@@ -85,7 +89,8 @@ def classifier_config(hf_config: PretrainedConfig, pooling_type: str,
         raise ConfigError(f"the cross-encoder activation {activation!r} is not supported (Sigmoid, Identity)")
     config = PoolerConfig(pooling_type, normalize=False, task="classify", labels=names,
                           score_activation=kind.lower(), classifier_token_ids=tuple((from_tokens or {}).values()),
-                          pair_segments=bool(getattr(hf_config, "type_vocab_size", 0)))
+                          pair_segments=bool(getattr(hf_config, "type_vocab_size", 0)) and pair_template is None,
+                          pair_template=pair_template)
     logger.info("serving a classifier: %d label%s from the %s row%s", len(names), "s" * (len(names) > 1),
                 pooling_type, f", scores through {kind.lower()}" if len(names) == 1 else "")
     return config

@@ -54,12 +54,17 @@ class ScoringRequestOutput:
 
 
 def encode_pair(tokenizer, first: str, second: str, max_length: int | None = None,
-                segments: bool = True) -> TokenTypedPrompt | list[int]:
+                segments: bool = True, template: str | None = None) -> TokenTypedPrompt | list[int]:
     """A cross-encoder's prompt: the pair as its tokenizer encodes one (BERT: [CLS] a [SEP] b
     [SEP], segments 0 then 1; a decoder's tokenizer: the two texts' tokens one after the
-    other, no segments). `max_length`: cut the longer text to fit, a token at a time."""
+    other, no segments). `max_length`: cut the longer text to fit, a token at a time.
+    `template`: a chat template that writes the pair itself (vLLM's score template: the
+    messages [{"role": "query", ...}, {"role": "document", ...}], Qwen3-Reranker's
+    instruction around them); no segments, and a prompt too long is refused."""
     if not isinstance(first, str) or not isinstance(second, str):
         raise PairingError("a cross-encoder scores texts, not token ids")
+    if template is not None:
+        return _templated_pair(tokenizer, first, second, max_length, template)
     cut = {}
     if max_length is not None:
         specials = tokenizer.num_special_tokens_to_add(pair=True)
@@ -74,6 +79,18 @@ def encode_pair(tokenizer, first: str, second: str, max_length: int | None = Non
     if not segments:
         return list(encoded.input_ids)
     return TokenTypedPrompt(list(encoded.input_ids), list(encoded.token_type_ids))
+
+
+def _templated_pair(tokenizer, first: str, second: str, max_length: int | None, template: str) -> list[int]:
+    messages = [{"role": "query", "content": first}, {"role": "document", "content": second}]
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+    except Exception as exc:  # the template's own complaint names what it disliked
+        raise PairingError(f"the score template cannot render the pair: {exc}") from exc
+    ids = list(tokenizer(text, add_special_tokens=False).input_ids)  # the template writes its own markers
+    if max_length is not None and len(ids) > max_length:
+        raise PairingError(f"the pair in the score template is {len(ids)} tokens, over the limit of {max_length}")
+    return ids
 
 
 def cross_encoder_score(logits: torch.Tensor, config: PoolerConfig) -> float:
@@ -98,4 +115,5 @@ def cross_encoder_prompts(tokenizer, first: list, second: list, pairs: list[tupl
                           config: PoolerConfig, max_length: int) -> list[TokenTypedPrompt | list[int]]:
     """A one-label cross-encoder's prompt for each pair (encode_pair's, cut to `max_length`)."""
     require_one_label(config)
-    return [encode_pair(tokenizer, first[i], second[j], max_length, config.pair_segments) for i, j in pairs]
+    return [encode_pair(tokenizer, first[i], second[j], max_length, config.pair_segments, config.pair_template)
+            for i, j in pairs]

@@ -153,7 +153,7 @@ async def predict(request: Request, body: PredictRequest) -> JSONResponse:
         elif len(item) == 2:  # a pair: its second text cut to fit with `truncate`
             prompts.append(encode_pair(state.tokenizer, item[0], item[1],
                                        state.limits.max_total_tokens if body.truncate else None,
-                                       state.pooler.pair_segments))
+                                       state.pooler.pair_segments, state.pooler.pair_template))
         else:
             raise ValidationFailed("an input is a text or a pair [a, b]", param="inputs")
     outs = await embed_all(request, state, prompts, PoolingParams())

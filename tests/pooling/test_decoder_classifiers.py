@@ -8,6 +8,7 @@ import torch
 
 from tessera import LLM
 from tessera.config import ConfigError
+from tessera.pooling.scoring import PairingError
 
 QUERY = "<Query>: what stores the KV cache?\n"
 DOCS = ["<Document>: Paged attention stores the KV cache", "<Document>: The quick brown fox",
@@ -101,7 +102,7 @@ def test_reranking_over_http(tmp_path, tiny_tokenizer_dir, monkeypatch):
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     torch.manual_seed(2)
-    hf = Qwen3ForCausalLM(Qwen3Config(**QWEN3)).eval()
+    hf = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "max_position_embeddings": 1024})).eval()  # the prompt is long
     folder = save(hf, tmp_path, tiny_tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     vocab = tokenizer.get_vocab()
@@ -121,3 +122,41 @@ def test_reranking_over_http(tmp_path, tiny_tokenizer_dir, monkeypatch):
         running.assert_idle()
     finally:
         running.stop()
+
+
+def test_a_score_template_writes_each_pair(tmp_path, tiny_tokenizer_dir):
+    """--chat-template beside a classifier is vLLM's score template: each pair is the
+    template's rendering of [query, document] messages (examples/qwen3_reranker.jinja, its
+    instruction around them), scored by the same tokens' logits as transformers'; a pair
+    rendered past the context is refused, and nothing else changes."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    hf = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "max_position_embeddings": 1024})).eval()  # the prompt is long
+    folder = save(hf, tmp_path, tiny_tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = tokenizer.get_vocab()
+    no, yes = sorted(t for t in vocab if t.isalpha() and len(t) > 2)[:2]
+    template = Path(__file__).parents[2] / "examples" / "qwen3_reranker.jinja"
+    query, docs = "what stores the KV cache?", ["Paged attention stores it", "The quick brown fox"]
+    with LLM(folder, dtype="float32", show_progress=False, runner="pooling", chat_template=str(template),
+             pooler_config={"classifier_from_token": [no, yes]}, max_model_len=1024) as llm:
+        assert llm.engine.pooler_config.pair_template is not None
+        outs = llm.score(query, docs)
+        for doc, out in zip(docs, outs):
+            text = tokenizer.apply_chat_template([{"role": "query", "content": query}, {"role": "document", "content": doc}],
+                                                 chat_template=template.read_text(), tokenize=False)
+            assert f"<Query>: {query}\n<Document>: {doc}<|im_end|>" in text and text.endswith("</think>\n\n")
+            assert out.prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids
+            with torch.no_grad():
+                logits = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+            assert out.outputs.score == pytest.approx(torch.softmax(logits[[vocab[no], vocab[yes]]], -1)[1].item(),
+                                                      abs=1e-5)
+        with pytest.raises(PairingError, match="score template is .* tokens, over the limit of 1024"):
+            llm.score(query, ["doc " * 1000])
+    with LLM(folder, dtype="float32", show_progress=False, runner="pooling",
+             pooler_config={"classifier_from_token": [no, yes]}) as llm:  # no template: the texts in a row
+        out, = llm.score(query, docs[:1])
+        assert out.prompt_token_ids == tokenizer(query, docs[0]).input_ids
