@@ -263,6 +263,25 @@ def tiny_case(name: str, tmp_path_factory, tokenizer_dir: Path, make: Callable, 
     return Case(name, folder, hf, LLM(folder, dtype="float32", num_kv_blocks=num_kv_blocks, show_progress=False))
 
 
+class LogitParity:
+    """The parity tests of a family's test file, over its `case` fixture (subclass as
+    `TestParity`): prefill and decode logits, greedy alone and batched, chunked prefill."""
+
+    num_kv_blocks = 64
+    prompt_lengths = (5, 23, 47)
+
+    def test_prefill_and_decode_logits_match(self, case: Case, monkeypatch):
+        check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
+
+    def test_greedy_matches_hf_generate_alone_and_batched(self, case: Case):
+        check_greedy_alone_and_batched(case.llm, case.hf, self.prompt_lengths)
+
+    def test_chunked_prefill_matches(self, case: Case, monkeypatch):
+        """16-token steps (for recurrent layers: each prompt's chunks continue its state)."""
+        check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, self.num_kv_blocks,
+                              self.prompt_lengths)
+
+
 # --- models with recurrent layers: what every hybrid family's test file runs ------------------
 
 def recurrent_case(name: str, tmp_path_factory, tokenizer_dir: Path, make: Callable, num_kv_blocks: int = 64) -> Case:
@@ -275,23 +294,11 @@ def recurrent_case(name: str, tmp_path_factory, tokenizer_dir: Path, make: Calla
     return Case(name, folder, hf, llm)
 
 
-class RecurrentParity:
+class RecurrentParity(LogitParity):
     """The parity tests of a hybrid family's test file, over its `case` fixture (subclass
     as `TestParity`)."""
 
-    num_kv_blocks = 64
     prompt_lengths = (5, 23, 90)  # 90: two of the prefill kernels' 64-token blocks in one chunk
-
-    def test_prefill_and_decode_logits_match(self, case: Case, monkeypatch):
-        check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
-
-    def test_greedy_matches_hf_generate_alone_and_batched(self, case: Case):
-        check_greedy_alone_and_batched(case.llm, case.hf, self.prompt_lengths)
-
-    def test_chunked_prefill_matches(self, case: Case, monkeypatch):
-        """16-token steps: each prompt's chunks continue its recurrent state."""
-        check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, self.num_kv_blocks,
-                              self.prompt_lengths)
 
 
 class RecurrentStateChecks(RecurrentParity):

@@ -95,6 +95,8 @@ class MLAttention(nn.Module):
         # W_UK_h^T q_nope_h: each head's query in the latent space
         q_latent = torch.einsum("thn,hnr->thr", q[..., :self.nope], w[:, :self.nope])
         query = torch.cat((q_latent, q_pe.view(t, h, self.rope_dim)), dim=-1).reshape(t, -1)
+        if len(rope) > 2:  # each token's query scale (Llama 4's temperature: Mistral 4), linear through W_UK
+            query = query * rope[2].to(query.dtype)
         key = torch.cat((latent, k_pe), dim=-1)
         out = self.attn(query, key, key).view(t, h, self.rank + self.rope_dim)[..., :self.rank]
         values = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])  # W_UV_h of the latent output

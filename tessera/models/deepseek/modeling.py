@@ -17,11 +17,14 @@ from tessera.ops.rotary import RotaryEmbedding, rope_parameters
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
+    moe_cls = DeepseekMoE
+
     def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
         nn.Module.__init__(self)
         self.self_attn = MLAttention(config, target)
         dense = layer_idx < (config.first_k_dense_replace or 0)
-        self.mlp = LlamaMLP(config, target) if dense else DeepseekMoE(config, target, config.model_type == "deepseek_v3")
+        self.mlp = LlamaMLP(config, target) if dense else self.moe_cls(config, target,
+                                                                        config.model_type == "deepseek_v3")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
 
@@ -31,8 +34,10 @@ class DeepseekModel(LlamaModel):
         """Rotary turns only each query's and the shared key's qk_rope_head_dim part."""
         return RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, rope_parameters(config), target)
 
+    layer_cls = DeepseekDecoderLayer
+
     def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
-        return DeepseekDecoderLayer(config, target, layer_idx)
+        return self.layer_cls(config, target, layer_idx)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

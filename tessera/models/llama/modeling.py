@@ -142,12 +142,16 @@ class LlamaModel(nn.Module):
         """`rope_inputs`: what a rotary embedding takes beyond positions (M-RoPE's 3-D
         positions of image tokens)."""
         hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary_emb(positions, **rope_inputs)
+        rope = self.step_rope(positions, **rope_inputs)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def step_rope(self, positions: torch.Tensor, **rope_inputs: torch.Tensor) -> Rope:
+        """This step's rotary inputs, shared by every layer (a model may add to them)."""
+        return self.rotary_emb(positions, **rope_inputs)
 
 
 class LlamaForCausalLM(nn.Module):

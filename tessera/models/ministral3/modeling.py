@@ -25,8 +25,10 @@ class Ministral3DecoderLayer(MistralDecoderLayer):
     attention_cls = Ministral3Attention
 
 
-class Ministral3Model(MistralModel):
-    layer_cls = Ministral3DecoderLayer
+class Llama4QueryTemperature:
+    """Mixin before a LlamaModel subclass: past YaRN's original context each token's query
+    scale, 1 + beta * log(1 + floor(position / original)), joins the step's rope tuple as
+    its third element (the attention multiplies its queries by it)."""
 
     def __init__(self, config: PretrainedConfig, target):
         super().__init__(config, target)
@@ -34,18 +36,16 @@ class Ministral3Model(MistralModel):
         self.beta = params.get("llama_4_scaling_beta")
         self.original = params.get("original_max_position_embeddings")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None, **rope_inputs: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self.rotary_emb(positions, **rope_inputs)
+    def step_rope(self, positions: torch.Tensor, **rope_inputs: torch.Tensor) -> Rope:
+        rope = super().step_rope(positions, **rope_inputs)
         if self.beta and self.original:
             scale = 1 + self.beta * torch.log1p(torch.floor(positions.to(torch.float32) / self.original))
             rope = (*rope, scale[:, None])
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return rope
+
+
+class Ministral3Model(Llama4QueryTemperature, MistralModel):
+    layer_cls = Ministral3DecoderLayer
 
 
 class Ministral3ForCausalLM(MistralForCausalLM):
