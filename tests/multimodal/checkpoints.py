@@ -392,7 +392,7 @@ def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type
     """A Mistral3 (Mistral Small 3.1) checkpoint: a Pixtral tower over 7-pixel patches of an
     image at most 56 pixels long, 2 x 2 merged (14 pixels a token), a Mistral language
     model (`text_type` "ministral3": Ministral 3's, with YaRN and its query temperature from
-    16 tokens on); saved with its image processor, a tokenizer and processor_config.json as
+    16 tokens on; "mistral4": Mistral Small 4's); saved with its image processor, a tokenizer and processor_config.json as
     transformers' PixtralProcessor writes it (the processor itself needs torchvision)."""
     import json
 
@@ -406,6 +406,13 @@ def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type
     if text_type == "ministral3":
         from tests.models.families import MINISTRAL3_ROPE
         text = Ministral3Config(**TEXT_CONFIG, rope_parameters=MINISTRAL3_ROPE, pad_token_id=0)
+    elif text_type == "mistral4":  # Mistral Small 4's: latent attention, experts, the temperature
+        from transformers import Mistral4Config
+
+        from tests.models.test_mistral4 import YARN
+        text = Mistral4Config(**{**TEXT_CONFIG, "num_key_value_heads": 4}, kv_lora_rank=32, q_lora_rank=None,
+                              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
+                              n_routed_experts=4, num_experts_per_tok=2, rope_parameters=dict(YARN), pad_token_id=0)
     else:
         text = MistralConfig(**TEXT_CONFIG)
     config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=3,

@@ -15,12 +15,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 N = 16
 
 
-@pytest.mark.parametrize("text_type", ["mistral", "ministral3"])
+@pytest.mark.parametrize("text_type", ["mistral", "ministral3", "mistral4"])
 def test_images_of_their_own_shapes_equal_transformers(tmp_path, text_type):
     """A 100 x 40 image is resized to 56 x 22 -> 56 x 28 (whole 14-pixel tokens): 2 rows of
     4 tokens; a 40 x 40 one to 42 x 42: 3 rows of 3. The layout is PixtralProcessor's,
     written out here; the tokens after it equal transformers' model on those ids. With
-    Ministral 3's language model (its image-text checkpoints) too."""
+    Ministral 3's and Mistral Small 4's language models (their image-text checkpoints) too."""
     hf = make_tiny_mistral3(tmp_path, TINY_CORPUS, text_type=text_type)
     assert hf.config.text_config.model_type == text_type
     wide, square = random_image(1, size=(100, 40)), random_image(2, size=(40, 40))
