@@ -25,6 +25,8 @@ from tessera.weights.gguf_config import complete_gguf_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
 from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
+from tessera.weights.gguf_smollm3 import ARCH as SMOLLM3
+from tessera.weights.gguf_smollm3 import smollm3_config
 from tessera.weights.lazy import LazyTensor
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ _GLOBAL_NAMES = {
 # blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files; some
 # parts carry a .scale (Gemma 4's router)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*)(?:\.(\d+))?\.(weight|bias|scale)$")
-CONVERSION_VERSION = 7  # bump when the cached folder's contents change
+CONVERSION_VERSION = 8  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
 EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF tensor is split)
 LAZY_BYTES = 256 << 20  # 2-D tensors larger than this in float32 are read by rows (GGUFRows)
@@ -227,10 +229,14 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
         raise ValueError(f"{path.name} is one of {int(parts)} parts of a split GGUF, which tessera does not "
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
-    if field_value(reader.fields, "general.architecture") == GEMMA4:
-        # per-layer KV heads and widths transformers' conversion refuses (gguf_gemma4.py); its
-        # tokenizer then loads without a config
-        config = gemma4_config(reader.fields, reader.tensors)
+    arch = field_value(reader.fields, "general.architecture")
+    if arch in (GEMMA4, SMOLLM3):
+        # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
+        # widths) or does not know; their tokenizers then load without a config
+        if arch == GEMMA4:
+            config = gemma4_config(reader.fields, reader.tensors)
+        else:
+            config = complete_gguf_config(smollm3_config(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -202,6 +202,9 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
 
 # --- other architectures, as convert_hf_to_gguf.py writes them ---------------------------------
 
+LLAMA_CONVERTED = ("llama", "smollm3")  # convert_hf_to_gguf.py's LlamaModel and its subclasses: Q / K permuted
+
+
 def _layer_parts(arch: str) -> dict[str, str]:
     """Hugging Face layer module -> llama.cpp part, for `arch` (tensor_mapping.py)."""
     parts = dict(_LAYER_PARTS)
@@ -253,9 +256,9 @@ def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False,
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
         assert m and m.group(2) in parts, hf_name
         name = f"blk.{m.group(1)}.{parts[m.group(2)]}.{kind}"
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+        if arch in LLAMA_CONVERTED and name.endswith(("attn_q.weight", "attn_q.bias")):
             array = llama_cpp_permute(array, cfg.num_attention_heads)
-        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif arch in LLAMA_CONVERTED and name.endswith(("attn_k.weight", "attn_k.bias")):
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
         out[name] = array
     return out
@@ -297,7 +300,7 @@ def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
         w.add_sliding_window(cfg.sliding_window or 0)
         return
     w.add_vocab_size(cfg.vocab_size)
-    if arch == "llama":
+    if arch in LLAMA_CONVERTED:
         w.add_rope_dimension_count(head_dim)
     if getattr(cfg, "head_dim", None):  # the generic writer: only when the config states it
         w.add_key_length(head_dim)

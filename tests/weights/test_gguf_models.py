@@ -1,4 +1,5 @@
-"""GGUF files of Gemma 2, Phi-3 (4k and longrope), Mixtral and Qwen3-MoE, written the way
+"""GGUF files of Gemma 2, Phi-3 (4k and longrope), Mixtral, Qwen3-MoE and SmolLM3 (arch smollm3:
+Llama's tensors, Q / K permuted, NoPE layers the file does not name), written the way
 llama.cpp's convert_hf_to_gguf.py writes them (tests/weights/gguf_writer.py: Gemma's norms
 stored as 1 + w under its own four names, Phi-3's fused projections kept whole with gate_up
 as ffn_up and its longrope factors as tensors, Mixtral as arch "llama" with permuted Q/K and
@@ -80,8 +81,20 @@ def phi3(longrope: bool = False):
                                       tie_word_embeddings=False))
 
 
+def smollm3():
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    # four layers: the fourth is a NoPE layer, which the file does not say (llama.cpp knows)
+    cfg = SmolLM3Config(**{**COMMON, "num_hidden_layers": 4}, intermediate_size=128, tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    assert cfg.no_rope_layers == [1, 1, 1, 0]
+    return SmolLM3ForCausalLM(cfg)
+
+
 CASES = {
     "gemma2": (gemma2, "gemma2", {}),
+    "smollm3": (smollm3, "smollm3", {}),
+    "smollm3-q8_0": (smollm3, "smollm3", {"qtype": QT.Q8_0}),
     "gemma3": (gemma3, "gemma3", {}),
     "mixtral": (mixtral, "llama", {}),
     "mixtral-per-expert": (mixtral, "llama", {"per_expert": True}),
@@ -138,7 +151,11 @@ def test_gguf_gives_the_original_models_outputs(name, tokenizer_json, tmp_path):
     hf = randomised(build(), seed=len(name))
     path = write_model_gguf(tmp_path / f"{name}.gguf", hf, tokenizer_json, arch, **options)
     llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
-    assert llm.engine.router.config.model_type == hf.config.model_type
+    config = llm.engine.router.config
+    assert config.model_type == hf.config.model_type
+    if arch == "smollm3":  # what llama.cpp runs, from no key of the file
+        assert config.no_rope_layers == hf.config.no_rope_layers and config.tie_word_embeddings
+        assert llm.engine.router.chat_template  # the file's, through the tokenizer
     check_greedy_and_logprobs(llm, dequantized(hf, options.get("qtype", QT.F32)), prompts(), NEW_TOKENS)
 
 
