@@ -34,6 +34,7 @@ from tessera.engine.config_checks import check_recurrent_model
 from tessera.engine.speculation import find_draft_model, load_draft_model, make_proposer
 from tessera.engine.state_cache import StateCache, num_state_slots
 from tessera.engine.stats import EngineStats
+from tessera.engine.thinking_budget import ThinkingBudget
 from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
@@ -206,6 +207,10 @@ class Engine(LoRAMethods, PoolingRequests):
                 if params.reasoning_end_token_id is not None:  # a reasoning comes first
                     seq.grammar_may_open = params.reasoning_start_token_id
                     seq.grammar_waits = seq.grammar_may_open is None  # the output starts in it
+        if params.thinking_token_budget is not None:
+            for seq in seqs:
+                seq.thinking = ThinkingBudget(params.thinking_token_budget, params.reasoning_end_token_id,
+                                              params.reasoning_start_token_id)
         group = SequenceGroup(request_id, seqs, pending=seqs[1:])
         for seq in seqs:
             seq.group = group
@@ -387,14 +392,14 @@ class Engine(LoRAMethods, PoolingRequests):
 
     def _propose(self, progressed: dict[SequenceGroup, dict[Sequence, Delta]]) -> None:
         """Speculative decoding: drafts for the next step of every sequence this step
-        advanced (not under a structured-output constraint: its mask holds for one
-        position only)."""
+        advanced (not under a structured-output constraint or a thinking budget: a mask or a
+        forced token holds for one position only)."""
         limit = self.proposer.config.disable_by_batch_size
         if limit is not None and len(self.scheduler.running) + len(self.scheduler.waiting) > limit:
             return
         for deltas in progressed.values():
             for seq in deltas:
-                if not seq.is_finished and seq.grammar is None:
+                if not seq.is_finished and seq.grammar is None and seq.thinking is None:
                     seq.draft_token_ids = self.proposer.propose(seq)
 
     def _execute(self, scheduled) -> StepResult:

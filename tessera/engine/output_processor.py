@@ -73,6 +73,8 @@ class OutputProcessor:
             seq.finish_reason = FinishReason.ABORT
             return "", []
         seq.token_ids.append(token)
+        if seq.thinking is not None:
+            seq.thinking.advance(token, first=seq.num_output_tokens == 1)
         if seq.grammar_waits and token == params.reasoning_end_token_id:
             seq.grammar_waits = False  # the reasoning ended: the constraint takes the next token
         if info is not None:

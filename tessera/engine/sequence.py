@@ -80,6 +80,8 @@ class Sequence:
     grammar: Any = None
     grammar_waits: bool = False
     grammar_may_open: int | None = None
+    # params.thinking_token_budget's count (tessera.engine.thinking_budget.ThinkingBudget)
+    thinking: Any = None
     # the LoRA adapter it runs with (tessera.lora.adapter.LoRAAdapter), None: the base model
     lora: Any = None
     # its prompt's images (tessera.multimodal.inputs.MultimodalInputs), shared by the group
@@ -87,6 +89,11 @@ class Sequence:
     # an embedding request (tessera.pooling.pooler.PoolingState): its prompt is pooled into
     # one vector and it ends there, sampling nothing
     pooling: Any = None
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token the next step must take (a thinking budget spent: the reasoning's end)."""
+        return None if self.thinking is None else self.thinking.forced_token
 
     @property
     def active_grammar(self) -> Any:

@@ -309,7 +309,8 @@ class ModelRunner:
                               token_ids=[s.token_ids for s in seqs],
                               num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
                               grammars=[s.active_grammar for s in seqs],
-                              draft_token_ids=drafts)
+                              draft_token_ids=drafts,
+                              forced_token_ids=[s.forced_token for s in seqs])
         return self.sampler.sample(next(passes), batch)
 
     @staticmethod

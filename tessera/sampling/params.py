@@ -82,6 +82,9 @@ class SamplingParams:
     # the first token is then that one (the reasoning follows) or the constraint's own
     # (None: the output starts inside the reasoning)
     reasoning_start_token_id: int | None = None
+    # the most tokens the reasoning may take (vLLM's thinking_token_budget): then its end
+    # token (reasoning_end_token_id) is forced and the answer follows (None: no limit)
+    thinking_token_budget: int | None = None
     # TGI: bias each step's green list, the engine's WatermarkConfig (sampling/watermark.py)
     watermark: bool = False
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
@@ -160,9 +163,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, "must be null or a token id >= 0")
-        if self.reasoning_end_token_id is not None and self.structured_outputs is None:
-            raise bad("reasoning_end_token_id", "applies to structured outputs only: set "
-                      "`structured_outputs` too, or leave it null")
+        if self.thinking_token_budget is not None:
+            if not _is_int(self.thinking_token_budget) or self.thinking_token_budget < 0:
+                raise bad("thinking_token_budget", "must be null or an integer >= 0")
+            if self.reasoning_end_token_id is None:
+                raise bad("thinking_token_budget", "needs `reasoning_end_token_id` (the token that ends the reasoning)")
+        if self.reasoning_end_token_id is not None and self.structured_outputs is None \
+                and self.thinking_token_budget is None:
+            raise bad("reasoning_end_token_id", "applies to structured outputs or a thinking budget: set "
+                      "`structured_outputs` or `thinking_token_budget` too, or leave it null")
         if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
             raise bad("reasoning_start_token_id", "needs `reasoning_end_token_id` (where the reasoning ends)")
 
@@ -226,10 +235,10 @@ class SamplingParams:
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens sampled so far (penalties count them; min_tokens
         counts the output; a grammar advances with each; the last seeds the watermark; bad
-        words match its end), so a
+        words match its end; a thinking budget counts the reasoning), so a
         step cannot be launched before the last one's reach the host."""
         return (self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
-                or self.watermark or bool(self.bad_words_token_ids))
+                or self.watermark or bool(self.bad_words_token_ids) or self.thinking_token_budget is not None)
 
     @property
     def num_sequences(self) -> int:

@@ -75,6 +75,17 @@ def suppress_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int])
     return logits.index_put(index, torch.full((), NEG_INF, dtype=logits.dtype, device=device))
 
 
+def force_tokens(logits: torch.Tensor, rows: list[int], ids: list[int]) -> torch.Tensor:
+    """Row rows[k] certain to take ids[k]: its logits -inf but that one's, 0 (a probability
+    of 1 whatever masked or biased it before)."""
+    device = logits.device
+    out = logits.clone()
+    index = device_tensor(rows, device)
+    out[index] = NEG_INF
+    out[index, device_tensor(ids, device)] = 0.0
+    return out
+
+
 def allow_only(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
     """Every logit of row r at -inf but those of allowed[r] (vLLM's allowed_token_ids)."""
     vocab, device = logits.shape[1], logits.device

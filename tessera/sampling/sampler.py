@@ -6,7 +6,8 @@ One step, for a [B, V] float32 logits tensor:
    logit_bias, then min_tokens (EOS and stop token ids at -inf while a row is short of its
    minimum), then the watermark's green-list bias (before penalties, as TGI), then
    penalties: repetition (HF: prompt and output tokens), frequency and presence (OpenAI:
-   output tokens). These apply to greedy rows too.
+   output tokens), then a forced token (a spent thinking budget's end of reasoning) alone
+   left. These apply to greedy rows too.
 2. Greedy rows take the argmax. Sampled rows go through temperature, top-k, top-p, min-p
    and typical-p (HF's order) and draw by inverting their CDF at one uniform from the
    row's own generator (seeded requests) or the engine's, so a seeded request samples the
@@ -53,6 +54,8 @@ class SamplingBatch:
     # speculative decoding: per row, draft tokens that follow token_ids at this row's
     # position (the row verifying a sequence's j-th draft sees its first j - 1)
     draft_token_ids: list[list[int]] | None = None
+    # per row: a token it must take whatever the logits say (a thinking budget spent), or None
+    forced_token_ids: list[int | None] | None = None
 
     def output_ids(self, row: int) -> list[int]:
         if self.token_ids is None:
@@ -216,6 +219,9 @@ class Sampler:
             # where min_tokens took the only tokens a constraint allows (its end), the
             # constraint wins: its output is complete (no host sync: a where over rows)
             x = torch.where(torch.isinf(x).all(dim=1, keepdim=True), constrained, x)
+        forced = [(i, t) for i, t in enumerate(batch.forced_token_ids or ()) if t is not None]
+        if forced:  # last: nothing before may keep it from being taken
+            x = P.force_tokens(x, [i for i, _ in forced], [t for _, t in forced])
         return x
 
     def _green_lists(self, vocab_size: int) -> GreenLists:

@@ -38,7 +38,9 @@ class MessagesRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its `format` (a JSON schema) constrains the text
     # {"type": "enabled" | "disabled"}: the chat template's enable_thinking (Qwen3's and
-    # SmolLM3's switch; templates without one ignore it); no budget is enforced
+    # SmolLM3's switch; templates without one ignore it); an enabled one's `budget_tokens`
+    # is the thinking budget (chat completions' thinking_token_budget), enforced where the
+    # server's reasoning parser has tags that are tokens (clients always send one)
     thinking: dict[str, Any] | None = None
     # taken and ignored: hints for Anthropic's service
     metadata: dict[str, Any] | None = None
@@ -93,6 +95,12 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     thinking = (body.thinking or {}).get("type")
     if thinking in ("enabled", "disabled"):
         chat["chat_template_kwargs"] = {"enable_thinking": thinking == "enabled"}
+    budget = (body.thinking or {}).get("budget_tokens")
+    if thinking == "enabled" and budget is not None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValidationFailed(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}",
+                                   param="thinking.budget_tokens")
+        chat["thinking_token_budget"] = budget
     if body.tools:
         chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(body.tools)]
     if body.tool_choice is not None:

@@ -62,7 +62,8 @@ async def prepare_chat(state: ServerState, chat: ChatCompletionRequest, logprobs
         requested = min(requested, max(state.limits.max_total_tokens - len(ids), 1))
     params = sampling_params(chat, output_limit(state, requested, len(ids)), top if chat.logprobs else None,
                              tools=tools, defaults=state.sampling_defaults)
-    opened = plan_reasoning(state, params, prompt_text)
+    # (only the Messages API sets a budget here: its budget_tokens, enforced where it can be)
+    opened = plan_reasoning(state, params, prompt_text, chat.thinking_token_budget, budget_required=False)
 
     def logprobs(token_ids: list[int], lps: list | None) -> list[dict] | None:
         return chat_logprobs(state, token_ids, lps, top, label)["content"] if chat.logprobs and lps else None

@@ -126,21 +126,31 @@ def template_kwargs(body: ChatCompletionRequest | VllmTokenizeRequest) -> dict:
     return {**({"reasoning_effort": effort} if effort else {}), **(body.chat_template_kwargs or {})}
 
 
-def plan_reasoning(state: ServerState, params: SamplingParams, prompt_text: str) -> bool:
+def plan_reasoning(state: ServerState, params: SamplingParams, prompt_text: str,
+                   thinking_token_budget: int | None = None, budget_required: bool = True) -> bool:
     """Under a reasoning parser: whether the output starts inside the reasoning. A
     constrained output (a schema, a tool) of a reasoning model gets its constraint set to
     wait for </think> (Gemma 4's <channel|>), where the tags are tokens (reasoning.py); an
     output the prompt has not opened the reasoning for opens it with <think> (<|channel>)
-    first, or is the answer at once."""
+    first, or is the answer at once. A thinking budget forces that end tag once spent; one
+    the server cannot enforce is an error, or (`budget_required` False: Anthropic's
+    budget_tokens, which its clients always send) not enforced."""
     opened = output_opens_inside(state.reasoning_parser, prompt_text)
     if keeps_special_tokens(state.reasoning_parser):  # harmony's markers are special tokens
         params.skip_special_tokens = False
-    if state.reasoning_parser is not None and params.structured_outputs is not None \
-            and not prompt_closes_reasoning(prompt_text, state.reasoning_parser):
+    closed = state.reasoning_parser is not None and prompt_closes_reasoning(prompt_text, state.reasoning_parser)
+    budget = thinking_token_budget is not None
+    if state.reasoning_parser is not None and (params.structured_outputs is not None or budget) and not closed:
         start, end = state.reasoning_tokens(state.reasoning_parser)
         if end is not None and (opened or start is not None):
             params.reasoning_end_token_id = end
             params.reasoning_start_token_id = None if opened else start
+    if budget and not closed:  # (a prompt that closes the reasoning leaves none to limit)
+        if params.reasoning_end_token_id is not None:
+            params.thinking_token_budget = thinking_token_budget
+        elif budget_required:
+            raise ValidationFailed("thinking_token_budget needs a reasoning parser (--reasoning-parser) whose "
+                                   "reasoning tags are tokens of the model", param="thinking_token_budget")
     # a constrained output that cannot reason first is the constraint's from its first token
     return opened and (params.structured_outputs is None or params.reasoning_end_token_id is not None)
 
@@ -167,7 +177,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     params = sampling_params(body, max_tokens, top if body.logprobs else None, tools=tools,
                              defaults=state.sampling_defaults)
     thinks = state.reasoning_parser is not None  # the reply has reasoning fields (null or not)
-    opened = plan_reasoning(state, params, prompt_text)
+    opened = plan_reasoning(state, params, prompt_text, body.thinking_token_budget)
     rid, label = f"chatcmpl-{uuid.uuid4().hex}", token_label(state, body)
     created = int(time.time())
     stream = run_request(state, rid, ids, params, lora, body.priority, images)

@@ -225,6 +225,9 @@ class ChatCompletionRequest(_OpenAISampling):
     # OpenAI's; reaches the chat template as `reasoning_effort` (gpt-oss's sets its
     # "Reasoning: low | medium | high" line from it); templates without it ignore it
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's: the most tokens the reasoning may take before its end tag is forced (needs a
+    # reasoning parser whose tags are tokens of the model)
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
 
 # a text, texts, token ids, or lists of token ids (OpenAI's embeddings `input`, TEI's `inputs`)

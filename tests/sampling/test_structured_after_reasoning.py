@@ -85,7 +85,7 @@ def test_an_output_that_may_open_its_reasoning_opens_it_or_answers_at_once(tiny)
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(reasoning_end_token_id=5), "applies to structured outputs only"),
+    (dict(reasoning_end_token_id=5), "applies to structured outputs or a thinking budget"),
     (dict(reasoning_end_token_id=-1, structured_outputs={"regex": "a"}), "token id >= 0"),
     (dict(reasoning_end_token_id="5", structured_outputs={"regex": "a"}), "token id >= 0"),
     (dict(reasoning_start_token_id=4, structured_outputs={"regex": "a"}), "needs `reasoning_end_token_id`"),

@@ -288,3 +288,39 @@ def test_gemma4_may_think_first_or_answer_at_once_under_a_constraint(tiny_model_
                 assert re.fullmatch(REGEX, reply["message"]["content"]), reply["message"]
     finally:
         running.stop()
+
+
+def test_a_thinking_budget_ends_the_reasoning(thinking_server):
+    """`thinking_token_budget`: R1's reasoning (kept from ending by itself) gets that many
+    tokens, then `</think>` and the answer; Qwen3's opened one counts after `<think>`; the
+    Messages API's thinking.budget_tokens is the same budget."""
+    tokenizer = thinking_server.state.tokenizer
+    start, end = str(tag_token(tokenizer, START)), str(tag_token(tokenizer, END))
+    for parser, bias, before in (("deepseek_r1", {end: -100}, []), ("qwen3", {start: 100, end: -100}, [START])):
+        reply = _post(thinking_server, parser, max_tokens=12, logit_bias=bias, logprobs=True,
+                      thinking_token_budget=3).json()["choices"][0]
+        tokens = [t["token"] for t in reply["logprobs"]["content"]]
+        assert tokens[:len(before)] == before and tokens[len(before) + 3] == END, tokens
+        assert END not in tokens[len(before):len(before) + 3]
+        message = reply["message"]
+        assert message["reasoning_content"] == "".join(tokens[len(before):len(before) + 3])
+        assert message["content"] == "".join(tokens[len(before) + 4:])
+    thinking_server.state.reasoning_parser = "deepseek_r1"  # (the random model never ends it itself)
+    body = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled"}}
+    unlimited = httpx.post(thinking_server.url + "/v1/messages", timeout=30, json=body).json()
+    assert [b["type"] for b in unlimited["content"]] == ["thinking"], unlimited
+    body["thinking"]["budget_tokens"] = 2
+    limited = httpx.post(thinking_server.url + "/v1/messages", timeout=30, json=body).json()
+    assert [b["type"] for b in limited["content"]] == ["thinking", "text"], limited
+    assert unlimited["content"][0]["thinking"].startswith(limited["content"][0]["thinking"])
+    bad = httpx.post(thinking_server.url + "/v1/messages", timeout=30,
+                     json={**body, "thinking": {"type": "enabled", "budget_tokens": -1}})
+    assert bad.status_code == 400 and "budget_tokens" in bad.text
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser(server):
+    server.state.reasoning_parser = None
+    reply = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL_NAME, "messages": CHAT, "max_tokens": 4, "thinking_token_budget": 2})
+    assert reply.status_code == 400 and "thinking_token_budget" in reply.text
