@@ -29,7 +29,7 @@ def block_types(config: PretrainedConfig) -> list[str]:
     types = list(getattr(config, "layers_block_type", None) or config.layer_types)
     unknown = set(types) - set(BLOCK_TYPES)
     if unknown:
-        raise ValueError(f"granitemoehybrid: unknown layer types {sorted(unknown)}")
+        raise ValueError(f"{config.model_type}: unknown layer types {sorted(unknown)}")
     return types
 
 
