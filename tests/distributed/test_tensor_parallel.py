@@ -21,6 +21,8 @@ from tessera.models.registry import router_classes
 from tessera.sampling.params import SamplingParams
 
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
+from tests.models.test_bamba import CASES as BAMBA_CASES
+from tests.models.test_bamba import make_tiny_bamba
 from tests.models.test_deepseek import CASES as CASES_DEEPSEEK
 from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_falcon_h1 import CASES as FALCON_H1_CASES
@@ -182,6 +184,12 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         return make_tiny_nemotron_h(kind, folder, tokenizer_dir, seed=5)
     if kind in GRANITE_HYBRID_CASES:  # Mamba-2's heads split; two groups split, one group held whole
         return make_tiny_granite_hybrid(kind, folder, tokenizer_dir, seed=5)
+    if kind in BAMBA_CASES:
+        return make_tiny_bamba(kind, folder, tokenizer_dir, seed=5)
+    if kind == "mistral4":  # DeepSeek's split, Mistral's router replicated, the temperature per rank
+        from tests.models.test_mistral4 import CASES as MISTRAL4_CASES
+        from tests.models.test_mistral4 import make_tiny_mistral4
+        return make_tiny_mistral4(folder, tokenizer_dir, seed=5, **MISTRAL4_CASES["yarn-temperature-qlora"])
     if kind in QWEN3_NEXT_CASES:  # linear attention: each rank one key head and its two value heads
         return make_tiny_qwen3_next(kind, folder, tokenizer_dir, seed=5)
     if kind in GEMMA4_CASES:  # PLE and KV sharing; experts, and full layers' one KV head replicated
@@ -202,14 +210,15 @@ FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "ol
                 "cohere2": "cohere2-window8-tied"}
 GEMMA4_CASES = {"gemma4-e2b": "e2b", "gemma4-moe": "moe", "gemma4": None}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
-       "deepseek_v2", "deepseek_v3", *FAMILY_CASES, *QWEN3_NEXT_CASES,
-       *GRANITE_HYBRID_CASES, *NEMOTRON_H_CASES, *LFM2_CASES, *FALCON_H1_CASES, *GEMMA4_CASES)
+       "deepseek_v2", "deepseek_v3", "mistral4", *FAMILY_CASES, *QWEN3_NEXT_CASES,
+       *GRANITE_HYBRID_CASES, *BAMBA_CASES, *NEMOTRON_H_CASES, *LFM2_CASES, *FALCON_H1_CASES, *GEMMA4_CASES)
 
 
 @pytest.mark.parametrize("kind", ZOO)
 def test_model_zoo_tp2_matches_transformers(kind, tmp_path, tiny_tokenizer_dir):
     hf = _zoo_checkpoint(kind, tmp_path, tiny_tokenizer_dir)
     assert hf.config.model_type == ("granitemoehybrid" if kind in GRANITE_HYBRID_CASES else
+                                    "bamba" if kind in BAMBA_CASES else
                                     "nemotron_h" if kind in NEMOTRON_H_CASES else
                                     "lfm2_moe" if kind == "lfm2-moe" else "lfm2" if kind in LFM2_CASES else
                                     "falcon_h1" if kind in FALCON_H1_CASES else

@@ -18,10 +18,13 @@ from tessera.lora import LoRARequest
 from tests.lora.peft_adapters import save_peft_adapter
 from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.families import make_family
+from tests.models.test_bamba import make_tiny_bamba
 from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_falcon_h1 import make_tiny_falcon_h1
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
+from tests.models.test_mistral4 import CASES as MISTRAL4_CASES
+from tests.models.test_mistral4 import make_tiny_mistral4
 from tests.models.test_lfm2 import make_tiny_lfm2
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.models.test_nemotron_h import make_tiny_nemotron_h
@@ -88,6 +91,10 @@ FAMILIES = {
     # Mamba-2's packed in_proj and its out_proj, NoPE attention, the shared MLP (experts refused)
     "granite-4.0-h": (functools.partial(make_tiny_granite_hybrid, "granite-4.0-h-moe-nope"), None,
                       ["in_proj", "out_proj", "q_proj", "v_proj", "input_linear"]),
+    "bamba": (functools.partial(make_tiny_bamba, "bamba-two-groups"), None,
+              ["in_proj", "out_proj", "q_proj", "v_proj", "up_proj"]),
+    "mistral4-mla": (functools.partial(make_tiny_mistral4, **MISTRAL4_CASES["yarn-temperature-qlora"]), None,
+                     ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
     "nemotron-h": (functools.partial(make_tiny_nemotron_h, "nemotron-h-one-group"), None,
                    ["in_proj", "k_proj", "o_proj", "up_proj", "down_proj"]),  # (PEFT refuses Mamba's out_proj here)
     # LFM2's short convolution's packed in_proj and out_proj, attention, its w1 / w3 / w2 MLP
@@ -272,7 +279,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
-              "deepseek_v2", "deepseek_v3", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
+              "deepseek_v2", "deepseek_v3", "mistral4", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
               "qwen3_5_moe_text", "gemma4_text", "gemma4",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal

@@ -8,3 +8,5 @@ class Mistral4Router(BaseRouter):
     model_types = ("mistral4",)
     model_cls = Mistral4ForCausalLM
     is_moe = True  # tests/models/test_mistral4.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py (the projections around the latent, as DeepSeek's)
