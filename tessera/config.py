@@ -72,6 +72,9 @@ class ModelConfig:
     # embedding models: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool,
     # "is_matryoshka": bool} over what the checkpoint's files say (tessera/pooling/config.py)
     pooler_config: dict | None = None
+    # a GGUF model's multimodal projector file (llama.cpp's --mmproj): its images
+    # (tessera/weights/gguf_mmproj.py)
+    mmproj: str | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "tessera")
 
     def __post_init__(self) -> None:

@@ -16,6 +16,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
+    p.add_argument("--mmproj", default=None,
+                   help="a GGUF model's multimodal projector file (llama.cpp's mmproj GGUF; Gemma 3's): "
+                        "the model then takes images")
     p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
                    help="native: a tessera model folder; transformers: transformers' modeling code with "
                         "tessera's paged attention; auto: native when a folder serves the type")
@@ -204,6 +207,7 @@ def engine_config_from_args(args: argparse.Namespace):
                model_impl=args.model_impl, load_format=args.load_format,
                quantization=args.quantization, enforce_eager=args.enforce_eager,
                generation_config=args.generation_config, mm_processor_kwargs=args.mm_processor_kwargs,
+               mmproj=args.mmproj,
                runner=args.runner, pooler_config=args.pooler_config,
                async_scheduling=args.async_scheduling, scheduling_policy=args.scheduling_policy,
                speculative_config=speculative_config(args),

@@ -87,7 +87,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                   cache_dir: str | Path | None = None, logprobs_mode: str = "raw",
                   model_impl: str = "auto", load_format: str = "auto", quantization: str | None = None,
                   enforce_eager: bool = False, generation_config: str = "auto",
-                  mm_processor_kwargs: dict | None = None,
+                  mm_processor_kwargs: dict | None = None, mmproj: str | Path | None = None,
                   runner: str = "auto", pooler_config: dict | None = None,
                   async_scheduling: bool | None = None,
                   scheduling_policy: str = "fcfs",
@@ -123,7 +123,7 @@ def engine_config(model: str | Path | None = None, *, dtype: str = "auto",
                                load_format=load_format, quantization=quantization,
                                enforce_eager=enforce_eager, generation_config=generation_config,
                                mm_processor_kwargs=mm_processor_kwargs, runner=runner,
-                               pooler_config=pooler_config)
+                               pooler_config=pooler_config, mmproj=None if mmproj is None else str(mmproj))
     if cache_dir is not None:
         model_config.cache_dir = Path(cache_dir)
     return EngineConfig(

@@ -9,10 +9,12 @@ import importlib
 import json
 import pkgutil
 from functools import lru_cache
+from pathlib import Path
 
 from tessera.config import ModelConfig
 from tessera.models.base import BaseRouter
 from tessera.weights.gguf import gguf_metadata_folder
+from tessera.weights.gguf_mmproj import gguf_mmproj_folder
 from tessera.weights.source import ModelSource, resolve_model_source
 
 
@@ -52,6 +54,10 @@ def get_router(model_config: ModelConfig, source: ModelSource | None = None) -> 
     source = source or resolve_model_source(model_config.model)
     metadata_dir = (gguf_metadata_folder(source.path, model_config.cache_dir)
                     if source.is_gguf else source.path)
+    if model_config.mmproj:  # a GGUF's vision side: the folder a multimodal checkpoint would have
+        if not source.is_gguf:
+            raise ValueError("--mmproj goes with a GGUF model file (a Hugging Face folder holds its own vision tower)")
+        metadata_dir = gguf_mmproj_folder(metadata_dir, Path(model_config.mmproj), model_config.cache_dir)
     model_type = json.loads((metadata_dir / "config.json").read_text()).get("model_type")
     cls = choose_router(model_type, model_config.model_impl, is_gguf=source.is_gguf)
     return cls(source, metadata_dir, model_config)

@@ -8,6 +8,7 @@ transformers' processor does not do (per-image token counts, positions of its ow
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 from typing import Callable, ClassVar, Iterable
 
 import torch
@@ -20,6 +21,7 @@ from tessera.multimodal.processor import ImagePrompts
 from tessera.ops.registry import OpTarget
 from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
+from tessera.weights.gguf_mmproj import iter_mmproj_weights
 from tessera.weights.loader import load_weights
 from tessera.weights.prequantized import checkpoint_quantization
 
@@ -132,14 +134,23 @@ class VisionLanguageRouter(BaseRouter):
                      progress: Callable[[Iterable], Iterable] = lambda it: it) -> int:
         """The language model's tensors go to its own loader (prepared as they complete),
         the vision side's into transformers' modules."""
-        if self.source.is_gguf:
-            raise ValueError("multimodal models load from Hugging Face folders (a GGUF's vision "
-                             "projector is a separate mmproj file tessera does not read)")
+        if self.source.is_gguf and not self.model_config.mmproj:
+            raise ValueError("a GGUF holds a multimodal model's language model only: pass its vision side "
+                             "as --mmproj FILE (llama.cpp's projector GGUF)")
         if self.model_config.load_format == "dummy":
             count = load_dummy_weights(model.language_model)  # the vision side keeps its random init
             prepare_weights(model.language_model)
             return count
         vision = model.vision
+        if self.source.is_gguf:  # the language model from the GGUF, the vision side from its mmproj file
+            count = len(load_weights(model.language_model, progress(
+                (language_model_name(n), t) for n, t in self.iter_weights()), prepare=True))
+            if vision.materialized:
+                for name, tensor in iter_mmproj_weights(Path(self.model_config.mmproj), vision.weight_names()):
+                    vision.load_tensor(name, tensor)
+            count += vision.check_loaded()
+            prepare_weights(model.language_model)
+            return count
 
         def language_weights():
             for name, tensor in progress(self.iter_weights()):

@@ -350,11 +350,13 @@ GEMMA3_SPECIALS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>", "
 GEMMA3_IMAGE = "<start_of_image>"
 
 
-def make_tiny_gemma3(folder: Path, corpus: list[str], seed: int = 0, **top_level) -> torch.nn.Module:
+def make_tiny_gemma3(folder: Path, corpus: list[str], seed: int = 0, text_overrides: dict | None = None,
+                     **top_level) -> torch.nn.Module:
     """A Gemma 3 (4B-27B shape) checkpoint: SigLIP over 7-pixel patches of a 28-pixel image,
     average-pooled 2 x 2 to 4 x 4 = 16 tokens an image, and Gemma 3's language model with a
     sliding window (8) shorter than an image on half its layers; saved with transformers'
-    Gemma3Processor (PIL image processor). `top_level`: Gemma3Config's own fields."""
+    Gemma3Processor (PIL image processor). `top_level`: Gemma3Config's own fields;
+    `text_overrides`: its text config's."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, Gemma3TextConfig
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -362,11 +364,12 @@ def make_tiny_gemma3(folder: Path, corpus: list[str], seed: int = 0, **top_level
                               image_token="<image_soft_token>", eoi_token="<end_of_image>")
     tokenizer.add_bos_token = True
     ids = tokenizer.convert_tokens_to_ids(GEMMA3_SPECIALS[:3])
-    text = Gemma3TextConfig(**{**TEXT_CONFIG, "tie_word_embeddings": True}, head_dim=16, sliding_window=8,
-                            query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
-                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                                "rope_theta": 100.0}})
+    text = Gemma3TextConfig(**{**TEXT_CONFIG, "tie_word_embeddings": True, "head_dim": 16, "sliding_window": 8,
+                               "query_pre_attn_scalar": 24, "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100.0}},
+                               **(text_overrides or {})})
     vision = dict(VISION_CONFIG, model_type="siglip_vision_model")
     vision.pop("projection_dim")
     config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
@@ -376,7 +379,9 @@ def make_tiny_gemma3(folder: Path, corpus: list[str], seed: int = 0, **top_level
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():  # norms away from 0 (stored as w of 1 + w), so a skipped one would show
         for name, p in model.named_parameters():
-            if "language_model" in name and name.endswith("norm.weight"):
+            if ("language_model" in name and name.endswith("norm.weight")) or "mm_soft_emb_norm" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            if name.endswith("mm_input_projection_weight"):  # transformers starts it at 0: images would not matter
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
     model.save_pretrained(folder)
     Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,

@@ -131,7 +131,7 @@ def tokenizer_metadata(tokenizer_json: Path, vocab_size: int, overrides: dict[in
 
 
 def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int,
-                  token_overrides: dict[int, str] | None = None) -> None:
+                  token_overrides: dict[int, str] | None = None, add_bos: bool = False) -> None:
     """The tiny tokenizer as a llama.cpp gpt2 vocabulary, its special ids and chat template;
     `token_overrides` puts control tokens at some ids (past the tiny vocabulary's own)."""
     vocab = tokenizer_metadata(tokenizer_json, vocab_size, token_overrides)
@@ -142,7 +142,7 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int,
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
-    w.add_add_bos_token(False)  # the tiny tokenizer adds no BOS either
+    w.add_add_bos_token(add_bos)  # (the tiny tokenizer adds none)
     w.add_chat_template(CHAT_TEMPLATE)
 
 
@@ -314,7 +314,8 @@ def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
 
 
 def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, arch: str,
-                     qtype: QT = QT.F32, per_expert: bool = False, fuse_gate_up: bool = False) -> Path:
+                     qtype: QT = QT.F32, per_expert: bool = False, fuse_gate_up: bool = False,
+                     add_bos: bool = False) -> Path:
     """A GGUF of `model` as llama.cpp writes architecture `arch` (gemma2, phi3, qwen3moe, or
     llama for Mixtral): its metadata keys and tensors (model_tensors); 1-D tensors in F32, the
     others in `qtype`."""
@@ -322,7 +323,7 @@ def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, a
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny random {cfg.model_type}")
     _model_metadata(w, cfg, arch)
-    add_tokenizer(w, tokenizer_json, cfg.vocab_size)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size, add_bos=add_bos)
     write_tensors(w, ((name, array, qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32)
                       for name, array in model_tensors(model, arch, per_expert, fuse_gate_up).items()))
     return path

@@ -32,6 +32,10 @@ class Gemma3VisionRouter(VisionLanguageRouter):
     supports_sliding_window = True  # tests/multimodal/test_gemma3.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_vlm_lora.py
+    # a GGUF language model with its --mmproj projector (tests/multimodal/test_gemma3_gguf.py)
+    supports_gguf = True
+    gguf_names = Gemma2Router.gguf_names
+    gguf_norm_offset = 1.0
 
     @property
     def longest_attention_span(self) -> int:

@@ -1,0 +1,123 @@
+"""Gemma 3 from llama.cpp's files: the language model's GGUF with its multimodal projector
+beside it (`--mmproj`, a GGUF of arch "clip" as convert_hf_to_gguf.py --mmproj writes it:
+gguf's own tensor names, the soft-embedding norm stored as 1 + w, the tower's shape and the
+image processor's settings as clip.vision.* keys). Against transformers' model the files
+were written from: the same prompt tokens and greedy tokens with images."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tessera import LLM
+from tessera.weights.gguf_mmproj import MmprojError
+from tests.conftest import TINY_CORPUS
+from tests.multimodal.checkpoints import (GEMMA3_IMAGE, greedy, hf_image_generate, hf_image_logprobs, image_prompt,
+                                          make_tiny_gemma3, random_image)
+from tests.weights.gguf_writer import write_model_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N = 12
+TWO_IMAGES = f"The quick {GEMMA3_IMAGE} brown fox {GEMMA3_IMAGE} jumps"
+
+
+def write_text_gguf(path: Path, hf, tokenizer_json: Path, qtype=gguf.GGMLQuantizationType.F32) -> Path:
+    """The language model as llama.cpp's converter writes Gemma 3's (arch gemma3)."""
+    from transformers import Gemma3ForCausalLM
+
+    text = Gemma3ForCausalLM(hf.config.text_config).eval()
+    state = {f"model.{k}": v for k, v in hf.model.language_model.state_dict().items()}
+    text.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+    return write_model_gguf(path, text, tokenizer_json, "gemma3", qtype=qtype, add_bos=True)
+
+
+def write_gemma3_mmproj(path: Path, hf, projector_type: str = "gemma3") -> Path:
+    """The vision tower and projector as convert_hf_to_gguf.py --mmproj writes Gemma 3's."""
+    vision, text = hf.config.vision_config, hf.config.text_config
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_vision_projector_type(projector_type)
+    w.add_vision_image_size(vision.image_size)
+    w.add_vision_patch_size(vision.patch_size)
+    w.add_vision_embedding_length(vision.hidden_size)
+    w.add_vision_feed_forward_length(vision.intermediate_size)
+    w.add_vision_block_count(vision.num_hidden_layers)
+    w.add_vision_head_count(vision.num_attention_heads)
+    w.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
+    w.add_vision_projection_dim(text.hidden_size)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_use_gelu(True)
+    side = (vision.image_size // vision.patch_size) // int(hf.config.mm_tokens_per_image ** 0.5)
+    w.add_vision_projector_scale_factor(side)  # (written only where it is not 4)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
+    for name, tensor in hf.model.state_dict().items():
+        if not name.startswith(("vision_tower.", "multi_modal_projector.")) or name.endswith("position_ids") \
+                or ".head." in name:  # (SigLIP's pooling head, which Gemma 3 never runs: the converter skips it)
+            continue
+        if not name.startswith(("vision_tower.vision_model.", "multi_modal_projector.")):  # as released
+            name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        converted = name.replace("_weight", ".weight")
+        array = tensor.detach().float().numpy().copy()
+        if "soft_emb_norm" in name:
+            array = array + np.float32(1.0)
+        stored = np.float16 if "input_projection" in name else np.float32  # F16, as llama.cpp forces it
+        w.add_tensor(names.get_name(converted, try_suffixes=(".weight", ".bias")), array.astype(stored))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3-hf")
+    # the file has no query_pre_attn_scalar (llama.cpp scales queries by head_dim's) and no
+    # layer types (llama.cpp's pattern: every sixth layer global)
+    hf = make_tiny_gemma3(folder, TINY_CORPUS, text_overrides={
+        "query_pre_attn_scalar": 16, "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]})
+    with torch.no_grad():  # (make_tiny_gemma3 draws it, so that images matter) as its F16 copy holds it
+        projection = hf.model.multi_modal_projector.mm_input_projection_weight
+        projection.copy_(projection.half().float())
+    files = tmp_path_factory.mktemp("gemma3-gguf")
+    return (folder, hf, write_text_gguf(files / "gemma3.gguf", hf, folder / "tokenizer.json"),
+            write_gemma3_mmproj(files / "mmproj-gemma3.gguf", hf))
+
+
+def test_the_gguf_and_its_mmproj_equal_transformers(gemma3_files, tmp_path):
+    folder, hf, text, mmproj = gemma3_files
+    images = [random_image(1), random_image(2, size=(64, 30))]
+    prompt, want = hf_image_generate(hf, folder, TWO_IMAGES, images, N)
+    with LLM(text, mmproj=mmproj, dtype="float32", num_kv_blocks=64, show_progress=False,
+             cache_dir=tmp_path / "cache") as llm:
+        assert llm.engine.supports_images and llm.engine.router.config.model_type == "gemma3_text"
+        out = llm.generate(image_prompt(TWO_IMAGES, images), greedy(N, logprobs=0), use_tqdm=False)[0]
+        text_only = llm.generate("Paged attention stores", greedy(N), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt
+    got = out.outputs[0].token_ids
+    assert got == want
+    logprobs = [lp[t].logprob for t, lp in zip(got, out.outputs[0].logprobs)]
+    assert logprobs == pytest.approx(hf_image_logprobs(hf, folder, TWO_IMAGES, images, got), abs=1e-4)
+    ids = torch.tensor([text_only.prompt_token_ids])
+    with torch.no_grad():
+        plain = hf.generate(input_ids=ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    assert text_only.outputs[0].token_ids == plain[0, ids.shape[1]:].tolist()
+
+
+def test_refusals(gemma3_files, tmp_path):
+    folder, hf, text, mmproj = gemma3_files
+    with pytest.raises(ValueError, match="--mmproj goes with a GGUF"):
+        LLM(folder, mmproj=mmproj, dtype="float32", show_progress=False, cache_dir=tmp_path / "cache")
+    with pytest.raises(MmprojError, match="not a multimodal projector"):
+        LLM(text, mmproj=text, dtype="float32", show_progress=False, cache_dir=tmp_path / "cache")
+    other = write_gemma3_mmproj(tmp_path / "llava.gguf", hf, projector_type="mlp")
+    with pytest.raises(MmprojError, match="projector type 'mlp' is not read"):
+        LLM(text, mmproj=other, dtype="float32", show_progress=False, cache_dir=tmp_path / "cache")
+    with LLM(text, dtype="float32", num_kv_blocks=16, show_progress=False, cache_dir=tmp_path / "cache") as llm:
+        assert not llm.engine.supports_images  # the GGUF alone: its text model
