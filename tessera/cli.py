@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "/v1/responses and /v1/messages always report them")
     serve.add_argument("--responses-store-size", type=int_at_least(0), default=1000, metavar="N",
                        help="keep the last N finished /v1/responses in memory (unless a request sets store: "
-                            "false), for previous_response_id and GET /v1/responses/{id}; 0 keeps none")
+                            "false), for previous_response_id and GET /v1/responses/{id}, and up to N "
+                            "/v1/conversations; 0 keeps none")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="read tool calls in the model's own syntax, which enables tool_choice \"auto\" "
                             "(hermes: <tool_call>{...}</tool_call>, as Qwen 2.5/3 and Hermes models write; "

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from tessera.server import (anthropic_messages, embeddings, lora_routes, openai_completions, openai_responses,
-                            openai_routes, scores, tgi, tokenize_routes)
+from tessera.server import (anthropic_messages, conversations, embeddings, lora_routes, openai_completions,
+                            openai_responses, openai_routes, scores, tgi, tokenize_routes)
 from tessera.server.errors import APIError, Unavailable, ValidationFailed, anthropic_error, openai_error, tgi_error
 from tessera.server.state import ServerState
 
@@ -167,6 +167,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(openai_completions.router)
     app.include_router(openai_responses.router)
+    app.include_router(conversations.router)
     app.include_router(anthropic_messages.router)
     app.include_router(embeddings.router)
     app.include_router(scores.router)

@@ -16,9 +16,7 @@ from tessera.server.openai_validation import MAX_LOGPROBS
 from tessera.server.protocol import ChatCompletionRequest, ResponsesRequest
 
 # Responses fields the endpoint refuses, with why
-UNSUPPORTED = {"conversation": "the Conversations API is not served: continue by `previous_response_id`, or send "
-                               "the whole conversation as `input`",
-               "prompt": "stored prompts are not supported: send the text as `input` or `instructions`",
+UNSUPPORTED = {"prompt": "stored prompts are not supported: send the text as `input` or `instructions`",
                "background": "background responses are not supported"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the message's logprobs
@@ -96,29 +94,55 @@ def _message(item: dict, where: str) -> dict:
     return {"role": role, "content": _parts(content, where, images=True)}
 
 
-def _parts(content: Any, where: str, images: bool) -> list[dict]:
+def _parts(content: Any, where: str, images: bool, param: str = "input") -> list[dict]:
     if not isinstance(content, list):
-        raise ValidationFailed(f"{where}: content must be a string or a list of parts", param="input")
+        raise ValidationFailed(f"{where}: content must be a string or a list of parts", param=param)
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS:
             if not isinstance(part.get("text"), str):
-                raise ValidationFailed(f"{where}.content[{j}].text must be a string", param="input")
+                raise ValidationFailed(f"{where}.content[{j}].text must be a string", param=param)
             parts.append({"type": "text", "text": part["text"]})
         elif images and kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
             taken = "input_text, input_image (with an image_url) or output_text" if images else "input_text"
-            raise ValidationFailed(f"{where}.content[{j}]: parts are {taken}, got {kind!r}", param="input")
+            raise ValidationFailed(f"{where}.content[{j}]: parts are {taken}, got {kind!r}", param=param)
     return parts
 
 
-def _text(item: dict, key: str, where: str) -> str:
+def _text(item: dict, key: str, where: str, param: str = "input") -> str:
     value = item.get(key)
     if not isinstance(value, str) or (key != "arguments" and not value):
-        raise ValidationFailed(f"{where}: a {item.get('type')} item needs `{key}` as a string", param="input")
+        raise ValidationFailed(f"{where}: a {item.get('type')} item needs `{key}` as a string", param=param)
     return value
+
+
+ROLES = ("user", "assistant", "system", "developer")
+
+
+def check_items(items: list, param: str) -> None:
+    """Each item's shape, as `chat_request` reads it (a result's call may be in items sent
+    before: not matched here)."""
+    for i, item in enumerate(items):
+        where = f"{param}[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind == "message" and isinstance(item, dict):
+            if item.get("role") not in ROLES:
+                raise ValidationFailed(f"{where}: a message's role is one of {', '.join(ROLES)}", param=param)
+            if not (isinstance(item.get("content"), str) or item.get("content") is None):
+                _parts(item.get("content"), where, images=True, param=param)
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                _text(item, key, where, param)
+        elif kind == "function_call_output":
+            _text(item, "call_id", where, param)
+            if not isinstance(item.get("output"), str):
+                _parts(item.get("output"), f"{where}.output", images=False, param=param)
+        elif kind != "reasoning":
+            raise ValidationFailed(f"{where}: items are messages, function_call, function_call_output and "
+                                   f"reasoning, got {kind!r}", param=param)
 
 
 def _add_call(messages: list[dict], item: dict, where: str, calls: dict[str, str]) -> None:

@@ -33,11 +33,13 @@ class ResponseWriter(OutputItems):
     """One response: its objects, its output items and the events that make them."""
 
     def __init__(self, rid: str, model: str, body: ResponsesRequest, n_prompt: int,
-                 count_tokens: Callable[[str], int], keep: Callable[[dict], None] | None = None):
+                 count_tokens: Callable[[str], int], keep: Callable[[dict], None] | None = None,
+                 stored: bool | None = None):
         super().__init__()
         self.id, self.model, self.body, self.n_prompt = rid, model, body, n_prompt
         self.count_tokens = count_tokens  # of the reasoning's text: usage's reasoning_tokens
-        self.keep = keep  # stores the finished response (None: it is not stored)
+        self.keep = keep  # takes the finished response (stores it, adds it to its conversation)
+        self.stored = keep is not None if stored is None else stored  # what the response says of `store`
         self.created = int(time.time())
         self.sequence = 0
 
@@ -113,10 +115,12 @@ class ResponseWriter(OutputItems):
             "status": "in_progress", "error": None, "incomplete_details": None, "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens, "output": [],
             "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": b.previous_response_id, "reasoning": b.reasoning, "store": self.keep is not None, "temperature": b.temperature,
+            "previous_response_id": b.previous_response_id, "reasoning": b.reasoning, "store": self.stored, "temperature": b.temperature,
             "text": {"format": fmt}, "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
             "tools": b.tools or [], "top_p": b.top_p, "top_logprobs": b.top_logprobs,
             "truncation": "disabled", "usage": None, "user": b.user, "metadata": b.metadata or {}}
+        if b.conversation is not None:  # (validated by the route: an id or {"id": ...})
+            obj["conversation"] = {"id": b.conversation["id"] if isinstance(b.conversation, dict) else b.conversation}
         if out is None:
             return obj
         status = response_status(out)

@@ -9,6 +9,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from threading import Lock
 
+from tessera.server.errors import ValidationFailed
+
 
 @dataclass
 class StoredResponse:
@@ -68,3 +70,21 @@ def stored_items(items: list) -> list[dict]:
             item.setdefault("status", "completed")
         out.append(item)
     return out
+
+
+def items_page(items: list[dict], order: str, limit: int, after: str | None) -> dict:
+    """OpenAI's list page of `items` (oldest first): `order` asc or desc, at most `limit`
+    (1-100), those after the item of id `after`."""
+    if order not in ("asc", "desc"):
+        raise ValidationFailed("`order` is asc or desc", param="order")
+    if not 1 <= limit <= 100:
+        raise ValidationFailed("`limit` must be in [1, 100]", param="limit")
+    items = list(reversed(items)) if order == "desc" else list(items)
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise ValidationFailed(f"no item {after!r} in this list", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

@@ -13,6 +13,7 @@ import uvicorn
 from tessera.engine.engine import Engine
 from tessera.server.app import create_app
 from tessera.server.async_engine import AsyncEngine
+from tessera.server.conversations_store import ConversationStore
 from tessera.server.responses_store import ResponseStore
 from tessera.server.state import ServerLimits, ServerState
 
@@ -47,7 +48,9 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                         allow_runtime_lora_updating=allow_runtime_lora_updating,
                         allowed_local_media_path=Path(allowed_local_media_path).expanduser()
                         if allowed_local_media_path else None,
-                        responses=ResponseStore(responses_store_size), prompt_tokens_details=prompt_tokens_details)
+                        responses=ResponseStore(responses_store_size),
+                        conversations=ConversationStore(responses_store_size),
+                        prompt_tokens_details=prompt_tokens_details)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
 

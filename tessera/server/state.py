@@ -15,6 +15,7 @@ from tessera.pooling.config import PoolerConfig
 from tessera.server.async_engine import AsyncEngine
 from tessera.server.metrics import ServerMetrics
 from tessera.server.reasoning import reasoning_tag_tokens
+from tessera.server.conversations_store import ConversationStore
 from tessera.server.responses_store import ResponseStore
 
 
@@ -64,6 +65,7 @@ class ServerState:
     # what pooling inputs pass to enter the engine: never more than the in-flight limit at once
     pooling_gate: asyncio.Semaphore | None = None
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept for later turns
+    conversations: ConversationStore = field(default_factory=ConversationStore)  # /v1/conversations
     prompt_tokens_details: bool = False  # OpenAI usage's cached_tokens on chat and completions (vLLM's flag)
     metrics: ServerMetrics = field(init=False)
 

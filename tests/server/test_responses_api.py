@@ -85,7 +85,6 @@ def test_text_format_json_schema_constrains_the_output(client):
 
 @pytest.mark.parametrize("kwargs, param", [
     (dict(previous_response_id="resp_1"), "previous_response_id"),
-    (dict(extra_body={"conversation": "conv_1"}), "conversation"),
     (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input"),
 ])
 def test_what_it_does_not_do_is_refused(client, kwargs, param):
