@@ -266,9 +266,10 @@ def test_images_tp2_equal_tp1(kind, tmp_path):
 
 
 def test_every_native_type_claims_tensor_parallel():
-    hybrids = set(GRANITE_HYBRID_CASES) | set(NEMOTRON_H_CASES) | set(LFM2_CASES) | set(FALCON_H1_CASES)
+    hybrids = (set(GRANITE_HYBRID_CASES) | set(NEMOTRON_H_CASES) | set(LFM2_CASES) | set(FALCON_H1_CASES)
+               | set(BAMBA_CASES))
     cases = hybrids | set(GEMMA4_CASES)
-    tested = {"llama", *(set(ZOO) - cases), "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
+    tested = {"llama", *(set(ZOO) - cases), "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "bamba",
               "gemma4_text", "gemma4", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
