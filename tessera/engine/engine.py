@@ -34,7 +34,7 @@ from tessera.engine.config_checks import check_recurrent_model
 from tessera.engine.speculation import find_draft_model, load_draft_model, make_proposer
 from tessera.engine.state_cache import StateCache, num_state_slots
 from tessera.engine.stats import EngineStats
-from tessera.engine.thinking_budget import ThinkingBudget
+from tessera.engine.thinking_budget import thinking_budget
 from tessera.lora.registry import LoRARegistry, adapter_names
 from tessera.lora.request import LoRARequest
 from tessera.models.registry import get_router
@@ -200,6 +200,7 @@ class Engine(LoRAMethods, PoolingRequests):
             generator = None if seed is None else torch.Generator().manual_seed(seed)
             seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,
                                  generator, index=index, lora=lora, multimodal=multimodal))
+            seqs[-1].thinking = thinking_budget(params)  # each sample counts its own
         if params.structured_outputs is not None:  # compiled once, a matcher per sequence
             compiled = self.compile_grammar(params.structured_outputs)
             for seq in seqs:
@@ -207,10 +208,6 @@ class Engine(LoRAMethods, PoolingRequests):
                 if params.reasoning_end_token_id is not None:  # a reasoning comes first
                     seq.grammar_may_open = params.reasoning_start_token_id
                     seq.grammar_waits = seq.grammar_may_open is None  # the output starts in it
-        if params.thinking_token_budget is not None:
-            for seq in seqs:
-                seq.thinking = ThinkingBudget(params.thinking_token_budget, params.reasoning_end_token_id,
-                                              params.reasoning_start_token_id)
         group = SequenceGroup(request_id, seqs, pending=seqs[1:])
         for seq in seqs:
             seq.group = group

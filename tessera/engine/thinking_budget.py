@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.sampling.params import SamplingParams
+
 
 @dataclass
 class ThinkingBudget:
@@ -38,3 +40,10 @@ class ThinkingBudget:
             self.inside, self.done = False, True
         else:
             self.count += 1
+
+
+def thinking_budget(params: SamplingParams) -> ThinkingBudget | None:
+    """A sequence's count of `params.thinking_token_budget` (None: no budget)."""
+    if params.thinking_token_budget is None:
+        return None
+    return ThinkingBudget(params.thinking_token_budget, params.reasoning_end_token_id, params.reasoning_start_token_id)
