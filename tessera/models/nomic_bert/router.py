@@ -30,8 +30,8 @@ class NomicBertRouter(BaseRouter):
 
 
 class GteRouter(BaseRouter):
-    """GTE encoders in transformers' `gte` type (gte-multilingual-base, its reranker, the
-    gte-*-en-v1.5 conversions): they pool, never generate."""
+    """GTE encoders in transformers' `gte` type (gte-multilingual-base and its reranker):
+    they pool, never generate."""
 
     model_types = ("gte",)
     model_cls = GteForEmbedding
