@@ -121,3 +121,15 @@ def test_refusals(gemma3_files, tmp_path):
         LLM(text, mmproj=other, dtype="float32", show_progress=False, cache_dir=tmp_path / "cache")
     with LLM(text, dtype="float32", num_kv_blocks=16, show_progress=False, cache_dir=tmp_path / "cache") as llm:
         assert not llm.engine.supports_images  # the GGUF alone: its text model
+
+
+def test_two_ranks_give_one_ranks_tokens(gemma3_files, tmp_path):
+    """Under tensor parallelism each rank reads its slices of the text GGUF and the driver
+    alone the projector file (it alone encodes): transformers' tokens with images."""
+    folder, hf, text, mmproj = gemma3_files
+    images = [random_image(3)]
+    _, want = hf_image_generate(hf, folder, f"A {GEMMA3_IMAGE} of", images, N)
+    with LLM(text, mmproj=mmproj, dtype="float32", num_kv_blocks=64, show_progress=False,
+             cache_dir=tmp_path / "cache", tensor_parallel_size=2) as llm:
+        out = llm.generate(image_prompt(f"A {GEMMA3_IMAGE} of", images), greedy(N), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want
