@@ -105,9 +105,10 @@ def _write_gemma3(folder: Path, text_folder: Path, fields: dict) -> None:
     from transformers import Gemma3Config, Gemma3Processor, Gemma3TextConfig, PreTrainedTokenizerFast
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
+    kind = json.loads((text_folder / "config.json").read_text()).get("model_type")
+    if kind != "gemma3_text":
+        raise MmprojError(f"a Gemma 3 projector goes with a Gemma 3 GGUF, not a {kind} one")
     text = Gemma3TextConfig.from_pretrained(str(text_folder))
-    if text.model_type != "gemma3_text":
-        raise MmprojError(f"a Gemma 3 projector goes with a Gemma 3 GGUF, not a {text.model_type} one")
     vision = _vision(fields)
     scale = int(field_value(fields, "clip.vision.projector.scale_factor") or DEFAULT_SCALE_FACTOR)
     side = vision["image_size"] // vision["patch_size"]

@@ -119,6 +119,13 @@ def test_refusals(gemma3_files, tmp_path):
     other = write_gemma3_mmproj(tmp_path / "llava.gguf", hf, projector_type="mlp")
     with pytest.raises(MmprojError, match="projector type 'mlp' is not read"):
         LLM(text, mmproj=other, dtype="float32", show_progress=False, cache_dir=tmp_path / "cache")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    llama_gguf = write_model_gguf(tmp_path / "llama.gguf", llama, folder / "tokenizer.json", "llama")
+    with pytest.raises(MmprojError, match="goes with a Gemma 3 GGUF, not a llama one"):
+        LLM(llama_gguf, mmproj=mmproj, dtype="float32", show_progress=False, cache_dir=tmp_path / "cache")
     with LLM(text, dtype="float32", num_kv_blocks=16, show_progress=False, cache_dir=tmp_path / "cache") as llm:
         assert not llm.engine.supports_images  # the GGUF alone: its text model
 
