@@ -7,6 +7,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from tessera.engine.image_requests import check_image_request
 from tessera.engine.pooling_requests import pooled_output, pooling_sequence
 from tessera.engine.request_checks import RequestError
 from tessera.engine.sequence import Sequence
@@ -27,8 +28,14 @@ class PoolingRequests:
     def _add_pooling_request(self, request_id: str, prompt: str | Seq[int] | TokenTypedPrompt,
                              params: PoolingParams, priority: int, multimodal: MultimodalInputs | None) -> Sequence:
         if multimodal is not None:
-            raise RequestError("this embedding model takes text only")
+            if not self.router.supports_images:
+                raise RequestError("this embedding model takes text only")
+            if params.truncate_prompt_tokens is not None:
+                raise RequestError("truncate_prompt_tokens cannot cut a prompt with images (an image's tokens "
+                                   "come whole)", param="truncate_prompt_tokens")
+            check_image_request(multimodal, isinstance(prompt, str), [] if isinstance(prompt, str) else list(prompt))
         seq = pooling_sequence(request_id, prompt, params, self.pooler_config, self.router, self.max_model_len)
+        seq.multimodal = multimodal
         seq.priority = priority
         self.requests[request_id] = seq
         self.scheduler.add(seq)

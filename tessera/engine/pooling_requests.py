@@ -33,16 +33,18 @@ def resolve_pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig | N
             raise ConfigError(f"{name}: classifiers run native types; `tessera models` lists them")
         return _pooler(config, router)
     pooling = model.runner == "pooling" or (
-        model.runner == "auto" and router.implementation == "native" and not router.supports_images
+        model.runner == "auto" and router.implementation == "native"
         and looks_like_embedding_model(router.metadata_dir, router.config))
     if not pooling:
         if model.pooler_config:
             raise ConfigError("--pooler-config applies to embedding models (--runner pooling)")
         return None
-    if router.implementation != "native" or router.supports_images:
-        raise ConfigError(f"{name}: embeddings (--runner pooling) run native text models; "
-                          "`tessera models` lists them")
-    return _pooler(config, router)
+    if router.implementation != "native":
+        raise ConfigError(f"{name}: embeddings (--runner pooling) run native models; `tessera models` lists them")
+    pooler = _pooler(config, router)
+    if router.supports_images and pooler.task != "embed":
+        raise ConfigError(f"{name}: a model that takes images pools embeddings, not classifications")
+    return pooler
 
 
 def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:

@@ -39,7 +39,14 @@ def as_pooling_model(model: nn.Module, config: PoolerConfig | None = None, targe
                      ) -> nn.Module:
     """`model` (a native causal LM: backbone `model`, head `lm_head`) changed in place for
     `config` (default: embeddings). A model with its own `classify` (an encoder's classifier)
-    keeps it."""
+    keeps it. A multimodal model's language model is changed (its hidden states are what
+    it returns); the vision side stays."""
+    language_model = getattr(model, "language_model", None)
+    if isinstance(language_model, nn.Module) and not isinstance(getattr(model, "model", None), nn.Module):
+        if config is not None and config.task != "embed":
+            raise ValueError(f"{type(model).__name__} pools embeddings only")
+        as_pooling_model(language_model, config, target)
+        return model
     if not isinstance(getattr(model, "model", None), nn.Module) or not hasattr(model, "lm_head"):
         raise ValueError(f"{type(model).__name__} has no `model` backbone and `lm_head` to pool from")
     own = dict(getattr(model, "checkpoint_prefixes", {}))

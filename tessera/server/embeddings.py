@@ -16,6 +16,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tessera.multimodal.inputs import MultimodalInputs
 from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams, PoolingParamsError
 from tessera.pooling.truncation import truncate_ids
@@ -70,15 +71,15 @@ def token_ids(state: ServerState, given: EmbeddingInput, field: str, add_special
 
 
 async def embed_all(request: Request, state: ServerState, prompts: list[list[int]], params: PoolingParams,
-                    priority: int = 0) -> list[PoolingRequestOutput]:
+                    priority: int = 0, images: MultimodalInputs | None = None) -> list[PoolingRequestOutput]:
     """The embeddings of `prompts`, in order; a failure (or the client leaving, watched once
-    for the whole request) aborts the rest."""
+    for the whole request) aborts the rest. `images`: the one prompt's (a chat's)."""
     gate = state.pooling_gate
     rid = f"embd-{uuid.uuid4().hex}"
 
     async def one(i: int, ids: list[int]) -> PoolingRequestOutput:
         async with gate:
-            return await final_output(run_request(state, f"{rid}-{i}", ids, params, priority=priority))
+            return await final_output(run_request(state, f"{rid}-{i}", ids, params, priority=priority, images=images))
 
     tasks = [asyncio.ensure_future(one(i, ids)) for i, ids in enumerate(prompts)]
     try:
@@ -104,12 +105,13 @@ async def embeddings(request: Request, body: EmbeddingRequest) -> JSONResponse:
     served, _ = resolve_model(state, body.model)
     params = pooling_params(dimensions=body.dimensions, normalize=body.normalize,
                              truncate_prompt_tokens=body.truncate_prompt_tokens)
-    if body.messages is not None:  # a conversation: the chat template writes its special tokens
-        ids, _, _ = await chat_prompt(state, body, add_special_tokens=bool(body.add_special_tokens))
+    images = None
+    if body.messages is not None:  # a conversation (its images too): the chat template writes its special tokens
+        ids, _, images = await chat_prompt(state, body, add_special_tokens=bool(body.add_special_tokens))
         prompts = [ids]
     else:
         prompts = token_ids(state, body.input, "input", body.add_special_tokens is not False)
-    outputs = await embed_all(request, state, prompts, params, body.priority)
+    outputs = await embed_all(request, state, prompts, params, body.priority, images)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(out.outputs.data, body.encoding_format)}
             for i, out in enumerate(outputs)]
     used = sum(out.num_prompt_tokens for out in outputs)

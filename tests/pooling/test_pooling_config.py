@@ -79,7 +79,7 @@ def test_engine_refusals(make_embedder, make_tiny_llama):
     folder, _ = make_tiny_llama(seed=6)
     with pytest.raises(ConfigError, match="--pooler-config applies to embedding models"):
         LLM(folder, dtype="float32", show_progress=False, pooler_config={"normalize": False})
-    with pytest.raises(ConfigError, match="run native text models"):
+    with pytest.raises(ConfigError, match="run native models"):
         LLM(folder, dtype="float32", show_progress=False, runner="pooling", model_impl="transformers")
 
 
