@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from tessera import LLM, PoolingParams
 from tessera.engine.request_checks import RequestError
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import QWEN_IMAGE, _qwen_inputs, image_prompt, make_tiny_qwen2_vl, random_image
+from tests.multimodal.checkpoints import (QWEN_IMAGE, _qwen_inputs, image_prompt, make_tiny_qwen2_vl,
+                                          make_tiny_qwen3_vl, random_image)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,6 +29,13 @@ def tiny_qwen_vl(tmp_path_factory):
     return folder, make_tiny_qwen2_vl(folder, TINY_CORPUS)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory):
+    """(Qwen3-VL-Embedding's architecture: DeepStack features added after early layers)"""
+    folder = tmp_path_factory.mktemp("qwen3-vl-embed")
+    return folder, make_tiny_qwen3_vl(folder, TINY_CORPUS)
+
+
 def hf_vector(hf, folder, text: str, images: list, pooling: str = "LAST") -> torch.Tensor:
     """transformers' normed last hidden states of the prompt, pooled and normalized."""
     prompt, kwargs = _qwen_inputs(folder, text, images, True)
@@ -38,9 +46,10 @@ def hf_vector(hf, folder, text: str, images: list, pooling: str = "LAST") -> tor
     return F.normalize(hidden[-1] if pooling == "LAST" else hidden.mean(0), dim=-1)
 
 
-@pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
-def test_image_prompts_embed_as_transformers(tiny_qwen_vl, pooling):
-    folder, hf = tiny_qwen_vl
+@pytest.mark.parametrize("model, pooling", [("tiny_qwen_vl", "LAST"), ("tiny_qwen_vl", "MEAN"),
+                                            ("tiny_qwen3_vl", "LAST")])
+def test_image_prompts_embed_as_transformers(request, model, pooling):
+    folder, hf = request.getfixturevalue(model)
     images = [random_image(1, size=(70, 100))]
     with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, runner="pooling",
              pooler_config={"pooling_type": pooling}) as llm:
@@ -80,3 +89,14 @@ def test_chat_embeddings_with_an_image_over_http(tiny_qwen_vl):
         torch.testing.assert_close(vector, hf_vector(hf, folder, text, [image]), atol=1e-4, rtol=0)
     finally:
         running.stop()
+
+
+def test_two_ranks_embed_as_one(tiny_qwen_vl):
+    """Under tensor parallelism the driver encodes the image, every rank its share of the
+    language model: transformers' vector."""
+    folder, hf = tiny_qwen_vl
+    images = [random_image(4, size=(70, 100))]
+    with LLM(folder, dtype="float32", num_kv_blocks=64, show_progress=False, runner="pooling",
+             tensor_parallel_size=2) as llm:
+        out = llm.embed([image_prompt(TEXT, images)])[0]
+    torch.testing.assert_close(out.outputs.data, hf_vector(hf, folder, TEXT, images), atol=1e-4, rtol=0)
