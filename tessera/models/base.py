@@ -252,3 +252,16 @@ class BaseRouter:
         """How a pre-quantized checkpoint stores its weights (weights/prequantized.py); None
         for a dense one or a GGUF (whose own quantization weights/gguf.py reads)."""
         return None if self.source.is_gguf else checkpoint_quantization(self.config)
+
+
+class EncoderRouter(BaseRouter):
+    """An encoder's router (BERT and its successors): it pools, never generates; a prompt
+    attends to itself whole. A *ForSequenceClassification checkpoint builds `classifier_cls`,
+    any other `model_cls` (an embedding model)."""
+
+    generates = False
+    bidirectional = True
+    classifier_cls: ClassVar[type[nn.Module]]
+
+    def build_model(self, target: OpTarget) -> nn.Module:
+        return (self.classifier_cls if self.classifies else self.model_cls)(self.config, target)

@@ -1,22 +1,17 @@
 from functools import cached_property
 
-from tessera.models.base import BaseRouter
+from tessera.models.base import EncoderRouter
 from tessera.models.bert.modeling import BertForClassification, BertForEmbedding, position_offset
-from tessera.ops.registry import OpTarget
 
 
-class BertRouter(BaseRouter):
+class BertRouter(EncoderRouter):
     """Encoders for embeddings (sentence-transformers' BERT, MiniLM, BGE, E5, GTE, and
     XLM-RoBERTa's multilingual ones): they pool, never generate."""
 
     model_types = ("bert", "roberta", "xlm-roberta")
     model_cls = BertForEmbedding
-    generates = False
-    bidirectional = True
+    classifier_cls = BertForClassification
     default_pooling_type = "CLS"
-
-    def build_model(self, target: OpTarget):
-        return (BertForClassification if self.classifies else BertForEmbedding)(self.config, target)
 
     @cached_property
     def max_model_len(self) -> int:

@@ -1,18 +1,13 @@
-from tessera.models.base import BaseRouter
+from tessera.models.base import EncoderRouter
 from tessera.models.eurobert.modeling import CLASSIFIER_POOLING, EuroBertForClassification, EuroBertForEmbedding
-from tessera.ops.registry import OpTarget
 
 
-class EuroBertRouter(BaseRouter):
+class EuroBertRouter(EncoderRouter):
     """EuroBERT encoders for embeddings and classification: they pool, never generate."""
 
     model_types = ("eurobert",)
     model_cls = EuroBertForEmbedding
-    generates = False
-    bidirectional = True
-
-    def build_model(self, target: OpTarget):
-        return (EuroBertForClassification if self.classifies else EuroBertForEmbedding)(self.config, target)
+    classifier_cls = EuroBertForClassification
 
     @property
     def default_pooling_type(self) -> str:  # type: ignore[override]

@@ -1,20 +1,15 @@
-from tessera.models.base import BaseRouter
+from tessera.models.base import EncoderRouter
 from tessera.models.modernbert.modeling import ModernBertForClassification, ModernBertForEmbedding
-from tessera.ops.registry import OpTarget
 
 
-class ModernBertRouter(BaseRouter):
+class ModernBertRouter(EncoderRouter):
     """ModernBERT encoders for embeddings and reranking (modernbert-embed, gte-modernbert,
     gte-reranker-modernbert): they pool, never generate."""
 
     model_types = ("modernbert",)
     model_cls = ModernBertForEmbedding
-    generates = False
-    bidirectional = True
+    classifier_cls = ModernBertForClassification
     supports_sliding_window = True
-
-    def build_model(self, target: OpTarget):
-        return (ModernBertForClassification if self.classifies else ModernBertForEmbedding)(self.config, target)
 
     @property
     def default_pooling_type(self) -> str:  # type: ignore[override]

@@ -1,20 +1,18 @@
 from transformers import PretrainedConfig
 
-from tessera.models.base import BaseRouter
+from tessera.models.base import EncoderRouter
 from tessera.models.nomic_bert.gte import GteForClassification, GteForEmbedding
 from tessera.models.nomic_bert.nomic import (NomicBertForClassification, NomicBertForEmbedding,
                                              take_remote_code_keys)
-from tessera.ops.registry import OpTarget
 
 
-class NomicBertRouter(BaseRouter):
+class NomicBertRouter(EncoderRouter):
     """NomicBERT encoders (nomic-embed-text v1 / v1.5): they pool, never generate. Their
     configs and tensors load in the remote code's names as well as in transformers'."""
 
     model_types = ("nomic_bert",)
     model_cls = NomicBertForEmbedding
-    generates = False
-    bidirectional = True
+    classifier_cls = NomicBertForClassification
 
     @property
     def default_pooling_type(self) -> str:  # type: ignore[override]
@@ -25,19 +23,12 @@ class NomicBertRouter(BaseRouter):
     def get_config(self) -> PretrainedConfig:
         return take_remote_code_keys(super().get_config())
 
-    def build_model(self, target: OpTarget):
-        return (NomicBertForClassification if self.classifies else NomicBertForEmbedding)(self.config, target)
 
-
-class GteRouter(BaseRouter):
+class GteRouter(EncoderRouter):
     """GTE encoders in transformers' `gte` type (gte-multilingual-base and its reranker):
     they pool, never generate."""
 
     model_types = ("gte",)
     model_cls = GteForEmbedding
-    generates = False
-    bidirectional = True
+    classifier_cls = GteForClassification
     default_pooling_type = "CLS"
-
-    def build_model(self, target: OpTarget):
-        return (GteForClassification if self.classifies else GteForEmbedding)(self.config, target)
