@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from tessera.weights.gguf_mmproj import MmprojError
 from tests.conftest import TINY_CORPUS
 from tests.multimodal.checkpoints import (GEMMA3_IMAGE, greedy, hf_image_generate, hf_image_logprobs, image_prompt,
                                           make_tiny_gemma3, random_image)
-from tests.weights.gguf_writer import write_model_gguf
+from tests.weights.gguf_writer import write_model_gguf, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,7 +26,7 @@ N = 12
 TWO_IMAGES = f"The quick {GEMMA3_IMAGE} brown fox {GEMMA3_IMAGE} jumps"
 
 
-def write_text_gguf(path: Path, hf, tokenizer_json: Path, qtype=gguf.GGMLQuantizationType.F32) -> Path:
+def write_text_gguf(path: Path, hf, tokenizer_json: Path, qtype=QT.F32) -> Path:
     """The language model as llama.cpp's converter writes Gemma 3's (arch gemma3)."""
     from transformers import Gemma3ForCausalLM
 
@@ -55,6 +56,7 @@ def write_gemma3_mmproj(path: Path, hf, projector_type: str = "gemma3") -> Path:
     side = (vision.image_size // vision.patch_size) // int(hf.config.mm_tokens_per_image ** 0.5)
     w.add_vision_projector_scale_factor(side)  # (written only where it is not 4)
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
+    tensors = []
     for name, tensor in hf.model.state_dict().items():
         if not name.startswith(("vision_tower.", "multi_modal_projector.")) or name.endswith("position_ids") \
                 or ".head." in name:  # (SigLIP's pooling head, which Gemma 3 never runs: the converter skips it)
@@ -65,12 +67,9 @@ def write_gemma3_mmproj(path: Path, hf, projector_type: str = "gemma3") -> Path:
         array = tensor.detach().float().numpy().copy()
         if "soft_emb_norm" in name:
             array = array + np.float32(1.0)
-        stored = np.float16 if "input_projection" in name else np.float32  # F16, as llama.cpp forces it
-        w.add_tensor(names.get_name(converted, try_suffixes=(".weight", ".bias")), array.astype(stored))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        stored = QT.F16 if "input_projection" in name else QT.F32  # F16, as llama.cpp forces it
+        tensors.append((names.get_name(converted, try_suffixes=(".weight", ".bias")), array, stored))
+    write_tensors(w, tensors)
     return path
 
 

@@ -92,21 +92,29 @@ def test_refusals(tmp_path, tiny_tokenizer_dir, make_tiny_llama):
             pooler_config={"classifier_from_token": ["<s>", "</s>"]})
 
 
+def token_scorer(tmp_path, tokenizer_dir):
+    """A random Qwen3 causal LM (1024 positions: a templated pair is long) saved with the
+    tiny tokenizer, and two whole-word tokens of it standing for "no" and "yes"."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    hf = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "max_position_embeddings": 1024})).eval()
+    folder = save(hf, tmp_path, tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    no, yes = sorted(t for t in tokenizer.get_vocab() if t.isalpha() and len(t) > 2)[:2]
+    return hf, folder, tokenizer, no, yes
+
+
 def test_reranking_over_http(tmp_path, tiny_tokenizer_dir, monkeypatch):
     """`tessera serve --runner pooling --pooler-config '{"classifier_from_token": [...]}'`:
     /v1/rerank ranks the documents by the causal LM's pair scores."""
     import httpx
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from tests.server.conftest import start_server
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
-    torch.manual_seed(2)
-    hf = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "max_position_embeddings": 1024})).eval()  # the prompt is long
-    folder = save(hf, tmp_path, tiny_tokenizer_dir)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    hf, folder, tokenizer, no, yes = token_scorer(tmp_path, tiny_tokenizer_dir)
     vocab = tokenizer.get_vocab()
-    no, yes = sorted(t for t in vocab if t.isalpha() and len(t) > 2)[:2]
     running = start_server(folder, llm_kwargs={"runner": "pooling", "pooler_config": {"classifier_from_token": [no, yes]}})
     try:
         reply = httpx.post(f"{running.url}/v1/rerank", json={"query": QUERY, "documents": DOCS}).json()
@@ -131,14 +139,8 @@ def test_a_score_template_writes_each_pair(tmp_path, tiny_tokenizer_dir):
     rendered past the context is refused, and nothing else changes."""
     from pathlib import Path
 
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(2)
-    hf = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "max_position_embeddings": 1024})).eval()  # the prompt is long
-    folder = save(hf, tmp_path, tiny_tokenizer_dir)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    hf, folder, tokenizer, no, yes = token_scorer(tmp_path, tiny_tokenizer_dir)
     vocab = tokenizer.get_vocab()
-    no, yes = sorted(t for t in vocab if t.isalpha() and len(t) > 2)[:2]
     template = Path(__file__).parents[2] / "examples" / "qwen3_reranker.jinja"
     query, docs = "what stores the KV cache?", ["Paged attention stores it", "The quick brown fox"]
     with LLM(folder, dtype="float32", show_progress=False, runner="pooling", chat_template=str(template),
