@@ -15,9 +15,11 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,6 +79,7 @@ class TensorParallelGroup:
         self.world_size = par.tensor_parallel_size
         self.processes: list[subprocess.Popen] = []
         self.closed = False
+        self.stopping = False  # the driver told the ranks to exit: their exits are expected
         if par.launched:
             if par.rank != 0:
                 raise ValueError(f"rank {par.rank} is not the driver; it runs serve_rank()")
@@ -111,6 +114,25 @@ class TensorParallelGroup:
             if proc.poll() is not None:
                 raise RankFailedError(f"{proc.name} exited with code {proc.returncode}; "
                                       "the tensor-parallel engine cannot continue")
+
+    def watch(self, on_death: Callable[[RankFailedError], None], interval_s: float = 0.1) -> None:
+        """Call `on_death` once, from a daemon thread, when a spawned rank exits unasked.
+        A step blocked in a collective may learn of it late (or, if the peer's sockets
+        linger, only at the collective's timeout); the requests waiting on it should not."""
+        if not self.processes:
+            return
+
+        def run() -> None:
+            while not (self.closed or self.stopping):
+                try:
+                    self.check_alive()
+                except RankFailedError as dead:
+                    if not (self.closed or self.stopping):
+                        on_death(dead)
+                    return
+                time.sleep(interval_s)
+
+        threading.Thread(target=run, name="tessera-rank-watch", daemon=True).start()
 
     def find_dead_rank(self, wait_s: float = 2.0) -> RankFailedError | None:
         """After a failed collective: the spawned rank that exited, if one does within

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Collection, Iterator, Sequence as Seq
+from typing import Callable, Collection, Iterator, Sequence as Seq
 
 import torch
 
@@ -74,8 +74,10 @@ class Engine(LoRAMethods, PoolingRequests):
         # rank 0 of a tensor-parallel group drives; the group spawns (or meets) the others,
         # which build their own shards while this process builds its own
         self.tp_group = TensorParallelGroup(config) if tp > 1 else None
+        self._fatal_listeners: list[Callable[[EngineFatalError], None]] = []
         if self.tp_group is not None:
             self.device = rank_device(config, 0)
+            self.tp_group.watch(self._rank_died)
         try:
             self._build(config, show_progress)
         except BaseException:
@@ -417,6 +419,19 @@ class Engine(LoRAMethods, PoolingRequests):
         logger.error("%s", self._fatal)
         raise self._fatal
 
+    def on_fatal(self, listener: Callable[[EngineFatalError], None]) -> None:
+        """Have `listener` called, from the group's watcher thread, as soon as another
+        tensor-parallel rank dies: while the engine's own thread may still be blocked in a
+        collective (never called without tensor parallelism)."""
+        self._fatal_listeners.append(listener)
+
+    def _rank_died(self, exc: RankFailedError) -> None:
+        if self._fatal is None:
+            self._fatal = exc
+        logger.error("%s", exc)
+        for listener in list(self._fatal_listeners):
+            listener(exc)
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op without TP).
         The engine takes no requests afterwards."""
@@ -424,6 +439,7 @@ class Engine(LoRAMethods, PoolingRequests):
         if group is None or group.closed:
             return
         runner = getattr(self, "runner", None)
+        group.stopping = True
         if runner is not None and self._fatal is None:
             try:
                 runner.channel.send(Command.SHUTDOWN)

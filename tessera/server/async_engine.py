@@ -80,6 +80,7 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.step_started: float | None = None  # set while a step runs (stall detection)
         self.num_steps = 0
+        engine.on_fatal(self._engine_failed)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -151,6 +152,14 @@ class AsyncEngine:
                 self._commands.put(_Abort(request_id))
             with self._lock:
                 self._in_flight -= 1
+
+    def _engine_failed(self, exc: EngineFatalError) -> None:
+        """(The engine's watcher thread) a tensor-parallel rank died: fail every request
+        now and turn /health to 503, even while the loop is still blocked in the step that
+        will fail. The loop drops its sinks when that step raises."""
+        self.dead_reason = str(exc)
+        for sink in list(self._sinks.values()):
+            sink.put(GenerationError(str(exc)))
 
     # --- the loop (engine thread) ------------------------------------------------------------
 

@@ -3,7 +3,9 @@ rank, and a rank that dies turns /health to 503 and every request into an error 
 seconds (no hang)."""
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -39,4 +41,36 @@ def test_tp2_serves_one_ranks_tokens_and_fails_loudly_when_a_rank_dies(tiny_mode
                                                           "max_tokens": 4}, timeout=30)
         assert r.status_code == 503, r.text
     finally:
+        two.stop()
+
+
+def test_a_rank_that_dies_during_a_stuck_step_fails_the_request_at_once(tiny_model_dir, monkeypatch):
+    """The driver's step is held inside the model (as a collective that has not noticed its
+    peer's death would hold it): the group's watcher still fails the request and /health."""
+    two = start_server(tiny_model_dir, llm_kwargs={"tensor_parallel_size": 2})
+    runner = two.engine.engine.runner
+    entered, release = threading.Event(), threading.Event()
+    execute = runner.execute
+
+    def held_execute(*args, **kwargs):
+        entered.set()
+        release.wait(timeout=60)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", held_execute)
+    try:
+        with httpx.Client(timeout=30) as client:
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(client.post, f"{two.url}/generate", json=BODY)
+                assert entered.wait(timeout=10)
+                two.engine.engine.tp_group.processes[0].kill()
+                started = time.monotonic()
+                r = pending.result(timeout=15)
+            assert time.monotonic() - started < 10
+            assert r.status_code == 424, r.text
+            assert "rank 1" in r.json()["error"]
+            assert client.get(f"{two.url}/health").status_code == 503
+            assert client.post(f"{two.url}/generate", json=BODY).status_code == 503
+    finally:
+        release.set()
         two.stop()
