@@ -1,7 +1,8 @@
 """A llama.cpp multimodal projector file (`--mmproj`, beside a GGUF language model): the
 vision tower and projector its converter writes as a separate GGUF of arch "clip".
 
-Read for Gemma 3 (clip projector type "gemma3"): the SigLIP tower's shape and the image
+Read for Qwen2-VL and Qwen2.5-VL (gguf_mmproj_qwen.py) and for Gemma 3 (clip projector
+type "gemma3"): the SigLIP tower's shape and the image
 processor's size, mean and std come from its `clip.vision.*` keys; the tokens an image
 takes from the patch grid and the projector's pooling (`projector.scale_factor`, 4 where
 absent, as llama.cpp assumes). With the converted text GGUF's config and tokenizer they
@@ -22,19 +23,17 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from tessera.weights.gguf_errors import MmprojError
+from tessera.weights.gguf_mmproj_qwen import QWEN_PROJECTORS, iter_qwen_vl_weights, write_qwen_vl_folder
 from tessera.weights.gguf_rope import field_value
 
 logger = logging.getLogger(__name__)
 
-PROJECTOR_TYPES = ("gemma3",)
+PROJECTOR_TYPES = ("gemma3", *QWEN_PROJECTORS)
 DEFAULT_SCALE_FACTOR = 4  # llama.cpp's Gemma 3 pooling (896-pixel images, 64 x 64 patches -> 16 x 16)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 SOFT_EMB_NORM = "mm.soft_emb_norm.weight"
 CONVERSION_VERSION = 1
-
-
-class MmprojError(ValueError):
-    pass
 
 
 def _reader(path: Path):
@@ -85,10 +84,13 @@ def gguf_mmproj_folder(text_folder: Path, mmproj: Path, cache_dir: Path) -> Path
     if marker.is_file():
         return folder
     reader = _reader(mmproj)
-    _projector_type(reader.fields, mmproj)
+    kind = _projector_type(reader.fields, mmproj)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    _write_gemma3(tmp, text_folder, reader.fields)
+    if kind in QWEN_PROJECTORS:
+        write_qwen_vl_folder(tmp, text_folder, reader.fields, reader.tensors, kind)
+    else:
+        _write_gemma3(tmp, text_folder, reader.fields)
     for item in text_folder.iterdir():  # the text file's tensor index, which its loader reads
         if item.suffix == ".json" and item.name.startswith("gguf-"):
             shutil.copy(item, tmp / item.name)
@@ -159,25 +161,34 @@ def mmproj_tensor_names(hf_names: Iterable[str], num_blocks: int) -> dict[str, s
     return out
 
 
+def _read_array(tensor) -> np.ndarray:
+    """A projector tensor as a writable float32 array of its torch shape."""
+    from gguf import dequantize
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.array(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape))
+
+
 def iter_mmproj_weights(path: Path, hf_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for each of `hf_names` (the vision side's
     weights) from the projector file; a name the file lacks, or a tensor the model has no
     weight for, is an error."""
-    from gguf import dequantize
-
     reader = _reader(Path(path))
+    kind = _projector_type(reader.fields, Path(path))
+    if kind in QWEN_PROJECTORS:  # (names as the released checkpoints have them; the tower checks them)
+        yield from iter_qwen_vl_weights(reader.tensors, kind, _read_array)
+        return
     names = mmproj_tensor_names(hf_names, int(field_value(reader.fields, "clip.vision.block_count") or 0))
     found = set()
     for tensor in reader.tensors:
         hf = names.get(tensor.name)
         if hf is None:
             raise MmprojError(f"{Path(path).name}: tensor {tensor.name} has no place in the vision tower")
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        array = _read_array(tensor)
         if tensor.name == SOFT_EMB_NORM:
             array = array - np.float32(1.0)
         found.add(tensor.name)
-        yield hf, torch.from_numpy(array.copy())
+        yield hf, torch.from_numpy(array)
     missing = sorted(set(names) - found)
     if missing:
         raise MmprojError(f"{Path(path).name} lacks {', '.join(missing[:6])}")

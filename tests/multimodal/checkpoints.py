@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -148,6 +149,21 @@ def data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
+def check_image_prompt(llm, text: str, images: list, prompt: list[int], want: list[int],
+                       reference_logprobs: Callable[[list[int]], list[float]], n: int):
+    """`llm`'s prompt tokens, greedy tokens and logprobs for `text` with `images` are
+    transformers' (`prompt`, `want`, `reference_logprobs(tokens)`); returns its greedy
+    output for a text-only prompt, run by the same engine after."""
+    out = llm.generate(image_prompt(text, images), greedy(n, logprobs=0), use_tqdm=False)[0]
+    text_only = llm.generate("Paged attention stores", greedy(n), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt
+    got = out.outputs[0].token_ids
+    assert got == want
+    logprobs = [lp[t].logprob for t, lp in zip(got, out.outputs[0].logprobs)]
+    assert logprobs == pytest.approx(reference_logprobs(got), abs=1e-4)
+    return text_only
+
+
 def hf_image_generate(model: torch.nn.Module, folder: Path, text: str, images: list, n: int) -> tuple[list[int], list[int]]:
     """transformers' greedy tokens for a prompt with images (EOS off): (prompt ids, new ids)."""
     from transformers import AutoProcessor
@@ -183,7 +199,7 @@ QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<image>", QWEN_IMAGE)
 
 
 def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2_5_vl", seed: int = 0,
-                       tie_word_embeddings: bool = False) -> torch.nn.Module:
+                       tie_word_embeddings: bool = False, vision_overrides: dict | None = None) -> torch.nn.Module:
     """A Qwen2.5-VL (or Qwen2-VL) checkpoint: its vision transformer, 2 x 2 patch merging,
     a Qwen2 language model with M-RoPE sections (2, 3, 3) of head_dim 16; saved with its
     image processor and a tokenizer (transformers' Qwen processor needs torchvision)."""
@@ -203,6 +219,7 @@ def make_tiny_qwen2_vl(folder: Path, corpus: list[str], model_type: str = "qwen2
     else:
         vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
         config_cls, model_cls = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    vision.update(vision_overrides or {})
     config = config_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                         vision_end_token_id=ids["<|vision_end|>"], bos_token_id=1, eos_token_id=2,

@@ -16,7 +16,7 @@ import torch
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (GEMMA3_IMAGE, greedy, hf_image_generate, hf_image_logprobs, image_prompt,
+from tests.multimodal.checkpoints import (GEMMA3_IMAGE, check_image_prompt, greedy, hf_image_generate, hf_image_logprobs, image_prompt,
                                           make_tiny_gemma3, random_image)
 from tests.weights.gguf_writer import write_model_gguf, write_tensors
 
@@ -95,13 +95,8 @@ def test_the_gguf_and_its_mmproj_equal_transformers(gemma3_files, tmp_path):
     with LLM(text, mmproj=mmproj, dtype="float32", num_kv_blocks=64, show_progress=False,
              cache_dir=tmp_path / "cache") as llm:
         assert llm.engine.supports_images and llm.engine.router.config.model_type == "gemma3_text"
-        out = llm.generate(image_prompt(TWO_IMAGES, images), greedy(N, logprobs=0), use_tqdm=False)[0]
-        text_only = llm.generate("Paged attention stores", greedy(N), use_tqdm=False)[0]
-    assert out.prompt_token_ids == prompt
-    got = out.outputs[0].token_ids
-    assert got == want
-    logprobs = [lp[t].logprob for t, lp in zip(got, out.outputs[0].logprobs)]
-    assert logprobs == pytest.approx(hf_image_logprobs(hf, folder, TWO_IMAGES, images, got), abs=1e-4)
+        text_only = check_image_prompt(llm, TWO_IMAGES, images, prompt, want,
+                                       lambda got: hf_image_logprobs(hf, folder, TWO_IMAGES, images, got), N)
     ids = torch.tensor([text_only.prompt_token_ids])
     with torch.no_grad():
         plain = hf.generate(input_ids=ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, eos_token_id=None,

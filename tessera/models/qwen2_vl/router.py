@@ -10,6 +10,8 @@ class Qwen2VLRouter(VisionLanguageRouter):
     supports_images = True  # tests/multimodal/test_qwen2_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_llava.py, test_qwen2_vl.py
+    # a GGUF language model (arch qwen2vl) with its --mmproj projector (tests/multimodal/test_qwen_vl_gguf.py)
+    supports_gguf = True
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):

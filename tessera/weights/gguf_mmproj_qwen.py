@@ -1,0 +1,179 @@
+"""Qwen2-VL and Qwen2.5-VL's vision side from llama.cpp's projector file (clip projector
+types "qwen2vl_merger" and "qwen2.5vl_merger"), beside their language model's GGUF (arch
+"qwen2vl", gguf_qwen_vl.py).
+
+The folder made is the one a Hugging Face checkpoint has: config.json for
+`Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration` (the text GGUF's
+config with its M-RoPE sections as text_config; the tower's shape from `clip.vision.*` and
+its tensors), the tokenizer as converted and a Qwen2VLImageProcessor with the file's mean
+and std and its pixel limits where it has them, else the released checkpoints' (4 to 16384
+merged patches; llama.cpp's own are 8 to 4096; --mm-processor-kwargs max_pixels sets them).
+
+What the file does not hold, llama.cpp assumes, and so does this: a temporal patch of 2
+(the converter checks it), 2 x 2 merging unless `clip.vision.spatial_merge_size` says
+otherwise, and Qwen2.5-VL's 112-pixel attention windows (unless `clip.vision.window_size`
+says), with full attention in every `n_wa_pattern`-th layer. The width of the MLPs comes from their tensors (Qwen2-VL's file
+states its merger's width as feed_forward_length).
+
+Tensors: the converter splits the patch embedding's two temporal kernels
+(`v.patch_embd.weight`, `.weight.1`) and each block's fused qkv into attn_q / attn_k / attn_v;
+they are joined back. The rest is renamed."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tessera.weights.gguf_errors import MmprojError
+from tessera.weights.gguf_qwen_vl import MROPE_SECTION
+from tessera.weights.gguf_rope import field_value
+
+# projector type -> the Hugging Face model type it rebuilds
+QWEN_PROJECTORS = {"qwen2vl_merger": "qwen2_vl", "qwen2.5vl_merger": "qwen2_5_vl"}
+WINDOW_PIXELS = 112  # Qwen2.5-VL's attention window, which llama.cpp fixes (every released size has it)
+TEMPORAL_PATCH = 2
+DEFAULT_MERGE = 2
+MIN_MERGED_PATCHES, MAX_MERGED_PATCHES = 4, 16384  # the released preprocessor_config.json's min / max pixels
+SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+# llama.cpp name (after v.blk.N.) -> the Hugging Face block's, per model type
+_BLOCK_NAMES = {
+    "attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2",
+}
+_MLP_NAMES = {
+    "qwen2_vl": {"ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+    "qwen2_5_vl": {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+}
+_GLOBAL_NAMES = {"v.post_ln": "visual.merger.ln_q", "mm.0": "visual.merger.mlp.0", "mm.2": "visual.merger.mlp.2"}
+_BLOCK_RE = re.compile(r"^v\.blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+PATCH_EMBED = "v.patch_embd.weight"
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
+def _vision_config(fields: dict, tensors: list, model_type: str, text_hidden: int) -> dict[str, Any]:
+    def key(name: str) -> Any:
+        value = field_value(fields, f"clip.vision.{name}")
+        if value is None:
+            raise MmprojError(f"the mmproj file lacks clip.vision.{name}")
+        return value
+
+    by_name = {t.name: t for t in tensors}
+    up = by_name.get("v.blk.0.ffn_up.weight")
+    if up is None:
+        raise MmprojError("the mmproj file lacks v.blk.0.ffn_up.weight")
+    width, embed = _shape(up)
+    depth, heads, patch = int(key("block_count")), int(key("attention.head_count")), int(key("patch_size"))
+    if embed != int(key("embedding_length")):
+        raise MmprojError(f"v.blk.0.ffn_up.weight is {width} x {embed}, for a tower of width {key('embedding_length')}")
+    merge = int(field_value(fields, "clip.vision.spatial_merge_size") or DEFAULT_MERGE)
+    projection = int(field_value(fields, "clip.vision.projection_dim") or text_hidden)
+    if projection != text_hidden:
+        raise MmprojError(f"the projector makes {projection}-wide features for a language model of width {text_hidden}")
+    common = dict(depth=depth, num_heads=heads, patch_size=patch, spatial_merge_size=merge,
+                  temporal_patch_size=TEMPORAL_PATCH, in_channels=3)
+    if model_type == "qwen2_vl":
+        if embed * (width // embed) != width:
+            raise MmprojError(f"Qwen2-VL's MLP width {width} is not a whole multiple of {embed}")
+        return dict(common, embed_dim=embed, mlp_ratio=width // embed, hidden_size=projection, hidden_act="quick_gelu")
+    pattern = int(field_value(fields, "clip.vision.n_wa_pattern") or 0)
+    if pattern <= 0:
+        raise MmprojError("a Qwen2.5-VL projector file needs clip.vision.n_wa_pattern (its full-attention layers)")
+    window = int(field_value(fields, "clip.vision.window_size") or WINDOW_PIXELS)
+    return dict(common, hidden_size=embed, intermediate_size=width, out_hidden_size=projection, hidden_act="silu",
+                window_size=window, fullatt_block_indexes=[i for i in range(depth) if (i + 1) % pattern == 0])
+
+
+def write_qwen_vl_folder(folder: Path, text_folder: Path, fields: dict, tensors: list, kind: str) -> None:
+    """config.json, the tokenizer and the image processor of the checkpoint the files were
+    converted from, into `folder`."""
+    from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen2VLImageProcessor
+
+    model_type = QWEN_PROJECTORS[kind]
+    text_dict = json.loads((text_folder / "config.json").read_text())
+    sections = text_dict.get(MROPE_SECTION)
+    if text_dict.get("model_type") != "qwen2" or not sections:
+        raise MmprojError(f"a {kind} projector goes with a Qwen2-VL / Qwen2.5-VL GGUF (arch qwen2vl), "
+                              f"not a {text_dict.get('model_type')} one")
+    head_dim = text_dict["hidden_size"] // text_dict["num_attention_heads"]
+    if sum(sections) * 2 != head_dim:
+        raise MmprojError(f"the M-RoPE sections {sections} do not cover a head of {head_dim}")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(text_folder))
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    missing = [t for t, i in ids.items() if not isinstance(i, int) or i == tokenizer.unk_token_id]
+    if missing:
+        raise MmprojError(f"the GGUF's vocabulary lacks Qwen's vision tokens {missing}")
+    vision = _vision_config(fields, tensors, model_type, int(text_dict["hidden_size"]))
+    text = {k: v for k, v in text_dict.items() if k not in ("model_type", "architectures", "transformers_version",
+                                                            MROPE_SECTION)}
+    rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1000000.0})
+    text["rope_parameters"] = {**rope, "mrope_section": list(sections)}
+    architecture = "Qwen2VLForConditionalGeneration" if model_type == "qwen2_vl" else "Qwen2_5_VLForConditionalGeneration"
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision,
+                                  image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                                  tie_word_embeddings=bool(text.get("tie_word_embeddings")),
+                                  architectures=[architecture])
+    config.save_pretrained(str(folder))
+    unit = (vision["patch_size"] * vision["spatial_merge_size"]) ** 2
+    mean = field_value(fields, "clip.vision.image_mean")
+    std = field_value(fields, "clip.vision.image_std")
+    if mean is None or std is None:
+        raise MmprojError("the mmproj file lacks clip.vision.image_mean / image_std")
+    low = field_value(fields, "clip.vision.image_min_pixels") or MIN_MERGED_PATCHES * unit
+    high = field_value(fields, "clip.vision.image_max_pixels") or MAX_MERGED_PATCHES * unit
+    Qwen2VLImageProcessor(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
+                          temporal_patch_size=TEMPORAL_PATCH, image_mean=list(mean), image_std=list(std),
+                          size={"shortest_edge": int(low), "longest_edge": int(high)}).save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
+def _hf_name(name: str, model_type: str) -> str:
+    m = _BLOCK_RE.match(name)
+    if m:
+        block, part, kind = m.groups()
+        mapped = _BLOCK_NAMES.get(part) or _MLP_NAMES[model_type].get(part)
+        if mapped is not None:
+            return f"visual.blocks.{block}.{mapped}.{kind}"
+    stem, _, kind = name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    raise MmprojError(f"tensor {name} has no place in the vision tower")
+
+
+def iter_qwen_vl_weights(tensors: list, kind: str, read) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the projector file; `read`
+    dequantizes one (a gguf ReaderTensor) to a float32 array of its torch shape."""
+    model_type = QWEN_PROJECTORS[kind]
+    by_name = {t.name: t for t in tensors}
+    pending: dict[str, dict[str, np.ndarray]] = {}  # a block's qkv, joined once its three parts came
+    for tensor in tensors:
+        name = tensor.name
+        if name == PATCH_EMBED or name == PATCH_EMBED + ".1":
+            if name == PATCH_EMBED + ".1":
+                continue
+            second = by_name.get(PATCH_EMBED + ".1")
+            if second is None:
+                raise MmprojError(f"the mmproj file has {PATCH_EMBED} without its second temporal kernel (.1)")
+            # [out, in, patch, patch] twice -> Conv3d's [out, in, 2, patch, patch]
+            yield "visual.patch_embed.proj.weight", torch.from_numpy(np.stack([read(tensor), read(second)], axis=2))
+            continue
+        m = _BLOCK_RE.match(name)
+        if m and m.group(2) in ("attn_q", "attn_k", "attn_v"):
+            block, part, kind_ = m.groups()
+            parts = pending.setdefault(f"{block}.{kind_}", {})
+            parts[part] = read(tensor)
+            if len(parts) == 3:
+                joined = np.concatenate([parts["attn_q"], parts["attn_k"], parts["attn_v"]], axis=0)
+                del pending[f"{block}.{kind_}"]
+                yield f"visual.blocks.{block}.attn.qkv.{kind_}", torch.from_numpy(joined)
+            continue
+        yield _hf_name(name, model_type), torch.from_numpy(read(tensor))
+    if pending:
+        raise MmprojError(f"the mmproj file lacks part of a block's q / k / v: {sorted(pending)[:4]}")
