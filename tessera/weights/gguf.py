@@ -24,8 +24,8 @@ import torch
 from tessera.weights.gguf_config import complete_gguf_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
-from tessera.weights.gguf_qwen_vl import ARCH as QWEN2VL
-from tessera.weights.gguf_qwen_vl import qwen2vl_config
+from tessera.weights.gguf_qwen_vl import ARCHES as QWEN_VL_ARCHES
+from tessera.weights.gguf_qwen_vl import qwen_vl_text_config
 from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
 from tessera.weights.gguf_smollm3 import ARCH as SMOLLM3
 from tessera.weights.gguf_smollm3 import smollm3_config
@@ -232,13 +232,13 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, QWEN2VL):
+    if arch in (GEMMA4, SMOLLM3, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
             config = gemma4_config(reader.fields, reader.tensors)
         else:
-            read = smollm3_config if arch == SMOLLM3 else qwen2vl_config
+            read = smollm3_config if arch == SMOLLM3 else qwen_vl_text_config
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     else:

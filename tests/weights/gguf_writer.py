@@ -211,7 +211,7 @@ def _layer_parts(arch: str) -> dict[str, str]:
     if arch in ("gemma2", "gemma3"):  # four norms; ffn_norm is the pre-feedforward one
         parts |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
-    if arch in ("qwen3", "qwen3moe", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "gemma3"):
         parts |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     if arch == "phi3":  # fused projections kept whole; gate_up_proj is written as ffn_up
         parts |= {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
