@@ -54,6 +54,25 @@ def test_sequence_classification_checkpoints(tmp_path, tiny_tokenizer_dir, num_l
                 assert out.outputs.probs == pytest.approx(torch.softmax(logits, -1).tolist(), abs=1e-5)
 
 
+def test_two_ranks_classify_as_one(tmp_path, tiny_tokenizer_dir):
+    """A sequence-classification checkpoint under tensor parallelism: each rank holds its
+    shard of the backbone and the whole score projection, the driver classifies."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(3)
+    hf = Qwen3ForSequenceClassification(Qwen3Config(**QWEN3, num_labels=3)).eval()
+    with torch.no_grad():
+        hf.score.weight.mul_(20.0)
+    folder = save(hf, tmp_path, tiny_tokenizer_dir)
+    with LLM(folder, dtype="float32", show_progress=False, tensor_parallel_size=2) as llm:
+        ids = [list(llm.tokenizer(QUERY + doc).input_ids) for doc in DOCS]
+        outs = llm.classify(ids)
+    for out, i in zip(outs, ids):
+        with torch.no_grad():
+            logits = hf(torch.tensor([i])).logits[0]
+        assert out.outputs.probs == pytest.approx(torch.softmax(logits, -1).tolist(), abs=1e-5)
+
+
 def test_classifier_from_tokens_is_qwen3_rerankers_score(tmp_path, tiny_tokenizer_dir):
     """The causal LM's own logits at the last token: score = sigmoid(logit["b"] - logit["a"]),
     i.e. P(b) among {a, b}; a query scored again reuses its cached prefix (last-token pooling)."""
@@ -87,7 +106,7 @@ def test_refusals(tmp_path, tiny_tokenizer_dir, make_tiny_llama):
     with pytest.raises(ConfigError, match="goes alone"):
         LLM(folder, dtype="float32", show_progress=False, runner="pooling",
             pooler_config={"classifier_from_token": ["<s>", "</s>"], "normalize": False})
-    with pytest.raises(ConfigError, match="one rank"):
+    with pytest.raises(ConfigError, match="classifier_from_token runs on one rank"):
         LLM(folder, dtype="float32", show_progress=False, runner="pooling", tensor_parallel_size=2,
             pooler_config={"classifier_from_token": ["<s>", "</s>"]})
 
