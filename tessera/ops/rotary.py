@@ -13,7 +13,7 @@ import torch
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, register_op
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "ntk", "yarn", "longrope", "llama3", "proportional")
 # Kinds whose frequencies depend on the current sequence length (transformers'
 # dynamic_rope_update): computed per token from that token's own sequence length.
 LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -129,6 +129,9 @@ def _kind_frequencies(rotary_dim: int, params: dict, seq_len: int | None) -> tup
         factor = float(params["factor"])
         base = base * ((factor * length / trained) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
         return _plain_inv_freq(rotary_dim, base), 1.0
+    if kind == "ntk":  # fixed NTK (GTE v1.5's remote code): a larger base, every frequency divided alike
+        factor = float(params["factor"])
+        return _plain_inv_freq(rotary_dim, base * factor) / factor ** (2 / rotary_dim), 1.0
     if kind == "yarn":
         return _yarn(rotary_dim, params)
     if kind == "longrope":

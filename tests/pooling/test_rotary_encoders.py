@@ -108,3 +108,66 @@ def test_rotary_cross_encoder_scores_equal_transformers(tmp_path, family, prefix
             with torch.no_grad():
                 expected = torch.sigmoid(hf(**encoded).logits[0, 0]).item()
             assert out.outputs.score == pytest.approx(expected, abs=1e-5)
+
+
+def as_alibaba_config(folder, config: dict, architecture: str = "NewModel", **extra) -> None:
+    """Write config.json as Alibaba's GTE folders have it: the remote-code type `new`."""
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+            "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id", "id2label", "label2id")
+    remote = {key: config[key] for key in keys if key in config}
+    remote.update(model_type="new", architectures=[architecture], position_embedding_type="rope",
+                  layer_norm_type="layer_norm", pack_qkv=True, logn_attention_scale=False, logn_attention_clip1=False,
+                  unpad_inputs=False, use_memory_efficient_attention=False,
+                  rope_theta=config["rope_parameters"]["rope_theta"], rope_scaling=None,
+                  auto_map={"AutoConfig": "Alibaba-NLP/new-impl--configuration.NewConfig"})
+    remote.update(extra)
+    (folder / "config.json").write_text(json.dumps(remote))
+
+
+def ntk_scaled(hf, factor: float) -> None:
+    """transformers' GteModel with the remote code's fixed NTK rotary: base * factor, each
+    frequency divided by factor ** (2 / head_dim) (as vLLM's NTKScalingRotaryEmbedding)."""
+    rotary = hf.rotary_emb
+    dim = 2 * rotary.inv_freq.numel()
+    base = hf.config.rope_parameters["rope_theta"] * factor
+    rotary.inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)) / factor ** (2 / dim)
+
+
+def test_gte_folders_as_alibaba_publishes_them(tmp_path):
+    """gte-base-en-v1.5's shape: type `new`, no token types, fixed NTK rotary (factor 2);
+    equal to transformers with the remote code's frequencies, which differ from plain ones."""
+    hf = make_rotary_encoder(tmp_path, "gte", TINY_CORPUS, type_vocab_size=0)
+    batch = token_prompts(4, hf.config.vocab_size, seed=4, lo=60, hi=200)
+    plain = [pooled(hf, ids, "CLS") for ids in batch]
+    ntk_scaled(hf, 2.0)
+    as_alibaba_config(tmp_path, json.loads((tmp_path / "config.json").read_text()),
+                      rope_scaling={"type": "ntk", "factor": 2.0})
+    with LLM(tmp_path, dtype="float32", show_progress=False) as llm:
+        assert llm.engine.router.config.model_type == "gte"
+        for ids, out, unscaled in zip(batch, llm.embed(batch), plain):
+            want = pooled(hf, ids, "CLS")
+            torch.testing.assert_close(out.outputs.data, want, atol=ATOL, rtol=0)
+            assert (want - unscaled).abs().max() > 1e-3
+
+
+def test_gte_rerankers_as_alibaba_publishes_them(tmp_path):
+    """gte-multilingual-reranker-base's shape: NewForSequenceClassification, its backbone
+    under new., plain rotary."""
+    hf = make_rotary_encoder(tmp_path, "gte", TINY_CORPUS, num_labels=1)
+    path = tmp_path / "model.safetensors"
+    save_file({"new." + k.removeprefix("gte.") if k.startswith("gte.") else k: v for k, v in load_file(path).items()},
+              path, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    as_alibaba_config(tmp_path, config, "NewForSequenceClassification")
+    with LLM(tmp_path, dtype="float32", show_progress=False) as llm:
+        for doc, out in zip(DOCS, llm.score(QUERY, DOCS)):
+            encoded = llm.tokenizer(QUERY, doc, return_token_type_ids=True, return_tensors="pt")
+            with torch.no_grad():
+                expected = torch.sigmoid(hf(**encoded).logits[0, 0]).item()
+            assert out.outputs.score == pytest.approx(expected, abs=1e-5)
+    for extra, refused in [({"logn_attention_scale": True}, "logn_attention_scale=True is not supported"),
+                           ({"rope_scaling": {"type": "ntk", "factor": 2.0, "mixed_b": 0.5}}, "rope_scaling"),
+                           ({"architectures": ["NewForTokenClassification"]}, "NewForTokenClassification")]:
+        as_alibaba_config(tmp_path, config, "NewForSequenceClassification", **extra)
+        with pytest.raises(ValueError, match=refused):
+            LLM(tmp_path, dtype="float32", show_progress=False)

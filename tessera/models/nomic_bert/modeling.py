@@ -1,6 +1,6 @@
 """Post-norm rotary encoders: NomicBERT (nomic-embed-text v1 / v1.5) and GTE (Alibaba's
-gte-multilingual-base and its reranker in transformers' `gte` type; folders of Alibaba's
-remote-code `new` type are not read), assembled from shared ops. Module names follow transformers' NomicBertModel and GteModel.
+gte-multilingual-base and its reranker in transformers' `gte` type or as Alibaba publishes
+them, with the English v1.5 models: gte_new.py), assembled from shared ops. Module names follow transformers' NomicBertModel and GteModel.
 
 Like BERT, post-norm layers and word + token-type embeddings under a LayerNorm; unlike it,
 rotary positions (no position table), a gated MLP (NomicBERT's SwiGLU, GTE's GeGLU with a

@@ -1,7 +1,10 @@
+import json
+
 from transformers import PretrainedConfig
 
 from tessera.models.base import EncoderRouter
 from tessera.models.nomic_bert.gte import GteForClassification, GteForEmbedding
+from tessera.models.nomic_bert.gte_new import MODEL_TYPE, gte_config_from_new
 from tessera.models.nomic_bert.nomic import (NomicBertForClassification, NomicBertForEmbedding,
                                              take_remote_code_keys)
 
@@ -25,10 +28,15 @@ class NomicBertRouter(EncoderRouter):
 
 
 class GteRouter(EncoderRouter):
-    """GTE encoders in transformers' `gte` type (gte-multilingual-base and its reranker):
-    they pool, never generate."""
+    """GTE encoders in transformers' `gte` type, or as Alibaba publishes them (the remote-code
+    type `new`: gte-base / large-en-v1.5, gte-multilingual-base and its reranker): they
+    pool, never generate."""
 
-    model_types = ("gte",)
+    model_types = ("gte", MODEL_TYPE)
     model_cls = GteForEmbedding
     classifier_cls = GteForClassification
     default_pooling_type = "CLS"
+
+    def get_config(self) -> PretrainedConfig:
+        raw = json.loads((self.metadata_dir / "config.json").read_text())
+        return gte_config_from_new(raw) if raw.get("model_type") == MODEL_TYPE else super().get_config()
