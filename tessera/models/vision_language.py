@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Callable, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -88,6 +88,29 @@ class VisionLanguageRouter(BaseRouter):
             raise ValueError(f"{self.full_config.model_type}: its language model ({model_type!r}) has no "
                              "native tessera folder")
         return router
+
+    # a GGUF holds the language model as llama.cpp writes its text type: that router's names,
+    # Q / K permutation and norm offset (a text type of the image model's own, as Qwen's,
+    # keeps the defaults, or a subclass says them)
+    def _text_gguf(self, name: str) -> Any:
+        from tessera.models.registry import router_classes
+
+        router = router_classes().get(self.config.model_type)
+        if router is None or issubclass(router, VisionLanguageRouter):
+            router = BaseRouter
+        return getattr(router, name)
+
+    @property
+    def gguf_permute_qk(self) -> bool:  # type: ignore[override]
+        return self._text_gguf("gguf_permute_qk")
+
+    @property
+    def gguf_names(self) -> dict[str, str]:  # type: ignore[override]
+        return self._text_gguf("gguf_names")
+
+    @property
+    def gguf_norm_offset(self) -> float:  # type: ignore[override]
+        return self._text_gguf("gguf_norm_offset")
 
     @cached_property
     def image_token_id(self) -> int:

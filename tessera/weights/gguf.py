@@ -24,6 +24,8 @@ import torch
 from tessera.weights.gguf_config import complete_gguf_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
+from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
+from tessera.weights.gguf_mistral3 import mistral3_config
 from tessera.weights.gguf_qwen_vl import ARCHES as QWEN_VL_ARCHES
 from tessera.weights.gguf_qwen_vl import qwen_vl_text_config
 from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
@@ -79,7 +81,7 @@ def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None) -> st
     return f"{_GLOBAL_NAMES[stem]}.{kind}"
 
 
-def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: interleaved rotary halves back to rotate-half rows."""
     head_rows = w.shape[0] // num_heads
     return w.reshape(num_heads, head_rows // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -156,9 +158,9 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             continue
         array = _dequantized(tensor, data, shape)
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute_rows(array, num_heads)
+            array = unpermute_rows(array, num_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute_rows(array, num_kv_heads)
+            array = unpermute_rows(array, num_kv_heads)
         if norm_offset and name.endswith("norm.weight"):
             array -= np.float32(norm_offset)
         yield name, torch.from_numpy(array)
@@ -232,13 +234,13 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
             config = gemma4_config(reader.fields, reader.tensors)
         else:
-            read = smollm3_config if arch == SMOLLM3 else qwen_vl_text_config
+            read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config}.get(arch, qwen_vl_text_config)
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     else:

@@ -1,8 +1,8 @@
 """A llama.cpp multimodal projector file (`--mmproj`, beside a GGUF language model): the
 vision tower and projector its converter writes as a separate GGUF of arch "clip".
 
-Read for Qwen2-VL and Qwen2.5-VL (gguf_mmproj_qwen.py) and for Gemma 3 (clip projector
-type "gemma3"): the SigLIP tower's shape and the image
+Read for Qwen's image-text models (gguf_mmproj_qwen.py), Mistral Small 3.1 / 3.2
+(gguf_mmproj_pixtral.py) and Gemma 3 (clip projector type "gemma3"): the SigLIP tower's shape and the image
 processor's size, mean and std come from its `clip.vision.*` keys; the tokens an image
 takes from the patch grid and the projector's pooling (`projector.scale_factor`, 4 where
 absent, as llama.cpp assumes). With the converted text GGUF's config and tokenizer they
@@ -23,13 +23,15 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from tessera.weights.gguf_errors import MmprojError
+from tessera.weights.gguf_clip import MmprojError, vision_key
+from tessera.weights.gguf_mmproj_pixtral import PROJECTOR_TYPE as PIXTRAL
+from tessera.weights.gguf_mmproj_pixtral import iter_pixtral_weights, write_mistral3_folder
 from tessera.weights.gguf_mmproj_qwen import QWEN_PROJECTORS, iter_qwen_vl_weights, write_qwen_vl_folder
 from tessera.weights.gguf_rope import field_value
 
 logger = logging.getLogger(__name__)
 
-PROJECTOR_TYPES = ("gemma3", *QWEN_PROJECTORS)
+PROJECTOR_TYPES = ("gemma3", PIXTRAL, *QWEN_PROJECTORS)
 DEFAULT_SCALE_FACTOR = 4  # llama.cpp's Gemma 3 pooling (896-pixel images, 64 x 64 patches -> 16 x 16)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 SOFT_EMB_NORM = "mm.soft_emb_norm.weight"
@@ -59,10 +61,7 @@ def _projector_type(fields: dict, path: Path) -> str:
 
 def _vision(fields: dict) -> dict[str, Any]:
     def key(name: str) -> Any:
-        value = field_value(fields, f"clip.vision.{name}")
-        if value is None:
-            raise MmprojError(f"the mmproj file lacks clip.vision.{name}")
-        return value
+        return vision_key(fields, name)
 
     return dict(model_type="siglip_vision_model", hidden_size=int(key("embedding_length")),
                 intermediate_size=int(key("feed_forward_length")), num_hidden_layers=int(key("block_count")),
@@ -89,6 +88,8 @@ def gguf_mmproj_folder(text_folder: Path, mmproj: Path, cache_dir: Path) -> Path
     tmp.mkdir(parents=True, exist_ok=True)
     if kind in QWEN_PROJECTORS:
         write_qwen_vl_folder(tmp, text_folder, reader.fields, reader.tensors, kind)
+    elif kind == PIXTRAL:
+        write_mistral3_folder(tmp, text_folder, reader.fields, reader.tensors)
     else:
         _write_gemma3(tmp, text_folder, reader.fields)
     for item in text_folder.iterdir():  # the text file's tensor index, which its loader reads
@@ -177,6 +178,9 @@ def iter_mmproj_weights(path: Path, hf_names: Iterable[str]) -> Iterator[tuple[s
     kind = _projector_type(reader.fields, Path(path))
     if kind in QWEN_PROJECTORS:  # (names as the released checkpoints have them; the tower checks them)
         yield from iter_qwen_vl_weights(reader.tensors, kind, _read_array)
+        return
+    if kind == PIXTRAL:
+        yield from iter_pixtral_weights(reader.fields, reader.tensors, _read_array)
         return
     names = mmproj_tensor_names(hf_names, int(field_value(reader.fields, "clip.vision.block_count") or 0))
     found = set()

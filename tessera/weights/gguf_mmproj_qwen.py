@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from tessera.weights.gguf_errors import MmprojError
+from tessera.weights.gguf_clip import MmprojError, vision_key
 from tessera.weights.gguf_qwen_vl import DEEPSTACK_LAYERS, MROPE_SECTION
 from tessera.weights.gguf_rope import field_value
 
@@ -83,10 +83,7 @@ def _shape(tensor) -> tuple[int, ...]:
 
 def _vision_config(fields: dict, tensors: list, tower: str, text_hidden: int) -> dict[str, Any]:
     def key(name: str) -> Any:
-        value = field_value(fields, f"clip.vision.{name}")
-        if value is None:
-            raise MmprojError(f"the mmproj file lacks clip.vision.{name}")
-        return value
+        return vision_key(fields, name)
 
     by_name = {t.name: t for t in tensors}
     up = by_name.get("v.blk.0.ffn_up.weight")

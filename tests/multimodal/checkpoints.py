@@ -164,6 +164,17 @@ def check_image_prompt(llm, text: str, images: list, prompt: list[int], want: li
     return text_only
 
 
+def assert_vision_weights_equal(llm, hf: torch.nn.Module) -> None:
+    """Every weight and buffer of the engine's vision side (transformers' modules, loaded from
+    a checkpoint or a projector file) equals the original model's (`hf`: a
+    *ForConditionalGeneration; float32 up to a unit of rounding: a norm stored as 1 + w)."""
+    ours = llm.engine.model.vision.hf.state_dict()
+    theirs = hf.model.state_dict()
+    assert ours and set(ours) <= set(theirs)
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor.float(), theirs[name].float(), atol=1e-6, rtol=0, msg=name)
+
+
 def hf_image_generate(model: torch.nn.Module, folder: Path, text: str, images: list, n: int) -> tuple[list[int], list[int]]:
     """transformers' greedy tokens for a prompt with images (EOS off): (prompt ids, new ids)."""
     from transformers import AutoProcessor
@@ -410,9 +421,10 @@ def make_tiny_gemma3(folder: Path, corpus: list[str], seed: int = 0, text_overri
 PIXTRAL_SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
-def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type: str = "mistral") -> torch.nn.Module:
+def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type: str = "mistral",
+                       image_size: int = 56) -> torch.nn.Module:
     """A Mistral3 (Mistral Small 3.1) checkpoint: a Pixtral tower over 7-pixel patches of an
-    image at most 56 pixels long, 2 x 2 merged (14 pixels a token), a Mistral language
+    image at most `image_size` (56) pixels long, 2 x 2 merged (14 pixels a token), a Mistral language
     model (`text_type` "ministral3": Ministral 3's, with YaRN and its query temperature from
     16 tokens on; "mistral4": Mistral Small 4's); saved with its image processor, a tokenizer and processor_config.json as
     transformers' PixtralProcessor writes it (the processor itself needs torchvision)."""
@@ -424,7 +436,7 @@ def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type
     tokenizer = bpe_tokenizer(corpus, PIXTRAL_SPECIALS)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("<image>", "[IMG]")
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                 image_size=56, patch_size=7, head_dim=16)
+                                 image_size=image_size, patch_size=7, head_dim=16)
     if text_type == "ministral3":
         from tests.models.families import MINISTRAL3_ROPE
         text = Ministral3Config(**TEXT_CONFIG, rope_parameters=MINISTRAL3_ROPE, pad_token_id=0)
@@ -442,7 +454,7 @@ def make_tiny_mistral3(folder: Path, corpus: list[str], seed: int = 0, text_type
     torch.manual_seed(seed)
     model = Mistral3ForConditionalGeneration(config).eval()
     model.save_pretrained(folder)
-    PixtralImageProcessor(size={"longest_edge": 56}, patch_size=7).save_pretrained(folder)
+    PixtralImageProcessor(size={"longest_edge": image_size}, patch_size=7).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / "processor_config.json").write_text(json.dumps({
         "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]", "image_token": "[IMG]",

@@ -16,9 +16,9 @@ import torch
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (GEMMA3_IMAGE, check_image_prompt, greedy, hf_image_generate, hf_image_logprobs, image_prompt,
+from tests.multimodal.checkpoints import (GEMMA3_IMAGE, assert_vision_weights_equal, check_image_prompt, greedy, hf_image_generate, hf_image_logprobs, image_prompt,
                                           make_tiny_gemma3, random_image)
-from tests.weights.gguf_writer import write_model_gguf, write_tensors
+from tests.weights.gguf_writer import clip_writer, write_model_gguf, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,17 +39,10 @@ def write_text_gguf(path: Path, hf, tokenizer_json: Path, qtype=QT.F32) -> Path:
 def write_gemma3_mmproj(path: Path, hf, projector_type: str = "gemma3") -> Path:
     """The vision tower and projector as convert_hf_to_gguf.py --mmproj writes Gemma 3's."""
     vision, text = hf.config.vision_config, hf.config.text_config
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_clip_has_vision_encoder(True)
-    w.add_clip_vision_projector_type(projector_type)
-    w.add_vision_image_size(vision.image_size)
-    w.add_vision_patch_size(vision.patch_size)
-    w.add_vision_embedding_length(vision.hidden_size)
-    w.add_vision_feed_forward_length(vision.intermediate_size)
-    w.add_vision_block_count(vision.num_hidden_layers)
-    w.add_vision_head_count(vision.num_attention_heads)
-    w.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
-    w.add_vision_projection_dim(text.hidden_size)
+    w = clip_writer(path, projector_type, image_size=vision.image_size, patch_size=vision.patch_size,
+                    width=vision.hidden_size, ffn=vision.intermediate_size, blocks=vision.num_hidden_layers,
+                    heads=vision.num_attention_heads, eps=vision.layer_norm_eps, projection=text.hidden_size,
+                    vision_projector_key=True)
     w.add_vision_image_mean([0.5, 0.5, 0.5])
     w.add_vision_image_std([0.5, 0.5, 0.5])
     w.add_vision_use_gelu(True)
@@ -97,6 +90,7 @@ def test_the_gguf_and_its_mmproj_equal_transformers(gemma3_files, tmp_path):
         assert llm.engine.supports_images and llm.engine.router.config.model_type == "gemma3_text"
         text_only = check_image_prompt(llm, TWO_IMAGES, images, prompt, want,
                                        lambda got: hf_image_logprobs(hf, folder, TWO_IMAGES, images, got), N)
+        assert_vision_weights_equal(llm, hf)
     ids = torch.tensor([text_only.prompt_token_ids])
     with torch.no_grad():
         plain = hf.generate(input_ids=ids, max_new_tokens=N, min_new_tokens=N, do_sample=False, eos_token_id=None,

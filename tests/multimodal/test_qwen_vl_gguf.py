@@ -10,7 +10,7 @@ import pytest
 
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
-from tests.multimodal.checkpoints import (QWEN_IMAGE, check_image_prompt, greedy, hf_qwen_generate, hf_qwen_logprobs,
+from tests.multimodal.checkpoints import (QWEN_IMAGE, assert_vision_weights_equal, check_image_prompt, greedy, hf_qwen_generate, hf_qwen_logprobs,
                                           image_prompt, random_image)
 from tests.multimodal.qwen_vl_gguf_files import TYPES, WINDOWED, make_qwen_vl_files
 from tests.weights.gguf_writer import write_model_gguf
@@ -46,6 +46,7 @@ def test_the_gguf_and_its_mmproj_equal_transformers(qwen_files, tmp_path):
         assert llm.engine.supports_images and llm.engine.router.full_config.model_type == hf.config.model_type
         text_only = check_image_prompt(llm, TWO_IMAGES, images, prompt, want,
                                        lambda got: hf_qwen_logprobs(hf, folder, TWO_IMAGES, images, got), N)
+        assert_vision_weights_equal(llm, hf)
     _, plain = hf_qwen_generate(hf, folder, "Paged attention stores", [], N)
     assert text_only.outputs[0].token_ids == plain
 

@@ -202,7 +202,7 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
 
 # --- other architectures, as convert_hf_to_gguf.py writes them ---------------------------------
 
-LLAMA_CONVERTED = ("llama", "smollm3")  # convert_hf_to_gguf.py's LlamaModel and its subclasses: Q / K permuted
+LLAMA_CONVERTED = ("llama", "smollm3", "mistral3")  # convert_hf_to_gguf.py's LlamaModel and its subclasses: Q / K permuted
 
 
 def _layer_parts(arch: str) -> dict[str, str]:
@@ -329,6 +329,25 @@ def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, a
     write_tensors(w, ((name, array, qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32)
                       for name, array in model_tensors(model, arch, per_expert, fuse_gate_up).items()))
     return path
+
+
+def clip_writer(path: Path, projector_type: str, *, image_size: int, patch_size: int, width: int, ffn: int,
+                blocks: int, heads: int, eps: float, projection: int, vision_projector_key: bool = False
+                ) -> gguf.GGUFWriter:
+    """A projector file's writer (arch clip) with the keys every convert_hf_to_gguf.py --mmproj
+    writes (`vision_projector_key`: the type as clip.vision.projector_type, as Gemma 3's)."""
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_clip_has_vision_encoder(True)
+    (w.add_clip_vision_projector_type if vision_projector_key else w.add_clip_projector_type)(projector_type)
+    w.add_vision_image_size(image_size)
+    w.add_vision_patch_size(patch_size)
+    w.add_vision_embedding_length(width)
+    w.add_vision_feed_forward_length(ffn)
+    w.add_vision_block_count(blocks)
+    w.add_vision_head_count(heads)
+    w.add_vision_attention_layernorm_eps(eps)
+    w.add_vision_projection_dim(projection)
+    return w
 
 
 def write_tensors(w: gguf.GGUFWriter, tensors) -> None:

@@ -34,8 +34,6 @@ class Gemma3VisionRouter(VisionLanguageRouter):
     supports_lora = True  # tests/multimodal/test_vlm_lora.py
     # a GGUF language model with its --mmproj projector (tests/multimodal/test_gemma3_gguf.py)
     supports_gguf = True
-    gguf_names = Gemma2Router.gguf_names
-    gguf_norm_offset = 1.0
 
     @property
     def longest_attention_span(self) -> int:

@@ -12,6 +12,9 @@ class Mistral3Router(VisionLanguageRouter):
     supports_images = True  # tests/multimodal/test_mistral3.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_vlm_lora.py
+    # a GGUF language model (arch llama or mistral3) with its --mmproj projector
+    # (tests/multimodal/test_mistral3_gguf.py)
+    supports_gguf = True
     image_prompts_cls = PixtralImagePrompts
 
     @cached_property

@@ -1,0 +1,20 @@
+"""What every reader of llama.cpp's projector files (arch "clip") shares: its error, and
+the `clip.vision.*` keys a tower cannot be built without."""
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.weights.gguf_rope import field_value
+
+
+class MmprojError(ValueError):
+    """A multimodal projector file (--mmproj) that cannot be read, or does not go with its
+    language model's GGUF."""
+
+
+def vision_key(fields: dict, name: str) -> Any:
+    """`clip.vision.<name>`'s value; a file without it is refused."""
+    value = field_value(fields, f"clip.vision.{name}")
+    if value is None:
+        raise MmprojError(f"the mmproj file lacks clip.vision.{name}")
+    return value
