@@ -55,7 +55,7 @@ def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     assert rows["qwen2"][:4] == ["qwen2", "Qwen2ForCausalLM", "yes", "yes"]
     assert rows["qwen3"][:4] == ["qwen3", "Qwen3ForCausalLM", "yes", "yes"]
     encoders = {t for t, row in rows.items() if row[2] == "no"}
-    assert encoders == {"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert", "gte", "eurobert"}  # embeddings only
+    assert encoders == {"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert", "gte", "new", "eurobert"}  # embeddings only
     text = {t: row for t, row in rows.items() if row[-1] == "no" and t not in encoders}
     assert all(row[-3:-1] == ["yes", "yes"] for row in text.values())  # every generating text type: TP and LoRA
     assert {t for t, row in rows.items() if row[-1] == "yes"} == {"llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl",
