@@ -169,7 +169,8 @@ class VisionLanguageRouter(BaseRouter):
             count = len(load_weights(model.language_model, progress(
                 (language_model_name(n), t) for n, t in self.iter_weights()), prepare=True))
             if vision.materialized:
-                for name, tensor in iter_mmproj_weights(Path(self.model_config.mmproj), vision.weight_names()):
+                for name, tensor in iter_mmproj_weights(Path(self.model_config.mmproj), vision.weight_names(),
+                                                        vision.buffer_names()):
                     vision.load_tensor(name, tensor)
             count += vision.check_loaded()
             prepare_weights(model.language_model)

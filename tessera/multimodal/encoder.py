@@ -92,6 +92,10 @@ class VisionEncoder(nn.Module):
         """Its weights' names (a Hugging Face checkpoint's, as transformers names them now)."""
         return [n for n in self._state if not self._is_buffer(n)]
 
+    def buffer_names(self) -> list[str]:
+        """Its saved buffers' names (Gemma 4's clipped linears' bounds, its standardization)."""
+        return [n for n in self._state if self._is_buffer(n)]
+
     def owns(self, checkpoint_name: str) -> bool:
         """Whether a checkpoint tensor is the vision side's (else the language model's)."""
         return canonical_name(checkpoint_name).split(".", 1)[0] in self.top_names

@@ -2,7 +2,8 @@
 vision tower and projector its converter writes as a separate GGUF of arch "clip".
 
 Read for Qwen's image-text models (gguf_mmproj_qwen.py), Mistral Small 3.1 / 3.2
-(gguf_mmproj_pixtral.py) and Gemma 3 (clip projector type "gemma3"): the SigLIP tower's shape and the image
+(gguf_mmproj_pixtral.py), Gemma 4 (gguf_mmproj_gemma4.py) and Gemma 3 (clip projector type
+"gemma3"): the SigLIP tower's shape and the image
 processor's size, mean and std come from its `clip.vision.*` keys; the tokens an image
 takes from the patch grid and the projector's pooling (`projector.scale_factor`, 4 where
 absent, as llama.cpp assumes). With the converted text GGUF's config and tokenizer they
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 
 from tessera.weights.gguf_clip import MmprojError, vision_key
+from tessera.weights.gguf_mmproj_gemma4 import PROJECTOR_TYPE as GEMMA4V
+from tessera.weights.gguf_mmproj_gemma4 import iter_gemma4_weights, write_gemma4_folder
 from tessera.weights.gguf_mmproj_pixtral import PROJECTOR_TYPE as PIXTRAL
 from tessera.weights.gguf_mmproj_pixtral import iter_pixtral_weights, write_mistral3_folder
 from tessera.weights.gguf_mmproj_qwen import QWEN_PROJECTORS, iter_qwen_vl_weights, write_qwen_vl_folder
@@ -31,7 +34,7 @@ from tessera.weights.gguf_rope import field_value
 
 logger = logging.getLogger(__name__)
 
-PROJECTOR_TYPES = ("gemma3", PIXTRAL, *QWEN_PROJECTORS)
+PROJECTOR_TYPES = ("gemma3", GEMMA4V, PIXTRAL, *QWEN_PROJECTORS)
 DEFAULT_SCALE_FACTOR = 4  # llama.cpp's Gemma 3 pooling (896-pixel images, 64 x 64 patches -> 16 x 16)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 SOFT_EMB_NORM = "mm.soft_emb_norm.weight"
@@ -53,7 +56,8 @@ def _projector_type(fields: dict, path: Path) -> str:
                           f"{field_value(fields, 'general.architecture')!r}, not 'clip')")
     kind = field_value(fields, "clip.vision.projector_type") or field_value(fields, "clip.projector_type")
     if kind not in PROJECTOR_TYPES:
-        raise MmprojError(f"{path.name}: projector type {kind!r} is not read (tessera reads {', '.join(PROJECTOR_TYPES)})")
+        raise MmprojError(f"{path.name}: projector type {kind!r} is not read "
+                          f"(tessera reads {', '.join(PROJECTOR_TYPES)})")
     if field_value(fields, "clip.has_vision_encoder") is False:
         raise MmprojError(f"{path.name} has no vision encoder")
     return kind
@@ -90,6 +94,8 @@ def gguf_mmproj_folder(text_folder: Path, mmproj: Path, cache_dir: Path) -> Path
         write_qwen_vl_folder(tmp, text_folder, reader.fields, reader.tensors, kind)
     elif kind == PIXTRAL:
         write_mistral3_folder(tmp, text_folder, reader.fields, reader.tensors)
+    elif kind == GEMMA4V:
+        write_gemma4_folder(tmp, text_folder, reader.fields, reader.tensors)
     else:
         _write_gemma3(tmp, text_folder, reader.fields)
     for item in text_folder.iterdir():  # the text file's tensor index, which its loader reads
@@ -170,7 +176,8 @@ def _read_array(tensor) -> np.ndarray:
     return np.array(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape))
 
 
-def iter_mmproj_weights(path: Path, hf_names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_mmproj_weights(path: Path, hf_names: Iterable[str], buffer_names: Iterable[str] = ()
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for each of `hf_names` (the vision side's
     weights) from the projector file; a name the file lacks, or a tensor the model has no
     weight for, is an error."""
@@ -181,6 +188,9 @@ def iter_mmproj_weights(path: Path, hf_names: Iterable[str]) -> Iterator[tuple[s
         return
     if kind == PIXTRAL:
         yield from iter_pixtral_weights(reader.fields, reader.tensors, _read_array)
+        return
+    if kind == GEMMA4V:  # (its clipped linears' bounds and standardization are buffers)
+        yield from iter_gemma4_weights(reader.fields, reader.tensors, [*hf_names, *buffer_names], _read_array)
         return
     names = mmproj_tensor_names(hf_names, int(field_value(reader.fields, "clip.vision.block_count") or 0))
     found = set()

@@ -29,7 +29,8 @@ def plain_decoder_config(config_cls: type, arch: str, fields: dict, tensors: lis
 
     heads = int(key("attention.head_count"))
     values = dict(
-        vocab_size=int(vocab), hidden_size=int(key("embedding_length")), intermediate_size=int(key("feed_forward_length")),
+        vocab_size=int(vocab), hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
         num_key_value_heads=int(key("attention.head_count_kv", heads)),
         max_position_embeddings=int(key("context_length", 2048)),

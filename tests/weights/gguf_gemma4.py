@@ -94,12 +94,12 @@ def stored_type(name: str, shape: tuple[int, ...], qtype: QT) -> QT:
 
 
 def write_gemma4_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, qtype: QT = QT.F32,
-                      token_overrides: dict[int, str] | None = None) -> Path:
+                      token_overrides: dict[int, str] | None = None, add_bos: bool = False) -> Path:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "gemma4")
     w.add_name("tiny random gemma4")
     _metadata(w, cfg)
-    add_tokenizer(w, tokenizer_json, cfg.vocab_size, token_overrides)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size, token_overrides, add_bos=add_bos)
     write_tensors(w, ((name, array, stored_type(name, array.shape, qtype))
                       for name, array in gemma4_tensors(model).values()))
     return path

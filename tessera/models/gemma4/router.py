@@ -46,6 +46,8 @@ class Gemma4VisionRouter(VisionLanguageRouter):
     supports_sliding_window = True  # tests/multimodal/test_gemma4.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py
+    # a GGUF language model with its --mmproj projector (tests/multimodal/test_gemma4_gguf.py)
+    supports_gguf = True
 
     @cached_property
     def bidirectional_image_attention(self) -> bool:  # type: ignore[override]
