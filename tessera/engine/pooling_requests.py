@@ -54,10 +54,6 @@ def _pooler(config: EngineConfig, router: BaseRouter) -> PoolerConfig:
     if config.lora.enable_lora:
         raise ConfigError("LoRA adapters are not supported for pooling models (embeddings, classifiers)")
     if router.classifies or "classifier_from_token" in override:
-        if config.parallel.tensor_parallel_size > 1 and "classifier_from_token" in override:
-            # (the LM head's vocabulary is split over the ranks; the driver alone classifies)
-            raise ConfigError("classifier_from_token runs on one rank (no --tensor-parallel-size); "
-                              "sequence-classification checkpoints run on several")
         if router.classifies and override:
             raise ConfigError("--pooler-config applies to embedding models and classifier_from_token, "
                               "not to a sequence-classification checkpoint")

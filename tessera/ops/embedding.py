@@ -82,6 +82,7 @@ class LMHead(OpModule):
         else:
             self.weight = _vocab_rows_param(vocab_size, hidden_size, target)
         self.vocab_size, self.tp_size = vocab_size, target.tp_size
+        self.hidden_size, self.input_dtype = hidden_size, target.dtype  # (what it takes, whatever its layout)
         quant = lm_head_quantization(target.quant)
         self._linear = target.op("linear", quant=quant)
         self._prepare = target.prepare("linear", quant=quant)

@@ -23,15 +23,33 @@ from tessera.pooling.config import PoolerConfig
 
 
 class TokenLogitsHead(nn.Module):
-    """Label logits from the LM head's logits at the classifier tokens."""
+    """Label logits from the LM head's logits at the classifier tokens: its columns at those
+    tokens, taken once after loading (`prepare_weights`) by running the head over the unit
+    vectors, so they come whole on every tensor-parallel rank (each holds a slice of the
+    vocabulary: the head's all-gather, at load time when all ranks run it) and in whatever
+    layout or quantization the head keeps its weight. The driver then classifies alone."""
+
+    UNIT_ROWS = 256  # unit vectors per pass: a vocabulary's logits for 256 rows at a time
 
     def __init__(self, lm_head: nn.Module, token_ids: tuple[int, ...]):
         super().__init__()
         self._lm_head = [lm_head]  # the model's own (a list: not registered a second time)
-        self.register_buffer("token_ids", torch.tensor(token_ids), persistent=False)
+        self.token_ids = tuple(token_ids)
+        self.columns: torch.Tensor | None = None  # [hidden, tokens], float32
+
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        head = self._lm_head[0]
+        hidden, device = head.hidden_size, head.weight.device
+        ids = torch.tensor(self.token_ids, device=device)
+        parts = []
+        for start in range(0, hidden, self.UNIT_ROWS):
+            units = torch.eye(hidden, dtype=head.input_dtype, device=device)[start:start + self.UNIT_ROWS]
+            parts.append(head(units).float().index_select(-1, ids))
+        self.columns = torch.cat(parts)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = self._lm_head[0](rows).index_select(-1, self.token_ids.to(rows.device))
+        logits = rows.float() @ self.columns.to(rows.device)
         return logits[:, 1:] - logits[:, :1] if logits.shape[-1] == 2 else logits
 
 

@@ -56,7 +56,9 @@ def test_sequence_classification_checkpoints(tmp_path, tiny_tokenizer_dir, num_l
 
 def test_two_ranks_classify_as_one(tmp_path, tiny_tokenizer_dir):
     """A sequence-classification checkpoint under tensor parallelism: each rank holds its
-    shard of the backbone and the whole score projection, the driver classifies."""
+    shard of the backbone and the whole score projection, the driver classifies. A causal LM
+    scoring by two tokens too (its LM head split by vocabulary over the ranks: the tokens'
+    columns are gathered once at load), tied embeddings or not."""
     from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
     torch.manual_seed(3)
@@ -71,6 +73,18 @@ def test_two_ranks_classify_as_one(tmp_path, tiny_tokenizer_dir):
         with torch.no_grad():
             logits = hf(torch.tensor([i])).logits[0]
         assert out.outputs.probs == pytest.approx(torch.softmax(logits, -1).tolist(), abs=1e-5)
+    for tied in (False, True):
+        hf, scorer, tokenizer, no, yes = token_scorer(tmp_path / f"scorer-{tied}", tiny_tokenizer_dir, tied=tied)
+        vocab = tokenizer.get_vocab()
+        assert vocab[no] < QWEN3["vocab_size"] // 2 <= vocab[yes]
+        with LLM(scorer, dtype="float32", show_progress=False, runner="pooling", tensor_parallel_size=2,
+                 pooler_config={"classifier_from_token": [no, yes]}) as llm:
+            outs = llm.score(QUERY, DOCS)
+        for out in outs:
+            with torch.no_grad():
+                logits = hf(torch.tensor([out.prompt_token_ids])).logits[0, -1]
+            probs = torch.softmax(logits[[vocab[no], vocab[yes]]], -1)
+            assert out.outputs.score == pytest.approx(probs[1].item(), abs=1e-5)
 
 
 def test_classifier_from_tokens_is_qwen3_rerankers_score(tmp_path, tiny_tokenizer_dir):
@@ -106,21 +120,24 @@ def test_refusals(tmp_path, tiny_tokenizer_dir, make_tiny_llama):
     with pytest.raises(ConfigError, match="goes alone"):
         LLM(folder, dtype="float32", show_progress=False, runner="pooling",
             pooler_config={"classifier_from_token": ["<s>", "</s>"], "normalize": False})
-    with pytest.raises(ConfigError, match="classifier_from_token runs on one rank"):
-        LLM(folder, dtype="float32", show_progress=False, runner="pooling", tensor_parallel_size=2,
-            pooler_config={"classifier_from_token": ["<s>", "</s>"]})
 
 
-def token_scorer(tmp_path, tokenizer_dir):
+def token_scorer(tmp_path, tokenizer_dir, tied: bool = False):
     """A random Qwen3 causal LM (1024 positions: a templated pair is long) saved with the
-    tiny tokenizer, and two whole-word tokens of it standing for "no" and "yes"."""
+    tiny tokenizer (`tied`: its LM head the embedding, as Qwen3-Reranker-0.6B's), and two
+    tokens of it standing for "no" and "yes": a letter and a whole word, one in each half of
+    the vocabulary (two ranks hold them apart)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(2)
-    hf = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "max_position_embeddings": 1024})).eval()
+    hf = Qwen3ForCausalLM(Qwen3Config(**{**QWEN3, "max_position_embeddings": 1024,
+                                         "tie_word_embeddings": tied})).eval()
     folder = save(hf, tmp_path, tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    no, yes = sorted(t for t in tokenizer.get_vocab() if t.isalpha() and len(t) > 2)[:2]
+    letters = sorted((i, t) for t, i in tokenizer.get_vocab().items() if t.isalpha())
+    half = QWEN3["vocab_size"] // 2
+    no = next(t for i, t in letters if i < half)
+    yes = next(t for i, t in reversed(letters) if i >= half and len(t) > 2)
     return hf, folder, tokenizer, no, yes
 
 
