@@ -17,7 +17,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
     p.add_argument("--mmproj", default=None,
-                   help="a GGUF model's multimodal projector file (llama.cpp's mmproj GGUF: Gemma 3's, "
+                   help="a GGUF model's multimodal projector file (llama.cpp's mmproj GGUF: Gemma 3's, Gemma 4's, "
                         "Mistral Small 3.1 / 3.2's, Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's): the model then takes images")
     p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
                    help="native: a tessera model folder; transformers: transformers' modeling code with "

@@ -90,10 +90,12 @@ class TensorParallelGroup:
         threads = max(1, torch.get_num_threads() // self.world_size) if config.device == "cpu" else 1
         # Plain subprocesses running `python -m tessera.distributed.rank_main`, the config
         # pickled over stdin: unlike multiprocessing's spawn, this never re-imports the
-        # user's __main__ (scripts need no `if __name__ == "__main__"` guard).
+        # user's __main__ (scripts need no `if __name__ == "__main__"` guard). Each in a
+        # session of its own: a Ctrl-C or a SIGTERM to the server's process group reaches the
+        # driver alone, which drains and then stops them (they die with it if it is killed).
         for rank in range(1, self.world_size):
             proc = subprocess.Popen([sys.executable, "-m", "tessera.distributed.rank_main"],
-                                    stdin=subprocess.PIPE)
+                                    stdin=subprocess.PIPE, start_new_session=True)
             proc.name = f"tensor-parallel rank {rank} (pid {proc.pid})"
             proc.stdin.write(pickle.dumps((config, RankInfo(rank, self.world_size, init_method), threads)))
             proc.stdin.close()
@@ -147,8 +149,11 @@ class TensorParallelGroup:
                 return None
             time.sleep(0.05)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Tell the ranks to stop (if they can still hear), wait for them, tear down the group."""
+    def close(self, timeout: float = 10.0, rank_died: bool = False) -> None:
+        """Wait for the ranks to stop (the engine told them, if they could still hear), kill
+        those that do not, and tear down the group. `rank_died`: NCCL's group is left as it
+        is (destroying it could wait on the collective the dead rank never joined; the
+        process is going down anyway)."""
         if self.closed:
             return
         self.closed = True
@@ -159,5 +164,5 @@ class TensorParallelGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
-        if dist.is_initialized():
+        if dist.is_initialized() and not (rank_died and dist.get_backend() == "nccl"):
             dist.destroy_process_group()

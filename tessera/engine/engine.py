@@ -424,6 +424,8 @@ class Engine(LoRAMethods, PoolingRequests):
         tensor-parallel rank dies: while the engine's own thread may still be blocked in a
         collective (never called without tensor parallelism)."""
         self._fatal_listeners.append(listener)
+        if isinstance(self._fatal, RankFailedError):  # (it died before anyone listened)
+            listener(self._fatal)
 
     def _rank_died(self, exc: RankFailedError) -> None:
         if self._fatal is None:
@@ -445,8 +447,9 @@ class Engine(LoRAMethods, PoolingRequests):
                 runner.channel.send(Command.SHUTDOWN)
             except Exception:  # a rank already gone: close() terminates the rest
                 pass
+        rank_died = isinstance(self._fatal, RankFailedError)
         self._fatal = self._fatal or EngineFatalError("the engine was closed")
-        group.close()
+        group.close(rank_died=rank_died)
 
     def iter_outputs(self, request_ids: Collection[str] | None = None,
                      stream: bool = True) -> Iterator[RequestOutput]:

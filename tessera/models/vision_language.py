@@ -90,14 +90,17 @@ class VisionLanguageRouter(BaseRouter):
         return router
 
     # a GGUF holds the language model as llama.cpp writes its text type: that router's names,
-    # Q / K permutation and norm offset (a text type of the image model's own, as Qwen's,
-    # keeps the defaults, or a subclass says them)
+    # Q / K permutation and norm offset; a text type of the image model's own (Qwen's) names
+    # the router whose conventions its file follows
+    gguf_text_router: ClassVar[type[BaseRouter] | None] = None
+
     def _text_gguf(self, name: str) -> Any:
         from tessera.models.registry import router_classes
 
-        router = router_classes().get(self.config.model_type)
+        router = self.gguf_text_router or router_classes().get(self.config.model_type)
         if router is None or issubclass(router, VisionLanguageRouter):
-            router = BaseRouter
+            raise ValueError(f"{self.full_config.model_type}: no router says how llama.cpp writes its language "
+                             f"model ({self.config.model_type!r}) in a GGUF")
         return getattr(router, name)
 
     @property

@@ -77,6 +77,7 @@ class LMHead(OpModule):
     def __init__(self, vocab_size: int, hidden_size: int, target: OpTarget,
                  tied_to: VocabEmbedding | None = None):
         super().__init__()
+        self.tied = tied_to is not None
         if tied_to is not None:
             self.weight = tied_to.weight  # same Parameter: loaded once, counted once
         else:

@@ -44,11 +44,17 @@ class TokenLogitsHead(nn.Module):
         ids = torch.tensor(self.token_ids, device=device)
         parts = []
         for start in range(0, hidden, self.UNIT_ROWS):
-            units = torch.eye(hidden, dtype=head.input_dtype, device=device)[start:start + self.UNIT_ROWS]
+            n = min(self.UNIT_ROWS, hidden - start)
+            units = torch.zeros(n, hidden, dtype=head.input_dtype, device=device)
+            units[torch.arange(n), torch.arange(start, start + n)] = 1
             parts.append(head(units).float().index_select(-1, ids))
         self.columns = torch.cat(parts)
+        if not head.tied:  # nothing reads the rest of an untied head again: let it go
+            head.weight = None
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.columns is None:
+            raise RuntimeError("the classifier tokens' columns are taken after loading (prepare_weights)")
         logits = rows.float() @ self.columns.to(rows.device)
         return logits[:, 1:] - logits[:, :1] if logits.shape[-1] == 2 else logits
 

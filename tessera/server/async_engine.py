@@ -77,6 +77,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._closed = False  # (under _lock) the loop takes no more commands: new ones fail at once
         self.dead_reason: str | None = None
         self.step_started: float | None = None  # set while a step runs (stall detection)
         self.num_steps = 0
@@ -136,8 +137,11 @@ class AsyncEngine:
                 # compile here, off the engine thread, so running streams do not wait for it;
                 # the engine's own compile then hits xgrammar's cache
                 await asyncio.to_thread(self.engine.compile_grammar, params.structured_outputs)
-            self._commands.put(_Add(request_id, prompt if isinstance(prompt, (str, TokenTypedPrompt)) else list(prompt),
-                                    params, sink, lora, priority, images))
+            with self._lock:  # (the loop drains the queue under it as it closes: nothing is stranded there)
+                if self._closed:
+                    raise EngineDeadError(self.dead_reason or "the server is shutting down")
+                self._commands.put(_Add(request_id, prompt if isinstance(prompt, (str, TokenTypedPrompt))
+                                        else list(prompt), params, sink, lora, priority, images))
             while True:
                 item = await sink.queue.get()
                 if isinstance(item, BaseException):
@@ -160,6 +164,26 @@ class AsyncEngine:
         self.dead_reason = str(exc)
         for sink in list(self._sinks.values()):
             sink.put(GenerationError(str(exc)))
+        self._fail_queued(close=False)
+
+    def _fail_queued(self, close: bool) -> None:
+        """Fail every request still waiting in the command queue (`close`: and every later
+        one, as generate() checks under the same lock)."""
+        reason = self.dead_reason or "the server is shutting down"
+        with self._lock:
+            self._closed = self._closed or close
+            kept = []  # aborts and the shutdown sentinel: the loop still reads those
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, _Add):
+                    cmd.sink.put(EngineDeadError(reason))
+                else:
+                    kept.append(cmd)
+            for cmd in kept:
+                self._commands.put(cmd)
 
     # --- the loop (engine thread) ------------------------------------------------------------
 
@@ -187,11 +211,15 @@ class AsyncEngine:
                 sink.put(EngineDeadError(reason))
                 engine.abort(request_id)
             self._sinks.clear()
+            self._fail_queued(close=True)
 
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
             if self._sinks.pop(cmd.request_id, None) is not None:
                 self.engine.abort(cmd.request_id)
+            return
+        if self.dead_reason is not None:  # (a rank died while this waited: nothing can run it)
+            cmd.sink.put(EngineDeadError(self.dead_reason))
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.lora, cmd.priority,

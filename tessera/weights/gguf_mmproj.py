@@ -75,7 +75,7 @@ def _vision(fields: dict) -> dict[str, Any]:
 
 
 def gguf_mmproj_folder(text_folder: Path, mmproj: Path, cache_dir: Path) -> Path:
-    """A Gemma 3 checkpoint's metadata folder for the converted text GGUF (`text_folder`,
+    """The image-text checkpoint's metadata folder for the converted text GGUF (`text_folder`,
     gguf.gguf_metadata_folder's) and the projector file; made once, cached beside it."""
     mmproj = Path(mmproj).expanduser()
     if not mmproj.is_file():

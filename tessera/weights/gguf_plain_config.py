@@ -19,8 +19,10 @@ def plain_decoder_config(config_cls: type, arch: str, fields: dict, tensors: lis
     vocab = key("vocab_size") or len(field_value(fields, "tokenizer.ggml.tokens") or [])
     if not vocab:
         raise ValueError(f"{arch} GGUF: the file gives no vocabulary size")
-    if key("embedding_length") is None or key("block_count") is None:
-        raise ValueError(f"{arch} GGUF: the file lacks {arch}.embedding_length or {arch}.block_count")
+    required = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+    missing = [f"{arch}.{name}" for name in required if key(name) is None]
+    if missing:
+        raise ValueError(f"{arch} GGUF: the file lacks {', '.join(missing)}")
     names = {t.name for t in tensors}
 
     def token(name: str) -> int | None:

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 import torch
 
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import make_tiny_qwen2_vl, make_tiny_qwen3_vl
+from tests.multimodal.checkpoints import QWEN_CHAT_TEMPLATE, make_tiny_qwen2_vl, make_tiny_qwen3_vl
 from tests.weights.gguf_writer import write_model_gguf, write_tensors
 
 TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -66,7 +66,8 @@ def write_text_gguf(path: Path, hf, tokenizer_json: Path, qtype=QT.F32) -> Path:
         if arch != "qwen2vl":
             w.add_uint32(f"{arch}.n_deepstack_layers", len(hf.config.vision_config.deepstack_visual_indexes))
 
-    return write_model_gguf(path, _text_model(hf), tokenizer_json, arch, qtype=qtype, extra_metadata=extra)
+    return write_model_gguf(path, _text_model(hf), tokenizer_json, arch, qtype=qtype, extra_metadata=extra,
+                            chat_template=QWEN_CHAT_TEMPLATE)  # (the checkpoint's own, as the converter copies it)
 
 
 def _keys(w: gguf.GGUFWriter, hf, folder: Path, projector_type: str | None) -> None:

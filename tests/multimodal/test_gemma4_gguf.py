@@ -17,7 +17,6 @@ import torch
 
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
-from tessera.weights.gguf_mmproj_gemma4 import _converted
 from tests.conftest import TINY_CORPUS
 from tests.multimodal.checkpoints import assert_vision_weights_equal, check_image_prompt, random_image
 from tests.multimodal.gemma4_checkpoint import GEMMA4_IMAGE, hf_gemma4_generate, make_tiny_gemma4
@@ -41,6 +40,14 @@ def write_text_gguf(path: Path, hf, tokenizer_json: Path) -> Path:
     return write_gemma4_gguf(path, text, tokenizer_json, add_bos=True)  # (as Gemma's files say)
 
 
+def converter_name(hf_name: str) -> str:
+    """The name convert_hf_to_gguf.py's Gemma4VisionAudioModel hands gguf's TensorNameMap
+    (written out here apart from tessera's reader, which inverts it)."""
+    name = hf_name.replace("model.vision_tower.encoder.", "vision_model.model.")
+    name = name.replace(".linear.weight", ".weight")
+    return name + ".weight" if name.endswith(("layer_scalar", "position_embedding_table")) else name
+
+
 def write_gemma4_mmproj(path: Path, hf) -> Path:
     """The vision tower and embedder as convert_hf_to_gguf.py --mmproj writes Gemma 4's."""
     vision = hf.config.vision_config
@@ -60,7 +67,7 @@ def write_gemma4_mmproj(path: Path, hf) -> Path:
         if name.endswith("patch_embedder.input_proj.weight"):  # the linear as a convolution
             p = vision.patch_size
             array = array.reshape(array.shape[0], p, p, 3).transpose(0, 3, 1, 2).copy()
-        gguf_name = table.get_name(_converted(name), try_suffixes=(".weight", ".bias", *CLAMPS))
+        gguf_name = table.get_name(converter_name(name), try_suffixes=(".weight", ".bias", *CLAMPS))
         assert gguf_name is not None, name
         stored = QT.F32 if array.ndim < 2 or "position_embd" in gguf_name else QT.F16
         tensors.append((gguf_name, array, stored))

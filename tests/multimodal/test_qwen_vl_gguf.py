@@ -124,3 +124,31 @@ def test_two_ranks_give_one_ranks_tokens(qwen_files, tmp_path):
              cache_dir=tmp_path / "cache", tensor_parallel_size=2) as llm:
         out = llm.generate(image_prompt(prompt, images), greedy(N), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want
+
+
+def test_served_over_http_with_an_image(qwen_files, tmp_path, monkeypatch):
+    """`tessera serve --model model.gguf --mmproj mmproj.gguf`: a chat with an image_url part
+    (a data URL) through the OpenAI client answers as transformers does."""
+    import openai
+
+    from tests.multimodal.checkpoints import data_url
+    from tests.server.conftest import start_server
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    folder, hf, text, mmproj = qwen_files
+    image = images_for(hf, 1)[0]
+    rendered = f"user: {QWEN_IMAGE} What is it?\nassistant:"
+    _, want = hf_qwen_generate(hf, folder, rendered, [image], N, add_special_tokens=False)
+    running = start_server(text, llm_kwargs={"mmproj": mmproj, "cache_dir": tmp_path / "cache"})
+    try:
+        # (decoded by the GGUF's own vocabulary: the tiny one pads the model's with [PADn] tokens)
+        expected = running.engine.engine.tokenizer.decode(want, skip_special_tokens=True)
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="-")
+        reply = client.chat.completions.create(
+            model="tiny", max_tokens=N, temperature=0.0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                                   {"type": "text", "text": " What is it?"}]}])
+        assert reply.choices[0].message.content == expected
+        running.assert_idle()
+    finally:
+        running.stop()

@@ -46,7 +46,8 @@ def test_tp2_serves_one_ranks_tokens_and_fails_loudly_when_a_rank_dies(tiny_mode
 
 def test_a_rank_that_dies_during_a_stuck_step_fails_the_request_at_once(tiny_model_dir, monkeypatch):
     """The driver's step is held inside the model (as a collective that has not noticed its
-    peer's death would hold it): the group's watcher still fails the request and /health."""
+    peer's death would hold it): the group's watcher still fails the request, the one queued
+    behind the step, and /health."""
     two = start_server(tiny_model_dir, llm_kwargs={"tensor_parallel_size": 2})
     runner = two.engine.engine.runner
     entered, release = threading.Event(), threading.Event()
@@ -60,15 +61,19 @@ def test_a_rank_that_dies_during_a_stuck_step_fails_the_request_at_once(tiny_mod
     monkeypatch.setattr(runner, "execute", held_execute)
     try:
         with httpx.Client(timeout=30) as client:
-            with ThreadPoolExecutor(1) as pool:
+            with ThreadPoolExecutor(2) as pool:
                 pending = pool.submit(client.post, f"{two.url}/generate", json=BODY)
                 assert entered.wait(timeout=10)
+                queued = pool.submit(client.post, f"{two.url}/generate", json=BODY)  # waits behind the step
+                assert wait_until(lambda: two.engine.num_in_flight == 2, timeout=10)
                 two.engine.engine.tp_group.processes[0].kill()
                 started = time.monotonic()
                 r = pending.result(timeout=15)
+                second = queued.result(timeout=15)
             assert time.monotonic() - started < 10
             assert r.status_code == 424, r.text
             assert "rank 1" in r.json()["error"]
+            assert second.status_code == 503 and "rank 1" in second.json()["error"], second.text
             assert client.get(f"{two.url}/health").status_code == 503
             assert client.post(f"{two.url}/generate", json=BODY).status_code == 503
     finally:

@@ -131,7 +131,8 @@ def tokenizer_metadata(tokenizer_json: Path, vocab_size: int, overrides: dict[in
 
 
 def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int,
-                  token_overrides: dict[int, str] | None = None, add_bos: bool = False) -> None:
+                  token_overrides: dict[int, str] | None = None, add_bos: bool = False,
+                  chat_template: str = CHAT_TEMPLATE) -> None:
     """The tiny tokenizer as a llama.cpp gpt2 vocabulary, its special ids and chat template;
     `token_overrides` puts control tokens at some ids (past the tiny vocabulary's own)."""
     vocab = tokenizer_metadata(tokenizer_json, vocab_size, token_overrides)
@@ -143,7 +144,7 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer_json: Path, vocab_size: int,
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(add_bos)  # (the tiny tokenizer adds none)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template)
 
 
 def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, qtype: QT, *,
@@ -315,7 +316,7 @@ def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
 
 def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, arch: str,
                      qtype: QT = QT.F32, per_expert: bool = False, fuse_gate_up: bool = False,
-                     add_bos: bool = False, extra_metadata=None) -> Path:
+                     add_bos: bool = False, extra_metadata=None, chat_template: str = CHAT_TEMPLATE) -> Path:
     """A GGUF of `model` as llama.cpp writes architecture `arch` (gemma2, phi3, qwen3moe, or
     llama for Mixtral): its metadata keys and tensors (model_tensors); 1-D tensors in F32, the
     others in `qtype`. `extra_metadata(writer)` adds the keys of an architecture of its own."""
@@ -325,7 +326,7 @@ def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, a
     _model_metadata(w, cfg, arch)
     if extra_metadata is not None:
         extra_metadata(w)
-    add_tokenizer(w, tokenizer_json, cfg.vocab_size, add_bos=add_bos)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size, add_bos=add_bos, chat_template=chat_template)
     write_tensors(w, ((name, array, qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32)
                       for name, array in model_tensors(model, arch, per_expert, fuse_gate_up).items()))
     return path

@@ -1,3 +1,4 @@
+from tessera.models.qwen2.router import Qwen2Router
 from tessera.models.qwen2_vl.modeling import Qwen2VLForCausalLM
 from tessera.models.qwen2_vl.processing import QwenVLImagePrompts
 from tessera.models.vision_language import VisionLanguageRouter
@@ -10,8 +11,10 @@ class Qwen2VLRouter(VisionLanguageRouter):
     supports_images = True  # tests/multimodal/test_qwen2_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_llava.py, test_qwen2_vl.py
-    # a GGUF language model (arch qwen2vl) with its --mmproj projector (tests/multimodal/test_qwen_vl_gguf.py)
+    # a GGUF language model (arch qwen2vl: Qwen2's tensors) with its --mmproj projector
+    # (tests/multimodal/test_qwen_vl_gguf.py)
     supports_gguf = True
+    gguf_text_router = Qwen2Router
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):

@@ -1,4 +1,5 @@
 from tessera.models.qwen2_vl.processing import QwenVLImagePrompts
+from tessera.models.qwen3.router import Qwen3Router
 from tessera.models.qwen3_moe.router import Qwen3MoeRouter
 from tessera.models.qwen3_vl.modeling import Qwen3VLForCausalLM, Qwen3VLMoeForCausalLM
 from tessera.models.vision_language import VisionLanguageRouter
@@ -12,8 +13,10 @@ class Qwen3VLRouter(VisionLanguageRouter):
     supports_images = True  # tests/multimodal/test_qwen3_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_qwen3_vl.py
-    # a GGUF language model (arch qwen3vl) with its --mmproj projector (tests/multimodal/test_qwen_vl_gguf.py)
+    # a GGUF language model (arch qwen3vl: Qwen3's tensors) with its --mmproj projector
+    # (tests/multimodal/test_qwen_vl_gguf.py)
     supports_gguf = True
+    gguf_text_router = Qwen3Router
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):
@@ -28,7 +31,7 @@ class Qwen3VLMoeRouter(Qwen3VLRouter):
     is_moe = True  # tests/multimodal/test_qwen3_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_qwen3_vl.py (attention; experts refused)
-    gguf_names = Qwen3MoeRouter.gguf_names  # (arch qwen3vlmoe: Qwen3-MoE's stacked experts)
+    gguf_text_router = Qwen3MoeRouter  # (arch qwen3vlmoe: Qwen3-MoE's stacked experts)
 
     def language_model_cls(self):
         return Qwen3VLMoeForCausalLM
