@@ -20,6 +20,8 @@ from tests.models.parity import hf_generate, make_tiny, prompt_ids
 from tests.models.families import make_family
 from tests.models.test_bamba import make_tiny_bamba
 from tests.models.test_deepseek import make_tiny_deepseek
+from tests.models.test_glm4_moe import CASES as GLM4_MOE_CASES
+from tests.models.test_glm4_moe import make_tiny_glm4_moe
 from tests.models.test_falcon_h1 import make_tiny_falcon_h1
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
 from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
@@ -82,6 +84,9 @@ FAMILIES = {
                                           topk_group=1), None, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
     "deepseek-v2-lite": (functools.partial(make_tiny_deepseek, kind="deepseek_v2", q_lora_rank=None),
                          None, ["q_proj", "kv_a_proj_with_mqa", "o_proj"]),
+    # biased Q / K / V with head norms (PEFT targets the experts' stacks with any MLP name)
+    "glm4-moe": (functools.partial(make_tiny_glm4_moe, **GLM4_MOE_CASES["qk-norm-groups"]), None,
+                 ["q_proj", "k_proj", "v_proj", "o_proj"]),
     # Gated DeltaNet's projections (Qwen3.5's separate ones, Qwen3-Next's grouped by key head)
     # and gated attention's q_proj, each head's query then gate: B's rows are regrouped too
     "qwen3.5-hybrid": (functools.partial(make_tiny_qwen3_next, "qwen3_5_text"), None,
@@ -279,7 +284,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
-              "deepseek_v2", "deepseek_v3", "mistral4", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
+              "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
               "qwen3_5_moe_text", "gemma4_text", "gemma4",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal
