@@ -16,8 +16,7 @@ from safetensors.torch import load_file, save_file
 from tessera import LLM
 from tessera.models.deepseek.moe import DeepseekMoE
 from tessera.models.glm4_moe.modeling import Glm4MoeHeadNormAttention
-from tests.models.parity import (VOCAB, Case, check_chunked_prefill, check_greedy_alone_and_batched,
-                                 check_prefill_and_decode_logits, make_tiny)
+from tests.models.parity import VOCAB, Case, check_prefill_and_decode_logits, make_tiny, parity_tests
 from tests.models.test_deepseek import _decisive_routers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,16 +70,8 @@ def test_layers_are_what_the_config_says(case: Case):
     assert len(ids.unique()) >= 4
 
 
-def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-    check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
-
-
-def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-    check_greedy_alone_and_batched(case.llm, case.hf, PROMPT_LENGTHS)
-
-
-def test_chunked_prefill_matches(case: Case, monkeypatch):
-    check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
+test_prefill_and_decode_logits_match, test_greedy_matches_hf_generate_alone_and_batched, \
+    test_chunked_prefill_matches = parity_tests(NUM_KV_BLOCKS, PROMPT_LENGTHS)
 
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_tokenizer_dir, monkeypatch):

@@ -48,11 +48,12 @@ class SplitRMSNorm(nn.Module):
         return self.weight * (row * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
 
 
-class Olmo2Attention(LlamaAttention):
-    def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
-        window = getattr(config, "sliding_window", None)
-        self.window = window if layer_kinds(config)[layer_idx] == "sliding_attention" else None
-        super().__init__(config, target)
+class ProjectionNormForward:
+    """Attention with an RMSNorm over its whole query and key projections (every head at
+    once) before rotary (OLMo 2 / 3, MiniMax-M2); mixed in before a LlamaAttention, whose
+    __init__ then calls `make_projection_norms`."""
+
+    def make_projection_norms(self, config: PretrainedConfig, target: OpTarget) -> None:
         eps, dim, heads = config.rms_norm_eps, self.head_dim, self.qkv_proj.heads
         if target.tp_size == 1:
             self.q_norm = RMSNorm(self.num_heads * dim, eps, target)
@@ -64,13 +65,21 @@ class Olmo2Attention(LlamaAttention):
             self.k_norm = SplitRMSNorm(Span(heads.kv.start * dim, heads.kv.size * dim), kv_heads * dim,
                                        max(1, target.tp_size // kv_heads), eps, target)
 
-    def attention_options(self, config: PretrainedConfig) -> dict:
-        return {"scale": self.head_dim ** -0.5, "sliding_window": self.window}
-
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self.rotary(self.q_norm(q), self.k_norm(k), rope)
         return self.o_proj(self.attn(q, k, v))
+
+
+class Olmo2Attention(ProjectionNormForward, LlamaAttention):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
+        window = getattr(config, "sliding_window", None)
+        self.window = window if layer_kinds(config)[layer_idx] == "sliding_attention" else None
+        super().__init__(config, target)
+        self.make_projection_norms(config, target)
+
+    def attention_options(self, config: PretrainedConfig) -> dict:
+        return {"scale": self.head_dim ** -0.5, "sliding_window": self.window}
 
 
 class Olmo2DecoderLayer(nn.Module):
