@@ -159,8 +159,9 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
                              moe_intermediate_size=48, num_experts_per_tok=2, norm_topk_prob=True)
     if kind == "phi3":
         return make_tiny_phi3(folder, tokenizer_dir, seed=5)
-    if kind in ("deepseek_v2", "deepseek_v3"):  # MLA's heads split, its one latent KV head replicated
-        overrides = CASES_DEEPSEEK["v3-yarn-qlora" if kind == "deepseek_v3" else "v2-group-limited"][1]
+    if kind in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):  # MLA's heads split, its latent KV head replicated
+        overrides = CASES_DEEPSEEK[{"deepseek_v3": "v3-yarn-qlora", "deepseek_v2": "v2-group-limited",
+                                    "glm4_moe_lite": "glm4-moe-lite"}[kind]][1]
         return make_tiny_deepseek(folder, tokenizer_dir, kind, seed=5, **overrides)
     if kind == "glm4_moe":  # GQA heads and the partial rotary split by head; DeepSeek's experts split
         from tests.models.test_glm4_moe import CASES as GLM4_MOE_CASES
@@ -217,7 +218,7 @@ FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "ol
                 "cohere2": "cohere2-window8-tied"}
 GEMMA4_CASES = {"gemma4-e2b": "e2b", "gemma4-moe": "moe", "gemma4": None}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
-       "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "minimax_m2", *FAMILY_CASES, *QWEN3_NEXT_CASES,
+       "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "glm4_moe_lite", "minimax_m2", *FAMILY_CASES, *QWEN3_NEXT_CASES,
        *GRANITE_HYBRID_CASES, *BAMBA_CASES, *NEMOTRON_H_CASES, *LFM2_CASES, *FALCON_H1_CASES, *GEMMA4_CASES)
 
 

@@ -86,6 +86,9 @@ FAMILIES = {
     "deepseek-v2-lite": (functools.partial(make_tiny_deepseek, kind="deepseek_v2", q_lora_rank=None),
                          None, ["q_proj", "kv_a_proj_with_mqa", "o_proj"]),
     # biased Q / K / V with head norms (PEFT targets the experts' stacks with any MLP name)
+    "glm4-moe-lite-mla": (functools.partial(make_tiny_deepseek, kind="glm4_moe_lite", q_lora_rank=24,
+                                            mlp_layer_types=["dense", "sparse", "sparse"]), None,
+                          ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
     "glm4-moe": (functools.partial(make_tiny_glm4_moe, **GLM4_MOE_CASES["qk-norm-groups"]), None,
                  ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "minimax-m2": (make_tiny_minimax_m2, None, ["q_proj", "k_proj", "o_proj"]),  # (before the whole-projection norms)
@@ -286,7 +289,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
-              "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "minimax_m2", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
+              "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "glm4_moe_lite", "minimax_m2", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
               "qwen3_5_moe_text", "gemma4_text", "gemma4",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal

@@ -1,4 +1,5 @@
-"""Tessera's DeepSeek-V2 / V3 against transformers' on tiny random checkpoints: multi-head
+"""Tessera's DeepSeek-V2 / V3 (and GLM-4.7-Flash, V3's attention and experts with its dense
+layers by mlp_layer_types) against transformers' on tiny random checkpoints: multi-head
 latent attention over a latent cache (the key and value expansions absorbed), with and
 without a query LoRA, interleaved or half-split rotary, YaRN with mscale_all_dim (the
 softmax scale), V3's sigmoid routing with its correction bias and group choice, V2's
@@ -39,6 +40,9 @@ CASES = {
                                              topk_group=2, routed_scaling_factor=1.5, n_shared_experts=1)),
     "v2-lite-greedy": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1,
                                            n_shared_experts=2, first_k_dense_replace=2)),
+    # GLM-4.7-Flash: V3's attention and experts, the dense layers by mlp_layer_types
+    "glm4-moe-lite": ("glm4_moe_lite", dict(q_lora_rank=24, n_group=1, topk_group=1, norm_topk_prob=True,
+                                            routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse", "sparse"])),
 }
 
 
@@ -54,11 +58,14 @@ def _decisive_routers(model: torch.nn.Module, g: torch.Generator) -> None:
 def make_tiny_deepseek(folder: Path, tokenizer_dir: Path, kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """Saves a random transformers DeepseekV2/V3ForCausalLM (+ the tiny tokenizer) to `folder`;
     returns the float32 eval-mode model."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                              Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM)
 
     config_cls, model_cls = {"deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
-                             "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}[kind]
-    return make_tiny(folder, tokenizer_dir, config_cls, model_cls, seed=seed, base=BASE, tweak=_decisive_routers,
+                             "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+                             "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM)}[kind]
+    base = BASE if kind != "glm4_moe_lite" else {k: v for k, v in BASE.items() if k != "first_k_dense_replace"}
+    return make_tiny(folder, tokenizer_dir, config_cls, model_cls, seed=seed, base=base, tweak=_decisive_routers,
                      **overrides)
 
 
@@ -77,7 +84,8 @@ def test_latent_cache_and_layers(case: Case):
     tokens over several experts."""
     runner = case.llm.engine.runner
     model = runner.model
-    first_dense = case.hf.config.first_k_dense_replace
+    kinds = getattr(case.hf.config, "mlp_layer_types", None)
+    first_dense = case.hf.config.first_k_dense_replace if not kinds else kinds.count("dense")
     assert runner.kv_bytes_per_block() == len(model.model.layers) * (32 + 8) * 4 * runner.block_size
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer.self_attn, MLAttention)
@@ -102,24 +110,28 @@ def test_chunked_prefill_matches(case: Case, monkeypatch):
     check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, NUM_KV_BLOCKS, PROMPT_LENGTHS)
 
 
-def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_tokenizer_dir, monkeypatch):
-    """V3 checkpoints carry their MTP module as layer num_hidden_layers; it is not loaded."""
+@pytest.mark.parametrize("kind, counted", [("deepseek_v3", True), ("glm4_moe_lite", False)])
+def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_tokenizer_dir, monkeypatch, kind, counted):
+    """V3 checkpoints carry their MTP module as layer num_hidden_layers; it is not loaded.
+    GLM-4.7-Flash's too, though its config does not count it."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    hf = make_tiny_deepseek(tmp_path, tiny_tokenizer_dir, "deepseek_v3", seed=2, q_lora_rank=None, n_group=2,
-                            topk_group=1)
+    overrides = {"mlp_layer_types": ["dense", "sparse", "sparse"]} if kind == "glm4_moe_lite" else {}
+    hf = make_tiny_deepseek(tmp_path, tiny_tokenizer_dir, kind, seed=2, q_lora_rank=None, n_group=2,
+                            topk_group=1, **overrides)
     tensors = load_file(tmp_path / "model.safetensors")
     mtp = {name.replace("model.layers.2.", "model.layers.3."): t.clone() for name, t in tensors.items()
            if name.startswith("model.layers.2.")}
     save_file({**tensors, **mtp, "model.layers.3.eh_proj.weight": torch.zeros(64, 128)},
               tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["num_nextn_predict_layers"] = 1
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    if counted:
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["num_nextn_predict_layers"] = 1
+        (tmp_path / "config.json").write_text(json.dumps(config))
     llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    check_prefill_and_decode_logits(llm, hf, "deepseek_v3-mtp", monkeypatch)
+    check_prefill_and_decode_logits(llm, hf, f"{kind}-mtp", monkeypatch)
 
 
 def test_fp8_latent_cache_stays_near_transformers(case: Case):

@@ -1,7 +1,9 @@
-"""DeepSeek-V2 and V3 (and DeepSeek-R1): the Llama stack with
-multi-head latent attention (mla.py) and, past the first `first_k_dense_replace` dense
-layers, a mixture of routed and shared experts (moe.py). Checkpoints' multi-token-prediction
-layers (V3's layer num_hidden_layers on) are skipped, as transformers skips them."""
+"""DeepSeek-V2 and V3 (and DeepSeek-R1), and GLM-4.7-Flash (glm4_moe_lite: V3's attention
+and experts): the Llama stack with multi-head latent attention (mla.py) and, past the
+first `first_k_dense_replace` dense layers (or where `mlp_layer_types` says "sparse"), a
+mixture of routed and shared experts (moe.py; V3's routing for every type but V2).
+Checkpoints' multi-token-prediction layers (layer num_hidden_layers on) are skipped, as
+transformers skips them."""
 from __future__ import annotations
 
 from torch import nn
@@ -16,15 +18,23 @@ from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import RotaryEmbedding, rope_parameters
 
 
+def is_dense_layer(config: PretrainedConfig, layer_idx: int) -> bool:
+    """A dense MLP, not experts: `mlp_layer_types` where the config has them, else one of the
+    first `first_k_dense_replace` layers."""
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds:
+        return kinds[layer_idx] == "dense"
+    return layer_idx < (getattr(config, "first_k_dense_replace", None) or 0)
+
+
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     moe_cls = DeepseekMoE
 
     def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
         nn.Module.__init__(self)
         self.self_attn = MLAttention(config, target)
-        dense = layer_idx < (config.first_k_dense_replace or 0)
-        self.mlp = LlamaMLP(config, target) if dense else self.moe_cls(config, target,
-                                                                        config.model_type == "deepseek_v3")
+        self.mlp = LlamaMLP(config, target) if is_dense_layer(config, layer_idx) else self.moe_cls(
+            config, target, config.model_type != "deepseek_v2")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
 
@@ -47,7 +57,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config, target)
-        extra = getattr(config, "num_nextn_predict_layers", 0) or 0
+        # (at least one: GLM-4.7-Flash's config does not count the MTP layer its checkpoint holds)
+        extra = max(getattr(config, "num_nextn_predict_layers", 0) or 0, 1)
         self.checkpoint_prefixes = {f"model.layers.{config.num_hidden_layers + i}.": None for i in range(extra)}
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.deepseek.modeling import DeepseekForCausalLM
+from tessera.models.deepseek.modeling import DeepseekForCausalLM, is_dense_layer
 from tessera.models.deepseek.moe import DeepseekMoE
 from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from tessera.models.qwen3.modeling import HeadNormForward
@@ -37,7 +37,7 @@ class Glm4MoeDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)
         attention = Glm4MoeHeadNormAttention if getattr(config, "use_qk_norm", False) else Glm4MoeAttention
         self.self_attn = attention(config, target)
-        dense = layer_idx < (config.first_k_dense_replace or 0)
+        dense = is_dense_layer(config, layer_idx)
         self.mlp = LlamaMLP(config, target) if dense else DeepseekMoE(config, target, v3=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
