@@ -167,6 +167,11 @@ def _zoo_checkpoint(kind: str, folder: Path, tokenizer_dir: Path) -> torch.nn.Mo
         from tests.models.test_glm4_moe import CASES as GLM4_MOE_CASES
         from tests.models.test_glm4_moe import make_tiny_glm4_moe
         return make_tiny_glm4_moe(folder, tokenizer_dir, seed=5, **GLM4_MOE_CASES["qk-norm-groups"])
+    if kind in ("ernie4_5", "ernie4_5_moe"):  # interleaved rotary per head; biases; experts split
+        from tests.models.test_ernie4_5 import CASES as ERNIE_CASES
+        from tests.models.test_ernie4_5 import make_tiny_ernie
+        return make_tiny_ernie(folder, tokenizer_dir, kind, seed=5,
+                               **ERNIE_CASES["dense-bias" if kind == "ernie4_5" else "moe"][1])
     if kind == "minimax_m2":  # whole-projection norms summed over the ranks; experts split
         from tests.models.test_minimax_m2 import make_tiny_minimax_m2
         return make_tiny_minimax_m2(folder, tokenizer_dir, seed=5)
@@ -218,7 +223,8 @@ FAMILY_CASES = {"smollm3": "smollm3-window8", "olmo2": "olmo2-gqa", "olmo3": "ol
                 "cohere2": "cohere2-window8-tied"}
 GEMMA4_CASES = {"gemma4-e2b": "e2b", "gemma4-moe": "moe", "gemma4": None}
 ZOO = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
-       "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "glm4_moe_lite", "minimax_m2", *FAMILY_CASES, *QWEN3_NEXT_CASES,
+       "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5", "ernie4_5_moe",
+       *FAMILY_CASES, *QWEN3_NEXT_CASES,
        *GRANITE_HYBRID_CASES, *BAMBA_CASES, *NEMOTRON_H_CASES, *LFM2_CASES, *FALCON_H1_CASES, *GEMMA4_CASES)
 
 

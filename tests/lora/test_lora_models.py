@@ -22,6 +22,8 @@ from tests.models.test_bamba import make_tiny_bamba
 from tests.models.test_deepseek import make_tiny_deepseek
 from tests.models.test_glm4_moe import CASES as GLM4_MOE_CASES
 from tests.models.test_glm4_moe import make_tiny_glm4_moe
+from tests.models.test_ernie4_5 import MOE as ERNIE_MOE
+from tests.models.test_ernie4_5 import make_tiny_ernie
 from tests.models.test_minimax_m2 import make_tiny_minimax_m2
 from tests.models.test_falcon_h1 import make_tiny_falcon_h1
 from tests.models.test_gpt_oss import make_tiny_gpt_oss
@@ -91,6 +93,10 @@ FAMILIES = {
                           ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),
     "glm4-moe": (functools.partial(make_tiny_glm4_moe, **GLM4_MOE_CASES["qk-norm-groups"]), None,
                  ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "ernie4.5-biased": (functools.partial(make_tiny_ernie, kind="ernie4_5", use_bias=True), None,
+                        ["q_proj", "k_proj", "o_proj", "gate_proj", "up_proj"]),
+    "ernie4.5-moe-attention": (functools.partial(make_tiny_ernie, kind="ernie4_5_moe", **ERNIE_MOE), None,
+                               ["q_proj", "v_proj", "o_proj"]),
     "minimax-m2": (make_tiny_minimax_m2, None, ["q_proj", "k_proj", "o_proj"]),  # (before the whole-projection norms)
     # Gated DeltaNet's projections (Qwen3.5's separate ones, Qwen3-Next's grouped by key head)
     # and gated attention's q_proj, each head's query then gate: B's rows are regrouped too
@@ -289,7 +295,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
 
     tested = {"llama", "phi3", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gemma3", "mistral",
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
-              "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "glm4_moe_lite", "minimax_m2", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
+              "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5", "ernie4_5_moe", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
               "qwen3_5_moe_text", "gemma4_text", "gemma4",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
               "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal

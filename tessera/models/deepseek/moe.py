@@ -70,15 +70,18 @@ class DeepseekTopkRouter(nn.Module):
         return weights * self.scaling, ids
 
 
-class DeepseekMoE(nn.Module):
-    def __init__(self, config: PretrainedConfig, target: OpTarget, v3: bool):
+class RoutedMoE(nn.Module):
+    """A router's top-k SwiGLU experts (stacked, split over the ranks) plus shared experts
+    beside them: `gate(x)` -> (weights [T, k] float32, expert ids [T, k])."""
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget, gate: nn.Module, num_experts: int,
+                 num_shared: int):
         super().__init__()
         check_silu(config)
-        self.gate = DeepseekTopkRouter(config, target, v3)  # replicated: every rank routes
-        self.top_k, self.num_experts = config.num_experts_per_tok, config.n_routed_experts
-        self.experts = StackedExperts(config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
-                                      target)
-        shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
+        self.gate = gate  # replicated: every rank routes
+        self.num_experts = num_experts
+        self.experts = StackedExperts(config.hidden_size, config.moe_intermediate_size, num_experts, target)
+        shared = config.moe_intermediate_size * (num_shared or 0)
         self.shared_experts = LlamaMLP(config, target, shared) if shared else None
         self.tp_size = target.tp_size
         self._experts = target.op("moe_experts")
@@ -88,3 +91,10 @@ class DeepseekMoE(nn.Module):
         w13, w2 = self.experts.stacks()
         out = all_reduce(self._experts(x, w13, w2, weights, ids), self.tp_size)
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekMoE(RoutedMoE):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, v3: bool):
+        super().__init__(config, target, DeepseekTopkRouter(config, target, v3), config.n_routed_experts,
+                         config.n_shared_experts)
+        self.top_k = config.num_experts_per_tok

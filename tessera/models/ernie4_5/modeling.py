@@ -1,0 +1,99 @@
+"""ERNIE 4.5 (ernie4_5: the dense 0.3B; ernie4_5_moe: 21B-A3B, 300B-A47B): Llama's stack with
+rotary on neighbouring pairs over the whole head (GLM's interleaved layout) and biases on
+every projection where use_bias (the router maps it onto attention_bias / mlp_bias). The
+MoE layers (every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index;
+the rest dense) route by softmax, choose by the softmax scores plus a correction bias
+(`moe_statics`), weigh the chosen scores renormalised (their sum clamped at moe_norm_min),
+and add shared experts."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
+                                           rotary_dim_of)
+from tessera.models.deepseek.moe import RoutedMoE
+from tessera.ops.moe import HF_EXPERT_NAMES, expert_weight_target
+from tessera.ops.norm import RMSNorm
+from tessera.ops.registry import OpTarget
+from tessera.ops.rotary import ApplyRotary
+from tessera.ops.weights import make_param
+from tessera.weights.lazy import materialize
+
+
+class Ernie45Attention(LlamaAttention):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        self.rotary = ApplyRotary(self.head_dim, target, rotary_dim_of(config), interleaved=True)
+
+
+class Ernie45Router(nn.Module):
+    """Softmax scores in float32; the choice adds `e_score_correction_bias`, the weights are
+    the chosen scores over their sum (at least moe_norm_min)."""
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__()
+        experts = config.moe_num_experts
+        self.top_k, self.norm_min = config.moe_k, config.moe_norm_min
+        self.weight = make_param((experts, config.hidden_size), torch.float32, target.device)
+        self.e_score_correction_bias = make_param((experts,), torch.float32, target.device, loader=self._load_bias)
+
+    @staticmethod
+    def _load_bias(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
+        """The checkpoint's [1, E] (one row per expert group: ERNIE has one) as [E]."""
+        tensor = materialize(tensor)
+        if tensor.numel() != param.numel():
+            raise ValueError(f"e_score_correction_bias: checkpoint shape {tuple(tensor.shape)} != ({param.numel()},)")
+        with torch.no_grad():
+            param.data.copy_(tensor.reshape(-1).to(param.dtype))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight).softmax(dim=-1)
+        ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        return weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min), ids
+
+
+class Ernie45MoE(RoutedMoE):
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target, Ernie45Router(config, target), config.moe_num_experts,
+                         config.moe_num_shared_experts)
+
+
+def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
+    if not getattr(config, "moe_num_experts", 0):
+        return False
+    return ((layer_idx + 1) % config.moe_layer_interval == 0
+            and config.moe_layer_start_index <= layer_idx <= config.moe_layer_end_index)
+
+
+class Ernie45DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
+        nn.Module.__init__(self)
+        self.self_attn = Ernie45Attention(config, target)
+        self.mlp = Ernie45MoE(config, target) if is_moe_layer(config, layer_idx) else LlamaMLP(config, target)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+
+
+class Ernie45Model(LlamaModel):
+    layer_cls = Ernie45DecoderLayer
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
+        return self.layer_cls(config, target, layer_idx)
+
+
+class Ernie45ForCausalLM(LlamaForCausalLM):
+    model_cls = Ernie45Model
+
+    def map_weight_name(self, name: str) -> tuple[str, object] | None:
+        """Routed experts into the stacks, the correction bias (Baidu's mlp.moe_statics or
+        transformers' mlp.gate.moe_statics, shaped [1, E]) into the router; None for the rest."""
+        if name.endswith(".moe_statics.e_score_correction_bias"):
+            layer = name.split(".mlp.")[0]
+            return f"{layer}.mlp.gate.e_score_correction_bias", None
+        if ".shared_experts." in name:
+            return None
+        return expert_weight_target(name, HF_EXPERT_NAMES)
