@@ -24,6 +24,8 @@ import torch
 from tessera.weights.gguf_config import complete_gguf_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
+from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
+from tessera.weights.gguf_glm4moe import glm4moe_config
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
 from tessera.weights.gguf_mistral3 import mistral3_config
 from tessera.weights.gguf_qwen_vl import ARCHES as QWEN_VL_ARCHES
@@ -52,6 +54,7 @@ _GLOBAL_NAMES = {
 # blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files; some
 # parts carry a .scale (Gemma 4's router)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*)(?:\.(\d+))?\.(weight|bias|scale)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 CONVERSION_VERSION = 8  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
 EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF tensor is split)
@@ -129,15 +132,20 @@ def gguf_matrix_format(path: Path, index_dir: Path | None = None) -> str | None:
 
 def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,
                       index_dir: Path | None = None, names: Mapping[str, str] | None = None,
-                      norm_offset: float = 0.0) -> Iterator[tuple[str, torch.Tensor]]:
+                      norm_offset: float = 0.0, num_layers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; `index_dir` is the
     converted metadata folder holding the tensor index (without one, the file is parsed).
     `names`: the router's extra llama.cpp names (hf_tensor_name); `norm_offset` is taken off
-    every norm weight (llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added)."""
+    every norm weight (llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added).
+    Blocks from `num_layers` on are skipped: the multi-token-prediction layers llama.cpp
+    writes after the model's (GLM-4.5's `nextn`)."""
     tensors = _cached_tensor_index(path, index_dir)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for tensor in tensors:
         if tensor.name in ROPE_TENSORS:  # read into the config at conversion (gguf_rope.py)
+            continue
+        block = _BLOCK_RE.match(tensor.name)
+        if block and num_layers is not None and int(block.group(1)) >= num_layers:
             continue
         data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
         data = data.reshape(tensor.data_shape)
@@ -234,13 +242,14 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
             config = gemma4_config(reader.fields, reader.tensors)
         else:
-            read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config}.get(arch, qwen_vl_text_config)
+            read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config}.get(
+                arch, qwen_vl_text_config)
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     else:

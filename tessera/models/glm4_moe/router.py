@@ -9,4 +9,10 @@ class Glm4MoeRouter(BaseRouter):
     model_cls = Glm4MoeForCausalLM
     is_moe = True  # tests/models/test_glm4_moe.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_gguf = True  # tests/weights/test_gguf_glm4moe.py (arch glm4moe)
+    # (llama.cpp's GLM-4 MoE names the pre-MLP norm post_attention_norm)
+    gguf_names = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                  **{f"ffn_{proj}_shexp": f"mlp.shared_experts.{proj}_proj" for proj in ("gate", "up", "down")},
+                  **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")}}
     supports_lora = True  # tests/lora/test_lora_models.py (attention; experts refused)
