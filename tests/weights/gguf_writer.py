@@ -212,7 +212,7 @@ def _layer_parts(arch: str) -> dict[str, str]:
     if arch in ("gemma2", "gemma3"):  # four norms; ffn_norm is the pre-feedforward one
         parts |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
-    if arch in ("qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "gemma3"):
+    if arch in ("qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "gemma3", "minimax-m2"):
         parts |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     if arch == "phi3":  # fused projections kept whole; gate_up_proj is written as ffn_up
         parts |= {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
@@ -236,6 +236,10 @@ def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False,
             continue
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             array = array + np.float32(1.0)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.e_score_correction_bias", hf_name)
+        if m:  # (MiniMax-M2's, beside the router) as llama.cpp names DeepSeek-style correction biases
+            out[f"blk.{m.group(1)}.exp_probs_b.bias"] = array
+            continue
         m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", hf_name)
         if m:  # transformers' fused in-memory experts: gate rows, then up rows
             layer, kind = m.groups()

@@ -67,6 +67,22 @@ def qwen3_moe():
                                               norm_topk_prob=True, tie_word_embeddings=False))
 
 
+def minimax_m2():
+    """Whole-projection query / key norms, half-head rotary (the file's rope.dimension_count),
+    sigmoid routing with a drawn correction bias (exp_probs_b.bias)."""
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**COMMON, intermediate_size=32, head_dim=16, rotary_dim=8,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 tie_word_embeddings=False))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.copy_(0.5 * torch.randn(layer.mlp.gate.weight.shape, generator=g))
+            layer.mlp.e_score_correction_bias.copy_(0.3 * torch.randn(4, generator=g))
+    return model
+
+
 def phi3(longrope: bool = False):
     from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -103,6 +119,10 @@ CASES = {
     "qwen3moe-fused-gate-up": (qwen3_moe, "qwen3moe", {"fuse_gate_up": True}),
     "mixtral-fused-gate-up": (mixtral, "llama", {"fuse_gate_up": True}),
     "phi3": (phi3, "phi3", {}),
+    # transformers reads its config; llama.cpp writes the rotary width as rope.dimension_count
+    "minimax-m2": (minimax_m2, "minimax-m2", {"extra_metadata": lambda w: w.add_rope_dimension_count(8)}),
+    "minimax-m2-q8_0": (minimax_m2, "minimax-m2", {"qtype": QT.Q8_0,
+                                                   "extra_metadata": lambda w: w.add_rope_dimension_count(8)}),
 }
 
 

@@ -8,5 +8,8 @@ class MiniMaxM2Router(BaseRouter):
     model_types = ("minimax_m2",)
     model_cls = MiniMaxM2ForCausalLM
     is_moe = True  # tests/models/test_minimax_m2.py
+    supports_gguf = True  # tests/weights/test_gguf_models.py (arch minimax-m2; transformers reads its config)
+    gguf_names = {"ffn_gate_inp": "mlp.gate", "exp_probs_b.bias": "mlp.e_score_correction_bias",
+                  **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")}}
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/lora/test_lora_models.py (attention; experts refused)
