@@ -5,15 +5,22 @@ from tessera.models.ernie4_5.modeling import Ernie45ForCausalLM
 
 
 class Ernie45Router(BaseRouter):
-    """ERNIE 4.5: the dense 0.3B (ernie4_5) and the MoE models (ernie4_5_moe)."""
-    model_types = ("ernie4_5", "ernie4_5_moe")
+    """ERNIE 4.5's dense model (ernie4_5: the 0.3B)."""
+    model_types = ("ernie4_5",)
     model_cls = Ernie45ForCausalLM
-    is_moe = True  # tests/models/test_ernie4_5.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
-    supports_lora = True  # tests/lora/test_lora_models.py (attention and dense MLPs; experts refused)
+    supports_lora = True  # tests/lora/test_lora_models.py
 
     def get_config(self) -> PretrainedConfig:
         config = super().get_config()
         bias = bool(getattr(config, "use_bias", False))  # (every projection's, as Llama's layers read it)
         config.attention_bias, config.mlp_bias = bias, bias
         return config
+
+
+class Ernie45MoeRouter(Ernie45Router):
+    """ERNIE 4.5's MoE models (ernie4_5_moe: 21B-A3B, 300B-A47B)."""
+    model_types = ("ernie4_5_moe",)
+    is_moe = True  # tests/models/test_ernie4_5.py
+    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_lora = True  # tests/lora/test_lora_models.py (attention and dense MLPs; experts refused)
