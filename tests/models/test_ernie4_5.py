@@ -49,8 +49,11 @@ def make_tiny_ernie(folder: Path, tokenizer_dir: Path, kind: str, seed: int = 0,
 
 
 def as_baidu_layout(folder: Path) -> None:
-    """One tensor per expert (gate / up / down_proj), the bias under mlp.moe_statics."""
-    out = {}
+    """One tensor per expert (gate / up / down_proj), the bias under mlp.moe_statics, and a
+    multi-token-prediction head beside the model (not served)."""
+    out = {"model.mtp_emb_norm.0.weight": torch.ones(64), "model.mtp_hidden_norm.0.weight": torch.ones(64),
+           "model.mtp_linear_proj.0.weight": torch.zeros(64, 128),
+           "model.mtp_block.0.self_attn.q_proj.weight": torch.zeros(64, 64)}
     for name, tensor in load_file(folder / "model.safetensors").items():
         if name.endswith(".mlp.experts.gate_up_proj"):  # [E, 2I, H]: gate rows, then up rows
             prefix, half = name.removesuffix(".gate_up_proj"), tensor.shape[1] // 2

@@ -79,3 +79,21 @@ def test_layers_are_what_the_config_says(case: Case):
 
 test_prefill_and_decode_logits_match, test_greedy_matches_hf_generate_alone_and_batched, \
     test_chunked_prefill_matches = parity_tests(NUM_KV_BLOCKS, PROMPT_LENGTHS)
+
+
+def test_multi_token_prediction_modules_are_skipped(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """The released configs count num_mtp_modules; their layers after the model's are not loaded."""
+    import json
+
+    from tests.models.parity import check_prefill_and_decode_logits
+
+    hf = make_tiny_minimax_m2(tmp_path, tiny_tokenizer_dir, seed=6)
+    tensors = load_file(tmp_path / "model.safetensors")
+    mtp = {name.replace("model.layers.1.", "model.layers.2."): t.clone() for name, t in tensors.items()
+           if name.startswith("model.layers.1.")}
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_mtp_modules"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(tmp_path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
+    check_prefill_and_decode_logits(llm, hf, "minimax_m2-mtp", monkeypatch)

@@ -4,7 +4,7 @@ every projection where use_bias (the router maps it onto attention_bias / mlp_bi
 MoE layers (every moe_layer_interval-th from moe_layer_start_index to moe_layer_end_index;
 the rest dense) route by softmax, choose by the softmax scores plus a correction bias
 (`moe_statics`), weigh the chosen scores renormalised (their sum clamped at moe_norm_min),
-and add shared experts."""
+and add shared experts. The checkpoints' multi-token-prediction head is skipped."""
 from __future__ import annotations
 
 import torch
@@ -29,7 +29,7 @@ class Ernie45Attention(LlamaAttention):
         self.rotary = ApplyRotary(self.head_dim, target, rotary_dim_of(config), interleaved=True)
 
 
-class Ernie45Router(nn.Module):
+class Ernie45TopkRouter(nn.Module):
     """Softmax scores in float32; the choice adds `e_score_correction_bias`, the weights are
     the chosen scores over their sum (at least moe_norm_min)."""
 
@@ -58,7 +58,7 @@ class Ernie45Router(nn.Module):
 
 class Ernie45MoE(RoutedMoE):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
-        super().__init__(config, target, Ernie45Router(config, target), config.moe_num_experts,
+        super().__init__(config, target, Ernie45TopkRouter(config, target), config.moe_num_experts,
                          config.moe_num_shared_experts)
 
 
@@ -87,6 +87,12 @@ class Ernie45Model(LlamaModel):
 
 class Ernie45ForCausalLM(LlamaForCausalLM):
     model_cls = Ernie45Model
+
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        # Baidu's checkpoints carry a multi-token-prediction head (mtp_block, mtp_emb_norm,
+        # mtp_hidden_norm, mtp_linear_proj), which transformers skips too
+        self.checkpoint_prefixes = {"model.mtp_": None}
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Routed experts into the stacks, the correction bias (Baidu's mlp.moe_statics or

@@ -56,6 +56,13 @@ class MiniMaxM2Model(LlamaModel):
 class MiniMaxM2ForCausalLM(LlamaForCausalLM):
     model_cls = MiniMaxM2Model
 
+    def __init__(self, config: PretrainedConfig, target: OpTarget):
+        super().__init__(config, target)
+        # the released configs' multi-token-prediction modules (num_mtp_modules), as layers
+        # num_hidden_layers on where a checkpoint holds them: not served
+        extra = getattr(config, "num_mtp_modules", 0) or 0
+        self.checkpoint_prefixes = {f"model.layers.{config.num_hidden_layers + i}.": None for i in range(extra)}
+
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Experts into the stacks and the correction bias into the router, in either
         layout; None for the rest."""
