@@ -8,20 +8,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Collection, Iterator, Sequence as Seq
+from typing import Collection, Iterator, Sequence as Seq
 
 import torch
 
-import torch.distributed as dist
-
 from tessera.config import EngineConfig
-from tessera.distributed.channel import Command, StepChannel
-from tessera.distributed.launcher import RankFailedError, TensorParallelGroup, rank_device
+from tessera.distributed.channel import StepChannel
 from tessera.engine.block_manager import BlockManager
 from tessera.engine.config_checks import check_engine_config
 from tessera.engine.engine_lora import LoRAMethods
+from tessera.engine.engine_parallel import TensorParallelMethods
 from tessera.engine.engine_pooling import PoolingRequests
-from tessera.engine.errors import EngineFatalError
 from tessera.engine.image_requests import check_image_request, image_placeholder, process_images
 from tessera.engine.model_loading import load_model
 from tessera.engine.output_processor import Delta, OutputProcessor
@@ -56,7 +53,7 @@ from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, 
 logger = logging.getLogger(__name__)
 
 
-class Engine(LoRAMethods, PoolingRequests):
+class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
         self.router = get_router(config.model)
@@ -69,15 +66,7 @@ class Engine(LoRAMethods, PoolingRequests):
         # an embedding model's pooling (--runner pooling); None: the engine generates
         self.pooler_config = resolve_pooler(config, self.router)
         self.draft = find_draft_model(config, self.router)
-        tp = config.parallel.tensor_parallel_size
-        self._fatal: EngineFatalError | None = None
-        # rank 0 of a tensor-parallel group drives; the group spawns (or meets) the others,
-        # which build their own shards while this process builds its own
-        self.tp_group = TensorParallelGroup(config) if tp > 1 else None
-        self._fatal_listeners: list[Callable[[EngineFatalError], None]] = []
-        if self.tp_group is not None:
-            self.device = rank_device(config, 0)
-            self.tp_group.watch(self._rank_died)
+        self._start_group(config)
         try:
             self._build(config, show_progress)
         except BaseException:
@@ -400,56 +389,6 @@ class Engine(LoRAMethods, PoolingRequests):
             for seq in deltas:
                 if not seq.is_finished and seq.grammar is None and seq.thinking is None:
                     seq.draft_token_ids = self.proposer.propose(seq)
-
-    def _execute(self, scheduled) -> StepResult:
-        if self._fatal is not None:
-            raise self._fatal
-        if self.tp_group is None:
-            return self.runner.execute(scheduled)
-        try:
-            self.tp_group.check_alive()
-            return self.runner.execute(scheduled)
-        except RankFailedError as exc:
-            self._fatal = exc
-        except (RuntimeError, dist.DistBackendError) as exc:  # a collective failed or timed out
-            # name the rank that died, if it was one of ours
-            self._fatal = (self.tp_group.find_dead_rank()
-                           or RankFailedError(f"tensor-parallel step failed: {exc}"))
-            self._fatal.__cause__ = exc
-        logger.error("%s", self._fatal)
-        raise self._fatal
-
-    def on_fatal(self, listener: Callable[[EngineFatalError], None]) -> None:
-        """Have `listener` called, from the group's watcher thread, as soon as another
-        tensor-parallel rank dies: while the engine's own thread may still be blocked in a
-        collective (never called without tensor parallelism)."""
-        self._fatal_listeners.append(listener)
-        if isinstance(self._fatal, RankFailedError):  # (it died before anyone listened)
-            listener(self._fatal)
-
-    def _rank_died(self, exc: RankFailedError) -> None:
-        if self._fatal is None:
-            self._fatal = exc
-        logger.error("%s", exc)
-        for listener in list(self._fatal_listeners):
-            listener(exc)
-
-    def close(self) -> None:
-        """Stop the other tensor-parallel ranks and leave the group (no-op without TP).
-        The engine takes no requests afterwards."""
-        group = getattr(self, "tp_group", None)
-        if group is None or group.closed:
-            return
-        runner = getattr(self, "runner", None)
-        group.stopping = True
-        if runner is not None and self._fatal is None:
-            try:
-                runner.channel.send(Command.SHUTDOWN)
-            except Exception:  # a rank already gone: close() terminates the rest
-                pass
-        rank_died = isinstance(self._fatal, RankFailedError)
-        self._fatal = self._fatal or EngineFatalError("the engine was closed")
-        group.close(rank_died=rank_died)
 
     def iter_outputs(self, request_ids: Collection[str] | None = None,
                      stream: bool = True) -> Iterator[RequestOutput]:

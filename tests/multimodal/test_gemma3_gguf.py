@@ -16,9 +16,9 @@ import torch
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (GEMMA3_IMAGE, assert_vision_weights_equal, check_image_prompt, greedy,
-                                          hf_image_generate, hf_image_logprobs, image_prompt, make_tiny_gemma3,
-                                          random_image)
+from tests.multimodal.checkpoints import (GEMMA3_IMAGE, greedy, hf_image_generate, hf_image_logprobs, image_prompt,
+                                          make_tiny_gemma3, random_image)
+from tests.multimodal.image_checks import assert_vision_weights_equal, check_image_prompt
 from tests.weights.gguf_writer import clip_writer, write_model_gguf, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")

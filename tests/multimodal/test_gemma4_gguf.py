@@ -18,8 +18,9 @@ import torch
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import assert_vision_weights_equal, check_image_prompt, random_image
+from tests.multimodal.checkpoints import random_image
 from tests.multimodal.gemma4_checkpoint import GEMMA4_IMAGE, hf_gemma4_generate, make_tiny_gemma4
+from tests.multimodal.image_checks import assert_vision_weights_equal, check_image_prompt
 from tests.multimodal.test_gemma4 import hf_logprobs
 from tests.weights.gguf_gemma4 import write_gemma4_gguf
 from tests.weights.gguf_writer import clip_writer, write_model_gguf, write_tensors

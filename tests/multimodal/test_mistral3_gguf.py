@@ -17,8 +17,8 @@ import torch
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import (assert_vision_weights_equal, check_image_prompt, greedy, image_prompt,
-                                          make_tiny_mistral3, random_image)
+from tests.multimodal.checkpoints import greedy, image_prompt, make_tiny_mistral3, random_image
+from tests.multimodal.image_checks import assert_vision_weights_equal, check_image_prompt
 from tests.weights.gguf_writer import clip_writer, llama_cpp_permute, write_model_gguf, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")

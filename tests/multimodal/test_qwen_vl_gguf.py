@@ -10,8 +10,9 @@ import pytest
 
 from tessera import LLM
 from tessera.weights.gguf_mmproj import MmprojError
-from tests.multimodal.checkpoints import (QWEN_IMAGE, assert_vision_weights_equal, check_image_prompt, greedy,
-                                          hf_qwen_generate, hf_qwen_logprobs, image_prompt, random_image)
+from tests.multimodal.checkpoints import (QWEN_IMAGE, greedy, hf_qwen_generate, hf_qwen_logprobs, image_prompt,
+                                          random_image)
+from tests.multimodal.image_checks import assert_vision_weights_equal, check_image_prompt
 from tests.multimodal.qwen_vl_gguf_files import TYPES, WINDOWED, make_qwen_vl_files
 from tests.weights.gguf_writer import write_model_gguf
 
