@@ -27,27 +27,50 @@ def is_dense_layer(config: PretrainedConfig, layer_idx: int) -> bool:
     return layer_idx < (getattr(config, "first_k_dense_replace", None) or 0)
 
 
-class DeepseekDecoderLayer(LlamaDecoderLayer):
-    moe_cls = DeepseekMoE
+class IndexedMLPDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer whose MLP is dense or experts by the layer's index (DeepSeek's dense
+    first layers; GLM-4.5's and ERNIE 4.5's reuse it): `attention` builds the attention,
+    `dense` says which layers are dense, `moe` builds the experts of the others."""
 
     def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
         nn.Module.__init__(self)
-        self.self_attn = MLAttention(config, target)
-        self.mlp = LlamaMLP(config, target) if is_dense_layer(config, layer_idx) else self.moe_cls(
-            config, target, config.model_type != "deepseek_v2")
+        self.self_attn = self.attention(config, target)
+        self.mlp = LlamaMLP(config, target) if self.dense(config, layer_idx) else self.moe(config, target)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
 
+    def attention(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
+        return self.attention_cls(config, target)
 
-class DeepseekModel(LlamaModel):
+    @staticmethod
+    def dense(config: PretrainedConfig, layer_idx: int) -> bool:
+        return is_dense_layer(config, layer_idx)
+
+    def moe(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
+        raise NotImplementedError
+
+
+class IndexedLayersModel(LlamaModel):
+    """Llama's stack of layers that take their index (IndexedMLPDecoderLayer)."""
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
+        return self.layer_cls(config, target, layer_idx)
+
+
+class DeepseekDecoderLayer(IndexedMLPDecoderLayer):
+    attention_cls = MLAttention
+    moe_cls = DeepseekMoE
+
+    def moe(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
+        return self.moe_cls(config, target, config.model_type != "deepseek_v2")
+
+
+class DeepseekModel(IndexedLayersModel):
     def make_rotary(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
         """Rotary turns only each query's and the shared key's qk_rope_head_dim part."""
         return RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, rope_parameters(config), target)
 
     layer_cls = DeepseekDecoderLayer
-
-    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
-        return self.layer_cls(config, target, layer_idx)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

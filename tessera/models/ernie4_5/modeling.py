@@ -12,11 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.llama.modeling import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
-                                           rotary_dim_of)
+from tessera.models.deepseek.modeling import IndexedLayersModel, IndexedMLPDecoderLayer
 from tessera.models.deepseek.moe import RoutedMoE
+from tessera.models.llama.modeling import LlamaAttention, LlamaForCausalLM, rotary_dim_of
 from tessera.ops.moe import HF_EXPERT_NAMES, expert_weight_target
-from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary
 from tessera.ops.weights import make_param
@@ -69,20 +68,19 @@ def is_moe_layer(config: PretrainedConfig, layer_idx: int) -> bool:
             and config.moe_layer_start_index <= layer_idx <= config.moe_layer_end_index)
 
 
-class Ernie45DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
-        nn.Module.__init__(self)
-        self.self_attn = Ernie45Attention(config, target)
-        self.mlp = Ernie45MoE(config, target) if is_moe_layer(config, layer_idx) else LlamaMLP(config, target)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+class Ernie45DecoderLayer(IndexedMLPDecoderLayer):
+    attention_cls = Ernie45Attention
+
+    @staticmethod
+    def dense(config: PretrainedConfig, layer_idx: int) -> bool:
+        return not is_moe_layer(config, layer_idx)
+
+    def moe(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
+        return Ernie45MoE(config, target)
 
 
-class Ernie45Model(LlamaModel):
+class Ernie45Model(IndexedLayersModel):
     layer_cls = Ernie45DecoderLayer
-
-    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
-        return self.layer_cls(config, target, layer_idx)
 
 
 class Ernie45ForCausalLM(LlamaForCausalLM):

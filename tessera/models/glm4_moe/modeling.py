@@ -11,9 +11,9 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.deepseek.modeling import DeepseekForCausalLM, is_dense_layer
+from tessera.models.deepseek.modeling import DeepseekForCausalLM, IndexedLayersModel, IndexedMLPDecoderLayer
 from tessera.models.deepseek.moe import DeepseekMoE
-from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from tessera.models.llama.modeling import LlamaAttention, LlamaForCausalLM
 from tessera.models.qwen3.modeling import HeadNormForward
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
@@ -32,22 +32,17 @@ class Glm4MoeHeadNormAttention(HeadNormForward, Glm4MoeAttention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, target)
 
 
-class Glm4MoeDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: PretrainedConfig, target: OpTarget, layer_idx: int):
-        nn.Module.__init__(self)
+class Glm4MoeDecoderLayer(IndexedMLPDecoderLayer):
+    def attention(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
         attention = Glm4MoeHeadNormAttention if getattr(config, "use_qk_norm", False) else Glm4MoeAttention
-        self.self_attn = attention(config, target)
-        dense = is_dense_layer(config, layer_idx)
-        self.mlp = LlamaMLP(config, target) if dense else DeepseekMoE(config, target, v3=True)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        return attention(config, target)
+
+    def moe(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
+        return DeepseekMoE(config, target, v3=True)
 
 
-class Glm4MoeModel(LlamaModel):
+class Glm4MoeModel(IndexedLayersModel):
     layer_cls = Glm4MoeDecoderLayer
-
-    def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
-        return self.layer_cls(config, target, layer_idx)
 
 
 class Glm4MoeForCausalLM(DeepseekForCausalLM):
