@@ -309,20 +309,3 @@ class RecurrentStateChecks(RecurrentParity):
 
     def test_bf16_stays_close(self, case: Case):
         check_bf16_close(case.folder, case.hf, self.num_kv_blocks, prompt_len=80, new_tokens=8)
-
-
-def parity_tests(num_kv_blocks: int, prompt_lengths) -> tuple:
-    """The three parity tests of a model's `case` fixture (prefill and decode logits, greedy
-    alone and batched, chunked prefill), for a test module to bind at its top level:
-    `test_a, test_b, test_c = parity_tests(...)`."""
-    def test_prefill_and_decode_logits_match(case: Case, monkeypatch):
-        check_prefill_and_decode_logits(case.llm, case.hf, case.name, monkeypatch)
-
-    def test_greedy_matches_hf_generate_alone_and_batched(case: Case):
-        check_greedy_alone_and_batched(case.llm, case.hf, prompt_lengths)
-
-    def test_chunked_prefill_matches(case: Case, monkeypatch):
-        check_chunked_prefill(case.folder, case.llm, case.hf, case.name, monkeypatch, num_kv_blocks, prompt_lengths)
-
-    return test_prefill_and_decode_logits_match, test_greedy_matches_hf_generate_alone_and_batched, \
-        test_chunked_prefill_matches

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tessera import LLM
 from tessera.models.deepseek.moe import DeepseekMoE
 from tessera.models.glm4_moe.modeling import Glm4MoeHeadNormAttention
-from tests.models.parity import VOCAB, Case, check_prefill_and_decode_logits, make_tiny, parity_tests
+from tests.models.parity import VOCAB, Case, LogitParity, check_prefill_and_decode_logits, make_tiny, tiny_case
 from tests.models.test_deepseek import _decisive_routers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,10 +52,8 @@ def make_tiny_glm4_moe(folder: Path, tokenizer_dir: Path, seed: int = 0, **overr
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def case(request, tmp_path_factory, tiny_tokenizer_dir) -> Case:
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = make_tiny_glm4_moe(folder, tiny_tokenizer_dir, seed=len(request.param), **CASES[request.param])
-    llm = LLM(folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False)
-    return Case(request.param, folder, hf, llm)
+    return tiny_case(request.param, tmp_path_factory, tiny_tokenizer_dir, lambda folder, tokenizer_dir, name:
+                     make_tiny_glm4_moe(folder, tokenizer_dir, seed=len(name), **CASES[name]), NUM_KV_BLOCKS)
 
 
 def test_layers_are_what_the_config_says(case: Case):
@@ -70,8 +68,8 @@ def test_layers_are_what_the_config_says(case: Case):
     assert len(ids.unique()) >= 4
 
 
-test_prefill_and_decode_logits_match, test_greedy_matches_hf_generate_alone_and_batched, \
-    test_chunked_prefill_matches = parity_tests(NUM_KV_BLOCKS, PROMPT_LENGTHS)
+class TestParity(LogitParity):
+    num_kv_blocks, prompt_lengths = NUM_KV_BLOCKS, PROMPT_LENGTHS
 
 
 def test_multi_token_prediction_layers_are_skipped(tmp_path, tiny_tokenizer_dir, monkeypatch):

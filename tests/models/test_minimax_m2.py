@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from tessera import LLM
 from tessera.models.minimax_m2.modeling import MiniMaxM2MoE
-from tests.models.parity import VOCAB, Case, make_tiny, parity_tests
+from tests.models.parity import VOCAB, Case, LogitParity, make_tiny
 from tests.models.test_deepseek import _decisive_routers
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,8 +77,8 @@ def test_layers_are_what_the_config_says(case: Case):
     assert len(ids.unique()) >= 4
 
 
-test_prefill_and_decode_logits_match, test_greedy_matches_hf_generate_alone_and_batched, \
-    test_chunked_prefill_matches = parity_tests(NUM_KV_BLOCKS, PROMPT_LENGTHS)
+class TestParity(LogitParity):
+    num_kv_blocks, prompt_lengths = NUM_KV_BLOCKS, PROMPT_LENGTHS
 
 
 def test_multi_token_prediction_modules_are_skipped(tmp_path, tiny_tokenizer_dir, monkeypatch):
