@@ -1,5 +1,6 @@
-"""What every reader of llama.cpp's projector files (arch "clip") shares: its error, and
-the `clip.vision.*` keys a tower cannot be built without."""
+"""What every reader of llama.cpp's projector files (arch "clip") shares: its error, its
+tensors' shapes in torch's order, and the `clip.vision.*` keys a tower cannot be built
+without."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +11,11 @@ from tessera.weights.gguf_rope import field_value
 class MmprojError(ValueError):
     """A multimodal projector file (--mmproj) that cannot be read, or does not go with its
     language model's GGUF."""
+
+
+def torch_shape(tensor) -> tuple[int, ...]:
+    """A gguf ReaderTensor's shape in torch's order (GGUF lists the fastest dimension first)."""
+    return tuple(int(d) for d in reversed(tensor.shape))
 
 
 def vision_key(fields: dict, name: str) -> Any:

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from tessera.weights.gguf_clip import MmprojError, vision_key
+from tessera.weights.gguf_clip import MmprojError, torch_shape, vision_key
 from tessera.weights.gguf_mmproj_gemma4 import PROJECTOR_TYPE as GEMMA4V
 from tessera.weights.gguf_mmproj_gemma4 import iter_gemma4_weights, write_gemma4_folder
 from tessera.weights.gguf_mmproj_pixtral import PROJECTOR_TYPE as PIXTRAL
@@ -172,7 +172,7 @@ def _read_array(tensor) -> np.ndarray:
     """A projector tensor as a writable float32 array of its torch shape."""
     from gguf import dequantize
 
-    shape = tuple(int(d) for d in reversed(tensor.shape))
+    shape = torch_shape(tensor)
     return np.array(np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape))
 
 

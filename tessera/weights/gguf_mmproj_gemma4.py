@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from tessera.weights.gguf_clip import MmprojError, vision_key
+from tessera.weights.gguf_clip import MmprojError, torch_shape, vision_key
 from tessera.weights.gguf_rope import field_value
 
 PROJECTOR_TYPE = "gemma4v"
@@ -39,10 +39,6 @@ PATCH_EMBED = "v.patch_embd.weight"
 AUDIO_PREFIXES = ("a.", "mm.a.")  # gguf's names for an audio tower and its projector
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape))
-
-
 def _vision_config(fields: dict, tensors: list) -> dict[str, Any]:
     by_name = {t.name: t for t in tensors}
     hidden, heads = int(vision_key(fields, "embedding_length")), int(vision_key(fields, "attention.head_count"))
@@ -50,12 +46,12 @@ def _vision_config(fields: dict, tensors: list) -> dict[str, Any]:
     positions = by_name.get("v.position_embd.weight")
     if q is None or k is None or positions is None:
         raise MmprojError("the mmproj file lacks v.blk.0.attn_q / attn_k or v.position_embd (a Gemma 4 tower's)")
-    head_dim = _shape(q)[0] // heads
+    head_dim = torch_shape(q)[0] // heads
     return dict(model_type="gemma4_vision", hidden_size=hidden,
                 intermediate_size=int(vision_key(fields, "feed_forward_length")),
                 num_hidden_layers=int(vision_key(fields, "block_count")), num_attention_heads=heads,
-                num_key_value_heads=_shape(k)[0] // head_dim, head_dim=head_dim,
-                patch_size=int(vision_key(fields, "patch_size")), position_embedding_size=_shape(positions)[1],
+                num_key_value_heads=torch_shape(k)[0] // head_dim, head_dim=head_dim,
+                patch_size=int(vision_key(fields, "patch_size")), position_embedding_size=torch_shape(positions)[1],
                 pooling_kernel_size=int(field_value(fields, "clip.vision.projector.scale_factor") or DEFAULT_POOLING),
                 rms_norm_eps=float(vision_key(fields, "attention.layer_norm_epsilon")),
                 standardize="v.std_bias" in by_name, use_clipped_linears=any(n.endswith(CLAMPS) for n in by_name))

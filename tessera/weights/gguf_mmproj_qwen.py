@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from tessera.weights.gguf_clip import MmprojError, vision_key
+from tessera.weights.gguf_clip import MmprojError, torch_shape, vision_key
 from tessera.weights.gguf_qwen_vl import DEEPSTACK_LAYERS, MROPE_SECTION
 from tessera.weights.gguf_rope import field_value
 
@@ -77,10 +77,6 @@ def deepstack_layers(tensors: list) -> list[int]:
     return sorted({int(m.group(1)) for t in tensors if (m := _DEEPSTACK_RE.match(t.name))})
 
 
-def _shape(tensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(tensor.shape))
-
-
 def _vision_config(fields: dict, tensors: list, tower: str, text_hidden: int) -> dict[str, Any]:
     def key(name: str) -> Any:
         return vision_key(fields, name)
@@ -89,7 +85,7 @@ def _vision_config(fields: dict, tensors: list, tower: str, text_hidden: int) ->
     up = by_name.get("v.blk.0.ffn_up.weight")
     if up is None:
         raise MmprojError("the mmproj file lacks v.blk.0.ffn_up.weight")
-    width, embed = _shape(up)
+    width, embed = torch_shape(up)
     depth, heads, patch = int(key("block_count")), int(key("attention.head_count")), int(key("patch_size"))
     if embed != int(key("embedding_length")):
         raise MmprojError(f"v.blk.0.ffn_up.weight is {width} x {embed}, for a tower of width {key('embedding_length')}")
@@ -108,7 +104,7 @@ def _vision_config(fields: dict, tensors: list, tower: str, text_hidden: int) ->
         if positions is None:
             raise MmprojError("a Qwen3-VL projector file needs v.position_embd.weight")
         return dict(common, hidden_size=embed, intermediate_size=width, out_hidden_size=projection,
-                    hidden_act="gelu_pytorch_tanh", num_position_embeddings=_shape(positions)[0],
+                    hidden_act="gelu_pytorch_tanh", num_position_embeddings=torch_shape(positions)[0],
                     deepstack_visual_indexes=deepstack_layers(tensors))
     pattern = int(field_value(fields, "clip.vision.n_wa_pattern") or 0)
     if pattern <= 0:
