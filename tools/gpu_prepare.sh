@@ -16,9 +16,12 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
 python -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
     -d .gpu/whl fastapi uvicorn prometheus-client httpx openai
 # peft (+ accelerate, which it imports): the GPU LoRA test; text-generation (TGI's client,
-# whose pins transformers 5 cannot meet, as in the README): the GPU server test
+# whose pins transformers 5 cannot meet, as in the README): the GPU server test.
+# transformers as installed here (the image's is older than some model folders' configs) and
+# the regex it checks for at import (the image's hub, tokenizers and safetensors meet its pins)
+transformers=$(python -c 'import transformers; print(transformers.__version__)')
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-    -d .gpu/whl gguf peft accelerate text-generation==0.7.0
+    -d .gpu/whl gguf peft accelerate text-generation==0.7.0 "transformers==$transformers" regex
 # the GPU image has these already (torch, numpy, ...): carrying them would shadow its builds.
 # typing_extensions is carried: the carried anyio and pydantic need 4.16+, which the image
 # may not have (pure Python, and torch takes any 4.10+)

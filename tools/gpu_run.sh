@@ -20,15 +20,19 @@
 #                                --kv-cache-dtype fp8` then shows what the capacity buys
 #   tools/gpu_run.sh profile     the kernel table of eager decode steps at batch 1, 64, 256
 #                                over 1000-token prompts (tools/gpu_profile.py)
-#   tools/gpu_run.sh all         tests, latency, profile and fp8 throughput in one call (each
-#                                under its own time limit, at most ~9 minutes in all): a lent
+#   tools/gpu_run.sh all         tests, latency, bf16 throughput and profile in one call (each
+#                                under its own time limit, ~9.5 minutes in all): a lent
 #                                machine stays warm only 30 s between calls, so each call pays
-#                                a start
+#                                a start. $OUT takes back 8 files: the logs, and the JSON
+#                                reports packed into json.tgz
 set -uo pipefail
 self=$(realpath "$0")
 cd "$(dirname "$self")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+# JSON reports: beside the logs, or (under `all`) packed into one file after each step
+jdir=${JSON_DIR:-$out}
+mkdir -p "$jdir"
 if [[ -z "${GPU_RUN_READY:-}" ]]; then
     python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
 fi
@@ -36,47 +40,54 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 tessera() { python3 -c 'import sys; from tessera.cli import main; sys.exit(main())' "$@"; }
 if [[ -z "${GPU_RUN_READY:-}" ]]; then
-    nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-    python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' \
-        | tee "$out/versions.txt"
+    nvidia-smi > "$out/env.txt" 2>&1
+    python3 -c 'import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__,
+                torch.cuda.get_device_name())' | tee -a "$out/env.txt"
 fi
 preset=.gpu/presets/llama-3-8b
 dummy=(--model $preset --load-format dummy --dtype bfloat16 --device cuda)
 case "${1:-}" in
   tests)
-    python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests/ops/test_triton_kernels.py tests/runner/test_cuda_graphs.py \
-        tests/models/test_gpu_parity.py tests/engine/test_async_scheduling.py tests/engine/test_speculative.py \
+    python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors --timeout 150 tests/ops/test_triton_kernels.py \
+        tests/runner/test_cuda_graphs.py tests/models/test_gpu_parity.py tests/engine/test_async_scheduling.py \
+        tests/engine/test_speculative.py tests/engine/test_draft_model_speculation.py \
         tests/lora/test_lora_models.py tests/ops/test_triton_fp8_kv.py tests/server/test_gpu_http.py \
         tests/pooling/test_gpu_pooling.py \
         -k "gpu or cuda" 2>&1 | tee "$out/tests.log" ;;
   latency)
     tessera bench latency "${dummy[@]}" --batch-sizes 1,8,64 --input-len 128 --output-len 256 \
-        --output-json "$out/latency.json" 2>&1 | tee "$out/latency.log"
+        --output-json "$jdir/latency.json" 2>&1 | tee "$out/latency.log"
     grep -h "captured\|capture\|kernel tuning" "$out/latency.log" ;;
   throughput)
     name=throughput; [[ " ${*:2} " == *" --no-async-scheduling "* ]] && name=throughput-sync
     [[ " ${*:2} " == *" --kv-cache-dtype fp8"* ]] && name=$name-fp8
     tessera bench throughput "${dummy[@]}" --num-prompts "${THROUGHPUT_PROMPTS:-1000}" \
         --input-len 1000 --output-len 1000 --repeats 1 "${@:2}" \
-        --output-json "$out/$name.json" 2>&1 | tee "$out/$name.log" ;;
+        --output-json "$jdir/$name.json" 2>&1 | tee "$out/$name.log" ;;
   baseline)
     tessera bench throughput "${dummy[@]}" --memory-fraction 0.5 --num-prompts "${BASELINE_PROMPTS:-16}" \
         --input-len 1000 --output-len 1000 --repeats 1 --baseline transformers \
-        --output-json "$out/baseline.json" 2>&1 | tee "$out/baseline.log" ;;
+        --output-json "$jdir/baseline.json" 2>&1 | tee "$out/baseline.log" ;;
   kv-cache)
     tessera bench kv-cache "${dummy[@]}" --batch-sizes 1,64 --input-len 2000 --output-len 128 --repeats 1 \
-        --output-json "$out/kv-cache.json" 2>&1 | tee "$out/kv-cache.log" ;;
+        --output-json "$jdir/kv-cache.json" 2>&1 | tee "$out/kv-cache.log" ;;
   profile)
     python3 tools/gpu_profile.py --model $preset --batch-sizes 1,64,256 --input-len 1000 \
         2>&1 | tee "$out/profile.log" ;;
   all)
-    export GPU_RUN_READY=1  # installed and reported once, above; 550 s of limits in all
-    timeout 230 bash "$self" tests > /dev/null 2>&1; echo "tests rc=$?"
-    timeout 70 bash "$self" latency > /dev/null 2>&1; echo "latency rc=$?"
-    timeout 70 bash "$self" profile > /dev/null 2>&1; echo "profile rc=$?"
-    timeout 180 bash "$self" throughput --kv-cache-dtype fp8 > /dev/null 2>&1; echo "fp8 throughput rc=$?"
+    # installed and reported once, above; 560 s of limits in all, slowest-to-matter last
+    export GPU_RUN_READY=1 JSON_DIR=/tmp/gpu-json
+    step() {
+        local limit=$1; shift
+        timeout "$limit" bash "$self" "$@" > /dev/null 2>&1; echo "$* rc=$? at $(date +%T)"
+        tar czf "$out/json.tgz" -C "$JSON_DIR" . 2>/dev/null
+    }
+    step 220 tests
+    step 90 latency
+    step 180 throughput
+    step 70 profile
     tail -n 3 "$out/tests.log"; grep -h "^|\|captured\|kernel tuning" "$out/latency.log"
-    grep -h "^linear" "$out/profile.log"; grep -h -A 8 "^batch" "$out/profile.log"; tail -n 3 "$out/throughput-fp8.log" ;;
+    tail -n 4 "$out/throughput.log"; grep -h "^linear" "$out/profile.log"; grep -h -A 8 "^batch" "$out/profile.log" ;;
   *)
     echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache|profile|all" >&2
     exit 2 ;;
