@@ -25,8 +25,10 @@ def main() -> None:
     args = p.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device=args.device, enforce_eager=True,
               async_scheduling=False, show_progress=False)
-    params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=0.0)
     engine = llm.engine
+    # room to decode through every other prompt's prefill (at 256 rows the first prompts
+    # decode for ~30 steps before the last is cached); aborted once profiled
+    params = SamplingParams(max_tokens=engine.max_model_len - args.input_len, ignore_eos=True, temperature=0.0)
     sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         ids = [f"{batch}-{i}" for i in range(batch)]
@@ -48,8 +50,8 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step(stream=False)
             sync()
-        while engine.has_unfinished():
-            engine.step(stream=False)
+        for request_id in ids:
+            engine.abort(request_id)
         events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
         total = sum(e.self_device_time_total for e in events)
         print(f"\nbatch {batch}, {args.input_len} in, {args.steps} decode steps: "

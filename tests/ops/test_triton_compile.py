@@ -50,7 +50,12 @@ def test_bf16_kernels_compile_for_hopper_without_spills():
 
 def test_float32_and_ampere_kernels_compile():
     small = tuple(s for s in SHAPES if s.name in ("llama-3-8b", "smollm2-135m"))
-    _check(compile_all(90, (torch.float32,), small[:1]), 90, no_spills=True)
+    float32 = compile_all(90, (torch.float32,), small[:1])
+    _check(float32, 90, no_spills=True)
+    # rotary matches torch's separate multiplies and add bit for bit only unfused (an H200
+    # run found 346 of 1536 float32 values off while the compiler made FMAs of them)
+    rotary = [r for r in float32 if r.kernel == "rotary_kernel"]
+    assert rotary and all(r.fused_multiply_adds == 0 for r in rotary), rotary
     _check(compile_all(80, (torch.bfloat16, torch.float32), small), 80, no_spills=False)
 
 

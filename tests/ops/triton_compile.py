@@ -67,6 +67,7 @@ class Compiled:
     fp8_conversions: int  # the GPU's fp8 -> f16 conversions in the PTX (cvt ... e4m3x2 / e5m2x2)
     matrix_ops: str = ""   # the PTX's matrix instructions: "wgmma" (Hopper), "mma.sync", or none
     async_copies: int = 0  # cp.async loads in the PTX: a pipelined global -> shared stream
+    fused_multiply_adds: int = 0  # fma.rn.f32 in the PTX: a product and a sum rounded once
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -106,7 +107,8 @@ class _Recorder:
             conversions = len(re.findall(r"cvt\.rn\.f16x2\.e(?:4m3|5m2)x2", ptx))
             matrix = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else ""
             self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled,
-                                     conversions, matrix, len(re.findall(r"cp\.async\.c[ag]", ptx))))
+                                     conversions, matrix, len(re.findall(r"cp\.async\.c[ag]", ptx)),
+                                     len(re.findall(r"\bfma\.rn\.f32\b", ptx))))
 
         return launch
 
