@@ -21,10 +21,11 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, or fp8 (e4m3) / fp8_e5m2: an 8-bit cache")
     p.add_argument("--rows", type=int, default=25, help="kernels listed per batch size")
     args = p.parse_args()
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", device=args.device, enforce_eager=True,
-              async_scheduling=False, show_progress=False)
+              async_scheduling=False, kv_cache_dtype=args.kv_cache_dtype, show_progress=False)
     engine = llm.engine
     # room to decode through every other prompt's prefill (at 256 rows the first prompts
     # decode for ~30 steps before the last is cached); aborted once profiled

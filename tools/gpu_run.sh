@@ -19,9 +19,10 @@
 #                                figures mean nothing on dummy weights); `throughput
 #                                --kv-cache-dtype fp8` then shows what the capacity buys
 #   tools/gpu_run.sh profile     the kernel table of eager decode steps at batch 1, 64, 256
-#                                over 1000-token prompts (tools/gpu_profile.py)
-#   tools/gpu_run.sh all         tests, latency, bf16 throughput and profile in one call (each
-#                                under its own time limit, ~9.5 minutes in all): a lent
+#                                over 1000-token prompts (tools/gpu_profile.py); with
+#                                --kv-cache-dtype fp8 the same over the 8-bit cache
+#   tools/gpu_run.sh all         tests, latency, bf16 throughput and both profiles in one call
+#                                (each under its own time limit, ~9.5 minutes in all): a lent
 #                                machine stays warm only 30 s between calls, so each call pays
 #                                a start. $OUT takes back 8 files: the logs, and the JSON
 #                                reports packed into json.tgz
@@ -72,22 +73,27 @@ case "${1:-}" in
     tessera bench kv-cache "${dummy[@]}" --batch-sizes 1,64 --input-len 2000 --output-len 128 --repeats 1 \
         --output-json "$jdir/kv-cache.json" 2>&1 | tee "$out/kv-cache.log" ;;
   profile)
-    python3 tools/gpu_profile.py --model $preset --batch-sizes 1,64,256 --input-len 1000 \
-        2>&1 | tee "$out/profile.log" ;;
+    # arguments after it go to the profiler: `profile --kv-cache-dtype fp8` writes profile-fp8.log
+    name=profile; [[ " ${*:2} " == *" --kv-cache-dtype fp8"* ]] && name=profile-fp8
+    python3 tools/gpu_profile.py --model $preset --batch-sizes 1,64,256 --input-len 1000 "${@:2}" \
+        2>&1 | tee "$out/$name.log" ;;
   all)
-    # installed and reported once, above; 560 s of limits in all, slowest-to-matter last
+    # installed and reported once, above; 555 s of limits in all
     export GPU_RUN_READY=1 JSON_DIR=/tmp/gpu-json
     step() {
         local limit=$1; shift
         timeout "$limit" bash "$self" "$@" > /dev/null 2>&1; echo "$* rc=$? at $(date +%T)"
         tar czf "$out/json.tgz" -C "$JSON_DIR" . 2>/dev/null
     }
-    step 220 tests
-    step 90 latency
-    step 180 throughput
-    step 70 profile
+    # (an H200, session 30: the tests took ~280 s, latency 32, throughput 127, profile ~40)
+    step 270 tests
+    step 45 latency
+    step 150 throughput
+    step 50 profile
+    step 40 profile --kv-cache-dtype fp8
     tail -n 3 "$out/tests.log"; grep -h "^|\|captured\|kernel tuning" "$out/latency.log"
-    tail -n 4 "$out/throughput.log"; grep -h "^linear" "$out/profile.log"; grep -h -A 8 "^batch" "$out/profile.log" ;;
+    tail -n 4 "$out/throughput.log"; grep -h "^linear" "$out/profile.log"
+    grep -h -A 8 "^batch" "$out/profile.log" "$out/profile-fp8.log" ;;
   *)
     echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache|profile|all" >&2
     exit 2 ;;
