@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from tessera.weights.gguf_config import complete_gguf_config
+from tessera.weights.gguf_deepseek2 import ARCH as DEEPSEEK2
+from tessera.weights.gguf_deepseek2 import deepseek2_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
 from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
@@ -242,11 +244,13 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
             config = gemma4_config(reader.fields, reader.tensors)
+        elif arch == DEEPSEEK2:  # (its rope and head sizes are its own: gguf_deepseek2.py)
+            config = deepseek2_config(reader.fields, reader.tensors)
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config}.get(
                 arch, qwen_vl_text_config)

@@ -355,6 +355,21 @@ def clip_writer(path: Path, projector_type: str, *, image_size: int, patch_size:
     return w
 
 
+def deepseek_expert_tensors(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """llama.cpp's tensors for a transformers DeepSeek-style experts tensor (the stacked
+    gate-up and down projections, the router's correction bias), None for any other name."""
+    block = name.split(".")[2] if name.startswith("model.layers.") else None
+    if name.endswith(".mlp.experts.gate_up_proj"):  # stacked [E, 2 x width, hidden]
+        half = array.shape[1] // 2
+        return [(f"blk.{block}.ffn_gate_exps.weight", array[:, :half].copy()),
+                (f"blk.{block}.ffn_up_exps.weight", array[:, half:].copy())]
+    if name.endswith(".mlp.experts.down_proj"):
+        return [(f"blk.{block}.ffn_down_exps.weight", array)]
+    if name.endswith(".mlp.gate.e_score_correction_bias"):
+        return [(f"blk.{block}.exp_probs_b.bias", array)]
+    return None
+
+
 def write_tensors(w: gguf.GGUFWriter, tensors) -> None:
     """Add (llama.cpp name, float32 array, storage type) tensors, then write and close the file."""
     for name, array, stored in tensors:

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_glm4_moe import CASES, make_tiny_glm4_moe
-from tests.weights.gguf_writer import add_tokenizer, write_tensors
+from tests.weights.gguf_writer import add_tokenizer, deepseek_expert_tensors, write_tensors
 from tests.weights.test_gguf_models import dequantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,18 +58,9 @@ def _tensors(hf) -> list[tuple[str, np.ndarray]]:
     out = []
     for name, tensor in hf.state_dict().items():
         array = tensor.detach().float().numpy().copy()
-        fused = name.endswith(".mlp.experts.gate_up_proj")
-        if fused or name.endswith(".mlp.experts.down_proj"):  # stacked [E, rows, cols]
-            block = name.split(".")[2]
-            if fused:
-                half = array.shape[1] // 2
-                out += [(f"blk.{block}.ffn_gate_exps.weight", array[:, :half].copy()),
-                        (f"blk.{block}.ffn_up_exps.weight", array[:, half:].copy())]
-            else:
-                out.append((f"blk.{block}.ffn_down_exps.weight", array))
-            continue
-        if name.endswith(".mlp.gate.e_score_correction_bias"):
-            out.append((f"blk.{name.split('.')[2]}.exp_probs_b.bias", array))
+        experts = deepseek_expert_tensors(name, array)
+        if experts is not None:
+            out += experts
             continue
         gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name

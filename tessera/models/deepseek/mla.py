@@ -31,6 +31,8 @@ from tessera.ops.rotary import ApplyRotary, rope_parameters
 from tessera.ops.weights import copy_checked, make_param
 from tessera.weights.lazy import narrow
 
+K_B, V_B = "k_b_proj", "v_b_proj"  # kv_b_proj's halves, as llama.cpp stores them
+
 
 def mla_scale(config: PretrainedConfig) -> float:
     """1 / sqrt(qk head dim), times mscale(factor, mscale_all_dim)^2 under YaRN."""
@@ -64,8 +66,9 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.rank + self.rope_dim, target, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, 1e-6, target)
         # never applied as a projection: its per-head halves are absorbed (module docstring)
+        # (whole from a Hugging Face checkpoint; llama.cpp's files split it: K_B, V_B)
         self.kv_b_weight = make_param((span.size * (self.nope + self.v_dim), self.rank), target.dtype,
-                                      target.device, loader=self._load_kv_b)
+                                      target.device, loader=self._load_kv_b, shard_ids=(K_B, V_B))
         self.o_proj = RowParallelLinear(heads * self.v_dim, config.hidden_size, target, bias=bias,
                                         in_span=Span(span.start * self.v_dim, span.size * self.v_dim))
         interleaved = getattr(config, "rope_interleave", True) is not False  # V2's are always
@@ -73,13 +76,28 @@ class MLAttention(nn.Module):
         self.attn = Attention(span.size, self.rank + self.rope_dim, 1, mla_scale(config), target, value_is_key=True)
 
     def _load_kv_b(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        """kv_b_proj whole ([heads x (nope + v), rank]), or llama.cpp's halves: K_B, the key
+        rows transposed per head ([heads, rank, nope]), and V_B ([heads, v, rank])."""
         rows = self.nope + self.v_dim
-        if tuple(tensor.shape) != (self.full_heads * rows, self.rank):
-            raise ValueError(f"kv_b_proj: checkpoint shape {tuple(tensor.shape)} != "
-                             f"({self.full_heads * rows}, {self.rank})")
+        start, size = self.head_span.start, self.head_span.size
+        if shard_id is None:
+            if tuple(tensor.shape) != (self.full_heads * rows, self.rank):
+                raise ValueError(f"kv_b_proj: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"({self.full_heads * rows}, {self.rank})")
+            with torch.no_grad():
+                copy_checked(param.data, narrow(tensor, 0, start * rows, size * rows), "kv_b_proj")
+            return
+        key = shard_id == K_B
+        want = (self.full_heads, self.rank, self.nope) if key else (self.full_heads, self.v_dim, self.rank)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{shard_id}: checkpoint shape {tuple(tensor.shape)} != {want}")
+        per_head = param.data.view(size, rows, self.rank)
+        part = narrow(tensor, 0, start, size)
         with torch.no_grad():
-            copy_checked(param.data, narrow(tensor, 0, self.head_span.start * rows, self.head_span.size * rows),
-                         "kv_b_proj")
+            if key:
+                copy_checked(per_head[:, :self.nope], part.transpose(1, 2), shard_id)
+            else:
+                copy_checked(per_head[:, self.nope:], part, shard_id)
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         t, h = hidden.shape[0], self.num_heads

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
-from tessera.models.deepseek.mla import MLAttention
+from tessera.models.deepseek.mla import K_B, V_B, MLAttention
 from tessera.models.deepseek.moe import DeepseekMoE
 from tessera.models.llama.modeling import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from tessera.ops.moe import HF_EXPERT_NAMES, expert_weight_target
@@ -85,9 +85,13 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         self.checkpoint_prefixes = {f"model.layers.{config.num_hidden_layers + i}.": None for i in range(extra)}
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
-        """Routed experts into the stacks, kv_b_proj into the absorbed weight; None for the rest."""
+        """Routed experts into the stacks, kv_b_proj (or its halves) into the absorbed weight;
+        None for the rest."""
         if name.endswith(".self_attn.kv_b_proj.weight"):
             return name.replace(".kv_b_proj.weight", ".kv_b_weight"), None
+        for half in (K_B, V_B):  # a GGUF's split kv_b_proj
+            if name.endswith(f".self_attn.{half}.weight"):
+                return name.replace(f".{half}.weight", ".kv_b_weight"), half
         if ".shared_experts." in name:
             return None
         return expert_weight_target(name, HF_EXPERT_NAMES)

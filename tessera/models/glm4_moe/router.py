@@ -1,4 +1,5 @@
 from tessera.models.base import BaseRouter
+from tessera.models.deepseek.router import EXPERT_GGUF_NAMES
 from tessera.models.glm4_moe.modeling import Glm4MoeForCausalLM
 
 
@@ -11,8 +12,5 @@ class Glm4MoeRouter(BaseRouter):
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_gguf = True  # tests/weights/test_gguf_glm4moe.py (arch glm4moe)
     # (llama.cpp's GLM-4 MoE names the pre-MLP norm post_attention_norm)
-    gguf_names = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
-                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-                  **{f"ffn_{proj}_shexp": f"mlp.shared_experts.{proj}_proj" for proj in ("gate", "up", "down")},
-                  **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")}}
+    gguf_names = {"post_attention_norm": "post_attention_layernorm", **EXPERT_GGUF_NAMES}
     supports_lora = True  # tests/lora/test_lora_models.py (attention; experts refused)
