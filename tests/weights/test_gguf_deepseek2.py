@@ -142,3 +142,14 @@ def test_deepseek2_gguf_refuses_unknown_gating(tmp_path, tiny_tokenizer_dir):
     write_tensors(w, ((name, array, QT.F32) for name, array in _tensors(hf, True)))
     with pytest.raises(ValueError, match="gating function 3"):
         LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache")
+
+
+def test_two_ranks_split_the_latent_halves_by_heads(tmp_path, tiny_tokenizer_dir):
+    """Tensor parallelism over the split layout: each rank takes its heads' rows of attn_k_b and
+    attn_v_b (and its experts); the greedy tokens stay transformers'."""
+    kind, overrides = CASES["v3-yarn-qlora"]
+    hf = make_tiny_deepseek(tmp_path / "hf", tiny_tokenizer_dir, kind, seed=6, **overrides)
+    path = write_deepseek2_gguf(tmp_path / "ds.gguf", hf, tmp_path / "hf" / "tokenizer.json", True)
+    with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache",
+             tensor_parallel_size=2) as llm:
+        check_greedy_alone_and_batched(llm, hf, (5, 23))
