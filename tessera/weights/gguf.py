@@ -30,6 +30,7 @@ from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
 from tessera.weights.gguf_glm4moe import glm4moe_config
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
 from tessera.weights.gguf_mistral3 import mistral3_config
+from tessera.weights.gguf_pretokenizers import apply_gguf_pretokenizer
 from tessera.weights.gguf_qwen_vl import ARCHES as QWEN_VL_ARCHES
 from tessera.weights.gguf_qwen_vl import qwen_vl_text_config
 from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
@@ -57,7 +58,7 @@ _GLOBAL_NAMES = {
 # parts carry a .scale (Gemma 4's router)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*)(?:\.(\d+))?\.(weight|bias|scale)$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
-CONVERSION_VERSION = 8  # bump when the cached folder's contents change
+CONVERSION_VERSION = 9  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
 EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF tensor is split)
 LAZY_BYTES = 256 << 20  # 2-D tensors larger than this in float32 are read by rows (GGUFRows)
@@ -260,6 +261,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         config = complete_gguf_config(config, reader.fields, reader.tensors)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    apply_gguf_pretokenizer(tokenizer, reader.fields)
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(tmp)
