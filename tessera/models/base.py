@@ -220,7 +220,7 @@ class BaseRouter:
                 num_heads=cfg.num_attention_heads if permute else 0,
                 num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) if permute else 0,
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset,
-                num_layers=getattr(cfg, "num_hidden_layers", None))
+                num_layers=getattr(cfg, "num_hidden_layers", None), packed=kept)
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization
         if quant is None:

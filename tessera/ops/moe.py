@@ -98,6 +98,19 @@ def copy_gate_up(dst: torch.Tensor, tensor: torch.Tensor, full: int, span: Span,
         copy_checked(dst.narrow(1, half * local, local), narrow(tensor, 1, half * full + span.start, local), what)
 
 
+# a whole stack's gate or up half, stored apart (llama.cpp's ffn_gate_exps / ffn_up_exps)
+GATE, UP = "gate", "up"
+
+
+def copy_half(dst: torch.Tensor, tensor: torch.Tensor, half: str, full: int, span: Span, what: str) -> None:
+    """Dim 1 of `tensor` holds the `half` (GATE or UP) of an expert stack (full rows): this
+    rank's span into that half of `dst` (2 * span.size rows)."""
+    if tensor.shape[1] != full:
+        raise ValueError(f"{what}: the {half} half has {tensor.shape[1]} rows, the model {full}")
+    local = span.size
+    copy_checked(dst.narrow(1, (half == UP) * local, local), narrow(tensor, 1, span.start, local), what)
+
+
 class StackedExperts(OpModule):
     """Under tensor parallelism each rank holds a span of every expert's intermediate
     dimension (its gate and up rows, the matching down columns); outputs are summed."""
@@ -117,7 +130,7 @@ class StackedExperts(OpModule):
         self.w13_bias = self.w2_bias = None
         if bias:  # stacked as the weights are: [E, 2I] this rank's gate then up entries, [E, H]
             self.w13_bias = make_param((num_experts, 2 * intermediate_size), target.dtype, target.device,
-                                       loader=self._load_bias)
+                                       loader=self._load_bias, shard_ids=(GATE, UP))
             self.w2_bias = make_param((num_experts, hidden_size), target.dtype, target.device)
 
     quant: str | None = None  # how the stacks are stored (the moe_experts spec's quant)
@@ -127,7 +140,11 @@ class StackedExperts(OpModule):
         return self.w13_weight, self.w2_weight
 
     def _load_bias(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
-        """The stacked gate-then-up bias [E, 2I]: this rank's span of each half."""
+        """The stacked gate-then-up bias [E, 2I] (or one half, [E, I]): this rank's span of each half."""
+        if shard_id in (GATE, UP):
+            with torch.no_grad():
+                copy_half(param.data, tensor, shard_id, self.full_intermediate, self.span, "stacked expert bias")
+            return
         expected = (param.shape[0], 2 * self.full_intermediate)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"stacked expert bias: checkpoint shape {tuple(tensor.shape)} != model shape {expected}")

@@ -24,7 +24,7 @@ from torch import nn
 
 from tessera.distributed.parallel import TensorParallelError, even_span
 from tessera.ops.module import OpModule
-from tessera.ops.moe import copy_gate_up, run_grouped
+from tessera.ops.moe import GATE, UP, copy_gate_up, copy_half, run_grouped
 from tessera.ops.registry import OpLookupError, OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param
 from tessera.weights.lazy import narrow
@@ -90,14 +90,17 @@ class Mxfp4Experts(OpModule):
         local, groups = self.span.size, hidden_size // BLOCK
         e = num_experts
 
-        def param(shape: tuple[int, ...]) -> nn.Parameter:
-            return make_param(shape, torch.uint8, target.device, loader=self._load)
+        def param(shape: tuple[int, ...], halves: tuple = ()) -> nn.Parameter:
+            return make_param(shape, torch.uint8, target.device, loader=self._load, shard_ids=halves)
 
-        self.w13_blocks, self.w13_scales = param((e, 2 * local, groups, 16)), param((e, 2 * local, groups))
+        # (w13 whole, or its GATE and UP halves apart as llama.cpp stores them)
+        self.w13_blocks = param((e, 2 * local, groups, 16), (GATE, UP))
+        self.w13_scales = param((e, 2 * local, groups), (GATE, UP))
         self.w2_blocks, self.w2_scales = param((e, hidden_size, local // BLOCK, 16)), param((e, hidden_size, local // BLOCK))
         self.w13_bias = self.w2_bias = None
         if bias:
-            self.w13_bias = make_param((e, 2 * local), target.dtype, target.device, loader=self._load)
+            self.w13_bias = make_param((e, 2 * local), target.dtype, target.device, loader=self._load,
+                                       shard_ids=(GATE, UP))
             self.w2_bias = make_param((e, hidden_size), target.dtype, target.device)
 
     @torch.no_grad()
@@ -120,6 +123,12 @@ class Mxfp4Experts(OpModule):
         w13 (and its bias), of w2's blocks of input features."""
         full = self.full_intermediate
         gate_up = param is self.w13_blocks or param is self.w13_scales or param is self.w13_bias
+        if shard_id in (GATE, UP):  # one half of w13: [E, I, ...]
+            if param is not self.w13_bias and tensor.dtype != torch.uint8:
+                raise ValueError(f"MXFP4 blocks and scales are uint8, the checkpoint's are {tensor.dtype}")
+            with torch.no_grad():
+                copy_half(param.data, tensor, shard_id, full, self.span, "MXFP4 experts")
+            return
         if gate_up:
             expected = (param.shape[0], 2 * full, *param.shape[2:])
         else:

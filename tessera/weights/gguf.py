@@ -28,6 +28,9 @@ from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
 from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
 from tessera.weights.gguf_glm4moe import glm4moe_config
+from tessera.weights.gguf_gpt_oss import ARCH as GPT_OSS
+from tessera.weights.gguf_gpt_oss import gpt_oss_config
+from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
 from tessera.weights.gguf_mistral3 import mistral3_config
 from tessera.weights.gguf_pretokenizers import apply_gguf_pretokenizer
@@ -135,13 +138,16 @@ def gguf_matrix_format(path: Path, index_dir: Path | None = None) -> str | None:
 
 def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,
                       index_dir: Path | None = None, names: Mapping[str, str] | None = None,
-                      norm_offset: float = 0.0, num_layers: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      norm_offset: float = 0.0, num_layers: int | None = None,
+                      packed: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; `index_dir` is the
     converted metadata folder holding the tensor index (without one, the file is parsed).
     `names`: the router's extra llama.cpp names (hf_tensor_name); `norm_offset` is taken off
     every norm weight (llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added).
     Blocks from `num_layers` on are skipped: the multi-token-prediction layers llama.cpp
-    writes after the model's (GLM-4.5's `nextn`)."""
+    writes after the model's (GLM-4.5's `nextn`). With "mxfp4" in `packed` (a model that
+    runs MXFP4 stacks as stored), MXFP4 tensors come as their `_blocks` and `_scales` parts
+    in OpenAI's layout (gguf_mxfp4.py) instead of dequantized."""
     tensors = _cached_tensor_index(path, index_dir)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for tensor in tensors:
@@ -153,6 +159,9 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
         data = data.reshape(tensor.data_shape)
         name = hf_tensor_name(tensor.name, names)
+        if "mxfp4" in packed and tensor.tensor_type == MXFP4:
+            yield from mxfp4_parts(name.replace(f".{EXPERT}", ""), data)
+            continue
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if EXPERT in name:
             # A stacked [experts, rows, cols] tensor: dequantized one expert at a time, so
@@ -245,7 +254,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
@@ -253,7 +262,8 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
         elif arch == DEEPSEEK2:  # (its rope and head sizes are its own: gguf_deepseek2.py)
             config = deepseek2_config(reader.fields, reader.tensors)
         else:
-            read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config}.get(
+            read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
+                    GPT_OSS: gpt_oss_config}.get(
                 arch, qwen_vl_text_config)
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)

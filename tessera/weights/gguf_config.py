@@ -9,6 +9,7 @@ tessera serves natively, filled in from the file as llama.cpp reads it:
 - Mixtral: llama.cpp writes it as arch "llama" with `expert_count`, which transformers turns
   into a dense LlamaConfig; it becomes a MixtralConfig;
 - Phi-3: its original context length and sliding window (0: none);
+- gpt-oss: YaRN untruncated, and MXFP4 experts marked as such (they stay packed);
 - Qwen3-MoE: the experts' width (`expert_feed_forward_length`) and renormalised top-k
   weights (llama.cpp always renormalises for qwen3moe; the file never says).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tessera.weights.gguf_mxfp4 import MXFP4
 from tessera.weights.gguf_rope import apply_gguf_rope, field_value as _field
 
 # how llama.cpp recognises the 27B models, whose query scale is hidden / heads
@@ -58,6 +60,16 @@ def _mixtral(config: Any, experts: int, used: int) -> Any:
                          sliding_window=None, architectures=["MixtralForCausalLM"])
 
 
+def _gpt_oss(config: Any, tensors: list) -> None:
+    """gpt-oss: YaRN without truncating its correction range, as the released configs say
+    (the file has no key for it); MXFP4 experts kept packed, as from OpenAI's checkpoints."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if params.get("rope_type") == "yarn":
+        config.rope_parameters = {**params, "truncate": False}
+    if any(t.name.endswith("_exps.weight") and int(t.tensor_type) == MXFP4 for t in tensors):
+        config.quantization_config = {"quant_method": "mxfp4"}
+
+
 def complete_gguf_config(config: Any, fields: dict, tensors: list) -> Any:
     """`config` (transformers' conversion of the file) completed from the file's `fields`
     and `tensors` (a gguf.GGUFReader's); may be a new config object (Mixtral)."""
@@ -79,6 +91,8 @@ def complete_gguf_config(config: Any, fields: dict, tensors: list) -> Any:
         if width is not None:
             config.moe_intermediate_size = int(width)
         config.norm_topk_prob = True  # transformers' conversion says so too, today
+    elif arch == "gpt-oss":
+        _gpt_oss(config, tensors)
     elif arch == "llama" and (_field(fields, "llama.expert_count") or 0) > 0:
         config = _mixtral(config, int(_field(fields, "llama.expert_count")),
                           int(_field(fields, "llama.expert_used_count")))

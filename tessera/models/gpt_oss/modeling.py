@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from tessera.models.llama.modeling import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, Rope
 from tessera.ops.activation import ClampedSwiGLU
-from tessera.ops.moe import SparseMoE, StackedExperts
+from tessera.ops.moe import GATE, HF_EXPERT_NAMES, UP, SparseMoE, StackedExperts, expert_weight_target
 from tessera.ops.moe_mxfp4 import Mxfp4Experts, mxfp4_experts_available
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
@@ -65,6 +65,8 @@ class GptOssExperts(StackedExperts):
     with gate and up interleaved, down_proj [E, I, H] (all x @ W)."""
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        if shard_id is not None:  # one expert's projection as nn.Linear holds it (a GGUF's)
+            return super()._load(param, tensor, shard_id)
         # transposed here, not by shape: gpt-oss's hidden and intermediate sizes are equal
         tensor = materialize(tensor)
         if tensor.dim() != 3:
@@ -74,14 +76,14 @@ class GptOssExperts(StackedExperts):
         super()._load(param, tensor.transpose(1, 2), shard_id)
 
     def _load_bias(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
-        super()._load_bias(param, _gate_then_up(materialize(tensor)), shard_id)
+        super()._load_bias(param, tensor if shard_id is not None else _gate_then_up(materialize(tensor)), shard_id)
 
 
 class Mxfp4GptOssExperts(Mxfp4Experts):
     """Mxfp4Experts fed from gpt-oss's files, whose w13 rows (and bias) interleave gate and up."""
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
-        if param is self.w13_blocks or param is self.w13_scales or param is self.w13_bias:
+        if shard_id is None and (param is self.w13_blocks or param is self.w13_scales or param is self.w13_bias):
             tensor = _gate_then_up(materialize(tensor), dim=1)  # rows: [E, 2I, ...]
         super()._load(param, tensor, shard_id)
 
@@ -127,6 +129,9 @@ _MLP_NAMES = {"router.weight": "gate.weight", "router.bias": "gate.bias",
               "experts.down_proj": "experts.w2_weight", "experts.down_proj_bias": "experts.w2_bias",
               **{f"experts.{proj}_{part}": f"experts.{stack}_{part}" for proj, stack in
                  (("gate_up_proj", "w13"), ("down_proj", "w2")) for part in ("blocks", "scales")}}
+# a GGUF's gate and up stacks apart (weights/gguf.py names them so): halves of w13
+_GGUF_HALVES = {f"experts.{half}_proj_{part}": (f"experts.w13_{part}", half)
+                for half in (GATE, UP) for part in ("blocks", "scales", "bias")}
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -138,8 +143,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.packed_checkpoint_methods = ("mxfp4",) if keeps_mxfp4_experts(config, target) else ()
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
-        """The router and stacked experts (whole tensors: shard None); None for the rest."""
+        """The router and stacked experts (whole tensors: shard None; a GGUF's gate and up
+        halves, or its experts one by one, as shards); None for the rest."""
         prefix, sep, rest = name.partition(".mlp.")
         if sep and rest in _MLP_NAMES:
             return f"{prefix}.mlp.{_MLP_NAMES[rest]}", None
-        return None
+        if sep and rest in _GGUF_HALVES:
+            target, half = _GGUF_HALVES[rest]
+            return f"{prefix}.mlp.{target}", half
+        return expert_weight_target(name, HF_EXPERT_NAMES)  # one expert's projection (a dequantized GGUF)
