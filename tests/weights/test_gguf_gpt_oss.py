@@ -135,3 +135,12 @@ def test_dense_experts_gguf_equals_transformers(tmp_path, tiny_tokenizer_dir):
              cache_dir=tmp_path / "cache") as llm:
         assert getattr(llm.engine.router.config, "quantization_config", None) is None
         check_greedy_alone_and_batched(llm, hf, (5, 23))
+
+
+def test_two_ranks_take_their_halves_of_the_packed_stacks(tmp_path, tiny_tokenizer_dir):
+    hf = make_mxfp4_checkpoint(tmp_path / "mxfp4", tiny_tokenizer_dir)
+    path = write_gpt_oss_gguf(tmp_path / "gpt-oss.gguf", tmp_path / "mxfp4", hf.config,
+                              Path(tiny_tokenizer_dir) / "tokenizer.json")
+    with LLM(path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False, cache_dir=tmp_path / "cache",
+             tensor_parallel_size=2) as llm:
+        check_greedy_alone_and_batched(llm, hf, (5, 23))
