@@ -54,6 +54,7 @@ class BaseRouter:
     gguf_permute_qk: ClassVar[bool] = False       # llama.cpp permuted Q/K rows on export
     # llama.cpp layer tensor names beyond the shared ones -> Hugging Face names (weights/gguf.py)
     gguf_names: ClassVar[dict[str, str]] = {}
+    gguf_global_names: ClassVar[dict[str, str]] = {}  # llama.cpp names outside the blocks (LFM2's)
     gguf_norm_offset: ClassVar[float] = 0.0      # llama.cpp stored norm weights plus this
     # What `tessera models` / `tessera inspect` report. A router claims a feature only once it
     # has it and a test for it; `features()` reads each router's own declarations, so a folder
@@ -220,7 +221,8 @@ class BaseRouter:
                 num_heads=cfg.num_attention_heads if permute else 0,
                 num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) if permute else 0,
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset,
-                num_layers=getattr(cfg, "num_hidden_layers", None), packed=kept)
+                num_layers=getattr(cfg, "num_hidden_layers", None), packed=kept,
+                global_names=self.gguf_global_names)
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization
         if quant is None:

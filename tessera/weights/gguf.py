@@ -30,6 +30,8 @@ from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
 from tessera.weights.gguf_glm4moe import glm4moe_config
 from tessera.weights.gguf_gpt_oss import ARCH as GPT_OSS
 from tessera.weights.gguf_gpt_oss import gpt_oss_config
+from tessera.weights.gguf_lfm2 import ARCH as LFM2
+from tessera.weights.gguf_lfm2 import lfm2_config
 from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
 from tessera.weights.gguf_mistral3 import mistral3_config
@@ -59,7 +61,8 @@ _GLOBAL_NAMES = {
 }
 # blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files; some
 # parts carry a .scale (Gemma 4's router)
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*)(?:\.(\d+))?\.(weight|bias|scale)$")
+# (parts may be dotted: LFM2's shortconv.conv)
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*)(?:\.(\d+))?\.(weight|bias|scale)$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 CONVERSION_VERSION = 9  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
@@ -67,12 +70,14 @@ EXPERT = "{e}"  # in a Hugging Face name: one tensor per expert (a stacked GGUF 
 LAZY_BYTES = 256 << 20  # 2-D tensors larger than this in float32 are read by rows (GGUFRows)
 
 
-def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None) -> str:
+def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None,
+                   global_names: Mapping[str, str] | None = None) -> str:
     """The Hugging Face name of a llama.cpp tensor. `names` (a router's `gguf_names`) adds or
     overrides layer parts (e.g. Gemma 2's four norms, MoE experts); a name holding EXPERT
     stands for one tensor per expert, filled in from an old per-expert GGUF name
     ("ffn_gate.{e}") or left for the caller to split a stacked one ("ffn_gate_exps"). A key
-    "part.kind" names the whole tensor (Gemma 4's "ffn_gate_inp.scale": "router.scale")."""
+    "part.kind" names the whole tensor (Gemma 4's "ffn_gate_inp.scale": "router.scale").
+    `global_names` (a router's `gguf_global_names`) adds tensors outside the blocks."""
     m = _LAYER_RE.match(gguf_name)
     if m:
         layer, part, expert, kind = m.groups()
@@ -85,9 +90,10 @@ def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None) -> st
         target = table[key] if expert is None else table[key].replace(EXPERT, expert)
         return f"model.layers.{layer}.{target}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
-    if stem not in _GLOBAL_NAMES:
+    table = {**_GLOBAL_NAMES, **(global_names or {})}
+    if stem not in table:
         raise KeyError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
-    return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    return f"{table[stem]}.{kind}"
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -139,7 +145,8 @@ def gguf_matrix_format(path: Path, index_dir: Path | None = None) -> str | None:
 def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,
                       index_dir: Path | None = None, names: Mapping[str, str] | None = None,
                       norm_offset: float = 0.0, num_layers: int | None = None,
-                      packed: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+                      packed: tuple[str, ...] = (), global_names: Mapping[str, str] | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; `index_dir` is the
     converted metadata folder holding the tensor index (without one, the file is parsed).
     `names`: the router's extra llama.cpp names (hf_tensor_name); `norm_offset` is taken off
@@ -158,7 +165,7 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             continue
         data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
         data = data.reshape(tensor.data_shape)
-        name = hf_tensor_name(tensor.name, names)
+        name = hf_tensor_name(tensor.name, names, global_names)
         if "mxfp4" in packed and tensor.tensor_type == MXFP4:
             yield from mxfp4_parts(name.replace(f".{EXPERT}", ""), data)
             continue
@@ -254,7 +261,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
@@ -263,7 +270,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
             config = deepseek2_config(reader.fields, reader.tensors)
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
-                    GPT_OSS: gpt_oss_config}.get(
+                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config}.get(
                 arch, qwen_vl_text_config)
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)

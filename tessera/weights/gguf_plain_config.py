@@ -30,11 +30,14 @@ def plain_decoder_config(config_cls: type, arch: str, fields: dict, tensors: lis
         return None if value is None else int(value)
 
     heads = int(key("attention.head_count"))
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, (list, tuple)):  # per layer, 0 where a layer has no attention (LFM2's)
+        kv_heads = max(kv_heads)
     values = dict(
         vocab_size=int(vocab), hidden_size=int(key("embedding_length")),
         intermediate_size=int(key("feed_forward_length")),
         num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        num_key_value_heads=int(kv_heads),
         max_position_embeddings=int(key("context_length", 2048)),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_parameters={"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))},

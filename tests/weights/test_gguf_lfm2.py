@@ -1,0 +1,86 @@
+"""LFM2 from llama.cpp's files (LiquidAI's LFM2 GGUFs): arch "lfm2" as its converter writes it:
+the per-layer KV head counts (0 for the convolution layers), the convolution's width, the
+feed-forward width after block_auto_adjust_ff_dim, the conv kernels squeezed to [C, K], the
+final norm as token_embd_norm. Read by tessera (transformers' conversion takes the per-layer
+head counts as one number); the same greedy tokens as transformers, F32 and Q8_0, tied and
+untied."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from tessera import LLM
+from tessera.models.lfm2.modeling import feed_forward_size
+from tests.models.parity import check_greedy_alone_and_batched
+from tests.models.test_lfm2 import make_tiny_lfm2
+from tests.weights.gguf_writer import add_tokenizer, round_trip, write_tensors
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ARCH = "lfm2"
+
+
+def _quantized(name: str, array: np.ndarray) -> bool:
+    """What the file stores in the quantized type (the conv kernels and norms stay F32)."""
+    return array.ndim == 2 and array.shape[-1] % 32 == 0 and "conv.conv" not in name
+
+
+def reference(hf, qtype: QT):
+    """transformers' model holding what the file stores."""
+    if qtype == QT.F32:
+        return hf
+    import copy
+
+    import torch
+
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if _quantized(name, p.detach().numpy()):
+                p.copy_(torch.from_numpy(round_trip(p.detach().float().numpy(), qtype)))
+    return ref
+
+
+def write_lfm2_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_name("tiny random lfm2")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([cfg.num_key_value_heads if kind != "conv" else 0 for kind in cfg.layer_types])
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_feed_forward_length(feed_forward_size(cfg))
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size)
+    table = gguf.TensorNameMap(gguf.MODEL_ARCH.LFM2, cfg.num_hidden_layers)
+    tensors = []
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if name.endswith("conv.conv.weight"):
+            array = array.squeeze(1)
+        gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        stored = qtype if _quantized(name, array) else QT.F32
+        tensors.append((gguf_name, np.ascontiguousarray(array), stored))
+    write_tensors(w, tensors)
+    return path
+
+
+@pytest.mark.parametrize("case, qtype", [("lfm2-biased-conv", QT.F32), ("lfm2-tied", QT.Q8_0)])
+def test_lfm2_gguf_equals_transformers(case, qtype, tmp_path, tiny_tokenizer_dir):
+    hf = make_tiny_lfm2(case, tmp_path / "hf", tiny_tokenizer_dir, seed=7)
+    path = write_lfm2_gguf(tmp_path / "lfm2.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
+    with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache") as llm:
+        config = llm.engine.router.config
+        assert config.model_type == "lfm2" and config.layer_types == hf.config.layer_types
+        assert feed_forward_size(config) == feed_forward_size(hf.config) and config.conv_bias == hf.config.conv_bias
+        check_greedy_alone_and_batched(llm, reference(hf, qtype), (5, 23))
