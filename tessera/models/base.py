@@ -216,13 +216,14 @@ class BaseRouter:
             cfg = self.config
             self._note_gguf_format()
             permute = self.gguf_permute_qk  # (the head counts matter only then; Gemma 4's vary by layer)
-            return iter_gguf_weights(
+            weights = iter_gguf_weights(
                 self.source.path, permute_qk=permute,
                 num_heads=cfg.num_attention_heads if permute else 0,
                 num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) if permute else 0,
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset,
                 num_layers=getattr(cfg, "num_hidden_layers", None), packed=kept,
                 global_names=self.gguf_global_names)
+            return ((name, self.gguf_tensor(name, tensor)) for name, tensor in weights)
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization
         if quant is None:
@@ -237,6 +238,11 @@ class BaseRouter:
         logger.info("%s checkpoint: quantized weights are dequantized as they load%s", quant.method,
                     "".join(f"; {note}" for note in quant.notes))
         return quant.dequantized(weights, names)
+
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A GGUF tensor (by its Hugging Face name) as the checkpoint holds it, where
+        llama.cpp's converter stored it otherwise than renaming and permuting (Qwen3.5's)."""
+        return tensor
 
     def _note_gguf_format(self) -> None:
         """A GGUF's matrices load dequantized to the model dtype; say which --quantization

@@ -32,6 +32,8 @@ from tessera.weights.gguf_gpt_oss import ARCH as GPT_OSS
 from tessera.weights.gguf_gpt_oss import gpt_oss_config
 from tessera.weights.gguf_lfm2 import ARCH as LFM2
 from tessera.weights.gguf_lfm2 import lfm2_config
+from tessera.weights.gguf_qwen35 import ARCH as QWEN35
+from tessera.weights.gguf_qwen35 import qwen35_config
 from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
 from tessera.weights.gguf_mistral3 import mistral3_config
@@ -61,8 +63,9 @@ _GLOBAL_NAMES = {
 }
 # blk.N.part.weight, or blk.N.part.E.weight: one expert's tensor in older MoE files; some
 # parts carry a .scale (Gemma 4's router)
-# (parts may be dotted: LFM2's shortconv.conv)
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*)(?:\.(\d+))?\.(weight|bias|scale)$")
+# (parts may be dotted: LFM2's shortconv.conv; a few tensors have no kind: Qwen3.5's ssm_a)
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z][a-z0-9_]*(?:\.(?!(?:weight|bias|scale)$)[a-z][a-z0-9_]*)*)"
+                       r"(?:\.(\d+))?(?:\.(weight|bias|scale))?$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 CONVERSION_VERSION = 9  # bump when the cached folder's contents change
 TENSOR_INDEX = "gguf-tensors.json"
@@ -88,7 +91,7 @@ def hf_tensor_name(gguf_name: str, names: Mapping[str, str] | None = None,
         if key not in table:
             raise KeyError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
         target = table[key] if expert is None else table[key].replace(EXPERT, expert)
-        return f"model.layers.{layer}.{target}.{kind}"
+        return f"model.layers.{layer}.{target}" + (f".{kind}" if kind else "")
     stem, _, kind = gguf_name.rpartition(".")
     table = {**_GLOBAL_NAMES, **(global_names or {})}
     if stem not in table:
@@ -261,7 +264,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, QWEN35, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
@@ -270,7 +273,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
             config = deepseek2_config(reader.fields, reader.tensors)
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
-                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config}.get(
+                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config, QWEN35: qwen35_config}.get(
                 arch, qwen_vl_text_config)
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)

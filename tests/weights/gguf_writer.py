@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -271,12 +272,7 @@ def model_tensors(model: torch.nn.Module, arch: str, per_expert: bool = False,
 
 def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_keys(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "gemma3":  # the global layers' rope; llama.cpp fixes the local ones at 10000
         rope = cfg.rope_parameters
@@ -368,6 +364,32 @@ def deepseek_expert_tensors(name: str, array: np.ndarray) -> list[tuple[str, np.
     if name.endswith(".mlp.gate.e_score_correction_bias"):
         return [(f"blk.{block}.exp_probs_b.bias", array)]
     return None
+
+
+def add_decoder_keys(w: gguf.GGUFWriter, cfg) -> None:
+    """The keys every decoder file starts with: context, widths, layers, heads."""
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
+def round_tripped(model: torch.nn.Module, qtype: QT, stored: Callable[[str, np.ndarray], bool]) -> torch.nn.Module:
+    """`model` holding what a `qtype` file stores: the parameters `stored(name, array)` says
+    the file quantizes, quantized and back (the others as they are)."""
+    if qtype == QT.F32:
+        return model
+    import copy
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            array = p.detach().float().numpy()
+            if stored(name, array):
+                p.copy_(torch.from_numpy(round_trip(array, qtype)))
+    return ref
 
 
 def write_tensors(w: gguf.GGUFWriter, tensors) -> None:

@@ -19,7 +19,7 @@ from tessera import LLM
 from tessera.weights.safetensors import iter_hf_weights
 from tests.models.parity import check_greedy_alone_and_batched, check_prefill_and_decode_logits
 from tests.models.test_gpt_oss import NUM_KV_BLOCKS, make_mxfp4_checkpoint, make_tiny_gpt_oss
-from tests.weights.gguf_writer import add_tokenizer, write_tensors
+from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "gpt-oss"
@@ -35,12 +35,7 @@ def llama_cpp_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
 
 
 def _metadata(w: gguf.GGUFWriter, cfg) -> None:
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_keys(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])

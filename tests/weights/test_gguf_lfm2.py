@@ -17,7 +17,7 @@ from tessera import LLM
 from tessera.models.lfm2.modeling import feed_forward_size
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_lfm2 import make_tiny_lfm2
-from tests.weights.gguf_writer import add_tokenizer, round_trip, write_tensors
+from tests.weights.gguf_writer import add_tokenizer, round_tripped, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "lfm2"
@@ -26,22 +26,6 @@ ARCH = "lfm2"
 def _quantized(name: str, array: np.ndarray) -> bool:
     """What the file stores in the quantized type (the conv kernels and norms stay F32)."""
     return array.ndim == 2 and array.shape[-1] % 32 == 0 and "conv.conv" not in name
-
-
-def reference(hf, qtype: QT):
-    """transformers' model holding what the file stores."""
-    if qtype == QT.F32:
-        return hf
-    import copy
-
-    import torch
-
-    ref = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if _quantized(name, p.detach().numpy()):
-                p.copy_(torch.from_numpy(round_trip(p.detach().float().numpy(), qtype)))
-    return ref
 
 
 def write_lfm2_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
@@ -83,4 +67,4 @@ def test_lfm2_gguf_equals_transformers(case, qtype, tmp_path, tiny_tokenizer_dir
         config = llm.engine.router.config
         assert config.model_type == "lfm2" and config.layer_types == hf.config.layer_types
         assert feed_forward_size(config) == feed_forward_size(hf.config) and config.conv_bias == hf.config.conv_bias
-        check_greedy_alone_and_batched(llm, reference(hf, qtype), (5, 23))
+        check_greedy_alone_and_batched(llm, round_tripped(hf, qtype, _quantized), (5, 23))

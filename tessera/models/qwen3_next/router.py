@@ -1,9 +1,12 @@
+import torch
+
 from tessera.models.base import BaseRouter
 from tessera.models.qwen2_vl.processing import QwenVLImagePrompts
 from tessera.models.qwen3_next.modeling import Qwen3NextForCausalLM
 from tessera.models.qwen3_next.moe import Qwen3NextMoeForCausalLM
 from tessera.models.qwen3_next.vision_language import Qwen3_5MoeVLForCausalLM, Qwen3_5VLForCausalLM
 from tessera.models.vision_language import VisionLanguageRouter
+from tessera.weights.gguf_qwen35 import qwen35_tensor
 
 
 class Qwen3_5Router(BaseRouter):
@@ -11,6 +14,15 @@ class Qwen3_5Router(BaseRouter):
     model_types = ("qwen3_5_text",)
     model_cls = Qwen3NextForCausalLM
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_gguf = True  # tests/weights/test_gguf_qwen35.py (arch qwen35: weights/gguf_qwen35.py)
+    gguf_names = {"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+                  "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a",
+                  "ssm_beta": "linear_attn.in_proj_b", "ssm_conv1d": "linear_attn.conv1d", "ssm_a": "linear_attn.A_log",
+                  "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm": "linear_attn.norm",
+                  "ssm_out": "linear_attn.out_proj"}
+
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return qwen35_tensor(self.config, name, tensor)
     supports_lora = True  # tests/lora/test_lora_models.py (linear and full attention, MLP)
 
 

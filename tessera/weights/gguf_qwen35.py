@@ -1,0 +1,83 @@
+"""Qwen3.5's dense language models from a GGUF (arch "qwen35", as llama.cpp's converter writes
+them), which transformers' GGUF conversion does not know: the config, and each tensor
+brought back from the form the converter stored it in.
+
+The converter changes the Gated DeltaNet layers' tensors for its kernels:
+- where a key head serves several value heads, the value heads go from grouped by key head
+  (k0: v0 v1, k1: v0 v1) to tiled (v0 of every key head, then v1 of every key head), in the
+  value rows of in_proj_qkv, in in_proj_z, in_proj_a / _b, A_log, dt_bias, the value
+  channels of conv1d, and the input columns of out_proj;
+- A_log is stored as -exp(A_log) (ssm_a), dt_bias as ssm_dt.bias, conv1d squeezed to [C, K];
+- every (1 + w) RMSNorm is stored with the 1 added, but the gated norm (ssm_norm), which is
+  a plain one.
+Layers are linear attention but every `full_attention_interval`-th, which attends; the
+multi-token-prediction blocks (`nextn_predict_layers`) counted into block_count are not served.
+Text only (Qwen3.5's images need its Hugging Face folder)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tessera.weights.gguf_plain_config import plain_decoder_config
+from tessera.weights.gguf_rope import field_value
+from tessera.weights.lazy import materialize
+
+ARCH = "qwen35"
+
+
+def qwen35_config(fields: dict, tensors: list) -> Any:
+    from transformers import Qwen3_5TextConfig
+
+    def key(name: str, default: Any = None) -> Any:
+        value = field_value(fields, f"{ARCH}.{name}")
+        if value is None and default is None:
+            raise ValueError(f"{ARCH} GGUF: the file lacks {ARCH}.{name}")
+        return default if value is None else value
+
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    interval = int(key("full_attention_interval", 4))
+    head_dim = int(key("attention.key_length"))
+    num_v, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
+    rotary = int(key("rope.dimension_count", head_dim // 4))
+    config = plain_decoder_config(
+        Qwen3_5TextConfig, ARCH, fields, tensors, architectures=["Qwen3_5ForCausalLM"], num_hidden_layers=layers,
+        head_dim=head_dim, layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                        for i in range(layers)],
+        linear_conv_kernel_dim=int(key("ssm.conv_kernel")), linear_key_head_dim=int(key("ssm.state_size")),
+        linear_num_key_heads=int(key("ssm.group_count")), linear_num_value_heads=num_v,
+        linear_value_head_dim=inner // num_v)
+    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotary / head_dim}
+    return config
+
+
+def _grouped(tensor: torch.Tensor, dim: int, num_k: int, per_k: int, head: int) -> torch.Tensor:
+    """Value heads tiled (per_k groups of num_k) along `dim` back to grouped by key head."""
+    shape = list(tensor.shape)
+    split = shape[:dim] + [per_k, num_k, head] + shape[dim + 1:]
+    return tensor.reshape(split).transpose(dim, dim + 1).reshape(shape)
+
+
+def qwen35_tensor(config: Any, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as the Hugging Face checkpoint holds it (module docstring), by its name."""
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return materialize(tensor) - 1.0
+    if ".linear_attn." not in name:
+        return tensor
+    tensor = materialize(tensor)
+    if name.endswith(".A_log"):
+        tensor = torch.log(-tensor)
+    num_k, num_v = config.linear_num_key_heads, config.linear_num_value_heads
+    if num_k == num_v:
+        return tensor
+    per_k, dk, dv = num_v // num_k, config.linear_key_head_dim, config.linear_value_head_dim
+    if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):
+        qk = 2 * num_k * dk  # the query and key rows (channels) stay
+        return torch.cat((tensor[:qk], _grouped(tensor[qk:], 0, num_k, per_k, dv)))
+    if name.endswith("in_proj_z.weight"):
+        return _grouped(tensor, 0, num_k, per_k, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", ".A_log", ".dt_bias")):
+        return _grouped(tensor, 0, num_k, per_k, 1)
+    if name.endswith("out_proj.weight"):
+        return _grouped(tensor, 1, num_k, per_k, dv)
+    return tensor
