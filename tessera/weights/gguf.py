@@ -32,7 +32,7 @@ from tessera.weights.gguf_gpt_oss import ARCH as GPT_OSS
 from tessera.weights.gguf_gpt_oss import gpt_oss_config
 from tessera.weights.gguf_lfm2 import ARCH as LFM2
 from tessera.weights.gguf_lfm2 import lfm2_config
-from tessera.weights.gguf_qwen35 import ARCH as QWEN35
+from tessera.weights.gguf_qwen35 import ARCHES as QWEN35_ARCHES
 from tessera.weights.gguf_qwen35 import qwen35_config
 from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
@@ -264,7 +264,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, QWEN35, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, *QWEN35_ARCHES, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
@@ -273,7 +273,8 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
             config = deepseek2_config(reader.fields, reader.tensors)
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
-                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config, QWEN35: qwen35_config}.get(
+                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config,
+                    **{arch: qwen35_config for arch in QWEN35_ARCHES}}.get(
                 arch, qwen_vl_text_config)
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -1,5 +1,5 @@
-"""Qwen3.5's dense language models from a GGUF (arch "qwen35", as llama.cpp's converter writes
-them), which transformers' GGUF conversion does not know: the config, and each tensor
+"""Qwen3.5's language models from a GGUF (arch "qwen35", or "qwen35moe" with experts, as
+llama.cpp's converter writes them), which transformers' GGUF conversion does not know: the config, and each tensor
 brought back from the form the converter stored it in.
 
 The converter changes the Gated DeltaNet layers' tensors for its kernels:
@@ -23,16 +23,18 @@ from tessera.weights.gguf_plain_config import plain_decoder_config
 from tessera.weights.gguf_rope import field_value
 from tessera.weights.lazy import materialize
 
-ARCH = "qwen35"
+ARCHES = ("qwen35", "qwen35moe")  # Qwen3.5's dense models, its mixtures of experts
 
 
 def qwen35_config(fields: dict, tensors: list) -> Any:
-    from transformers import Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    arch = field_value(fields, "general.architecture")
 
     def key(name: str, default: Any = None) -> Any:
-        value = field_value(fields, f"{ARCH}.{name}")
+        value = field_value(fields, f"{arch}.{name}")
         if value is None and default is None:
-            raise ValueError(f"{ARCH} GGUF: the file lacks {ARCH}.{name}")
+            raise ValueError(f"{arch} GGUF: the file lacks {arch}.{name}")
         return default if value is None else value
 
     layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
@@ -40,13 +42,20 @@ def qwen35_config(fields: dict, tensors: list) -> Any:
     head_dim = int(key("attention.key_length"))
     num_v, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
     rotary = int(key("rope.dimension_count", head_dim // 4))
+    experts = {}
+    if arch == "qwen35moe":  # (routed top-k weights always renormalised: the model does so)
+        experts = dict(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
+                       moe_intermediate_size=int(key("expert_feed_forward_length")),
+                       shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")))
+    moe = bool(experts)
     config = plain_decoder_config(
-        Qwen3_5TextConfig, ARCH, fields, tensors, architectures=["Qwen3_5ForCausalLM"], num_hidden_layers=layers,
+        Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig, arch, fields, tensors,
+        architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"], num_hidden_layers=layers,
         head_dim=head_dim, layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                         for i in range(layers)],
         linear_conv_kernel_dim=int(key("ssm.conv_kernel")), linear_key_head_dim=int(key("ssm.state_size")),
         linear_num_key_heads=int(key("ssm.group_count")), linear_num_value_heads=num_v,
-        linear_value_head_dim=inner // num_v)
+        linear_value_head_dim=inner // num_v, **experts)
     config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotary / head_dim}
     return config
 

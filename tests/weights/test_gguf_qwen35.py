@@ -55,12 +55,13 @@ def converted(cfg, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
 
 
 def _quantized(array: np.ndarray) -> bool:
-    return array.ndim == 2 and array.shape[-1] % 32 == 0
+    return array.ndim >= 2 and array.shape[-1] % 32 == 0
 
 
 def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), ARCH)
+    moe = cfg.model_type == "qwen3_5_moe_text"
+    w = gguf.GGUFWriter(str(path), "qwen35moe" if moe else ARCH)
     w.add_name("tiny random qwen3.5")
     add_decoder_keys(w, cfg)
     w.add_key_length(cfg.head_dim)
@@ -76,10 +77,22 @@ def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
     w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
     w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
     w.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)
+    if moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     add_tokenizer(w, tokenizer_json, cfg.vocab_size)
-    table = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35, cfg.num_hidden_layers)
+    table = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, cfg.num_hidden_layers)
     tensors = []
     for name, tensor in hf.state_dict().items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # stacked: [E, 2I, H], [E, H, I]
+            block, array = name.split(".")[2], tensor.detach().float().numpy()
+            parts = ({"gate": array[:, :cfg.moe_intermediate_size], "up": array[:, cfg.moe_intermediate_size:]}
+                     if name.endswith("gate_up_proj") else {"down": array})
+            tensors += [(f"blk.{block}.ffn_{proj}_exps.weight", np.ascontiguousarray(part),
+                         qtype if _quantized(part) else QT.F32) for proj, part in parts.items()]
+            continue
         name, t = converted(cfg, name, tensor)
         gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
@@ -89,16 +102,18 @@ def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
     return path
 
 
-@pytest.mark.parametrize("heads, qtype", [((2, 4), QT.F32), ((2, 4), QT.Q8_0), ((2, 2), QT.F32)],
-                         ids=["grouped-f32", "grouped-q8_0", "equal-f32"])
-def test_qwen35_gguf_equals_transformers(heads, qtype, tmp_path, tiny_tokenizer_dir):
+@pytest.mark.parametrize("kind, heads, qtype", [
+    ("qwen3_5_text", (2, 4), QT.F32), ("qwen3_5_text", (2, 4), QT.Q8_0), ("qwen3_5_text", (2, 2), QT.F32),
+    ("qwen3_5_moe_text", (2, 4), QT.F32), ("qwen3_5_moe_text", (2, 4), QT.Q8_0)],
+    ids=["grouped-f32", "grouped-q8_0", "equal-f32", "moe-f32", "moe-q8_0"])
+def test_qwen35_gguf_equals_transformers(kind, heads, qtype, tmp_path, tiny_tokenizer_dir):
     num_k, num_v = heads
-    hf = make_tiny_qwen3_next("qwen3_5_text", tmp_path / "hf", tiny_tokenizer_dir, seed=8,
+    hf = make_tiny_qwen3_next(kind, tmp_path / "hf", tiny_tokenizer_dir, seed=8,
                               linear_num_key_heads=num_k, linear_num_value_heads=num_v)
     path = write_qwen35_gguf(tmp_path / "qwen35.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
     with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache") as llm:
         config = llm.engine.router.config
-        assert config.model_type == "qwen3_5_text" and config.layer_types == hf.config.layer_types
+        assert config.model_type == kind and config.layer_types == hf.config.layer_types
         for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                     "linear_conv_kernel_dim", "head_dim"):
             assert getattr(config, key) == getattr(hf.config, key), key

@@ -9,17 +9,24 @@ from tessera.models.vision_language import VisionLanguageRouter
 from tessera.weights.gguf_qwen35 import qwen35_tensor
 
 
+# llama.cpp's Qwen3.5 names (its Gated DeltaNet layers' tensors, the experts')
+QWEN35_GGUF_NAMES = {
+    "post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a", "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    **{f"ffn_{proj}_shexp": f"mlp.shared_expert.{proj}_proj" for proj in ("gate", "up", "down")},
+    **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")}}
+
+
 class Qwen3_5Router(BaseRouter):
     """Qwen3.5's dense models (qwen3_5_text): Gated DeltaNet and gated attention layers."""
     model_types = ("qwen3_5_text",)
     model_cls = Qwen3NextForCausalLM
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_gguf = True  # tests/weights/test_gguf_qwen35.py (arch qwen35: weights/gguf_qwen35.py)
-    gguf_names = {"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
-                  "attn_gate": "linear_attn.in_proj_z", "ssm_alpha": "linear_attn.in_proj_a",
-                  "ssm_beta": "linear_attn.in_proj_b", "ssm_conv1d": "linear_attn.conv1d", "ssm_a": "linear_attn.A_log",
-                  "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm": "linear_attn.norm",
-                  "ssm_out": "linear_attn.out_proj"}
+    gguf_names = QWEN35_GGUF_NAMES
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return qwen35_tensor(self.config, name, tensor)
@@ -32,6 +39,12 @@ class Qwen3NextRouter(BaseRouter):
     model_cls = Qwen3NextMoeForCausalLM
     is_moe = True  # tests/models/test_qwen3_next.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    # Qwen3.5-MoE's (arch qwen35moe; Qwen3-Next's qwen3next is not read)
+    supports_gguf = True  # tests/weights/test_gguf_qwen35.py
+    gguf_names = QWEN35_GGUF_NAMES
+
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return qwen35_tensor(self.config, name, tensor)
     supports_lora = True  # tests/lora/test_lora_models.py (attention of both kinds; experts refused)
 
 
