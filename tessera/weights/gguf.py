@@ -24,6 +24,8 @@ import torch
 from tessera.weights.gguf_config import complete_gguf_config
 from tessera.weights.gguf_deepseek2 import ARCH as DEEPSEEK2
 from tessera.weights.gguf_deepseek2 import deepseek2_config
+from tessera.weights.gguf_ernie4_5 import ARCHES as ERNIE4_5_ARCHES
+from tessera.weights.gguf_ernie4_5 import ernie4_5_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
 from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
@@ -264,7 +266,8 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, *QWEN35_ARCHES, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, *QWEN35_ARCHES, *ERNIE4_5_ARCHES,
+                *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
@@ -274,7 +277,8 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
                     GPT_OSS: gpt_oss_config, LFM2: lfm2_config,
-                    **{arch: qwen35_config for arch in QWEN35_ARCHES}}.get(
+                    **{arch: qwen35_config for arch in QWEN35_ARCHES},
+                    **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES}}.get(
                 arch, qwen_vl_text_config)
             config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
