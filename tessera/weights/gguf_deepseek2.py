@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera.weights.gguf_plain_config import plain_decoder_config
+from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
 from tessera.weights.gguf_rope import field_value
 
 ARCH = "deepseek2"
@@ -51,11 +51,7 @@ def deepseek2_config(fields: dict, tensors: list) -> Any:
     """A DeepseekV3Config (sigmoid routing) or DeepseekV2Config (softmax) for the file."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
-    def key(name: str, default: Any = None) -> Any:
-        value = field_value(fields, f"{ARCH}.{name}")
-        if value is None and default is None:
-            raise ValueError(f"{ARCH} GGUF: the file lacks {ARCH}.{name}")
-        return default if value is None else value
+    key = required_keys(fields, ARCH)
 
     names = {t.name for t in tensors}
     rope = int(key("rope.dimension_count"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tessera.weights.gguf_plain_config import plain_decoder_config
+from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
 from tessera.weights.gguf_rope import field_value
 
 ARCHES = ("ernie4_5", "ernie4_5-moe")
@@ -20,11 +20,7 @@ def ernie4_5_config(fields: dict, tensors: list) -> Any:
 
     arch = field_value(fields, "general.architecture")
 
-    def key(name: str, default: Any = None) -> Any:
-        value = field_value(fields, f"{arch}.{name}")
-        if value is None and default is None:
-            raise ValueError(f"{arch} GGUF: the file lacks {arch}.{name}")
-        return default if value is None else value
+    key = required_keys(fields, arch)
 
     names = {t.name for t in tensors}
     extra: dict[str, Any] = {}

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera.weights.gguf_plain_config import plain_decoder_config
-from tessera.weights.gguf_rope import field_value
+from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
 
 ARCH = "glm4moe"
 
@@ -19,11 +18,7 @@ def glm4moe_config(fields: dict, tensors: list) -> Any:
     every file: gguf_config.complete_gguf_config)."""
     from transformers import Glm4MoeConfig
 
-    def key(name: str, default: Any = None) -> Any:
-        value = field_value(fields, f"{ARCH}.{name}")
-        if value is None and default is None:
-            raise ValueError(f"{ARCH} GGUF: the file lacks {ARCH}.{name}")
-        return default if value is None else value
+    key = required_keys(fields, ARCH)
 
     nextn = int(key("nextn_predict_layers", 0))
     layers = int(key("block_count")) - nextn

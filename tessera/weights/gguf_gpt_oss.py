@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera.weights.gguf_plain_config import plain_decoder_config
-from tessera.weights.gguf_rope import field_value
+from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
 
 ARCH = "gpt-oss"
 
@@ -17,11 +16,7 @@ ARCH = "gpt-oss"
 def gpt_oss_config(fields: dict, tensors: list) -> Any:
     from transformers import GptOssConfig
 
-    def key(name: str) -> Any:
-        value = field_value(fields, f"{ARCH}.{name}")
-        if value is None:
-            raise ValueError(f"{ARCH} GGUF: the file lacks {ARCH}.{name}")
-        return value
+    key = required_keys(fields, ARCH)
 
     layers = int(key("block_count"))
     return plain_decoder_config(

@@ -3,9 +3,21 @@ read from the keys every llama.cpp decoder file has (`{arch}.block_count`, `.emb
 ...), for the types built on them (gguf_smollm3.py, gguf_qwen_vl.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from tessera.weights.gguf_rope import field_value
+
+
+def required_keys(fields: dict, arch: str) -> Callable[..., Any]:
+    """`key(name, default=None)`: the file's `{arch}.{name}`, else `default`; a missing key
+    without a default is an error naming it."""
+    def key(name: str, default: Any = None) -> Any:
+        value = field_value(fields, f"{arch}.{name}")
+        if value is None and default is None:
+            raise ValueError(f"{arch} GGUF: the file lacks {arch}.{name}")
+        return default if value is None else value
+
+    return key
 
 
 def plain_decoder_config(config_cls: type, arch: str, fields: dict, tensors: list, **extra: Any) -> Any:

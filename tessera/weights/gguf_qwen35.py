@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tessera.weights.gguf_plain_config import plain_decoder_config
+from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
 from tessera.weights.gguf_rope import field_value
 from tessera.weights.lazy import materialize
 
@@ -31,11 +31,7 @@ def qwen35_config(fields: dict, tensors: list) -> Any:
 
     arch = field_value(fields, "general.architecture")
 
-    def key(name: str, default: Any = None) -> Any:
-        value = field_value(fields, f"{arch}.{name}")
-        if value is None and default is None:
-            raise ValueError(f"{arch} GGUF: the file lacks {arch}.{name}")
-        return default if value is None else value
+    key = required_keys(fields, arch)
 
     layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
     interval = int(key("full_attention_interval", 4))
