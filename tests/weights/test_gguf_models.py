@@ -107,6 +107,26 @@ def smollm3():
     return SmolLM3ForCausalLM(cfg)
 
 
+def granite(**extra):
+    """Granite's four multipliers far from 1 (a missed one moves every logit), biases."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return GraniteForCausalLM(GraniteConfig(**COMMON, intermediate_size=64, embedding_multiplier=12.0,
+                                            attention_multiplier=0.02, residual_multiplier=0.22, logits_scaling=8.0,
+                                            **extra))
+
+
+def _granite_keys(cfg):
+    """llama.cpp's names for Granite's multipliers (its converter renames them)."""
+    def add(w):
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+    return add
+
+
+GRANITE_CONFIG = granite().config
 CASES = {
     "gemma2": (gemma2, "gemma2", {}),
     "smollm3": (smollm3, "smollm3", {}),
@@ -123,6 +143,9 @@ CASES = {
     "minimax-m2": (minimax_m2, "minimax-m2", {"extra_metadata": lambda w: w.add_rope_dimension_count(8)}),
     "minimax-m2-q8_0": (minimax_m2, "minimax-m2", {"qtype": QT.Q8_0,
                                                    "extra_metadata": lambda w: w.add_rope_dimension_count(8)}),
+    "granite": (granite, "granite", {"extra_metadata": _granite_keys(GRANITE_CONFIG)}),
+    "granite-tied-bias-q8_0": (lambda: granite(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+                               "granite", {"qtype": QT.Q8_0, "extra_metadata": _granite_keys(GRANITE_CONFIG)}),
 }
 
 

@@ -7,4 +7,6 @@ class GraniteRouter(BaseRouter):
     model_types = ("granite",)
     model_cls = GraniteForCausalLM
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_gguf = True  # tests/weights/test_gguf_models.py (arch granite: weights/gguf_granite.py)
+    gguf_permute_qk = True  # (llama.cpp converts Granite as Llama)
     supports_lora = True  # tests/lora/test_lora_models.py
