@@ -39,6 +39,8 @@ from tessera.weights.gguf_lfm2 import lfm2_config
 from tessera.weights.gguf_qwen35 import ARCHES as QWEN35_ARCHES
 from tessera.weights.gguf_qwen35 import qwen35_config
 from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
+from tessera.weights.gguf_olmo2 import ARCH as OLMO2
+from tessera.weights.gguf_olmo2 import olmo2_config
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
 from tessera.weights.gguf_mistral3 import mistral3_config
 from tessera.weights.gguf_pretokenizers import apply_gguf_pretokenizer
@@ -268,7 +270,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, GRANITE, *QWEN35_ARCHES,
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, GRANITE, OLMO2, *QWEN35_ARCHES,
                 *ERNIE4_5_ARCHES, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
@@ -278,7 +280,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
             config = deepseek2_config(reader.fields, reader.tensors)
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
-                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config, GRANITE: granite_config,
+                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config, GRANITE: granite_config, OLMO2: olmo2_config,
                     **{arch: qwen35_config for arch in QWEN35_ARCHES},
                     **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES}}.get(
                 arch, qwen_vl_text_config)

@@ -126,6 +126,12 @@ def _granite_keys(cfg):
     return add
 
 
+def olmo2(**extra):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM(Olmo2Config(**{**COMMON, **extra}, intermediate_size=64))
+
+
 GRANITE_CONFIG = granite().config
 CASES = {
     "gemma2": (gemma2, "gemma2", {}),
@@ -144,6 +150,9 @@ CASES = {
     "minimax-m2-q8_0": (minimax_m2, "minimax-m2", {"qtype": QT.Q8_0,
                                                    "extra_metadata": lambda w: w.add_rope_dimension_count(8)}),
     "granite": (granite, "granite", {"extra_metadata": _granite_keys(GRANITE_CONFIG)}),
+    "olmo2": (olmo2, "olmo2", {}),
+    "olmo2-mha-tied-q8_0": (lambda: olmo2(num_key_value_heads=4, tie_word_embeddings=True), "olmo2",
+                            {"qtype": QT.Q8_0}),
     "granite-tied-bias-q8_0": (lambda: granite(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
                                "granite", {"qtype": QT.Q8_0, "extra_metadata": _granite_keys(GRANITE_CONFIG)}),
 }
@@ -276,3 +285,10 @@ def test_stacked_experts_are_dequantized_one_expert_at_a_time(tokenizer_json, tm
     for e in range(cfg.num_experts):
         got = weights[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
         torch.testing.assert_close(got, want.down_proj[e].detach(), rtol=0, atol=0)
+
+
+def test_olmo3_gguf_is_refused_by_name(tokenizer_json, tmp_path):
+    path = write_model_gguf(tmp_path / "olmo3.gguf", randomised(olmo2(), seed=1), tokenizer_json, "olmo2",
+                            extra_metadata=lambda w: w.add_sliding_window(8))
+    with pytest.raises(ValueError, match="OLMo 3 GGUF"):
+        LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
