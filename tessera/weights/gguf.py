@@ -21,6 +21,8 @@ from typing import Iterator, Mapping
 import numpy as np
 import torch
 
+from tessera.weights.gguf_cohere2 import ARCH as COHERE2
+from tessera.weights.gguf_cohere2 import cohere2_config
 from tessera.weights.gguf_config import complete_gguf_config
 from tessera.weights.gguf_deepseek2 import ARCH as DEEPSEEK2
 from tessera.weights.gguf_deepseek2 import deepseek2_config
@@ -270,8 +272,8 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, GRANITE, OLMO2, *QWEN35_ARCHES,
-                *ERNIE4_5_ARCHES, *QWEN_VL_ARCHES):
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, GRANITE, OLMO2, COHERE2,
+                *QWEN35_ARCHES, *ERNIE4_5_ARCHES, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
         if arch == GEMMA4:
@@ -281,6 +283,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
                     GPT_OSS: gpt_oss_config, LFM2: lfm2_config, GRANITE: granite_config, OLMO2: olmo2_config,
+                    COHERE2: cohere2_config,
                     **{arch: qwen35_config for arch in QWEN35_ARCHES},
                     **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES}}.get(
                 arch, qwen_vl_text_config)

@@ -292,3 +292,33 @@ def test_olmo3_gguf_is_refused_by_name(tokenizer_json, tmp_path):
                             extra_metadata=lambda w: w.add_sliding_window(8))
     with pytest.raises(ValueError, match="OLMo 3 GGUF"):
         LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0])
+def test_cohere2_gguf(qtype, tokenizer_json, tmp_path):
+    """Command R7B's layout from llama.cpp's file: every fourth layer global (no key says so),
+    the sliding window and logit scale from their keys, the LayerNorm's epsilon."""
+    import gguf
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, model_tensors, write_tensors
+
+    cfg = Cohere2Config(**{**COMMON, "num_hidden_layers": 8}, intermediate_size=64, sliding_window=8,
+                        logit_scale=0.25, layer_norm_eps=1e-4, tie_word_embeddings=True)
+    hf = randomised(Cohere2ForCausalLM(cfg), seed=4)
+    w = gguf.GGUFWriter(str(tmp_path / "cohere2.gguf"), "cohere2")
+    add_decoder_keys(w, cfg)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_logit_scale(cfg.logit_scale)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size)
+    write_tensors(w, ((name, array, qtype if array.ndim >= 2 else QT.F32)
+                      for name, array in model_tensors(hf, "cohere2").items()))
+    llm = LLM(tmp_path / "cohere2.gguf", dtype="float32", num_kv_blocks=32, show_progress=False,
+              cache_dir=tmp_path / "cache")
+    config = llm.engine.router.config
+    assert config.layer_types == hf.config.layer_types and config.layer_norm_eps == pytest.approx(1e-4)
+    check_greedy_and_logprobs(llm, dequantized(hf, qtype), prompts(), NEW_TOKENS)

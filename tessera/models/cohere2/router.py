@@ -8,4 +8,5 @@ class Cohere2Router(BaseRouter):
     model_cls = Cohere2ForCausalLM
     supports_sliding_window = True  # tests/models/test_family_parity.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
+    supports_gguf = True  # tests/weights/test_gguf_models.py (arch cohere2: weights/gguf_cohere2.py)
     supports_lora = True  # tests/lora/test_lora_models.py
