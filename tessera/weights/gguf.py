@@ -30,6 +30,8 @@ from tessera.weights.gguf_ernie4_5 import ARCHES as ERNIE4_5_ARCHES
 from tessera.weights.gguf_ernie4_5 import ernie4_5_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
+from tessera.weights.gguf_glm4 import ARCH as GLM4
+from tessera.weights.gguf_glm4 import glm4_config
 from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
 from tessera.weights.gguf_glm4moe import glm4moe_config
 from tessera.weights.gguf_gpt_oss import ARCH as GPT_OSS
@@ -272,7 +274,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, GRANITE, OLMO2, COHERE2,
+    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, GRANITE, OLMO2, COHERE2,
                 *QWEN35_ARCHES, *ERNIE4_5_ARCHES, *QWEN_VL_ARCHES):
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
@@ -283,7 +285,7 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
         else:
             read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
                     GPT_OSS: gpt_oss_config, LFM2: lfm2_config, GRANITE: granite_config, OLMO2: olmo2_config,
-                    COHERE2: cohere2_config,
+                    COHERE2: cohere2_config, GLM4: glm4_config,
                     **{arch: qwen35_config for arch in QWEN35_ARCHES},
                     **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES}}.get(
                 arch, qwen_vl_text_config)

@@ -215,6 +215,9 @@ def _layer_parts(arch: str) -> dict[str, str]:
                   "post_feedforward_layernorm": "post_ffw_norm"}
     if arch in ("qwen3", "qwen3moe", "qwen3vl", "qwen3vlmoe", "gemma3", "minimax-m2"):
         parts |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    if arch == "glm4":  # GLM-4's four norms; gate and up fused as ffn_up
+        parts |= {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
+                  "mlp.gate_up_proj": "ffn_up"}
     if arch == "olmo2":  # norms after attention and MLP only; whole-projection q / k norms
         parts |= {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm",
                   "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}

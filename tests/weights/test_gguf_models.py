@@ -132,6 +132,12 @@ def olmo2(**extra):
     return Olmo2ForCausalLM(Olmo2Config(**{**COMMON, **extra}, intermediate_size=64))
 
 
+def glm4(**extra):
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    return Glm4ForCausalLM(Glm4Config(**{**COMMON, **extra}, intermediate_size=64, head_dim=16))
+
+
 GRANITE_CONFIG = granite().config
 CASES = {
     "gemma2": (gemma2, "gemma2", {}),
@@ -151,6 +157,11 @@ CASES = {
                                                    "extra_metadata": lambda w: w.add_rope_dimension_count(8)}),
     "granite": (granite, "granite", {"extra_metadata": _granite_keys(GRANITE_CONFIG)}),
     "olmo2": (olmo2, "olmo2", {}),
+    # llama.cpp writes the rotary width (half of each head by default) as rope.dimension_count
+    "glm4-bias": (glm4, "glm4", {"extra_metadata": lambda w: w.add_rope_dimension_count(8)}),
+    "glm4-quarter-tied-q8_0": (lambda: glm4(partial_rotary_factor=0.25, tie_word_embeddings=True,
+                                            attention_bias=False), "glm4",
+                               {"qtype": QT.Q8_0, "extra_metadata": lambda w: w.add_rope_dimension_count(4)}),
     "olmo2-mha-tied-q8_0": (lambda: olmo2(num_key_value_heads=4, tie_word_embeddings=True), "olmo2",
                             {"qtype": QT.Q8_0}),
     "granite-tied-bias-q8_0": (lambda: granite(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
