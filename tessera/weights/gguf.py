@@ -16,7 +16,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -35,19 +35,19 @@ from tessera.weights.gguf_glm4 import glm4_config
 from tessera.weights.gguf_glm4moe import ARCH as GLM4MOE
 from tessera.weights.gguf_glm4moe import glm4moe_config
 from tessera.weights.gguf_gpt_oss import ARCH as GPT_OSS
+from tessera.weights.gguf_gpt_oss import gpt_oss_config
 from tessera.weights.gguf_granite import ARCH as GRANITE
 from tessera.weights.gguf_granite import granite_config
-from tessera.weights.gguf_gpt_oss import gpt_oss_config
 from tessera.weights.gguf_lfm2 import ARCH as LFM2
 from tessera.weights.gguf_lfm2 import lfm2_config
-from tessera.weights.gguf_qwen35 import ARCHES as QWEN35_ARCHES
-from tessera.weights.gguf_qwen35 import qwen35_config
+from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
+from tessera.weights.gguf_mistral3 import mistral3_config
 from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
 from tessera.weights.gguf_olmo2 import ARCH as OLMO2
 from tessera.weights.gguf_olmo2 import olmo2_config
-from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
-from tessera.weights.gguf_mistral3 import mistral3_config
 from tessera.weights.gguf_pretokenizers import apply_gguf_pretokenizer
+from tessera.weights.gguf_qwen35 import ARCHES as QWEN35_ARCHES
+from tessera.weights.gguf_qwen35 import qwen35_config
 from tessera.weights.gguf_qwen_vl import ARCHES as QWEN_VL_ARCHES
 from tessera.weights.gguf_qwen_vl import qwen_vl_text_config
 from tessera.weights.gguf_rope import ROPE_TENSORS, field_value
@@ -179,7 +179,7 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         data = mapped[tensor.offset:tensor.offset + tensor.n_bytes].view(np.dtype(tensor.data_dtype))
         data = data.reshape(tensor.data_shape)
         name = hf_tensor_name(tensor.name, names, global_names)
-        if "mxfp4" in packed and tensor.tensor_type == MXFP4:
+        if "mxfp4" in packed and tensor.tensor_type == MXFP4 and EXPERT in name:  # (stacks only)
             yield from mxfp4_parts(name.replace(f".{EXPERT}", ""), data)
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))
@@ -245,6 +245,16 @@ def _dequantized(tensor: GGUFTensor, data: np.ndarray, shape: tuple[int, ...]) -
     return np.array(array.reshape(shape), dtype=np.float32, copy=not array.flags.writeable)
 
 
+# tessera's own config readers, by GGUF architecture: completed after like transformers'
+# conversions (gguf_config.py), or complete as they are (their rope and head sizes are theirs)
+OWN_READERS: dict[str, Callable[[dict, list], Any]] = {
+    SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4: glm4_config, GLM4MOE: glm4moe_config,
+    GPT_OSS: gpt_oss_config, LFM2: lfm2_config, GRANITE: granite_config, OLMO2: olmo2_config, COHERE2: cohere2_config,
+    **{arch: qwen35_config for arch in QWEN35_ARCHES}, **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES},
+    **{arch: qwen_vl_text_config for arch in QWEN_VL_ARCHES}}
+COMPLETE_READERS: dict[str, Callable[[dict, list], Any]] = {GEMMA4: gemma4_config, DEEPSEEK2: deepseek2_config}
+
+
 def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
     """A folder with config.json and tokenizer files converted from the GGUF by transformers.
 
@@ -274,22 +284,14 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                          "load; merge them first: llama-gguf-split --merge FIRST-PART OUT.gguf")
     index = tensor_index(reader)
     arch = field_value(reader.fields, "general.architecture")
-    if arch in (GEMMA4, SMOLLM3, MISTRAL3, GLM4, GLM4MOE, DEEPSEEK2, GPT_OSS, LFM2, GRANITE, OLMO2, COHERE2,
-                *QWEN35_ARCHES, *ERNIE4_5_ARCHES, *QWEN_VL_ARCHES):
+    if arch in COMPLETE_READERS or arch in OWN_READERS:
         # architectures transformers' conversion refuses (Gemma 4's per-layer KV heads and
         # widths) or does not know; their tokenizers then load without a config
-        if arch == GEMMA4:
-            config = gemma4_config(reader.fields, reader.tensors)
-        elif arch == DEEPSEEK2:  # (its rope and head sizes are its own: gguf_deepseek2.py)
-            config = deepseek2_config(reader.fields, reader.tensors)
+        if arch in COMPLETE_READERS:
+            config = COMPLETE_READERS[arch](reader.fields, reader.tensors)
         else:
-            read = {SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4MOE: glm4moe_config,
-                    GPT_OSS: gpt_oss_config, LFM2: lfm2_config, GRANITE: granite_config, OLMO2: olmo2_config,
-                    COHERE2: cohere2_config, GLM4: glm4_config,
-                    **{arch: qwen35_config for arch in QWEN35_ARCHES},
-                    **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES}}.get(
-                arch, qwen_vl_text_config)
-            config = complete_gguf_config(read(reader.fields, reader.tensors), reader.fields, reader.tensors)
+            config = complete_gguf_config(OWN_READERS[arch](reader.fields, reader.tensors), reader.fields,
+                                          reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)

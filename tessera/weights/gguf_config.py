@@ -66,7 +66,8 @@ def _gpt_oss(config: Any, tensors: list) -> None:
     params = dict(getattr(config, "rope_parameters", None) or {})
     if params.get("rope_type") == "yarn":
         config.rope_parameters = {**params, "truncate": False}
-    if any(t.name.endswith("_exps.weight") and int(t.tensor_type) == MXFP4 for t in tensors):
+    experts = [t for t in tensors if t.name.endswith("_exps.weight")]
+    if experts and all(int(t.tensor_type) == MXFP4 for t in experts):  # (mixed types: all dequantized)
         config.quantization_config = {"quant_method": "mxfp4"}
 
 

@@ -12,7 +12,7 @@ from tessera.weights.gguf_plain_config import plain_decoder_config, required_key
 from tessera.weights.gguf_rope import field_value
 
 ARCHES = ("ernie4_5", "ernie4_5-moe")
-_EXPERT_BLOCK = re.compile(r"^blk\.(\d+)\.ffn_gate_exps\.weight$")
+_EXPERT_BLOCK = re.compile(r"^blk\.(\d+)\.ffn_gate(?:_up)?_exps\.weight$")  # (fused or not)
 
 
 def ernie4_5_config(fields: dict, tensors: list) -> Any:
@@ -27,7 +27,7 @@ def ernie4_5_config(fields: dict, tensors: list) -> Any:
     if arch == "ernie4_5-moe":
         blocks = sorted(int(m.group(1)) for n in names if (m := _EXPERT_BLOCK.match(n)))
         if not blocks:
-            raise ValueError(f"{arch} GGUF: the file has no experts (blk.N.ffn_gate_exps.weight)")
+            raise ValueError(f"{arch} GGUF: the file has no experts (blk.N.ffn_gate_exps.weight or ffn_gate_up_exps)")
         extra = dict(moe_num_experts=int(key("expert_count")), moe_k=int(key("expert_used_count")),
                      moe_intermediate_size=int(key("expert_feed_forward_length")),
                      moe_num_shared_experts=int(key("expert_shared_count", 0)),

@@ -17,6 +17,9 @@ def gpt_oss_config(fields: dict, tensors: list) -> Any:
     from transformers import GptOssConfig
 
     key = required_keys(fields, ARCH)
+    if any("ffn_gate_up_exps" in t.name for t in tensors):
+        raise ValueError("a gpt-oss GGUF with its experts' gate and up fused (convert_hf_to_gguf.py "
+                         "--fuse-gate-up-exps) is not read yet; convert it without that option")
 
     layers = int(key("block_count"))
     return plain_decoder_config(

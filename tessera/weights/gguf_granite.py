@@ -15,7 +15,10 @@ def granite_config(fields: dict, tensors: list) -> Any:
     from transformers import GraniteConfig
 
     key = required_keys(fields, ARCH)
+    # the converter writes a multiplier only when it is set; llama.cpp's defaults stand for the others
+    head_dim = int(key("embedding_length")) // int(key("attention.head_count"))
     return plain_decoder_config(
         GraniteConfig, ARCH, fields, tensors, architectures=["GraniteForCausalLM"],
-        attention_multiplier=float(key("attention.scale")), embedding_multiplier=float(key("embedding_scale")),
-        residual_multiplier=float(key("residual_scale")), logits_scaling=float(key("logit_scale")))
+        attention_multiplier=float(key("attention.scale", head_dim ** -0.5)),
+        embedding_multiplier=float(key("embedding_scale", 1.0)), residual_multiplier=float(key("residual_scale", 1.0)),
+        logits_scaling=float(key("logit_scale")))

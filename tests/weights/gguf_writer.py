@@ -398,6 +398,20 @@ def round_tripped(model: torch.nn.Module, qtype: QT, stored: Callable[[str, np.n
     return ref
 
 
+def fused_gate_up(tensors: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray]]:
+    """The experts' gate and up stacks as one, gate rows first (--fuse-gate-up-exps)."""
+    by_name = dict(tensors)
+    out = []
+    for name, array in tensors:
+        if name.endswith("ffn_up_exps.weight"):
+            continue
+        if name.endswith("ffn_gate_exps.weight"):
+            up = by_name[name.replace("ffn_gate_exps", "ffn_up_exps")]
+            name, array = name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate((array, up), axis=1)
+        out.append((name, array))
+    return out
+
+
 def write_tensors(w: gguf.GGUFWriter, tensors) -> None:
     """Add (llama.cpp name, float32 array, storage type) tensors, then write and close the file."""
     for name, array, stored in tensors:

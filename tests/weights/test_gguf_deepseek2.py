@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_deepseek import CASES, make_tiny_deepseek
-from tests.weights.gguf_writer import add_tokenizer, deepseek_expert_tensors, write_tensors
+from tests.weights.gguf_writer import add_tokenizer, deepseek_expert_tensors, fused_gate_up, write_tensors
 from tests.weights.test_gguf_models import dequantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,23 +97,27 @@ def _tensors(hf, split_kv_b: bool) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def write_deepseek2_gguf(path: Path, hf, tokenizer_json: Path, split_kv_b: bool, qtype: QT = QT.F32) -> Path:
+def write_deepseek2_gguf(path: Path, hf, tokenizer_json: Path, split_kv_b: bool, qtype: QT = QT.F32,
+                         fuse_gate_up: bool = False) -> Path:
     w = gguf.GGUFWriter(str(path), ARCH)
     w.add_name("tiny random deepseek")
     _metadata(w, hf.config, split_kv_b)
     add_tokenizer(w, tokenizer_json, hf.config.vocab_size)
+    tensors = _tensors(hf, split_kv_b)
     write_tensors(w, ((name, array, qtype if array.ndim >= 2 and "ffn_gate_inp" not in name else QT.F32)
-                      for name, array in _tensors(hf, split_kv_b)))
+                      for name, array in (fused_gate_up(tensors) if fuse_gate_up else tensors)))
     return path
 
 
-@pytest.mark.parametrize("case, split_kv_b, qtype", [
-    ("v3-yarn-qlora", True, QT.F32), ("glm4-moe-lite", True, QT.F32), ("v2-group-limited", False, QT.F32),
-    ("v2-lite-greedy", False, QT.Q8_0), ("v2-lite-greedy", True, QT.F32)])
-def test_deepseek2_gguf_equals_transformers(tmp_path, tiny_tokenizer_dir, case, split_kv_b, qtype):
+@pytest.mark.parametrize("case, split_kv_b, qtype, fuse_gate_up", [
+    ("v3-yarn-qlora", True, QT.F32, False), ("glm4-moe-lite", True, QT.F32, False),
+    ("v2-group-limited", False, QT.F32, False), ("v2-lite-greedy", False, QT.Q8_0, False),
+    ("v2-lite-greedy", True, QT.F32, False), ("v3-yarn-qlora", True, QT.F32, True)])
+def test_deepseek2_gguf_equals_transformers(tmp_path, tiny_tokenizer_dir, case, split_kv_b, qtype, fuse_gate_up):
     kind, overrides = CASES[case]
     hf = make_tiny_deepseek(tmp_path / "hf", tiny_tokenizer_dir, kind, seed=6, **overrides)
-    path = write_deepseek2_gguf(tmp_path / "ds.gguf", hf, tmp_path / "hf" / "tokenizer.json", split_kv_b, qtype)
+    path = write_deepseek2_gguf(tmp_path / "ds.gguf", hf, tmp_path / "hf" / "tokenizer.json", split_kv_b, qtype,
+                                fuse_gate_up)
     reference = dequantized(hf, qtype)
     with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache") as llm:
         config = llm.engine.router.config

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_ernie4_5 import CASES, make_tiny_ernie
-from tests.weights.gguf_writer import (add_decoder_keys, add_tokenizer, deepseek_expert_tensors, round_tripped,
-                                       write_tensors)
+from tests.weights.gguf_writer import (add_decoder_keys, add_tokenizer, deepseek_expert_tensors, fused_gate_up,
+                                       round_tripped, write_tensors)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,7 +25,7 @@ def _quantized(name: str, array: np.ndarray) -> bool:
     return array.ndim >= 2 and array.shape[-1] % 32 == 0 and "gate.weight" not in name and "ffn_gate_inp" not in name
 
 
-def write_ernie_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
+def write_ernie_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT, fuse_gate_up: bool = False) -> Path:
     cfg = hf.config
     moe = cfg.model_type == "ernie4_5_moe"
     arch = gguf.MODEL_ARCH.ERNIE4_5_MOE if moe else gguf.MODEL_ARCH.ERNIE4_5
@@ -52,24 +52,26 @@ def write_ernie_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
             continue
         array = tensor.detach().float().numpy()
         if name.endswith(".mlp.gate.moe_statics.e_score_correction_bias"):
-            tensors.append((f"blk.{name.split('.')[2]}.exp_probs_b.bias", array, QT.F32))
+            tensors.append((f"blk.{name.split('.')[2]}.exp_probs_b.bias", array))
             continue
         experts = deepseek_expert_tensors(name, array)
         if experts is None:
             gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
             assert gguf_name is not None, name
             experts = [(gguf_name, array)]
-        tensors += [(n, np.ascontiguousarray(a), qtype if _quantized(n, a) else QT.F32) for n, a in experts]
-    write_tensors(w, tensors)
+        tensors += [(n, np.ascontiguousarray(a)) for n, a in experts]
+    if fuse_gate_up:
+        tensors = fused_gate_up(tensors)
+    write_tensors(w, ((n, a, qtype if _quantized(n, a) else QT.F32) for n, a in tensors))
     return path
 
 
-@pytest.mark.parametrize("case, qtype", [("dense-bias", QT.F32), ("dense-bias", QT.Q8_0), ("moe", QT.F32),
-                                         ("moe", QT.Q8_0)])
-def test_ernie_gguf_equals_transformers(case, qtype, tmp_path, tiny_tokenizer_dir):
+@pytest.mark.parametrize("case, qtype, fuse", [("dense-bias", QT.F32, False), ("dense-bias", QT.Q8_0, False),
+                                               ("moe", QT.F32, False), ("moe", QT.Q8_0, False), ("moe", QT.F32, True)])
+def test_ernie_gguf_equals_transformers(case, qtype, fuse, tmp_path, tiny_tokenizer_dir):
     kind, overrides = CASES[case]
     hf = make_tiny_ernie(tmp_path / "hf", tiny_tokenizer_dir, kind, seed=9, **overrides)
-    path = write_ernie_gguf(tmp_path / "ernie.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
+    path = write_ernie_gguf(tmp_path / "ernie.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype, fuse)
     with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache") as llm:
         config = llm.engine.router.config
         assert config.model_type == kind and config.use_bias == hf.config.use_bias

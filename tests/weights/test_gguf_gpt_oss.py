@@ -139,3 +139,44 @@ def test_two_ranks_take_their_halves_of_the_packed_stacks(tmp_path, tiny_tokeniz
     with LLM(path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False, cache_dir=tmp_path / "cache",
              tensor_parallel_size=2) as llm:
         check_greedy_alone_and_batched(llm, hf, (5, 23))
+
+
+def test_mixed_expert_types_load_dequantized_and_fused_stacks_are_refused(tmp_path, tiny_tokenizer_dir):
+    """An expert stack stored in another type than MXFP4 (llama.cpp's --tensor-type) makes the
+    whole model's experts load dequantized; gate and up fused (--fuse-gate-up-exps) are refused
+    by name rather than de-interleaved wrongly."""
+    from tessera.ops.moe_mxfp4 import Mxfp4Experts
+
+    hf = make_mxfp4_checkpoint(tmp_path / "mxfp4", tiny_tokenizer_dir)
+    tensors = _tensors(tmp_path / "mxfp4", hf.config)
+    down = next(i for i, (name, _, _) in enumerate(tensors) if name == "blk.0.ffn_down_exps.weight")
+    experts = hf.model.layers[0].mlp.experts.down_proj.detach()  # [E, I, H] (x @ W): the file's rows are W.T
+    tensors[down] = ("blk.0.ffn_down_exps.weight", experts.transpose(1, 2).float().numpy().copy(), QT.F32)
+    for name, mutate in (("mixed", lambda t: t), ("fused", _fuse_first_block)):
+        path = tmp_path / f"{name}.gguf"
+        w = gguf.GGUFWriter(str(path), ARCH)
+        _metadata(w, hf.config)
+        add_tokenizer(w, Path(tiny_tokenizer_dir) / "tokenizer.json", hf.config.vocab_size)
+        stored = mutate(list(tensors))
+        for tensor_name, array, kind in stored:
+            if kind == QT.MXFP4:
+                w.add_tensor(tensor_name, array, raw_dtype=QT.MXFP4)
+        write_tensors(w, ((n, a, k) for n, a, k in stored if k != QT.MXFP4))
+        if name == "fused":
+            with pytest.raises(ValueError, match="fuse-gate-up-exps"):
+                LLM(path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False,
+                    cache_dir=tmp_path / "cache")
+            continue
+        with LLM(path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, show_progress=False,
+                 cache_dir=tmp_path / "cache") as llm:
+            assert not isinstance(llm.engine.runner.model.model.layers[0].mlp.experts, Mxfp4Experts)
+            check_greedy_alone_and_batched(llm, hf, (5, 23))
+
+
+def _fuse_first_block(tensors: list) -> list:
+    """Layer 0's gate and up stacks as one ffn_gate_up_exps (their bytes side by side)."""
+    by_name = {name: (array, kind) for name, array, kind in tensors}
+    gate, kind = by_name["blk.0.ffn_gate_exps.weight"]
+    up, _ = by_name["blk.0.ffn_up_exps.weight"]
+    kept = [t for t in tensors if t[0] not in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight")]
+    return kept + [("blk.0.ffn_gate_up_exps.weight", np.concatenate((gate, up), axis=1), kind)]

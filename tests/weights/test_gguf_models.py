@@ -111,9 +111,9 @@ def granite(**extra):
     """Granite's four multipliers far from 1 (a missed one moves every logit), biases."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
-    return GraniteForCausalLM(GraniteConfig(**COMMON, intermediate_size=64, embedding_multiplier=12.0,
-                                            attention_multiplier=0.02, residual_multiplier=0.22, logits_scaling=8.0,
-                                            **extra))
+    multipliers = dict(embedding_multiplier=12.0, attention_multiplier=0.02, residual_multiplier=0.22,
+                       logits_scaling=8.0)
+    return GraniteForCausalLM(GraniteConfig(**COMMON, intermediate_size=64, **{**multipliers, **extra}))
 
 
 def _granite_keys(cfg):
@@ -333,3 +333,14 @@ def test_cohere2_gguf(qtype, tokenizer_json, tmp_path):
     config = llm.engine.router.config
     assert config.layer_types == hf.config.layer_types and config.layer_norm_eps == pytest.approx(1e-4)
     check_greedy_and_logprobs(llm, dequantized(hf, qtype), prompts(), NEW_TOKENS)
+
+
+def test_granite_multipliers_the_file_leaves_out_take_llama_cpps_defaults(tokenizer_json, tmp_path):
+    """The converter writes a multiplier only when the config sets it: a file without the
+    attention, embedding and residual keys runs as llama.cpp runs it (1 / sqrt(head_dim), 1, 1)."""
+    hf = randomised(granite(attention_multiplier=0.25, embedding_multiplier=1.0, residual_multiplier=1.0), seed=3)
+    path = write_model_gguf(tmp_path / "granite.gguf", hf, tokenizer_json, "granite",
+                            extra_metadata=lambda w: w.add_logit_scale(hf.config.logits_scaling))
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, show_progress=False, cache_dir=tmp_path / "cache")
+    assert llm.engine.router.config.attention_multiplier == pytest.approx(0.25)
+    check_greedy_and_logprobs(llm, hf, prompts(), NEW_TOKENS)

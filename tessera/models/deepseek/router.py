@@ -5,7 +5,8 @@ from tessera.models.deepseek.modeling import DeepseekForCausalLM
 EXPERT_GGUF_NAMES = {
     "ffn_gate_inp": "mlp.gate", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     **{f"ffn_{proj}_shexp": f"mlp.shared_experts.{proj}_proj" for proj in ("gate", "up", "down")},
-    **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")}}
+    **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")},
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj"}  # (--fuse-gate-up-exps: gate rows, then up)
 
 
 class DeepseekRouter(BaseRouter):

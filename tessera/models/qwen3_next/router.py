@@ -17,7 +17,8 @@ QWEN35_GGUF_NAMES = {
     "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
     "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
     **{f"ffn_{proj}_shexp": f"mlp.shared_expert.{proj}_proj" for proj in ("gate", "up", "down")},
-    **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")}}
+    **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")},
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj"}  # (--fuse-gate-up-exps: gate rows, then up)
 
 
 class Qwen3_5Router(BaseRouter):
