@@ -84,5 +84,5 @@ def test_routed_by_model_type():
     routers = router_classes()
     assert {t: routers[t].__name__ for t in ("smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4",
                                              "cohere2")} == {
-        "smollm3": "SmolLM3Router", "olmo2": "Olmo2Router", "olmo3": "Olmo2Router", "ministral3": "Ministral3Router",
+        "smollm3": "SmolLM3Router", "olmo2": "Olmo2Router", "olmo3": "Olmo3Router", "ministral3": "Ministral3Router",
         "granite": "GraniteRouter", "glm4": "Glm4Router", "cohere2": "Cohere2Router"}
