@@ -1,13 +1,15 @@
 """Qwen3.5's language models from a GGUF (arch "qwen35", or "qwen35moe" with experts, as
-llama.cpp's converter writes them), which transformers' GGUF conversion does not know: the config, and each tensor
+llama.cpp's converter writes them; Qwen3-Next's "qwen3next" too), which transformers' GGUF conversion does not know: the config, and each tensor
 brought back from the form the converter stored it in.
 
 The converter changes the Gated DeltaNet layers' tensors for its kernels:
-- where a key head serves several value heads, the value heads go from grouped by key head
+- (Qwen3.5 only) where a key head serves several value heads, the value heads go from grouped by key head
   (k0: v0 v1, k1: v0 v1) to tiled (v0 of every key head, then v1 of every key head), in the
   value rows of in_proj_qkv, in in_proj_z, in_proj_a / _b, A_log, dt_bias, the value
   channels of conv1d, and the input columns of out_proj;
 - A_log is stored as -exp(A_log) (ssm_a), dt_bias as ssm_dt.bias, conv1d squeezed to [C, K];
+- (Qwen3-Next) its in_proj_qkvz, each key head's q, k, v and z together, is stored as Qwen3.5
+  keeps it: all queries, keys and values (attn_qkv), then all z (attn_gate); in_proj_ba as is;
 - every (1 + w) RMSNorm is stored with the 1 added, but the gated norm (ssm_norm), which is
   a plain one.
 Layers are linear attention but every `full_attention_interval`-th, which attends; the
@@ -23,14 +25,13 @@ from tessera.weights.gguf_plain_config import plain_decoder_config, required_key
 from tessera.weights.gguf_rope import field_value
 from tessera.weights.lazy import materialize
 
-ARCHES = ("qwen35", "qwen35moe")  # Qwen3.5's dense models, its mixtures of experts
+ARCHES = ("qwen35", "qwen35moe", "qwen3next")  # Qwen3.5's dense models, its mixtures of experts, Qwen3-Next
 
 
 def qwen35_config(fields: dict, tensors: list) -> Any:
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     arch = field_value(fields, "general.architecture")
-
     key = required_keys(fields, arch)
 
     layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
@@ -39,14 +40,20 @@ def qwen35_config(fields: dict, tensors: list) -> Any:
     num_v, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
     rotary = int(key("rope.dimension_count", head_dim // 4))
     experts = {}
-    if arch == "qwen35moe":  # (routed top-k weights always renormalised: the model does so)
+    if arch != "qwen35":  # (Qwen3.5-MoE renormalises the routed top-k always, Qwen3-Next's releases too)
+        names = {t.name for t in tensors}
         experts = dict(num_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count")),
                        moe_intermediate_size=int(key("expert_feed_forward_length")),
                        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")))
-    moe = bool(experts)
+        if arch == "qwen3next":  # its dense layers: those without experts
+            experts |= dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[
+                i for i in range(layers)
+                if f"blk.{i}.ffn_gate_exps.weight" not in names and f"blk.{i}.ffn_gate_up_exps.weight" not in names])
+    config_cls, architecture = {"qwen35": (Qwen3_5TextConfig, "Qwen3_5ForCausalLM"),
+                                "qwen35moe": (Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM"),
+                                "qwen3next": (Qwen3NextConfig, "Qwen3NextForCausalLM")}[arch]
     config = plain_decoder_config(
-        Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig, arch, fields, tensors,
-        architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"], num_hidden_layers=layers,
+        config_cls, arch, fields, tensors, architectures=[architecture], num_hidden_layers=layers,
         head_dim=head_dim, layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                         for i in range(layers)],
         linear_conv_kernel_dim=int(key("ssm.conv_kernel")), linear_key_head_dim=int(key("ssm.state_size")),
@@ -73,7 +80,7 @@ def qwen35_tensor(config: Any, name: str, tensor: torch.Tensor) -> torch.Tensor:
     if name.endswith(".A_log"):
         tensor = torch.log(-tensor)
     num_k, num_v = config.linear_num_key_heads, config.linear_num_value_heads
-    if num_k == num_v:
+    if num_k == num_v or config.model_type == "qwen3_next":  # (Qwen3-Next's files keep the grouping)
         return tensor
     per_k, dk, dv = num_v // num_k, config.linear_key_head_dim, config.linear_value_head_dim
     if name.endswith("in_proj_qkv.weight") or name.endswith("conv1d.weight"):

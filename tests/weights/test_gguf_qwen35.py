@@ -29,6 +29,16 @@ def _tiled(tensor: torch.Tensor, dim: int, num_k: int, per_k: int, head: int) ->
     return tensor.reshape(shape[:dim] + [num_k, per_k, head] + shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
 
 
+def split_qkvz(cfg, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's in_proj_qkvz (per key head: q, k, v, z) as the converter stores it: all
+    queries, keys, values (attn_qkv), then all z (attn_gate)."""
+    num_k, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    vz = cfg.linear_num_value_heads // num_k * cfg.linear_value_head_dim
+    per_head = tensor.detach().float().reshape(num_k, 2 * dk + 2 * vz, -1)
+    q, k, v, z = per_head.split((dk, dk, vz, vz), dim=1)
+    return torch.cat([part.reshape(-1, per_head.shape[-1]) for part in (q, k, v)]), z.reshape(-1, per_head.shape[-1])
+
+
 def converted(cfg, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     """(Hugging Face name for the converter's name table, tensor) as llama.cpp stores it."""
     t = tensor.detach().float()
@@ -37,6 +47,8 @@ def converted(cfg, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     per_k, qk = num_v // num_k, 2 * num_k * dk
     if name.endswith("conv1d.weight"):
         t = t.squeeze(1)
+    if cfg.model_type == "qwen3_next":  # its value heads keep their grouping: no reordering
+        num_k, per_k = num_v, 1
     if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
         t = torch.cat((t[:qk], _tiled(t[qk:], 0, num_k, per_k, dv)))
     elif name.endswith("in_proj_z.weight"):
@@ -60,8 +72,9 @@ def _quantized(array: np.ndarray) -> bool:
 
 def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
     cfg = hf.config
-    moe = cfg.model_type == "qwen3_5_moe_text"
-    w = gguf.GGUFWriter(str(path), "qwen35moe" if moe else ARCH)
+    moe = cfg.model_type != "qwen3_5_text"
+    arch = {"qwen3_5_text": ARCH, "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}[cfg.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny random qwen3.5")
     add_decoder_keys(w, cfg)
     w.add_key_length(cfg.head_dim)
@@ -83,9 +96,16 @@ def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     add_tokenizer(w, tokenizer_json, cfg.vocab_size)
-    table = gguf.TensorNameMap(gguf.MODEL_ARCH.QWEN35MOE if moe else gguf.MODEL_ARCH.QWEN35, cfg.num_hidden_layers)
+    table = gguf.TensorNameMap({"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
+                                "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}[arch], cfg.num_hidden_layers)
     tensors = []
     for name, tensor in hf.state_dict().items():
+        if name.endswith("in_proj_qkvz.weight"):
+            block = name.split(".")[2]
+            qkv, z = split_qkvz(cfg, tensor)
+            tensors += [(f"blk.{block}.attn_qkv.weight", qkv.numpy(), qtype if _quantized(qkv.numpy()) else QT.F32),
+                        (f"blk.{block}.attn_gate.weight", z.numpy(), qtype if _quantized(z.numpy()) else QT.F32)]
+            continue
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # stacked: [E, 2I, H], [E, H, I]
             block, array = name.split(".")[2], tensor.detach().float().numpy()
             parts = ({"gate": array[:, :cfg.moe_intermediate_size], "up": array[:, cfg.moe_intermediate_size:]}
@@ -104,12 +124,15 @@ def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
 
 @pytest.mark.parametrize("kind, heads, qtype", [
     ("qwen3_5_text", (2, 4), QT.F32), ("qwen3_5_text", (2, 4), QT.Q8_0), ("qwen3_5_text", (2, 2), QT.F32),
-    ("qwen3_5_moe_text", (2, 4), QT.F32), ("qwen3_5_moe_text", (2, 4), QT.Q8_0)],
-    ids=["grouped-f32", "grouped-q8_0", "equal-f32", "moe-f32", "moe-q8_0"])
+    ("qwen3_5_moe_text", (2, 4), QT.F32), ("qwen3_5_moe_text", (2, 4), QT.Q8_0), ("qwen3_next", (2, 4), QT.F32),
+    ("qwen3_next", (2, 4), QT.Q8_0)],
+    ids=["grouped-f32", "grouped-q8_0", "equal-f32", "moe-f32", "moe-q8_0", "next-f32", "next-q8_0"])
 def test_qwen35_gguf_equals_transformers(kind, heads, qtype, tmp_path, tiny_tokenizer_dir):
     num_k, num_v = heads
+    # (llama.cpp's qwen3next has experts in every layer, as the released model)
+    extra = {"mlp_only_layers": []} if kind == "qwen3_next" else {}
     hf = make_tiny_qwen3_next(kind, tmp_path / "hf", tiny_tokenizer_dir, seed=8,
-                              linear_num_key_heads=num_k, linear_num_value_heads=num_v)
+                              linear_num_key_heads=num_k, linear_num_value_heads=num_v, **extra)
     path = write_qwen35_gguf(tmp_path / "qwen35.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
     with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache") as llm:
         config = llm.engine.router.config

@@ -35,22 +35,14 @@ class Qwen3_5Router(BaseRouter):
 
 
 class Qwen3NextRouter(BaseRouter):
-    """Qwen3-Next-80B-A3B (qwen3_next)."""
-    model_types = ("qwen3_next",)
+    """Qwen3-Next-80B-A3B (qwen3_next) and Qwen3.5's mixtures of experts (qwen3_5_moe_text);
+    also from llama.cpp's files (arch qwen3next, qwen35moe)."""
+    model_types = ("qwen3_next", "qwen3_5_moe_text")
     model_cls = Qwen3NextMoeForCausalLM
     is_moe = True  # tests/models/test_qwen3_next.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
-    supports_lora = True  # tests/lora/test_lora_models.py (attention of both kinds; experts refused)
-
-
-class Qwen3_5MoeRouter(Qwen3NextRouter):
-    """Qwen3.5's mixtures of experts (qwen3_5_moe_text): Qwen3-Next's layers; also from llama.cpp's
-    files (arch qwen35moe)."""
-    model_types = ("qwen3_5_moe_text",)
-    is_moe = True  # tests/models/test_qwen3_next.py
-    supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_gguf = True  # tests/weights/test_gguf_qwen35.py
-    gguf_names = QWEN35_GGUF_NAMES
+    gguf_names = {**QWEN35_GGUF_NAMES, "ssm_ba": "linear_attn.in_proj_ba"}  # (Qwen3-Next's fused b / a)
     supports_lora = True  # tests/lora/test_lora_models.py (attention of both kinds; experts refused)
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
