@@ -31,6 +31,7 @@ class Qwen3VLMoeRouter(Qwen3VLRouter):
     is_moe = True  # tests/multimodal/test_qwen3_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_qwen3_vl.py (attention; experts refused)
+    supports_gguf = True  # tests/multimodal/test_qwen_vl_gguf.py
     gguf_text_router = Qwen3MoeRouter  # (arch qwen3vlmoe: Qwen3-MoE's stacked experts)
 
     def language_model_cls(self):
