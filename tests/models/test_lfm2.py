@@ -25,13 +25,13 @@ CASES = {"lfm2-biased-conv": dict(conv_bias=True, tie_word_embeddings=False),
                           num_dense_layers=1, routed_scaling_factor=1.5)}
 
 
-def make_tiny_lfm2(case: str, folder: Path, tokenizer_dir: Path, seed: int = 0) -> torch.nn.Module:
+def make_tiny_lfm2(case: str, folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> torch.nn.Module:
     import transformers
 
     kind = "Lfm2Moe" if case.endswith("moe") else "Lfm2"
     return make_tiny(folder, tokenizer_dir, getattr(transformers, f"{kind}Config"),
                      getattr(transformers, f"{kind}ForCausalLM"), seed=seed, base={**BASE, **CASES[case]},
-                     tweak=draw_hybrid_parameters)
+                     tweak=draw_hybrid_parameters, **overrides)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
