@@ -253,6 +253,8 @@ OWN_READERS: dict[str, Callable[[dict, list], Any]] = {
     **{arch: lfm2_config for arch in LFM2_ARCHES}, **{arch: qwen35_config for arch in QWEN35_ARCHES}, **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES},
     **{arch: qwen_vl_text_config for arch in QWEN_VL_ARCHES}}
 COMPLETE_READERS: dict[str, Callable[[dict, list], Any]] = {GEMMA4: gemma4_config, DEEPSEEK2: deepseek2_config}
+# the archs of natively served types whose config transformers' conversion reads (completed after)
+TRANSFORMERS_READ = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "minimax-m2")
 
 
 def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
@@ -294,7 +296,14 @@ def gguf_metadata_folder(path: Path, cache_dir: Path) -> Path:
                                           reader.tensors)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError as exc:
+            if "not supported" not in str(exc):
+                raise
+            read = sorted({*OWN_READERS, *COMPLETE_READERS, *TRANSFORMERS_READ})
+            raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not read by tessera (it reads "
+                             f"{', '.join(read)}); serve the model's Hugging Face folder instead") from exc
         config = complete_gguf_config(config, reader.fields, reader.tensors)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     apply_gguf_pretokenizer(tokenizer, reader.fields)

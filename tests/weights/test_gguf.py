@@ -369,3 +369,11 @@ def test_llama_with_attention_bias_from_gguf(bias_gguf, tmp_path):
     llm = load(path, tmp_path / "cache")
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_generate(model, p) for p in PROMPTS]
+
+
+def test_architecture_nobody_reads_is_named_with_what_tessera_reads(untied, tokenizer_json, tmp_path):
+    """A file of an arch neither transformers' conversion nor tessera reads (Granite 4.0-H's,
+    say) names the arch and lists the ones tessera does."""
+    path = write_llama_gguf(tmp_path / "hybrid.gguf", untied, tokenizer_json, QT.F32, arch="granitehybrid")
+    with pytest.raises(ValueError, match=r"'granitehybrid' is not read by tessera \(it reads .*deepseek2.*\)"):
+        load(path, tmp_path / "cache")
