@@ -38,6 +38,8 @@ from tessera.weights.gguf_gpt_oss import ARCH as GPT_OSS
 from tessera.weights.gguf_gpt_oss import gpt_oss_config
 from tessera.weights.gguf_granite import ARCH as GRANITE
 from tessera.weights.gguf_granite import granite_config
+from tessera.weights.gguf_granitehybrid import ARCH as GRANITEHYBRID
+from tessera.weights.gguf_granitehybrid import granitehybrid_config
 from tessera.weights.gguf_lfm2 import ARCHES as LFM2_ARCHES
 from tessera.weights.gguf_lfm2 import lfm2_config
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
@@ -249,7 +251,7 @@ def _dequantized(tensor: GGUFTensor, data: np.ndarray, shape: tuple[int, ...]) -
 # conversions (gguf_config.py), or complete as they are (their rope and head sizes are theirs)
 OWN_READERS: dict[str, Callable[[dict, list], Any]] = {
     SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4: glm4_config, GLM4MOE: glm4moe_config,
-    GPT_OSS: gpt_oss_config, GRANITE: granite_config, OLMO2: olmo2_config, COHERE2: cohere2_config,
+    GPT_OSS: gpt_oss_config, GRANITE: granite_config, GRANITEHYBRID: granitehybrid_config, OLMO2: olmo2_config, COHERE2: cohere2_config,
     **{arch: lfm2_config for arch in LFM2_ARCHES}, **{arch: qwen35_config for arch in QWEN35_ARCHES}, **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES},
     **{arch: qwen_vl_text_config for arch in QWEN_VL_ARCHES}}
 COMPLETE_READERS: dict[str, Callable[[dict, list], Any]] = {GEMMA4: gemma4_config, DEEPSEEK2: deepseek2_config}

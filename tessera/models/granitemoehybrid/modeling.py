@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from tessera.models.granite.modeling import GraniteAttention
 from tessera.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from tessera.models.llama.modeling import LlamaForCausalLM, LlamaMLP, LlamaModel, Rope, add_and_norm
-from tessera.ops.moe import SparseMoE
+from tessera.ops.moe import MIXTRAL_EXPERT_NAMES, SparseMoE, expert_weight_target
 from tessera.ops.norm import RMSNorm
 from tessera.ops.registry import OpTarget
 
@@ -120,6 +120,11 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         for theirs, ours in self.WEIGHT_NAMES.items():
             if name.endswith(theirs):
                 return name[:-len(theirs)] + ours, None
+        # a GGUF's experts one by one (w1 gate, w3 up, w2 down)
+        expert = expert_weight_target(name.replace(".block_sparse_moe.", ".mlp.block_sparse_moe."),
+                                      MIXTRAL_EXPERT_NAMES)
+        if expert is not None:
+            return expert
         for theirs, (ours, shard) in {".shared_mlp.input_linear.weight": (".gate_up_proj.weight", None),
                                       ".shared_mlp.output_linear.weight": (".down_proj.weight", None)}.items():
             if name.endswith(theirs):
