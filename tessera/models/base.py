@@ -56,6 +56,7 @@ class BaseRouter:
     gguf_names: ClassVar[dict[str, str]] = {}
     gguf_global_names: ClassVar[dict[str, str]] = {}  # llama.cpp names outside the blocks (LFM2's)
     gguf_norm_offset: ClassVar[float] = 0.0      # llama.cpp stored norm weights plus this
+    gguf_plain_norms: ClassVar[tuple[str, ...]] = ()  # name endings of norms stored without it
     # What `tessera models` / `tessera inspect` report. A router claims a feature only once it
     # has it and a test for it; `features()` reads each router's own declarations, so a folder
     # that subclasses another's router does not inherit claims nobody has tested for it.
@@ -222,7 +223,7 @@ class BaseRouter:
                 num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) if permute else 0,
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset,
                 num_layers=getattr(cfg, "num_hidden_layers", None), packed=kept,
-                global_names=self.gguf_global_names)
+                global_names=self.gguf_global_names, plain_norms=self.gguf_plain_norms)
             return ((name, self.gguf_tensor(name, tensor)) for name, tensor in weights)
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization

@@ -161,11 +161,12 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
                       index_dir: Path | None = None, names: Mapping[str, str] | None = None,
                       norm_offset: float = 0.0, num_layers: int | None = None,
                       packed: tuple[str, ...] = (), global_names: Mapping[str, str] | None = None,
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      plain_norms: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; `index_dir` is the
     converted metadata folder holding the tensor index (without one, the file is parsed).
     `names`: the router's extra llama.cpp names (hf_tensor_name); `norm_offset` is taken off
-    every norm weight (llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added).
+    every norm weight (llama.cpp stores Gemma's (1 + w) RMSNorm weights with the 1 added)
+    but those whose names end as `plain_norms` do (Qwen3.5's gated norm is a plain one).
     Blocks from `num_layers` on are skipped: the multi-token-prediction layers llama.cpp
     writes after the model's (GLM-4.5's `nextn`). With "mxfp4" in `packed` (a model that
     runs MXFP4 stacks as stored), MXFP4 tensors come as their `_blocks` and `_scales` parts
@@ -203,7 +204,7 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             array = unpermute_rows(array, num_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = unpermute_rows(array, num_kv_heads)
-        if norm_offset and name.endswith("norm.weight"):
+        if norm_offset and name.endswith("norm.weight") and not name.endswith(plain_norms):
             array -= np.float32(norm_offset)
         yield name, torch.from_numpy(array)
 
@@ -251,8 +252,9 @@ def _dequantized(tensor: GGUFTensor, data: np.ndarray, shape: tuple[int, ...]) -
 # conversions (gguf_config.py), or complete as they are (their rope and head sizes are theirs)
 OWN_READERS: dict[str, Callable[[dict, list], Any]] = {
     SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4: glm4_config, GLM4MOE: glm4moe_config,
-    GPT_OSS: gpt_oss_config, GRANITE: granite_config, GRANITEHYBRID: granitehybrid_config, OLMO2: olmo2_config, COHERE2: cohere2_config,
-    **{arch: lfm2_config for arch in LFM2_ARCHES}, **{arch: qwen35_config for arch in QWEN35_ARCHES}, **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES},
+    GPT_OSS: gpt_oss_config, GRANITE: granite_config, GRANITEHYBRID: granitehybrid_config, OLMO2: olmo2_config,
+    COHERE2: cohere2_config, **{arch: lfm2_config for arch in LFM2_ARCHES},
+    **{arch: qwen35_config for arch in QWEN35_ARCHES}, **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES},
     **{arch: qwen_vl_text_config for arch in QWEN_VL_ARCHES}}
 COMPLETE_READERS: dict[str, Callable[[dict, list], Any]] = {GEMMA4: gemma4_config, DEEPSEEK2: deepseek2_config}
 # the archs of natively served types whose config transformers' conversion reads (completed after)

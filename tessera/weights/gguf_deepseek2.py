@@ -64,7 +64,8 @@ def deepseek2_config(fields: dict, tensors: list) -> Any:
         raise ValueError(f"{ARCH} GGUF: expert gating function {gating} is not supported (softmax, sigmoid are)")
     v3 = gating == SIGMOID
     groups, used_groups = int(key("expert_group_count", 1)), int(key("expert_group_used_count", 1))
-    routing = dict(n_group=groups, topk_group=used_groups, routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+    routing = dict(n_group=groups, topk_group=used_groups,
+                   routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
                    norm_topk_prob=bool(key("expert_weights_norm", False)))
     if not v3:
         routing["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"

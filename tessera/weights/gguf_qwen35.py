@@ -1,5 +1,6 @@
 """Qwen3.5's language models from a GGUF (arch "qwen35", or "qwen35moe" with experts, as
-llama.cpp's converter writes them; Qwen3-Next's "qwen3next" too), which transformers' GGUF conversion does not know: the config, and each tensor
+llama.cpp's converter writes them; Qwen3-Next's "qwen3next" too), which transformers' GGUF
+conversion does not know: the config, and each tensor
 brought back from the form the converter stored it in.
 
 The converter changes the Gated DeltaNet layers' tensors for its kernels:
@@ -11,7 +12,7 @@ The converter changes the Gated DeltaNet layers' tensors for its kernels:
 - (Qwen3-Next) its in_proj_qkvz, each key head's q, k, v and z together, is stored as Qwen3.5
   keeps it: all queries, keys and values (attn_qkv), then all z (attn_gate); in_proj_ba as is;
 - every (1 + w) RMSNorm is stored with the 1 added, but the gated norm (ssm_norm), which is
-  a plain one.
+  a plain one (the routers' gguf_norm_offset / gguf_plain_norms take it off).
 Layers are linear attention but every `full_attention_interval`-th, which attends; the
 multi-token-prediction blocks (`nextn_predict_layers`) counted into block_count are not served.
 Text only (Qwen3.5's images need its Hugging Face folder)."""
@@ -72,8 +73,6 @@ def _grouped(tensor: torch.Tensor, dim: int, num_k: int, per_k: int, head: int) 
 
 def qwen35_tensor(config: Any, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A tensor as the Hugging Face checkpoint holds it (module docstring), by its name."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        return materialize(tensor) - 1.0
     if ".linear_attn." not in name:
         return tensor
     tensor = materialize(tensor)

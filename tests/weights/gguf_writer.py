@@ -204,7 +204,8 @@ def write_llama_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, q
 
 # --- other architectures, as convert_hf_to_gguf.py writes them ---------------------------------
 
-LLAMA_CONVERTED = ("llama", "smollm3", "mistral3", "granite")  # convert_hf_to_gguf.py's LlamaModel and its subclasses: Q / K permuted
+# convert_hf_to_gguf.py's LlamaModel and its subclasses: Q / K permuted
+LLAMA_CONVERTED = ("llama", "smollm3", "mistral3", "granite")
 
 
 def _layer_parts(arch: str) -> dict[str, str]:

@@ -62,8 +62,9 @@ def _tensors(folder: Path, cfg) -> list[tuple[str, np.ndarray, QT]]:
         if name.endswith("experts.gate_up_proj_blocks") or name.endswith("experts.down_proj_blocks"):
             scales = source[name.replace("_blocks", "_scales")]
             if "gate_up" in name:  # rows interleave gate and up
-                out += [(experts.format("gate") + ".weight", llama_cpp_mxfp4(tensor[:, 0::2], scales[:, 0::2]), QT.MXFP4),
-                        (experts.format("up") + ".weight", llama_cpp_mxfp4(tensor[:, 1::2], scales[:, 1::2]), QT.MXFP4)]
+                for half, rows in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                    out.append((experts.format(half) + ".weight", llama_cpp_mxfp4(tensor[:, rows], scales[:, rows]),
+                                QT.MXFP4))
             else:
                 out.append((experts.format("down") + ".weight", llama_cpp_mxfp4(tensor, scales), QT.MXFP4))
         elif name.endswith("_scales"):

@@ -6,6 +6,8 @@ Checkpoints' multi-token-prediction layers (layer num_hidden_layers on) are skip
 transformers skips them."""
 from __future__ import annotations
 
+from abc import ABCMeta, abstractmethod
+
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -27,7 +29,7 @@ def is_dense_layer(config: PretrainedConfig, layer_idx: int) -> bool:
     return layer_idx < (getattr(config, "first_k_dense_replace", None) or 0)
 
 
-class IndexedMLPDecoderLayer(LlamaDecoderLayer):
+class IndexedMLPDecoderLayer(LlamaDecoderLayer, metaclass=ABCMeta):
     """Llama's layer whose MLP is dense or experts by the layer's index (DeepSeek's dense
     first layers; GLM-4.5's and ERNIE 4.5's reuse it): `attention` builds the attention,
     `dense` says which layers are dense, `moe` builds the experts of the others."""
@@ -46,8 +48,9 @@ class IndexedMLPDecoderLayer(LlamaDecoderLayer):
     def dense(config: PretrainedConfig, layer_idx: int) -> bool:
         return is_dense_layer(config, layer_idx)
 
+    @abstractmethod
     def moe(self, config: PretrainedConfig, target: OpTarget) -> nn.Module:
-        raise NotImplementedError
+        """The experts of the layers that are not dense (each model's own)."""
 
 
 class IndexedLayersModel(LlamaModel):

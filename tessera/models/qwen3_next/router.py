@@ -19,6 +19,8 @@ QWEN35_GGUF_NAMES = {
     **{f"ffn_{proj}_shexp": f"mlp.shared_expert.{proj}_proj" for proj in ("gate", "up", "down")},
     **{f"ffn_{proj}_exps": f"mlp.experts.{{e}}.{proj}_proj" for proj in ("gate", "up", "down")},
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj"}  # (--fuse-gate-up-exps: gate rows, then up)
+# llama.cpp stores every (1 + w) norm with the 1 added, but the gated one, a plain RMSNorm
+QWEN35_PLAIN_NORMS = ("linear_attn.norm.weight",)
 
 
 class Qwen3_5Router(BaseRouter):
@@ -28,10 +30,11 @@ class Qwen3_5Router(BaseRouter):
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_gguf = True  # tests/weights/test_gguf_qwen35.py (arch qwen35: weights/gguf_qwen35.py)
     gguf_names = QWEN35_GGUF_NAMES
+    gguf_norm_offset, gguf_plain_norms = 1.0, QWEN35_PLAIN_NORMS
+    supports_lora = True  # tests/lora/test_lora_models.py (linear and full attention, MLP)
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return qwen35_tensor(self.config, name, tensor)
-    supports_lora = True  # tests/lora/test_lora_models.py (linear and full attention, MLP)
 
 
 class Qwen3NextRouter(BaseRouter):
@@ -43,6 +46,7 @@ class Qwen3NextRouter(BaseRouter):
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_gguf = True  # tests/weights/test_gguf_qwen35.py
     gguf_names = {**QWEN35_GGUF_NAMES, "ssm_ba": "linear_attn.in_proj_ba"}  # (Qwen3-Next's fused b / a)
+    gguf_norm_offset, gguf_plain_norms = 1.0, QWEN35_PLAIN_NORMS
     supports_lora = True  # tests/lora/test_lora_models.py (attention of both kinds; experts refused)
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
