@@ -10,7 +10,7 @@ from tessera.ops.triton import (  # noqa: F401
     activation as triton_activation, int4_linear as triton_int4_linear, int8_linear as triton_int8_linear, kv_write as triton_kv_write, paged_decode as triton_paged_decode,
     mxfp4_linear as triton_mxfp4_linear, causal_conv1d as triton_causal_conv1d, gated_delta as triton_gated_delta,
     paged_prefill as triton_paged_prefill, rms_norm as triton_rms_norm, rotary as triton_rotary, ssm_scan as triton_ssm_scan,
-    skinny_linear as triton_skinny_linear,
+    skinny_linear as triton_skinny_linear, rotary_kv_write as triton_rotary_kv_write,
 )
 from tessera.ops.registry import OpSpec, OpTarget, get_op, select_op
 

@@ -16,6 +16,7 @@ OP_KINDS = (
     "embedding", "linear", "lora_rows", "rms_norm", "rotary", "silu_and_mul",
     "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
     "layer_norm", "gelu", "clamped_swiglu", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "ssm_scan", "relu_squared", "short_conv",
+    "rotary_kv_write",  # fused: rotary, then kv_write (a layer without a builder runs the two)
 )
 PHASES = (None, "prefill", "decode")
 
@@ -179,6 +180,14 @@ class OpTarget:
 
     def op(self, kind: str, **fields) -> Callable:
         return get_op(self.spec(kind, **fields))
+
+    def optional_op(self, kind: str, **fields) -> Callable | None:
+        """A fused op's implementation where some builder fits, else None: the layer asking
+        then runs the ops it fuses one by one."""
+        try:
+            return self.op(kind, **fields)
+        except OpLookupError:
+            return None
 
     def prepare(self, kind: str, **fields) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The chosen builder's weight preparation (see OpBuilder.prepare), or None."""

@@ -332,9 +332,15 @@ class ApplyRotary(OpModule):
             self.halves = (order.to(target.device), torch.argsort(order).to(target.device))
         self._rotary = target.op("rotary", head_size=self.rotary_dim)
 
+    @property
+    def whole_heads(self) -> bool:
+        """Whether the rotary turns whole heads in halves: what the fused rotary-and-cache-
+        write op does (Attention.forward)."""
+        return self.rotary_dim == self.head_size and self.halves is None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rotary_dim == self.head_size and self.halves is None:
+        if self.whole_heads:
             return self._rotary(q, k, rope[0], rope[1], self.head_size)
         d, r = self.head_size, self.rotary_dim
         heads_q, heads_k = q.reshape(q.shape[0], -1, d), k.reshape(k.shape[0], -1, d)

@@ -35,7 +35,7 @@ TESTED = tuple(s for s in SHAPES if s.name != "qwen2-7b")
 def _check(results, arch: int, no_spills: bool) -> None:
     kernels = {r.kernel for r in results}
     assert kernels == {"kv_write_kernel", "partial_kernel", "merge_kernel", "prefill_kernel",
-                       "rms_norm_kernel", "gated_kernel", "rotary_kernel"}
+                       "rms_norm_kernel", "gated_kernel", "rotary_kernel", "rotary_kv_write_kernel"}
     for r in results:
         assert r.shared <= SHARED_LIMIT[arch], r
         if no_spills:
@@ -46,6 +46,11 @@ def test_bf16_kernels_compile_for_hopper_without_spills():
     results = compile_all(90, (torch.bfloat16,), TESTED)
     assert {r.case.split()[0] for r in results} == {s.name for s in TESTED}
     _check(results, 90, no_spills=True)
+    # decode attention merges its partitions in the same launch (the last program to arrive,
+    # after a barrier and an acquire-release add) but where one program would merge the
+    # 64 or 128 heads of one KV head (merge_kernel spreads them)
+    fused = {r.case.split()[0] for r in results if r.kernel == "partial_kernel" and r.ordered_arrivals == 1}
+    assert fused == {s.name for s in TESTED} - {"mqa-64", "deepseek-v3-mla"}, fused
 
 
 def test_float32_and_ampere_kernels_compile():
@@ -54,8 +59,8 @@ def test_float32_and_ampere_kernels_compile():
     _check(float32, 90, no_spills=True)
     # rotary matches torch's separate multiplies and add bit for bit only unfused (an H200
     # run found 346 of 1536 float32 values off while the compiler made FMAs of them)
-    rotary = [r for r in float32 if r.kernel == "rotary_kernel"]
-    assert rotary and all(r.fused_multiply_adds == 0 for r in rotary), rotary
+    rotary = [r for r in float32 if r.kernel in ("rotary_kernel", "rotary_kv_write_kernel")]
+    assert len(rotary) == 2 and all(r.fused_multiply_adds == 0 for r in rotary), rotary
     _check(compile_all(80, (torch.bfloat16, torch.float32), small), 80, no_spills=False)
 
 
@@ -88,10 +93,11 @@ def test_attention_compiles_once_for_every_step_shape():
     """Lengths, table widths, partition counts and the decode rows before a prefill change
     every step: left unspecialised, one compile serves them all (Triton would otherwise
     compile a variant for each value that is 1 or a multiple of 16: 17 of the decode
-    kernel, a second or so each, in the middle of serving)."""
+    kernel, a second or so each, in the middle of serving). These steps' partitions are
+    few enough to merge in the partition kernel, so merge_kernel never runs."""
     for shape in (SHAPES[0], SHAPES[4]):  # plain, and windowed with soft-capping
         for kv_dtype in (None, torch.float8_e4m3fn):
-            assert attention_variants(shape, kv_dtype=kv_dtype) == {"partial_kernel": 1, "merge_kernel": 1,
+            assert attention_variants(shape, kv_dtype=kv_dtype) == {"partial_kernel": 1,
                                                                     "prefill_kernel": 1}, kv_dtype
 
 
@@ -100,7 +106,8 @@ def test_few_row_linear_candidates_compile_for_hopper_on_tensor_cores():
     and SmolLM2's projections with no spills within the SM's shared memory, streams its
     weight through cp.async stages, and multiplies on Hopper's wgmma where its tile has the
     64 rows that needs (mma.sync below): a tile that fell back to scalar FMAs would be
-    timed, lose to cuBLAS and never be chosen, and this says so first."""
+    timed, lose to cuBLAS and never be chosen, and this says so first. Split-K adds its
+    parts in the same launch."""
     for shape in (s for s in SHAPES if s.name in ("llama-3-8b", "smollm2-135m")):
         results = compile_skinny(90, shape)
         kernels = [r for r in results if r.kernel == "skinny_kernel"]
@@ -112,7 +119,11 @@ def test_few_row_linear_candidates_compile_for_hopper_on_tensor_cores():
             wide = int(r.case.split()[3].removeprefix("n")) >= 64
             assert r.matrix_ops == ("wgmma" if wide else "mma.sync"), r
             assert r.async_copies > 0, r
-        assert {r.kernel for r in results} == {"skinny_kernel", "split_sum_kernel"}
+        # one kernel: a tile's last split program sums the parts, after a barrier and an
+        # acquire-release arrival (tessera/ops/triton/semaphores.py); unsplit tiles have none
+        assert {r.kernel for r in results} == {"skinny_kernel"}
+        for r in kernels:
+            assert r.ordered_arrivals == (0 if "split1 " in r.case else 1), r
 
 
 def test_mxfp4_expert_linear_compiles_for_hopper_on_tensor_cores():

@@ -6,12 +6,21 @@ from __future__ import annotations
 import torch
 
 from tessera.ops.attention.torch_paged import kv_write_ref, paged_decode_ref, paged_prefill_ref
-from tessera.ops.triton import paged_decode
+from tessera.ops.triton import paged_decode, semaphores
 from tessera.ops.triton.kv_write import triton_kv_write
 from tessera.ops.triton.paged_decode import triton_paged_decode
 from tessera.ops.triton.paged_prefill import triton_paged_prefill
+from tessera.ops.triton.rotary_kv_write import triton_rotary_kv_write
+from tessera.ops.rotary import rotary_ref
 
 from tests.ops.test_attention import make_case
+
+MERGES = (None, False)  # merge_plan's choice (fused for these shapes), and merge_kernel
+
+
+def counters_are_zero(device: str) -> bool:
+    """Every counter a fused merge or split-K sum took is back to zero after its launch."""
+    return not semaphores.counters(torch.device(device), 0).any().item()
 
 
 def check_kv_write(device: str) -> None:
@@ -26,17 +35,50 @@ def check_kv_write(device: str) -> None:
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v), "kv_write differs"
 
 
+def check_rotary_kv_write(device: str) -> None:
+    """Rotary and the cache write in one kernel equal rotary, then kv_write, bit for bit:
+    float32, bf16 and fp16 models and a bf16 model over an fp8 cache, q / k / v as strided
+    views of one QKV row, a padded row (slot -1) writing nothing."""
+    g = torch.Generator().manual_seed(13)
+    for dtype, kv_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                            (torch.bfloat16, torch.float8_e4m3fn)):
+        for heads, kv_heads, head_size in ((4, 2, 64), (3, 1, 24)):
+            qkv = (torch.randn(6, (heads + 2 * kv_heads) * head_size, generator=g) * 3).to(dtype)
+            q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=1)
+            angles = torch.rand(6, head_size // 2, generator=g) * 6
+            rows = torch.cat((angles.cos(), angles.cos(), angles.sin(), angles.sin()), dim=-1).to(dtype)
+            cos, sin = rows[:, None, :head_size], rows[:, None, head_size:]
+            slots = torch.tensor([5, 0, -1, 9, 14, 3])
+            caches = [torch.randn(4, 4, kv_heads, head_size, generator=g).to(kv_dtype or dtype) for _ in range(2)]
+            want_q, want_k = rotary_ref(q, k, cos, sin, head_size)
+            want_caches = [c.clone() for c in caches]
+            kv_write_ref(want_k.view(6, kv_heads, head_size), v.view(6, kv_heads, head_size), *want_caches, slots,
+                         has_padding=True)
+            got_caches = [c.to(device) for c in caches]
+            got_q, got_k = triton_rotary_kv_write(q.to(device), k.to(device), v.to(device), cos.to(device),
+                                                  sin.to(device), head_size, *got_caches, slots.to(device), True)
+            case = (dtype, kv_dtype, head_size)
+            assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_k.cpu(), want_k), case
+            for got, want in zip(got_caches, want_caches):  # as bytes: fp8 has no CPU equality
+                assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), case
+
+
 def check_paged_decode(device: str) -> None:
     """GQA groups of 3, 1 (MHA) and 8 (MQA) on the rows of one tile; blocks smaller than,
     equal to and larger than a tile; partitions chosen automatically (contexts of 37 and
     70: one or two tiles each) and forced to 16 tokens (merged from 3 and 5 parts, and
-    from 38 for a 600-token context: more than one merge chunk)."""
+    from 38 for a 600-token context: more than one merge chunk), merged in the partition
+    kernel by its last program and by merge_kernel."""
     for heads, kv_heads, head_size in ((9, 3, 64), (4, 4, 24), (8, 1, 16)):
         for block_size in (4, 16, 128):
             for window, softcap in ((None, None), (5, None), (None, 2.0), (7, 1.5)):
-                for partition_size, lens in ((None, (37, 1, 70)), (16, (37, 1, 70)), (16, (600, 3))):
+                for partition_size, lens, fused in ((None, (37, 1, 70), None), (16, (37, 1, 70), None),
+                                                    (16, (37, 1, 70), False), (16, (600, 3), None),
+                                                    (16, (600, 3), False)):
                     if partition_size and len(lens) == 2 and (block_size, window) != (16, None):
                         continue  # the long context once per shape is enough (interpreter time)
+                    if fused is False and (block_size, softcap) != (16, None):
+                        continue  # merge_kernel once per shape and window
                     case = make_case([(n, 1) for n in lens], block_size=block_size, num_heads=heads,
                                      num_kv_heads=kv_heads, head_size=head_size, seed=head_size + block_size)
                     kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
@@ -47,17 +89,19 @@ def check_paged_decode(device: str) -> None:
                         setattr(meta, name, getattr(meta, name).to(device))
                     got = triton_paged_decode(case.query.to(device), case.k_cache.to(device),
                                               case.v_cache.to(device), meta, case.scale, window, softcap,
-                                              partition_size=partition_size)
+                                              partition_size=partition_size, fused_merge=fused)
                     err = (got.cpu() - want).abs().max().item()
                     assert err < 1e-4, (heads, kv_heads, head_size, block_size, window, softcap,
-                                        partition_size, lens, err)
+                                        partition_size, lens, fused, err)
+                    assert counters_are_zero(device)
 
 
 def check_paged_decode_skips_dead_partitions(device: str) -> None:
     """As a captured graph runs it: the host claims 600-token sequences (38 partitions of
     16) while the real ones are shorter, some windowed. Partitions before the window or past
     the end must be neither written nor read: the workspace starts as NaN, the output still
-    matches, and exactly the live partitions were written."""
+    matches, and exactly the live partitions were written (by merge_kernel's partition
+    kernel; the fused one writes none where one is live)."""
     original = paged_decode.partition_workspace
     made: list[torch.Tensor] = []
 
@@ -70,7 +114,7 @@ def check_paged_decode_skips_dead_partitions(device: str) -> None:
 
     paged_decode.partition_workspace = poisoned
     try:
-        for window in (None, 20):
+        for window, fused in ((None, None), (20, None), (None, False), (20, False)):
             lens = (37, 1, 70, 16)
             case = make_case([(n, 1) for n in lens], block_size=16, num_heads=9, num_kv_heads=3,
                              head_size=64, seed=5)
@@ -81,15 +125,18 @@ def check_paged_decode_skips_dead_partitions(device: str) -> None:
             for name in ("block_tables", "seq_lens", "slot_mapping", "query_start_loc"):
                 setattr(meta, name, getattr(meta, name).to(device))
             got = triton_paged_decode(case.query.to(device), case.k_cache.to(device), case.v_cache.to(device),
-                                      meta, case.scale, window, partition_size=16)
+                                      meta, case.scale, window, partition_size=16, fused_merge=fused)
             err = (got.cpu() - want).abs().max().item()
-            assert err < 1e-4, (window, err)
+            assert err < 1e-4, (window, fused, err)
+            assert counters_are_zero(device)
             m = made.pop().cpu()  # [seqs, heads, 38 partitions]
             assert m.shape[-1] == 38
             for i, n in enumerate(lens):
                 lo = max(n - window, 0) // 16 if window else 0
+                hi = -(-n // 16)
+                live = [lo <= p < hi and (fused is False or hi - lo > 1) for p in range(38)]
                 written = ~m[i].isnan().all(dim=0)
-                assert written.tolist() == [lo <= p < -(-n // 16) for p in range(38)], (window, n, written)
+                assert written.tolist() == live, (window, fused, n, written)
     finally:
         paged_decode.partition_workspace = original
 
@@ -149,7 +196,7 @@ def check_attention_sinks(device: str) -> None:
     from tests.ops.test_attention_sinks import make_sinks
 
     for window in (None, 5):
-        for partition_size in (16, None):
+        for partition_size, fused in ((16, None), (16, False), (None, None)):
             case = make_case([(n, 1) for n in (37, 1, 70)] + [(40, 24), (17, 17)], block_size=4, num_heads=6,
                              num_kv_heads=2, head_size=24, seed=11)
             kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
@@ -164,9 +211,10 @@ def check_attention_sinks(device: str) -> None:
                 setattr(meta, name, getattr(meta, name).to(device))
             k_cache, v_cache = case.k_cache.to(device), case.v_cache.to(device)
             got = triton_paged_decode(case.query[:nd].to(device), k_cache, v_cache, meta, case.scale, window,
-                                      None, sinks.to(device), partition_size=partition_size)
+                                      None, sinks.to(device), partition_size=partition_size, fused_merge=fused)
             err = (got.cpu() - want_decode).abs().max().item()
-            assert err < 1e-4, ("decode sinks", window, partition_size, err)
+            assert err < 1e-4, ("decode sinks", window, partition_size, fused, err)
+            assert counters_are_zero(device)
             got = triton_paged_prefill(case.query[nd:].to(device), case.key[nd:].to(device),
                                        case.value[nd:].to(device), k_cache, v_cache, meta, case.scale, window,
                                        None, sinks.to(device))
@@ -178,7 +226,7 @@ def check_wide_heads_of_large_groups(device: str) -> None:
     """MLA's shape: many query heads over one KV head wider than 256, so a group takes
     several programs (query_heads_per_program) and prefill the narrowest tiles; decode
     merged from partitions and not, prefill over cached context."""
-    for partition_size in (16, None):
+    for partition_size, fused in ((16, None), (16, False), (None, None)):
         case = make_case([(37, 1), (1, 1), (20, 1), (40, 24)], block_size=16, num_heads=36, num_kv_heads=1,
                          head_size=320, seed=5)
         kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
@@ -191,9 +239,10 @@ def check_wide_heads_of_large_groups(device: str) -> None:
             setattr(meta, name, getattr(meta, name).to(device))
         k_cache, v_cache = case.k_cache.to(device), case.v_cache.to(device)
         got = triton_paged_decode(case.query[:nd].to(device), k_cache, v_cache, meta, case.scale,
-                                  partition_size=partition_size)
+                                  partition_size=partition_size, fused_merge=fused)
         err = (got.cpu() - want_decode).abs().max().item()
-        assert err < 1e-4, ("wide decode", partition_size, err)
+        assert err < 1e-4, ("wide decode", partition_size, fused, err)
+        assert counters_are_zero(device)
         got = triton_paged_prefill(case.query[nd:].to(device), case.key[nd:].to(device), case.value[nd:].to(device),
                                    k_cache, v_cache, meta, case.scale)
         err = (got.cpu() - want_prefill).abs().max().item()
@@ -220,6 +269,6 @@ def check_512_wide_heads(device: str) -> None:
     assert (got.cpu() - want_prefill).abs().max().item() < 1e-4
 
 
-ATTENTION_CHECKS = (check_kv_write, check_paged_decode, check_paged_decode_skips_dead_partitions, check_paged_prefill,
+ATTENTION_CHECKS = (check_kv_write, check_rotary_kv_write, check_paged_decode, check_paged_decode_skips_dead_partitions, check_paged_prefill,
                     check_paged_prefill_key_limits, check_attention_sinks, check_wide_heads_of_large_groups,
                     check_512_wide_heads)

@@ -22,7 +22,7 @@ from tessera.ops.triton.int4_linear import int4_linear, triton_int4_linear
 from tessera.ops.triton.int8_linear import int8_linear, triton_int8_linear
 from tessera.ops.triton.skinny_linear import SkinnyConfig, skinny_linear
 
-from tests.ops.triton_attention_cases import ATTENTION_CHECKS
+from tests.ops.triton_attention_cases import ATTENTION_CHECKS, counters_are_zero
 from tests.ops.triton_linear_attention_cases import LINEAR_ATTENTION_CHECKS
 
 
@@ -190,6 +190,7 @@ def check_skinny_linear(device: str) -> None:
                         got = skinny_linear(x.to(device), w.to(device), None if bias is None else bias.to(device),
                                             config)
                         assert got.shape == (m, n) and got.dtype == dtype
+                        assert counters_are_zero(device)  # the split-K tiles' counters
                         torch.testing.assert_close(got.cpu().float(), want, rtol=2 ** -7, atol=2e-3,
                                                    msg=lambda e: f"{dtype} {m}x{n}x{k} {config} bias "
                                                                  f"{bias is not None}: {e}")

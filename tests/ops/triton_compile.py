@@ -68,6 +68,9 @@ class Compiled:
     matrix_ops: str = ""   # the PTX's matrix instructions: "wgmma" (Hopper), "mma.sync", or none
     async_copies: int = 0  # cp.async loads in the PTX: a pipelined global -> shared stream
     fused_multiply_adds: int = 0  # fma.rn.f32 in the PTX: a product and a sum rounded once
+    # acquire-release atomics at GPU scope (semaphores.py: the last program to arrive
+    # finishes), each after a CTA barrier in the PTX
+    ordered_arrivals: int = 0
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -82,6 +85,17 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     return registers, spilled
+
+
+def _ordered_arrivals(ptx: str) -> int:
+    """Acquire-release atomic adds at GPU scope with a CTA barrier between them and the
+    last global store before them: every thread's stores are ordered before the arrival."""
+    count = 0
+    for atom in re.finditer(r"\batom\.global\.gpu\.acq_rel\.add", ptx):
+        before = ptx[:atom.start()]
+        if before.rfind("bar.sync") > before.rfind("st.global"):
+            count += 1
+    return count
 
 
 class _Recorder:
@@ -108,7 +122,8 @@ class _Recorder:
             matrix = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else ""
             self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled,
                                      conversions, matrix, len(re.findall(r"cp\.async\.c[ag]", ptx)),
-                                     len(re.findall(r"\bfma\.rn\.f32\b", ptx))))
+                                     len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+                                     _ordered_arrivals(ptx)))
 
         return launch
 
@@ -141,9 +156,10 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
     import tessera.ops.triton.paged_prefill as paged_prefill
     import tessera.ops.triton.rms_norm as rms_norm
     import tessera.ops.triton.rotary as rotary
+    import tessera.ops.triton.rotary_kv_write as rotary_kv_write
 
     out: list[Compiled] = []
-    single = (kv_write, paged_prefill, rms_norm, activation, rotary)  # modules with one _kernel
+    single = (kv_write, paged_prefill, rms_norm, activation, rotary, rotary_kv_write)  # modules with one _kernel
     originals = [m._kernel for m in single]
     original_decode = paged_decode._kernels
     try:
@@ -169,11 +185,15 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 v_cache = torch.zeros_like(k_cache)
                 rows = torch.zeros((3, hk, d), dtype=dtype)
                 kv_write.triton_kv_write(rows, rows, k_cache, v_cache, torch.zeros(3, dtype=torch.int64))
-                for batch, length in ((1, 8192), (64, 2048)):
+                rotary_kv_write.triton_rotary_kv_write(qkv[:, :h * d], qkv[:, h * d:(h + hk) * d], qkv[:, (h + hk) * d:],
+                                                       cos_sin[..., :d], cos_sin[..., d:], d, k_cache, v_cache,
+                                                       torch.zeros(2, dtype=torch.int64))
+                # batch 64 also as merge_kernel merges it (merge_plan fuses the merge here)
+                for batch, length, fused in ((1, 8192, None), (64, 2048, None), (64, 2048, False)):
                     meta = _meta(batch, [length] * batch, [1] * batch, block_size)
                     paged_decode.triton_paged_decode(torch.zeros((batch, h, d), dtype=dtype), k_cache,
                                                      v_cache, meta, d ** -0.5, shape.window, shape.softcap,
-                                                     sinks, hardware_fp8=hardware_fp8)
+                                                     sinks, hardware_fp8=hardware_fp8, fused_merge=fused)
                 meta = _meta(1, [300, 1000], [1, 512], block_size)
                 paged_prefill.triton_paged_prefill(torch.zeros((512, h, d), dtype=dtype), None, None, k_cache,
                                                    v_cache, meta, d ** -0.5, shape.window, shape.softcap,
@@ -192,7 +212,7 @@ def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
     import tessera.ops.triton.skinny_linear as skinny
 
     out: list[Compiled] = []
-    original = skinny._kernels
+    original = skinny._kernel
     h, hk, d = shape.heads, shape.kv_heads, shape.head_size
     layers = {"qkv": ((h + 2 * hk) * d, shape.hidden), "o": (shape.hidden, h * d),
               "gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate)}
@@ -200,11 +220,11 @@ def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
         for layer, (n, k) in layers.items():
             for config in skinny.candidate_configs(n, k, num_sms):
                 case = f"{shape.name} {layer} {config.name} sm_{arch}"
-                skinny._kernels = lambda case=case: tuple(_Recorder(kern, arch, case, out) for kern in original())
+                skinny._kernel = lambda case=case: _Recorder(original(), arch, case, out)
                 skinny.skinny_linear(torch.zeros((1, k), dtype=dtype), torch.zeros((n, k), dtype=dtype), None,
                                      config)
     finally:
-        skinny._kernels = original
+        skinny._kernel = original
     return out
 
 

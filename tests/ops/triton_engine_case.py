@@ -82,7 +82,7 @@ def check(folder: str) -> None:
              max_num_seqs=4, enforce_eager=True, show_progress=False) as llm:
         used = {c.builder.name for c in registry.selections() if c.spec.device == "cpu"}
         assert {"interpreted_triton_paged_decode", "interpreted_triton_paged_prefill",
-                "interpreted_triton_kv_write", "interpreted_triton_rms_norm"} <= used, used
+                "interpreted_triton_rotary_kv_write", "interpreted_triton_rms_norm"} <= used, used
         replayed = replay_like_a_cuda_graph(llm)
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1,
                                 prompt_logprobs=1)

@@ -74,8 +74,7 @@ class Gemma4Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         v = norm_per_head(self.v_norm, v, self.head_dim)  # k_proj's raw output where values are keys
         q, k = norm_per_head(self.q_norm, q, self.head_dim), norm_per_head(self.k_norm, k, self.head_dim)
-        q, k = self.rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rotary=self.rotary, rope=rope))
 
 
 class Gemma4SharedKVAttention(nn.Module):

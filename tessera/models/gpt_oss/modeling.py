@@ -49,8 +49,7 @@ class GptOssAttention(LlamaAttention):
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v, sinks=self.sinks))
+        return self.o_proj(self.attn(q, k, v, sinks=self.sinks, rotary=self.rotary, rope=rope))
 
 
 def _gate_then_up(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -75,8 +75,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if self.uses_rope:
-            q, k = self.rotary(q, k, rope)
+        if self.uses_rope:  # rotary in the attention op: with the cache write where one kernel does both
+            return self.o_proj(self.attn(q, k, v, rotary=self.rotary, rope=rope))
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -67,8 +67,7 @@ class ProjectionNormForward:
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(self.q_norm(q), self.k_norm(k), rope)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(self.q_norm(q), self.k_norm(k), v, rotary=self.rotary, rope=rope))
 
 
 class Olmo2Attention(ProjectionNormForward, LlamaAttention):

@@ -23,8 +23,7 @@ class HeadNormForward:
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-        q, k = self.rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rotary=self.rotary, rope=rope))
 
 
 class Qwen3Attention(HeadNormForward, LlamaAttention):

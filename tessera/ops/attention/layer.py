@@ -8,6 +8,7 @@ import torch
 from tessera.ops.attention.metadata import current_metadata
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpTarget, get_op
+from tessera.ops.rotary import ApplyRotary
 
 
 class Attention(OpModule):
@@ -44,6 +45,10 @@ class Attention(OpModule):
         features = dict(head_size=head_size, sliding_window=sliding_window is not None,
                         softcap=softcap is not None, sinks=sinks, kv_dtype=target.kv_cache_dtype)
         self._write = target.op("kv_write", head_size=head_size, kv_dtype=target.kv_cache_dtype)
+        # rotary and the cache write in one kernel where a builder does both (CUDA); None:
+        # the layer's rotary op, then kv_write
+        self._rotary_write = None if value_is_key else target.optional_op(
+            "rotary_kv_write", head_size=head_size, kv_dtype=target.kv_cache_dtype)
         self._prefill = target.op("paged_attention", phase="prefill", **features)
         self._decode = target.op("paged_attention", phase="decode", **features)
         # steps whose rows see past themselves (key limits: an image's tokens attending to
@@ -59,19 +64,31 @@ class Attention(OpModule):
         self.step_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, rotary: ApplyRotary | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hk*D] -> [T, Hq*D]; sinks: [Hq] float32, exactly when the
-        layer was built with sinks."""
+        layer was built with sinks. `rotary` (with this step's `rope`): q and k are turned
+        first, in one kernel with the cache write where a builder does both."""
         if self.kv_cache is None:
             raise RuntimeError("KV cache not bound; the model runner binds it before the first step")
         if (sinks is not None) != self.has_sinks:
             raise ValueError("attention sinks must be passed exactly when the layer was built with sinks=True")
         if self.value_is_key and v is not k:
             raise ValueError("a value_is_key layer caches its keys as its values: pass the keys as v")
-        k = k.view(-1, self.num_kv_heads, self.head_size)
-        v = v.view(-1, self.num_kv_heads, self.head_size)
+        if (rotary is None) != (rope is None):
+            raise ValueError("pass rotary and rope together")
         meta = current_metadata()
-        self._write(k, v, *self.kv_cache, meta.slot_mapping, meta.has_padding)
+        if rotary is not None and self._rotary_write is not None and rotary.whole_heads:
+            q, k = self._rotary_write(q, k, v, rope[0], rope[1], self.head_size, *self.kv_cache,
+                                      meta.slot_mapping, meta.has_padding)
+            k = k.view(-1, self.num_kv_heads, self.head_size)
+            v = v.view(-1, self.num_kv_heads, self.head_size)
+        else:
+            if rotary is not None:
+                q, k = rotary(q, k, rope)
+            k = k.view(-1, self.num_kv_heads, self.head_size)
+            v = v.view(-1, self.num_kv_heads, self.head_size)
+            self._write(k, v, *self.kv_cache, meta.slot_mapping, meta.has_padding)
         if self.keeps_step_kv:
             self.step_kv = (k, v)
         return self.attend(q, k, v, sinks)

@@ -6,9 +6,12 @@ a whole GQA group: a program takes one (sequence, KV head, partition of the cont
 puts the group's query heads on the rows of a [group, tokens] score tile (tl.dot; rows past
 the group are masked). It walks its partition in tiles of TILE_N tokens whatever the cache
 block size, looking the block of every token up in the table, and keeps a running max /
-sum / weighted V per query head (online softmax). A second kernel merges the partitions;
-with one partition it reads that one row back, so short contexts pay almost nothing for it.
-A head's attention sink (gpt-oss) joins its softmax's denominator in the merge.
+sum / weighted V per query head (online softmax). The partitions are merged without a
+second launch where that is short: the last program of a group to finish (a counter,
+semaphores.py) merges them, and a group's only live partition writes the output itself;
+where the merge would be a long loop for one program (many partitions of wide heads) a
+second kernel does it, spread over (sequence, head). A head's attention sink (gpt-oss)
+joins its softmax's denominator in the merge.
 Partitions wholly before a sliding window or past a sequence's end read and write nothing
 and the merge reads only the live ones: a captured graph's grid covers max_model_len, so at
 replay most of its partitions are such.
@@ -25,6 +28,7 @@ KV_FORMAT 0 (the model dtype) compiles to the plain loads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -32,12 +36,14 @@ import torch
 from tessera.ops.attention.kv_quant import QUANTIZED_KV, kv_format
 from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
+from tessera.ops.triton import semaphores
 from tessera.ops.triton.availability import triton_missing
 
 PARTITION_SIZE = 512  # the most tokens one program takes
 TILE_N = 64           # tokens per inner step (fewer for wide rows: key_tile)
 MIN_PROGRAMS = 264    # about two programs per SM on an H100 (132 SMs)
-MERGE_CHUNK = 32     # partitions the merge reads at a time
+MERGE_CHUNK = 32      # partitions a merge reads at a time, 256 wide or narrower (merge_plan)
+MAX_FUSED_MERGE_STEPS = 16
 NO_WINDOW = 1 << 30   # "no sliding window" as a window longer than any context
 
 
@@ -46,19 +52,65 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    global fp8  # a module global: the interpreter does not see this closure (fp8.py)
+    # module globals: the interpreter does not see this closure's names (fp8.py)
+    global fp8, finish, merge_head
     from tessera.ops.triton import fp8
 
     # The lengths, partition and table sizes change from step to step: left unspecialised,
     # one compile serves every step (Triton otherwise compiles a variant per value that is 1
     # or a multiple of 16, each taking a second mid-serving).
+    @triton.jit
+    def finish(o, total, m_all, heads, h_mask, d, d_mask, out_ptr, sinks_ptr, seq, num_heads, head_size,
+               USE_SINKS: tl.constexpr):
+        """Rows [heads] of the output from a weighted V sum, its softmax denominator and the
+        max it is scaled to; a head's sink (gpt-oss) joins the denominator."""
+        if USE_SINKS:  # the sink's exp in the denominator, everything rescaled to max(m, sink)
+            sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32)
+            top = tl.maximum(m_all, sink)
+            kept = tl.exp(m_all - top)
+            o = o * (kept / (total * kept + tl.exp(sink - top)))[:, None]
+        else:
+            o = o / total[:, None]
+        tl.store(out_ptr + (seq * num_heads + heads)[:, None] * head_size + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+    @triton.jit
+    def merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head, lo, hi, num_heads, head_size,
+                   num_partitions, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, USE_SINKS: tl.constexpr):
+        """One head's output from its live partitions [lo, hi), BLOCK_P at a time, so a
+        long context never needs a huge tile. The parts are read past L1 (.cg): in the
+        fused merge, other SMs wrote them."""
+        base = (seq * num_heads + head) * num_partitions
+        p = tl.arange(0, BLOCK_P)
+        m_all = -float("inf")
+        for p0 in range(lo, hi, BLOCK_P):
+            m = tl.load(m_ptr + base + p0 + p, mask=p0 + p < hi, other=-float("inf"), cache_modifier=".cg")
+            m_all = tl.maximum(m_all, tl.max(m, axis=0))
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < head_size
+        total = tl.zeros([BLOCK_P], dtype=tl.float32)
+        o = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for p0 in range(lo, hi, BLOCK_P):
+            p_mask = p0 + p < hi
+            m = tl.load(m_ptr + base + p0 + p, mask=p_mask, other=-float("inf"), cache_modifier=".cg")
+            l = tl.load(l_ptr + base + p0 + p, mask=p_mask, other=0.0, cache_modifier=".cg")
+            w = tl.where(p_mask & (l > 0), tl.exp(m - m_all), 0.0)
+            total += w * l
+            acc = tl.load(acc_ptr + (base + p0 + p)[:, None] * head_size + d[None, :],
+                          mask=p_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+            o += tl.sum(w[:, None] * acc, axis=0)
+        one = tl.arange(0, 1)
+        finish(o[None, :], tl.sum(total, axis=0) + tl.zeros([1], dtype=tl.float32), m_all + tl.zeros([1], dtype=tl.float32),
+               head + one, one == 0, d, d_mask, out_ptr, sinks_ptr, seq, num_heads, head_size, USE_SINKS)
+
     @triton.jit(do_not_specialize=["table_width", "num_partitions", "partition"])
     def partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
-                       m_ptr, l_ptr, acc_ptr, scale, softcap, window,
+                       m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, counters_ptr, scale, softcap, window,
                        num_heads, num_kv_heads, head_size, table_width, num_partitions, partition, head_chunks,
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
+                       KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
+                       MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // head_chunks  # a group wider than BLOCK_G takes several programs
         chunk = tl.program_id(1) % head_chunks
@@ -103,52 +155,38 @@ def _kernels():
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
-            out = (seq * num_heads + heads) * num_partitions + part
-            tl.store(m_ptr + out, m_i, mask=g_mask)
-            tl.store(l_ptr + out, l_i, mask=g_mask)
-            tl.store(acc_ptr + out[:, None] * head_size + d[None, :], acc,
-                     mask=g_mask[:, None] & d_mask[None, :])
+            lo = first // partition  # the live partitions: [lo, hi)
+            hi = tl.minimum((length + partition - 1) // partition, num_partitions)
+            if FUSED_MERGE and hi - lo == 1:  # the only live partition: the output itself
+                finish(acc, l_i, m_i, heads, g_mask, d, d_mask, out_ptr, sinks_ptr, seq, num_heads, head_size,
+                       USE_SINKS)
+            else:
+                out = (seq * num_heads + heads) * num_partitions + part
+                tl.store(m_ptr + out, m_i, mask=g_mask)
+                tl.store(l_ptr + out, l_i, mask=g_mask)
+                tl.store(acc_ptr + out[:, None] * head_size + d[None, :], acc,
+                         mask=g_mask[:, None] & d_mask[None, :])
+                if FUSED_MERGE:  # the last of the group's live partitions to finish merges them
+                    tl.debug_barrier()  # every thread's stores precede the release below
+                    counter = counters_ptr + seq * tl.num_programs(1) + tl.program_id(1)
+                    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == hi - lo - 1:
+                        head0 = kv_head * group + chunk * BLOCK_G
+                        for head in range(head0, tl.minimum(head0 + BLOCK_G, (kv_head + 1) * group)):
+                            merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head, lo, hi, num_heads,
+                                       head_size, num_partitions, BLOCK_D, MERGE_P, USE_SINKS)
+                        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
     @triton.jit(do_not_specialize=["num_partitions", "partition"])
     def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lens_ptr, sinks_ptr, window, num_heads, head_size,
                      num_partitions, partition, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
                      USE_SINKS: tl.constexpr):
-        # only the partitions the first kernel wrote (those within [first, length)), in
-        # chunks of BLOCK_P, so a long context never needs a huge tile
+        # only the partitions the first kernel wrote (those within [first, length))
         seq = tl.program_id(0)
-        head = tl.program_id(1)
         length = tl.load(lens_ptr + seq)
         lo = tl.maximum(length - window, 0) // partition
         hi = tl.minimum((length + partition - 1) // partition, num_partitions)  # the grid's, at most
-        base = (seq * num_heads + head) * num_partitions
-        p = tl.arange(0, BLOCK_P)
-        m_all = -float("inf")
-        for p0 in range(lo, hi, BLOCK_P):
-            m = tl.load(m_ptr + base + p0 + p, mask=p0 + p < hi, other=-float("inf"))
-            m_all = tl.maximum(m_all, tl.max(m, axis=0))
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < head_size
-        total = tl.zeros([BLOCK_P], dtype=tl.float32)
-        o = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for p0 in range(lo, hi, BLOCK_P):
-            pmask = p0 + p < hi
-            m = tl.load(m_ptr + base + p0 + p, mask=pmask, other=-float("inf"))
-            l = tl.load(l_ptr + base + p0 + p, mask=pmask, other=0.0)
-            w = tl.where(pmask & (l > 0), tl.exp(m - m_all), 0.0)
-            total += w * l
-            acc = tl.load(acc_ptr + (base + p0 + p)[:, None] * head_size + d[None, :],
-                          mask=pmask[:, None] & dmask[None, :], other=0.0)
-            o += tl.sum(w[:, None] * acc, axis=0)
-        total = tl.sum(total, axis=0)
-        if USE_SINKS:  # the sink's exp in the denominator, everything rescaled to max(m, sink)
-            sink = tl.load(sinks_ptr + head).to(tl.float32)
-            top = tl.maximum(m_all, sink)
-            kept = tl.exp(m_all - top)
-            o = o * kept / (total * kept + tl.exp(sink - top))
-        else:
-            o = o / total
-        tl.store(out_ptr + (seq * num_heads + head) * head_size + d,
-                 o.to(out_ptr.dtype.element_ty), mask=dmask)
+        merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, tl.program_id(1), lo, hi, num_heads,
+                   head_size, num_partitions, BLOCK_D, BLOCK_P, USE_SINKS)
 
     return partial_kernel, merge_kernel
 
@@ -214,6 +252,31 @@ def choose_partition(batch: int, num_kv_heads: int, max_len: int, largest: int =
     return size
 
 
+@dataclass(frozen=True)
+class MergePlan:
+    """How a decode's partitions are merged: in the partition kernel by the last program
+    of each group to finish (`fused`: no second launch; a group's one live partition writes
+    the output directly), or by merge_kernel, spread over (sequence, head) programs, where
+    that last program would loop too long. Either reads `partitions` at a time."""
+
+    fused: bool
+    partitions: int
+
+
+def merge_plan(group: int, block_g: int, block_d: int, num_partitions: int) -> MergePlan:
+    """merge_kernel reads as many partition rows at a time as 32 of 256 wide (it spills
+    nothing), a fused merge half that (beside the partition loop's registers). Fused
+    while the last program's loop (its heads one at a time, each over every partition of
+    the grid, which the live ones are at most) takes at most MAX_FUSED_MERGE_STEPS tiles:
+    Llama-3-8B's groups of 4 at batch 1 over 8k tokens (64 partitions) take 16; MLA's
+    576-wide latent over long contexts, hundreds, so it keeps merge_kernel."""
+    partitions = max(1, MERGE_CHUNK * 256 // max(block_d, 256))
+    fused = max(1, partitions // 2)
+    if min(group, block_g) * -(-num_partitions // fused) <= MAX_FUSED_MERGE_STEPS:
+        return MergePlan(True, fused)
+    return MergePlan(False, partitions)
+
+
 def partition_workspace(batch: int, num_heads: int, num_partitions: int, head_size: int,
                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per (sequence, head, partition): running max, sum and weighted V, float32, left
@@ -228,12 +291,12 @@ def partition_workspace(batch: int, num_heads: int, num_partitions: int, head_si
 def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
                         softcap: float | None = None, sinks: torch.Tensor | None = None,
-                        partition_size: int | None = None,
-                        hardware_fp8: bool | None = None) -> torch.Tensor:
+                        partition_size: int | None = None, hardware_fp8: bool | None = None,
+                        fused_merge: bool | None = None) -> torch.Tensor:
     """query [B, Hq, D] -> [B, Hq, D] for the first `num_decodes` sequences, over caches in
     the model dtype or an 8-bit float (read widened to the query's dtype).
     `partition_size` (a power of two >= 16) overrides the automatic choice, `hardware_fp8`
-    fp8_in_hardware's (tests)."""
+    fp8_in_hardware's, `fused_merge` merge_plan's (tests)."""
     b = meta.num_decodes
     num_heads, head_size = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -258,15 +321,22 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_g = query_heads_per_program(group, block_d)
     head_chunks = -(-group // block_g)
     window = sliding_window or NO_WINDOW
+    plan = merge_plan(group, block_g, block_d, num_partitions)
+    if fused_merge is not None:
+        plan = replace(plan, fused=fused_merge)
+    sinks_arg = m if sinks is None else sinks
     partial_kernel[(b, num_kv_heads * head_chunks, num_partitions)](
-        q, k_cache, v_cache, tables, lens, m, l, acc, scale, softcap or 1.0, window,
+        q, k_cache, v_cache, tables, lens, m, l, acc, out, sinks_arg,
+        semaphores.counters(q.device, b * num_kv_heads * head_chunks), scale, softcap or 1.0, window,
         num_heads, num_kv_heads, head_size, tables.shape[1], num_partitions, partition_size, head_chunks,
         BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=block_g,
         TILE=min(key_tile(head_size, held), partition_size),
         USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8,
-        num_warps=8 if block_d > 256 else 4)  # a 1024-wide accumulator over 4 warps would spill
-    merge_kernel[(b, num_heads)](m, l, acc, out, lens, m if sinks is None else sinks, window, num_heads,
-                                 head_size, num_partitions, partition_size, BLOCK_D=block_d,
-                                 # as many partition rows as 32 of 256 wide (no spills)
-                                 BLOCK_P=max(1, MERGE_CHUNK * 256 // max(block_d, 256)), USE_SINKS=sinks is not None)
+        FUSED_MERGE=plan.fused, MERGE_P=plan.partitions, USE_SINKS=sinks is not None,
+        # a 1024-wide accumulator over 4 warps would spill, as would float32's tiles beside a fused merge
+        num_warps=8 if block_d > 256 or q.dtype == torch.float32 else 4)
+    if not plan.fused:
+        merge_kernel[(b, num_heads)](m, l, acc, out, lens, sinks_arg, window, num_heads, head_size,
+                                     num_partitions, partition_size, BLOCK_D=block_d, BLOCK_P=plan.partitions,
+                                     USE_SINKS=sinks is not None)
     return out

@@ -10,6 +10,7 @@ compiler fused them into FMAs (an H200 run: 346 of 1536 values off torch's separ
 fusion is off for this kernel."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -23,8 +24,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global rounding  # a module global: the interpreter does not see this closure (fp8.py)
-    from tessera.ops.triton import rounding
+    global rotation  # a module global: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import rotation
 
     @triton.jit
     def rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
@@ -33,8 +34,6 @@ def _kernel():
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = head_size // 2
-        i = tl.arange(0, BLOCK_H)
-        mask = i < half
         if head < num_q_heads:
             src = q_ptr + token * q_stride + head * head_size
             dst = q_out_ptr + (token * num_q_heads + head) * head_size
@@ -42,43 +41,56 @@ def _kernel():
             num_k_heads = tl.num_programs(1) - num_q_heads
             src = k_ptr + token * k_stride + (head - num_q_heads) * head_size
             dst = k_out_ptr + (token * num_k_heads + head - num_q_heads) * head_size
-        x1 = tl.load(src + i, mask=mask, other=0.0)
-        x2 = tl.load(src + half + i, mask=mask, other=0.0)
-        c1 = tl.load(cos_ptr + token * cos_stride + i, mask=mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + token * cos_stride + half + i, mask=mask, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + token * sin_stride + i, mask=mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + token * sin_stride + half + i, mask=mask, other=0.0).to(tl.float32)
-        dt = x1.dtype
-        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product rounded
-        o1 = rounding.rounded(a1 * c1, ROUND_BF16, dt) + rounding.rounded(-a2 * s1, ROUND_BF16, dt)
-        o2 = rounding.rounded(a2 * c2, ROUND_BF16, dt) + rounding.rounded(a1 * s2, ROUND_BF16, dt)
-        tl.store(dst + i, rounding.rounded(o1, ROUND_BF16, dt).to(dt), mask=mask)
-        tl.store(dst + half + i, rounding.rounded(o2, ROUND_BF16, dt).to(dt), mask=mask)
+        o1, o2, i, mask = rotation.rotate_head(src, cos_ptr + token * cos_stride, sin_ptr + token * sin_stride,
+                                               half, BLOCK_H, ROUND_BF16)
+        tl.store(dst + i, o1, mask=mask)
+        tl.store(dst + half + i, o2, mask=mask)
 
     return rotary_kernel
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its rows (a view where it already has: q/k views of QKV)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@dataclass
+class RotaryLaunch:
+    """What a rotary kernel launch takes (this one's, rotary_kv_write.py's): q / k and the
+    cos / sin rows with unit strides along rows, the new q / k, the heads of each."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_out: torch.Tensor
+    k_out: torch.Tensor
+    num_q: int
+    num_k: int
+    block_h: int  # half a head, to a power of two
+
+
+def rotary_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  head_size: int) -> RotaryLaunch:
+    if head_size % 2 or q.shape[-1] % head_size or k.shape[-1] % head_size:
+        raise ValueError(f"rotary needs an even head_size dividing q and k, got {head_size} "
+                         f"for widths {q.shape[-1]}, {k.shape[-1]}")
+    q, k = rows_of(q), rows_of(k)
+    return RotaryLaunch(q, k, rows_of(cos.reshape(cos.shape[0], -1)), rows_of(sin.reshape(sin.shape[0], -1)),
+                        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+                        q.shape[-1] // head_size, k.shape[-1] // head_size,
+                        1 << max(0, (head_size // 2 - 1).bit_length()))
 
 
 @register_op("rotary", name="triton_rotary", priority=20, devices=("cuda",), check=triton_missing)
 def triton_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq*D], k: [T, Hk*D]; cos/sin: [T, 1, D] -> new q, k of the same shapes."""
-    if head_size % 2 or q.shape[-1] % head_size or k.shape[-1] % head_size:
-        raise ValueError(f"rotary needs an even head_size dividing q and k, got {head_size} "
-                         f"for widths {q.shape[-1]}, {k.shape[-1]}")
-    q, k = _rows(q), _rows(k)
-    cos, sin = _rows(cos.reshape(cos.shape[0], -1)), _rows(sin.reshape(sin.shape[0], -1))
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    tokens = q.shape[0]
-    num_q, num_k = q.shape[-1] // head_size, k.shape[-1] // head_size
-    if tokens:
-        _kernel()[(tokens, num_q + num_k)](
-            q, k, cos, sin, q_out, k_out, q.stride(0), k.stride(0), cos.stride(0), sin.stride(0),
-            num_q, head_size, BLOCK_H=1 << max(0, (head_size // 2 - 1).bit_length()),
+    run = rotary_launch(q, k, cos, sin, head_size)
+    if run.q.shape[0]:
+        _kernel()[(run.q.shape[0], run.num_q + run.num_k)](
+            run.q, run.k, run.cos, run.sin, run.q_out, run.k_out, run.q.stride(0), run.k.stride(0),
+            run.cos.stride(0), run.sin.stride(0), run.num_q, head_size, BLOCK_H=run.block_h,
             ROUND_BF16=q.dtype == torch.bfloat16, num_warps=1, enable_fp_fusion=False)
-    return q_out, k_out
+    return run.q_out, run.k_out

@@ -7,7 +7,8 @@ not always: on the H100 its kernel for Llama-3-8B's o_proj (4096 x 4096) reached
 computed transposed, W [N, K] @ x^T [K, rows padded to 16], so the weight's rows fill the
 matrix unit's wide side; tiles of the weight stream through a multi-stage pipeline, and
 the K dimension splits across programs when N alone gives too few to fill the chip
-(fp32 partial sums, added by a second small kernel).
+(fp32 partial sums, added up by the last of a tile's programs to finish: semaphores.py,
+no second kernel).
 
 Which tile, split and pipeline depth wins depends on the shape and the chip, so nothing is
 guessed: the builder measures the candidates against cuBLAS (tessera/ops/kernel_tuning.py)
@@ -26,10 +27,10 @@ import torch.nn.functional as F
 
 from tessera.ops.kernel_tuning import TacticTable, tunes_up_to, tuning_open
 from tessera.ops.registry import register_op
+from tessera.ops.triton import semaphores
 from tessera.ops.triton.availability import triton_missing
 
 MAX_ROWS = 16  # the rows one program covers (the matrix unit's narrow side)
-REDUCE_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -52,16 +53,18 @@ TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4))
 
 
 @lru_cache(maxsize=None)
-def _kernels():
+def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["M"])  # one compile for every row count (1 would be its own)
-    def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, x_stride, w_stride,
-                      out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one compile for every row count and split (1 would be its own)
+    @triton.jit(do_not_specialize=["M", "splits"])
+    def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, k_per_split, splits,
+                      x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        tile = tl.program_id(0)
         split = tl.program_id(1)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = n < N, m < M
         k_begin = split * k_per_split
@@ -80,28 +83,27 @@ def _kernels():
                 x = tl.load(x_cols + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
             acc = tl.dot(w, x, acc)
         mask = n_ok[:, None] & m_ok[None, :]
-        if PARTIAL:  # fp32 partial sums [split, M, N]; split_sum_kernel adds them
-            tl.store(out_ptr + (split * M + m[None, :]) * N + n[:, None], acc, mask=mask)
-        else:
+        last = True
+        if PARTIAL:
+            # fp32 partial sums [split, M, N]; the tile's last split to finish adds them up in
+            # split order (the same sum whichever finishes last) and writes the output
+            parts = part_ptr + m[None, :] * N + n[:, None]
+            tl.store(parts + split * M * N, acc, mask=mask)
+            tl.debug_barrier()  # every thread's stores precede the release below
+            arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            last = arrived == splits - 1
+            if last:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in range(0, splits):  # past L1 (.cg): other SMs wrote them
+                    acc += tl.load(parts + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        if last:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptr + m[None, :] * out_stride + n[:, None], acc.to(out_ptr.dtype.element_ty),
                      mask=mask)
 
-    @triton.jit(do_not_specialize=["M"])
-    def split_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, splits, out_stride,
-                         HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(0, splits):
-            acc += tl.load(part_ptr + (s * M + row) * N + cols, mask=ok, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-    return skinny_kernel, split_sum_kernel
+    return skinny_kernel
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -120,20 +122,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         per_split = -(-k // config.split_k)
         k_per_split = -(-per_split // config.block_k) * config.block_k
         splits = max(-(-k // k_per_split), 1)
-        partial = splits > 1
-        target = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if partial else out
-        skinny, split_sum = _kernels()
-        skinny[(-(-n // config.block_n), splits)](
-            rows, weight, bias if bias is not None else weight, target, m, n, k, k_per_split,
-            rows.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, PARTIAL=partial,
+        tiles = -(-n // config.block_n)
+        parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+        _kernel()[(tiles, splits)](
+            rows, weight, bias if bias is not None else weight, out, parts, semaphores.counters(x.device, tiles),
+            m, n, k, k_per_split, splits, rows.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, PARTIAL=splits > 1,
             EVEN=n % config.block_n == 0 and k % config.block_k == 0,
             BLOCK_N=config.block_n, BLOCK_M=MAX_ROWS, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages)
-        if partial:
-            split_sum[(m, -(-n // REDUCE_BLOCK))](target, bias if bias is not None else target, out, m, n,
-                                                 splits, out.stride(0), HAS_BIAS=bias is not None,
-                                                 BLOCK=REDUCE_BLOCK)
     return out.reshape(*x.shape[:-1], n)
 
 
