@@ -16,6 +16,8 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(OpModule):
+    kind = "silu_and_mul"  # what a gated down projection applies itself (RowParallelLinear.gated)
+
     def __init__(self, target: OpTarget):
         super().__init__()
         self._act = target.op("silu_and_mul")
@@ -32,6 +34,8 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class GeluTanhAndMul(OpModule):
+    kind = "gelu_tanh_and_mul"
+
     def __init__(self, target: OpTarget):
         super().__init__()
         self._act = target.op("gelu_tanh_and_mul")

@@ -62,6 +62,8 @@ class RowParallelLinear(Linear):
         self.in_span, self.tp_size, self.full_in_features = span, target.tp_size, in_features
         self.add_bias = target.tp_rank == 0
         self.weight.weight_loader = self._load_weight
+        # a gated MLP's activation applied while this layer loads its input (gated())
+        self._gated = target.optional_op("gated_linear", quant=target.quant)
 
     def _load_weight(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         expected = (self.out_features, self.full_in_features)
@@ -76,6 +78,17 @@ class RowParallelLinear(Linear):
         if self.lora is not None:  # each rank's partial delta (its input columns of A) is
             out = self.lora(x, out)  # summed by the all-reduce with the partial product
         return all_reduce(out, self.tp_size)
+
+    def gated(self, act: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(act(gate_up)) for a gated MLP's activation module (`act.kind`: SiluAndMul,
+        GeluTanhAndMul): in one op where a builder applies the activation while loading its
+        input (CUDA, unquantized; not with LoRA on this layer, whose delta reads the
+        activation), else the activation's op, then this layer."""
+        kind = getattr(act, "kind", None)
+        if self._gated is None or self.lora is not None or kind is None:
+            return self(act(gate_up))
+        return all_reduce(self._gated(gate_up, self.weight, self.bias if self.add_bias else None, kind),
+                          self.tp_size)
 
 
 class PackedLinear(Linear):

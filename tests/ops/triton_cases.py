@@ -194,6 +194,24 @@ def check_skinny_linear(device: str) -> None:
                         torch.testing.assert_close(got.cpu().float(), want, rtol=2 ** -7, atol=2e-3,
                                                    msg=lambda e: f"{dtype} {m}x{n}x{k} {config} bias "
                                                                  f"{bias is not None}: {e}")
+    # a gated MLP's down projection: the activation applied while loading gives what the
+    # activation's kernel, then the linear give, bit for bit (the same roundings)
+    for activation, act_kernel in (("silu_and_mul", triton_silu_and_mul), ("gelu_tanh_and_mul", triton_gelu_tanh_and_mul)):
+        for m, n, k in ((1, 64, 256), (5, 40, 200)):
+            wide = (torch.randn(m, 2 * k + 8, generator=g) * 2).to(torch.float16)
+            gate_up = wide[:, 8:].to(device)  # strided, as a packed gate-up view
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.float16).to(device)
+            for config in configs:
+                got = skinny_linear(gate_up, w, None, config, activation)
+                want = skinny_linear(act_kernel(gate_up), w, None, config)
+                assert torch.equal(got, want), (activation, m, n, k, config)
+                assert counters_are_zero(device)
+    try:
+        skinny_linear(gate_up[:, :k], w, None, configs[0], "silu_and_mul")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a gated input as wide as the weight accepted")
     x = torch.randn(2, 3, 32, generator=g).to(torch.float16)  # leading dims kept
     w = torch.randn(24, 32, generator=g).to(torch.float16)
     got = skinny_linear(x.to(device), w.to(device), None, configs[0])
@@ -218,7 +236,7 @@ def check_tuned_linear(device: str) -> None:
     g = torch.Generator().manual_seed(9)
     x = torch.randn(5, 600, generator=g).to(torch.float16).to(device)
     w = (torch.randn(80, 600, generator=g) / 25).to(torch.float16).to(device)
-    key = (8, 80, 600, torch.float16, False)
+    key = (8, 80, 600, torch.float16, False, None)
     module._TABLE.clear()
     measured = len(tuning.records())
     assert torch.equal(module.tuned_linear(x, w, None), F.linear(x, w, None))
@@ -227,8 +245,8 @@ def check_tuned_linear(device: str) -> None:
     favourite = module.candidate_configs(80, 600, 4)[-1]
     assert favourite.split_k > 1, favourite
 
-    def timer(runs: dict) -> dict[str, float]:  # candidates: partials of (x, weight, bias[, config])
-        return {name: 1e-5 if run.args[-1] == favourite else 2e-5 for name, run in runs.items()}
+    def timer(runs: dict) -> dict[str, float]:  # candidates: partials of (x, weight, bias, config | activation, ...)
+        return {name: 1e-5 if run.args[3] == favourite else 2e-5 for name, run in runs.items()}
 
     original = module._timer, module._num_sms
     module._timer, module._num_sms = (lambda device: timer), (lambda device: 4)
@@ -251,6 +269,28 @@ def check_tuned_linear(device: str) -> None:
     with tuning.kernel_tuning():
         assert torch.equal(module.tuned_linear(many, w, None), F.linear(many, w, None))
     assert len(tuning.records()) == measured + 1  # only the first window measured
+
+    # the gated down projection: its own shape key (so it is measured on its own), the
+    # activation's kernel then cuBLAS as its reference, the same choice logic
+    gate_up = torch.randn(5, 1200, generator=g).to(torch.float16).to(device)
+    act_then_linear = F.linear(triton_silu_and_mul(gate_up), w, None)
+    assert torch.equal(module.tuned_gated_linear(gate_up, w, None, "silu_and_mul"), act_then_linear)
+    module._timer, module._num_sms = (lambda device: timer), (lambda device: 4)
+    try:
+        with tuning.kernel_tuning():
+            got = module.tuned_gated_linear(gate_up, w, None, "silu_and_mul")
+    finally:
+        module._timer, module._num_sms = original
+    record = tuning.records()[-1]
+    assert record.key == (*key[:-1], "silu_and_mul") and record.chosen == favourite.name, record
+    assert torch.equal(got, skinny_linear(gate_up, w, None, favourite, "silu_and_mul"))
+    torch.testing.assert_close(got.float(), act_then_linear.float(), rtol=2 ** -7, atol=2e-3)
+    try:
+        module.tuned_gated_linear(gate_up, w, None, "relu")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an unknown activation accepted")
     module._TABLE.clear()
 
 

@@ -208,21 +208,25 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
 def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
                    dtype: torch.dtype = torch.bfloat16) -> list[Compiled]:
     """Every candidate the few-row linear times (tessera/ops/triton/skinny_linear.py) at
-    the shape's four projections (QKV, o, gate-up, down), one row, on `num_sms` SMs."""
+    the shape's four projections (QKV, o, gate-up, down, and down applying SiLU-and-mul to
+    its gate-up input), one row, on `num_sms` SMs."""
     import tessera.ops.triton.skinny_linear as skinny
 
     out: list[Compiled] = []
     original = skinny._kernel
     h, hk, d = shape.heads, shape.kv_heads, shape.head_size
     layers = {"qkv": ((h + 2 * hk) * d, shape.hidden), "o": (shape.hidden, h * d),
-              "gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate)}
+              "gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate),
+              "down_gated": (shape.hidden, shape.intermediate)}  # SiLU-and-mul applied while loading
     try:
         for layer, (n, k) in layers.items():
+            gated = layer == "down_gated"
             for config in skinny.candidate_configs(n, k, num_sms):
                 case = f"{shape.name} {layer} {config.name} sm_{arch}"
                 skinny._kernel = lambda case=case: _Recorder(original(), arch, case, out)
-                skinny.skinny_linear(torch.zeros((1, k), dtype=dtype), torch.zeros((n, k), dtype=dtype), None,
-                                     config)
+                skinny.skinny_linear(torch.zeros((1, 2 * k if gated else k), dtype=dtype),
+                                     torch.zeros((n, k), dtype=dtype), None, config,
+                                     "silu_and_mul" if gated else None)
     finally:
         skinny._kernel = original
     return out

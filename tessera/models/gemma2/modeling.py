@@ -59,7 +59,7 @@ class Gemma2MLP(nn.Module):
         self.act_fn = GeluTanhAndMul(target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.gated(self.act_fn, self.gate_up_proj(x))
 
 
 class Gemma2Attention(LlamaAttention):

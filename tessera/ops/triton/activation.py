@@ -18,21 +18,17 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    global gating  # a module global: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import gating
+
     @triton.jit
-    def gated_kernel(x_ptr, out_ptr, width, x_stride, GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+    def gated_kernel(x_ptr, out_ptr, width, x_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < width
         gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * x_stride + width + cols, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        if GELU_TANH:
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi) * (g + 0.044715 g^3)
-            act = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * inner)))      # 0.5 g (1 + tanh(inner))
-        else:
-            act = g / (1.0 + tl.exp(-g))
-        act = act.to(gate.dtype).to(tl.float32)
-        tl.store(out_ptr + row * width + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * width + cols, gating.gated(gate, up, ACT).to(out_ptr.dtype.element_ty), mask=mask)
 
     return gated_kernel
 
@@ -45,7 +41,7 @@ def _gated(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0] and width:
         _kernel()[(rows.shape[0], -(-width // BLOCK))](rows, out, width, rows.stride(0),
-                                                       GELU_TANH=gelu_tanh, BLOCK=BLOCK)
+                                                       ACT=2 if gelu_tanh else 1, BLOCK=BLOCK)
     return out
 
 

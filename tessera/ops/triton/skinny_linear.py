@@ -28,9 +28,12 @@ import torch.nn.functional as F
 from tessera.ops.kernel_tuning import TacticTable, tunes_up_to, tuning_open
 from tessera.ops.registry import register_op
 from tessera.ops.triton import semaphores
+from tessera.ops.triton.activation import triton_gelu_tanh_and_mul, triton_silu_and_mul
 from tessera.ops.triton.availability import triton_missing
 
 MAX_ROWS = 16  # the rows one program covers (the matrix unit's narrow side)
+# the gated activations applied while loading (the kernel's ACT codes: gating.py)
+ACTIVATIONS = {None: 0, "silu_and_mul": 1, "gelu_tanh_and_mul": 2}
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,24 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    # module globals: the interpreter does not see this closure's names (fp8.py)
+    global gating, load_input
+    from tessera.ops.triton import gating
+
+    @triton.jit
+    def load_input(cols, k, K, mask, ACT: tl.constexpr):
+        """Input columns k of the rows at `cols`; with ACT, a gated MLP's activation of
+        the packed gate (columns k) and up (K + k) halves, rounded as the activation op
+        rounds its output."""
+        x = tl.load(cols + k, mask=mask, other=0.0)
+        if ACT != 0:
+            x = gating.gated(x, tl.load(cols + K + k, mask=mask, other=0.0), ACT).to(x.dtype)
+        return x
+
     # one compile for every row count and split (1 would be its own)
     @triton.jit(do_not_specialize=["M", "splits"])
     def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, k_per_split, splits,
-                      x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                      x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ACT: tl.constexpr,
                       EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         tile = tl.program_id(0)
         split = tl.program_id(1)
@@ -76,11 +93,11 @@ def _kernel():
             k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:  # whole tiles: the weight loads need no mask
                 w = tl.load(w_rows + k[None, :])
-                x = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
+                x = load_input(x_cols, k[:, None], K, m_ok[None, :], ACT)
             else:
                 k_ok = k < k_end
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_cols + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                x = load_input(x_cols, k[:, None], K, m_ok[None, :] & k_ok[:, None], ACT)
             acc = tl.dot(w, x, acc)
         mask = n_ok[:, None] & m_ok[None, :]
         last = True
@@ -107,11 +124,18 @@ def _kernel():
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: SkinnyConfig) -> torch.Tensor:
-    """x @ weight.T + bias for at most MAX_ROWS rows of x (any leading shape)."""
-    k = x.shape[-1]
+                  config: SkinnyConfig, activation: str | None = None) -> torch.Tensor:
+    """x @ weight.T + bias for at most MAX_ROWS rows of x (any leading shape). With an
+    `activation` ("silu_and_mul", "gelu_tanh_and_mul"), x is a gated MLP's packed gate-up
+    rows (twice the weight's in features) and the product is of act(gate) * up, as that
+    op computes it, applied while loading: a down projection without the activation's
+    kernel."""
+    k = weight.shape[1]
+    if x.shape[-1] != (2 * k if activation else k):
+        raise ValueError(f"skinny_linear: input width {x.shape[-1]} for in features {k}"
+                         f"{' (gated: twice)' if activation else ''}")
     n = weight.shape[0]
-    rows = x.reshape(-1, k)
+    rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
@@ -127,7 +151,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _kernel()[(tiles, splits)](
             rows, weight, bias if bias is not None else weight, out, parts, semaphores.counters(x.device, tiles),
             m, n, k, k_per_split, splits, rows.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+            HAS_BIAS=bias is not None, PARTIAL=splits > 1, ACT=ACTIVATIONS[activation],
             EVEN=n % config.block_n == 0 and k % config.block_k == 0,
             BLOCK_N=config.block_n, BLOCK_M=MAX_ROWS, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages)
@@ -173,28 +197,60 @@ def _timer(device: torch.device) -> Callable[[dict[str, Callable[[], torch.Tenso
     return functools.partial(time_cold, device=device)
 
 
-def _tune(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+def _tune(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          activation: str | None) -> str:
     n, k = weight.shape
-    candidates = {"torch": functools.partial(F.linear, x, weight, bias)}
+    candidates = {"torch": functools.partial(_reference, x, weight, bias, activation)}
     for config in candidate_configs(n, k, _num_sms(x.device)):
         _CONFIGS[config.name] = config
-        candidates[config.name] = functools.partial(skinny_linear, x, weight, bias, config)
+        candidates[config.name] = functools.partial(skinny_linear, x, weight, bias, config, activation)
     return _TABLE.tune(key, candidates, timer=_timer(x.device), agrees=_agrees)
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str | None) -> torch.Tensor:
+    """cuBLAS, after the activation's own kernel where there is one."""
+    if activation == "silu_and_mul":
+        x = triton_silu_and_mul(x)
+    elif activation == "gelu_tanh_and_mul":
+        x = triton_gelu_tanh_and_mul(x)
+    return F.linear(x, weight, bias)
+
+
+def _tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           activation: str | None) -> torch.Tensor:
+    """The measured choice for this shape, measuring it in a tuning window; cuBLAS for
+    more rows, an unseen shape outside a window, or operands the kernel does not take."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    plain_bias = bias is None or (bias.stride(-1) == 1 and bias.dtype == x.dtype)
+    if not 0 < m <= MAX_ROWS or weight.stride(-1) != 1 or weight.dtype != x.dtype or not plain_bias:
+        return _reference(x, weight, bias, activation)
+    key = (1 << (m - 1).bit_length(), weight.shape[0], weight.shape[1], x.dtype, bias is not None, activation)
+    choice = _TABLE.chosen(key)
+    if choice is None:
+        if not tuning_open() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return _reference(x, weight, bias, activation)  # serving never stops to measure
+        choice = _tune(key, x, weight, bias, activation)
+    config = _CONFIGS.get(choice)
+    return _reference(x, weight, bias, activation) if config is None else skinny_linear(x, weight, bias, config,
+                                                                                        activation)
 
 
 @register_op("linear", name="triton_skinny_linear", priority=20, devices=("cuda",),
              dtypes=(torch.bfloat16, torch.float16), check=triton_missing)
 def tuned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    plain_bias = bias is None or (bias.stride(-1) == 1 and bias.dtype == x.dtype)
-    if not 0 < m <= MAX_ROWS or weight.stride(-1) != 1 or weight.dtype != x.dtype or not plain_bias:
-        return F.linear(x, weight, bias)
-    key = (1 << (m - 1).bit_length(), weight.shape[0], k, x.dtype, bias is not None)
-    choice = _TABLE.chosen(key)
-    if choice is None:
-        if not tuning_open() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return F.linear(x, weight, bias)  # serving never stops to measure
-        choice = _tune(key, x, weight, bias)
-    config = _CONFIGS.get(choice)
-    return F.linear(x, weight, bias) if config is None else skinny_linear(x, weight, bias, config)
+    return _tuned(x, weight, bias, None)
+
+
+@register_op("gated_linear", name="triton_skinny_gated_linear", priority=20, devices=("cuda",),
+             dtypes=(torch.bfloat16, torch.float16), check=triton_missing)
+def tuned_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       activation: str) -> torch.Tensor:
+    """A gated MLP's down projection of its packed gate-up rows: act(gate) * up @ weight.T
+    + bias, the activation applied while the few-row linear loads its input where that was
+    measured faster than the activation's kernel, then cuBLAS."""
+    if activation not in ACTIVATIONS or activation is None:
+        raise ValueError(f"gated_linear: activation must be one of silu_and_mul, gelu_tanh_and_mul; "
+                         f"got {activation!r}")
+    return _tuned(gate_up, weight, bias, activation)
