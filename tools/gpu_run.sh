@@ -7,6 +7,8 @@
 #                                interpreter and sm_90 compile tests run on CPU in the suite
 #   tools/gpu_run.sh latency     llama-3-8b (dummy weights, bf16): TPOT at batch 1, 8, 64
 #                                beside the bandwidth roofline; CUDA-graph capture time
+#   tools/gpu_run.sh latency-pdl the same with TESSERA_PDL=1 (programmatic dependent launch:
+#                                tessera/ops/triton/launch.py), to compare
 #   tools/gpu_run.sh throughput  THROUGHPUT_PROMPTS (default 1000) x 1000 in / 1000 out;
 #                                arguments after it go to the engine: as is (async scheduling,
 #                                CUDA's default), with --no-async-scheduling (the host's work
@@ -21,8 +23,8 @@
 #   tools/gpu_run.sh profile     the kernel table of eager decode steps at batch 1, 64, 256
 #                                over 1000-token prompts (tools/gpu_profile.py); with
 #                                --kv-cache-dtype fp8 the same over the 8-bit cache
-#   tools/gpu_run.sh all         tests, latency, bf16 throughput and both profiles in one call
-#                                (each under its own time limit, ~9.5 minutes in all): a lent
+#   tools/gpu_run.sh all         tests, latency (plain and PDL), bf16 throughput and the bf16
+#                                profile in one call (each under its own limit, 560 s in all): a lent
 #                                machine stays warm only 30 s between calls, so each call pays
 #                                a start. $OUT takes back 8 files: the logs, and the JSON
 #                                reports packed into json.tgz
@@ -55,10 +57,12 @@ case "${1:-}" in
         tests/lora/test_lora_models.py tests/ops/test_triton_fp8_kv.py tests/server/test_gpu_http.py \
         tests/pooling/test_gpu_pooling.py \
         -k "gpu or cuda" 2>&1 | tee "$out/tests.log" ;;
-  latency)
+  latency|latency-pdl)
+    # latency-pdl: the Triton kernels launched with programmatic dependent launch (TESSERA_PDL)
+    [[ $1 == latency-pdl ]] && export TESSERA_PDL=1
     tessera bench latency "${dummy[@]}" --batch-sizes 1,8,64 --input-len 128 --output-len 256 \
-        --output-json "$jdir/latency.json" 2>&1 | tee "$out/latency.log"
-    grep -h "captured\|capture\|kernel tuning" "$out/latency.log" ;;
+        --output-json "$jdir/$1.json" 2>&1 | tee "$out/$1.log"
+    grep -h "captured\|capture\|kernel tuning" "$out/$1.log" ;;
   throughput)
     name=throughput; [[ " ${*:2} " == *" --no-async-scheduling "* ]] && name=throughput-sync
     [[ " ${*:2} " == *" --kv-cache-dtype fp8"* ]] && name=$name-fp8
@@ -78,7 +82,7 @@ case "${1:-}" in
     python3 tools/gpu_profile.py --model $preset --batch-sizes 1,64,256 --input-len 1000 "${@:2}" \
         2>&1 | tee "$out/$name.log" ;;
   all)
-    # installed and reported once, above; 555 s of limits in all
+    # installed and reported once, above; 560 s of limits in all
     export GPU_RUN_READY=1 JSON_DIR=/tmp/gpu-json
     step() {
         local limit=$1; shift
@@ -88,13 +92,13 @@ case "${1:-}" in
     # (an H200, session 30: the tests took ~280 s, latency 32, throughput 127, profile ~40)
     step 270 tests
     step 45 latency
+    step 45 latency-pdl
     step 150 throughput
     step 50 profile
-    step 40 profile --kv-cache-dtype fp8
-    tail -n 3 "$out/tests.log"; grep -h "^|\|captured\|kernel tuning" "$out/latency.log"
+    tail -n 3 "$out/tests.log"; grep -h "^|\|captured\|kernel tuning" "$out/latency.log" "$out/latency-pdl.log"
     tail -n 4 "$out/throughput.log"; grep -h "^linear" "$out/profile.log"
-    grep -h -A 8 "^batch" "$out/profile.log" "$out/profile-fp8.log" ;;
+    grep -h -A 8 "^batch" "$out/profile.log" ;;
   *)
-    echo "usage: tools/gpu_run.sh tests|latency|throughput|baseline|kv-cache|profile|all" >&2
+    echo "usage: tools/gpu_run.sh tests|latency|latency-pdl|throughput|baseline|kv-cache|profile|all" >&2
     exit 2 ;;
 esac

@@ -123,3 +123,21 @@ def test_gemma4_on_the_gpu_matches_transformers(case, tmp_path, tiny_tokenizer_d
         check_prefill_and_decode_logits(llm, hf, f"gemma4 {case} cuda", monkeypatch)
         check_greedy_alone_and_batched(llm, hf, PROMPT_LENGTHS)
         check_chunked_prefill(tmp_path, llm, hf, f"gemma4 {case} cuda", monkeypatch, 64, PROMPT_LENGTHS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs a Hopper GPU or later")
+def test_programmatic_dependent_launch_matches_transformers(make_tiny_llama, monkeypatch):
+    """TESSERA_PDL=1 (tessera/ops/triton/launch.py): each Triton kernel of a step scheduled
+    while the one before runs, waiting for it in-kernel. float32 with graphs still exact,
+    bf16 (the few-row linears) still close."""
+    from tessera.ops.triton import launch
+
+    monkeypatch.setenv(launch.FLAG, "1")
+    launch._enabled.cache_clear()
+    try:
+        assert launch.launch_options(torch.zeros(1, device="cuda"))["PDL"]
+        test_float32_on_the_gpu_matches_transformers("gqa-untied", False, make_tiny_llama, monkeypatch)
+        test_bfloat16_on_the_gpu_is_close_to_transformers("gqa-untied", make_tiny_llama, monkeypatch)
+    finally:
+        launch._enabled.cache_clear()

@@ -53,6 +53,20 @@ def test_bf16_kernels_compile_for_hopper_without_spills():
     assert fused == {s.name for s in TESTED} - {"mqa-64", "deepseek-v3-mla"}, fused
 
 
+def test_decode_kernels_compile_for_programmatic_dependent_launch():
+    """With TESSERA_PDL (tessera/ops/triton/launch.py) every kernel of a decode step (all
+    but prefill's) waits for the kernel before it in its PTX (griddepcontrol.wait, once);
+    without it, none does."""
+    shapes = tuple(s for s in SHAPES if s.name == "llama-3-8b")
+    with_pdl = compile_all(90, (torch.bfloat16,), shapes, pdl=True)
+    _check(with_pdl, 90, no_spills=True)
+    decode = [r for r in with_pdl if r.kernel != "prefill_kernel"]  # prefill keeps stream order
+    assert all(r.pdl_waits == 1 for r in decode), [r for r in decode if r.pdl_waits != 1]
+    assert all(r.pdl_waits == 0 for r in compile_all(90, (torch.bfloat16,), shapes)), "waits without PDL"
+    linears = compile_skinny(90, SHAPES[1], pdl=True)  # SmolLM2's: few candidates
+    assert linears and all(r.pdl_waits == 1 and r.spilled == 0 for r in linears), linears
+
+
 def test_float32_and_ampere_kernels_compile():
     small = tuple(s for s in SHAPES if s.name in ("llama-3-8b", "smollm2-135m"))
     float32 = compile_all(90, (torch.float32,), small[:1])

@@ -71,6 +71,8 @@ class Compiled:
     # acquire-release atomics at GPU scope (semaphores.py: the last program to arrive
     # finishes), each after a CTA barrier in the PTX
     ordered_arrivals: int = 0
+    # griddepcontrol.wait in the PTX: a kernel launched with PDL waits for the one before
+    pdl_waits: int = 0
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -123,7 +125,7 @@ class _Recorder:
             self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled,
                                      conversions, matrix, len(re.findall(r"cp\.async\.c[ag]", ptx)),
                                      len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
-                                     _ordered_arrivals(ptx)))
+                                     _ordered_arrivals(ptx), len(re.findall(r"griddepcontrol\.wait", ptx))))
 
         return launch
 
@@ -144,13 +146,16 @@ def _meta(num_decodes: int, lens: list[int], q_lens: list[int], block_size: int)
 
 def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
                 shapes: tuple[Shape, ...] = SHAPES, block_size: int = 16,
-                kv_dtype: torch.dtype | None = None, hardware_fp8: bool | None = None) -> list[Compiled]:
+                kv_dtype: torch.dtype | None = None, hardware_fp8: bool | None = None,
+                pdl: bool = False) -> list[Compiled]:
     """Every kernel wrapper at every shape and dtype, as the engine calls them: decode at
     batch 1 over 8k tokens and batch 64 over 2k, a prefill chunk over a cached prefix.
     `kv_dtype`: an 8-bit float KV cache (None: the model dtype), widened by the GPU's fp8
-    conversions where `arch` has them (sm_89+) unless `hardware_fp8` says otherwise."""
+    conversions where `arch` has them (sm_89+) unless `hardware_fp8` says otherwise.
+    `pdl`: launched with programmatic dependent launch (tessera/ops/triton/launch.py)."""
     hardware_fp8 = arch >= 89 if hardware_fp8 is None else hardware_fp8
     import tessera.ops.triton.activation as activation
+    import tessera.ops.triton.launch as launch
     import tessera.ops.triton.kv_write as kv_write
     import tessera.ops.triton.paged_decode as paged_decode
     import tessera.ops.triton.paged_prefill as paged_prefill
@@ -161,7 +166,8 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
     out: list[Compiled] = []
     single = (kv_write, paged_prefill, rms_norm, activation, rotary, rotary_kv_write)  # modules with one _kernel
     originals = [m._kernel for m in single]
-    original_decode = paged_decode._kernels
+    original_decode, original_enabled = paged_decode._kernels, launch._enabled
+    launch._enabled = lambda device: pdl
     try:
         for dtype in dtypes:
             for shape in shapes:
@@ -201,19 +207,21 @@ def compile_all(arch: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
     finally:
         for module, original in zip(single, originals):
             module._kernel = original
-        paged_decode._kernels = original_decode
+        paged_decode._kernels, launch._enabled = original_decode, original_enabled
     return out
 
 
 def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
-                   dtype: torch.dtype = torch.bfloat16) -> list[Compiled]:
+                   dtype: torch.dtype = torch.bfloat16, pdl: bool = False) -> list[Compiled]:
     """Every candidate the few-row linear times (tessera/ops/triton/skinny_linear.py) at
     the shape's four projections (QKV, o, gate-up, down, and down applying SiLU-and-mul to
     its gate-up input), one row, on `num_sms` SMs."""
+    import tessera.ops.triton.launch as launch
     import tessera.ops.triton.skinny_linear as skinny
 
     out: list[Compiled] = []
-    original = skinny._kernel
+    original, original_enabled = skinny._kernel, launch._enabled
+    launch._enabled = lambda device: pdl
     h, hk, d = shape.heads, shape.kv_heads, shape.head_size
     layers = {"qkv": ((h + 2 * hk) * d, shape.hidden), "o": (shape.hidden, h * d),
               "gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate),
@@ -228,7 +236,7 @@ def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
                                      torch.zeros((n, k), dtype=dtype), None, config,
                                      "silu_and_mul" if gated else None)
     finally:
-        skinny._kernel = original
+        skinny._kernel, launch._enabled = original, original_enabled
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.launch import launch_options
 
 BLOCK = 1024  # output elements per program
 
@@ -18,11 +19,12 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global gating  # a module global: the interpreter does not see this closure (fp8.py)
-    from tessera.ops.triton import gating
+    global gating, grid_dependency  # module globals: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import gating, grid_dependency
 
     @triton.jit
-    def gated_kernel(x_ptr, out_ptr, width, x_stride, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    def gated_kernel(x_ptr, out_ptr, width, x_stride, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < width
@@ -41,7 +43,8 @@ def _gated(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], width), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0] and width:
         _kernel()[(rows.shape[0], -(-width // BLOCK))](rows, out, width, rows.stride(0),
-                                                       ACT=2 if gelu_tanh else 1, BLOCK=BLOCK)
+                                                       ACT=2 if gelu_tanh else 1, BLOCK=BLOCK,
+                                                       **launch_options(gate_up))
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.launch import launch_options
 from tessera.ops.triton.paged_decode import kv_cache_operands
 
 
@@ -19,12 +20,13 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global fp8  # a module global: the interpreter does not see this closure (fp8.py)
-    from tessera.ops.triton import fp8
+    global fp8, grid_dependency  # module globals: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import fp8, grid_dependency
 
     @triton.jit
     def kv_write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size,
-                        BLOCK: tl.constexpr, KV_FORMAT: tl.constexpr):
+                        BLOCK: tl.constexpr, KV_FORMAT: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         token = tl.program_id(0)
         slot = tl.load(slot_ptr + token)
         if slot >= 0:
@@ -52,4 +54,4 @@ def triton_kv_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     row_size = key.shape[1] * key.shape[2]
     k_cache, v_cache, kv_format = kv_cache_operands(k_cache, v_cache)
     _kernel()[(tokens,)](key.contiguous(), value.contiguous(), k_cache, v_cache,
-                         slot_mapping, row_size, BLOCK=256, KV_FORMAT=kv_format)
+                         slot_mapping, row_size, BLOCK=256, KV_FORMAT=kv_format, **launch_options(key))

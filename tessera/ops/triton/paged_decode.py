@@ -38,6 +38,7 @@ from tessera.ops.attention.metadata import AttentionMetadata
 from tessera.ops.registry import register_op
 from tessera.ops.triton import semaphores
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.launch import launch_options
 
 PARTITION_SIZE = 512  # the most tokens one program takes
 TILE_N = 64           # tokens per inner step (fewer for wide rows: key_tile)
@@ -53,8 +54,8 @@ def _kernels():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global fp8, finish, merge_head
-    from tessera.ops.triton import fp8
+    global fp8, finish, grid_dependency, merge_head
+    from tessera.ops.triton import fp8, grid_dependency
 
     # The lengths, partition and table sizes change from step to step: left unspecialised,
     # one compile serves every step (Triton otherwise compiles a variant per value that is 1
@@ -110,7 +111,8 @@ def _kernels():
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                        KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                       MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr):
+                       MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // head_chunks  # a group wider than BLOCK_G takes several programs
         chunk = tl.program_id(1) % head_chunks
@@ -179,7 +181,8 @@ def _kernels():
     @triton.jit(do_not_specialize=["num_partitions", "partition"])
     def merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, lens_ptr, sinks_ptr, window, num_heads, head_size,
                      num_partitions, partition, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-                     USE_SINKS: tl.constexpr):
+                     USE_SINKS: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         # only the partitions the first kernel wrote (those within [first, length))
         seq = tl.program_id(0)
         length = tl.load(lens_ptr + seq)
@@ -334,9 +337,9 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8,
         FUSED_MERGE=plan.fused, MERGE_P=plan.partitions, USE_SINKS=sinks is not None,
         # a 1024-wide accumulator over 4 warps would spill, as would float32's tiles beside a fused merge
-        num_warps=8 if block_d > 256 or q.dtype == torch.float32 else 4)
+        num_warps=8 if block_d > 256 or q.dtype == torch.float32 else 4, **launch_options(q))
     if not plan.fused:
         merge_kernel[(b, num_heads)](m, l, acc, out, lens, sinks_arg, window, num_heads, head_size,
                                      num_partitions, partition_size, BLOCK_D=block_d, BLOCK_P=plan.partitions,
-                                     USE_SINKS=sinks is not None)
+                                     USE_SINKS=sinks is not None, **launch_options(q))
     return out

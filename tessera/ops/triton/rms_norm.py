@@ -11,6 +11,7 @@ import torch
 
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.launch import launch_options
 
 MAX_BLOCK = 4096  # elements per chunk of a row; wider rows take several
 
@@ -20,9 +21,14 @@ def _kernel():
     import triton
     import triton.language as tl
 
+    global grid_dependency  # a module global: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import grid_dependency
+
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, new_res_ptr, w_ptr, out_ptr, hidden, x_stride, res_stride,
-                        eps, HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr):
+                        eps, HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         x_row = x_ptr + row * x_stride
@@ -74,5 +80,6 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             new_residual if new_residual is not None else out, weight.contiguous(), out, hidden,
             rows_x.stride(0), rows_res.stride(0) if rows_res is not None else 0, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
-            ROUND_NORMED=not (weight.dtype == torch.float32 and x.dtype != torch.float32), num_warps=4 if block <= 2048 else 8)
+            ROUND_NORMED=not (weight.dtype == torch.float32 and x.dtype != torch.float32),
+            num_warps=4 if block <= 2048 else 8, **launch_options(x))
     return out, new_residual

@@ -17,6 +17,7 @@ import torch
 
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.launch import launch_options
 
 
 @lru_cache(maxsize=None)
@@ -24,13 +25,15 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global rotation  # a module global: the interpreter does not see this closure (fp8.py)
-    from tessera.ops.triton import rotation
+    # module globals: the interpreter does not see this closure's names (fp8.py)
+    global grid_dependency, rotation
+    from tessera.ops.triton import grid_dependency, rotation
 
     @triton.jit
     def rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                       q_stride, k_stride, cos_stride, sin_stride, num_q_heads, head_size,
-                      BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr):
+                      BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = head_size // 2
@@ -92,5 +95,5 @@ def triton_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
         _kernel()[(run.q.shape[0], run.num_q + run.num_k)](
             run.q, run.k, run.cos, run.sin, run.q_out, run.k_out, run.q.stride(0), run.k.stride(0),
             run.cos.stride(0), run.sin.stride(0), run.num_q, head_size, BLOCK_H=run.block_h,
-            ROUND_BF16=q.dtype == torch.bfloat16, num_warps=1, enable_fp_fusion=False)
+            ROUND_BF16=q.dtype == torch.bfloat16, num_warps=1, enable_fp_fusion=False, **launch_options(q))
     return run.q_out, run.k_out

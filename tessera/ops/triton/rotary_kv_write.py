@@ -19,6 +19,7 @@ import torch
 from tessera.ops.attention.kv_quant import QUANTIZED_KV
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.launch import launch_options
 from tessera.ops.triton.paged_decode import kv_cache_operands
 from tessera.ops.triton.rotary import rotary_launch, rows_of
 
@@ -29,14 +30,15 @@ def _kernel():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global fp8, rotation
-    from tessera.ops.triton import fp8, rotation
+    global fp8, grid_dependency, rotation
+    from tessera.ops.triton import fp8, grid_dependency, rotation
 
     @triton.jit
     def rotary_kv_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, k_cache_ptr,
                                v_cache_ptr, slot_ptr, q_stride, k_stride, v_stride, cos_stride, sin_stride,
                                num_q_heads, head_size, BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr,
-                               KV_FORMAT: tl.constexpr):
+                               KV_FORMAT: tl.constexpr, PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half = head_size // 2
@@ -87,5 +89,5 @@ def triton_rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
             run.q, run.k, v, run.cos, run.sin, run.q_out, run.k_out, k_cache, v_cache, slot_mapping,
             run.q.stride(0), run.k.stride(0), v.stride(0), run.cos.stride(0), run.sin.stride(0), run.num_q,
             head_size, BLOCK_H=run.block_h, ROUND_BF16=q.dtype == torch.bfloat16, KV_FORMAT=kv_format,
-            num_warps=1, enable_fp_fusion=False)
+            num_warps=1, enable_fp_fusion=False, **launch_options(q))
     return run.q_out, run.k_out

@@ -30,6 +30,7 @@ from tessera.ops.registry import register_op
 from tessera.ops.triton import semaphores
 from tessera.ops.triton.activation import triton_gelu_tanh_and_mul, triton_silu_and_mul
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.launch import launch_options
 
 MAX_ROWS = 16  # the rows one program covers (the matrix unit's narrow side)
 # the gated activations applied while loading (the kernel's ACT codes: gating.py)
@@ -61,8 +62,8 @@ def _kernel():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global gating, load_input
-    from tessera.ops.triton import gating
+    global gating, grid_dependency, load_input
+    from tessera.ops.triton import gating, grid_dependency
 
     @triton.jit
     def load_input(cols, k, K, mask, ACT: tl.constexpr):
@@ -78,7 +79,9 @@ def _kernel():
     @triton.jit(do_not_specialize=["M", "splits"])
     def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, k_per_split, splits,
                       x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ACT: tl.constexpr,
-                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
+        grid_dependency.start(PDL)
         tile = tl.program_id(0)
         split = tl.program_id(1)
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -154,7 +157,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             HAS_BIAS=bias is not None, PARTIAL=splits > 1, ACT=ACTIVATIONS[activation],
             EVEN=n % config.block_n == 0 and k % config.block_k == 0,
             BLOCK_N=config.block_n, BLOCK_M=MAX_ROWS, BLOCK_K=config.block_k,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return out.reshape(*x.shape[:-1], n)
 
 
