@@ -1,0 +1,62 @@
+"""Triton launches per step of a tiny Llama (2 layers, random weights) with every CUDA
+builder run by Triton's interpreter on CPU: how many kernels a decode layer takes on the
+GPU path, without a GPU. Eager steps and untuned linears (cuBLAS's place is taken by torch's
+CPU matmul, which launches no Triton kernel).
+
+    python tools/count_decode_kernels.py [float16|bfloat16|float32]
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+
+def main() -> None:
+    import triton.runtime.interpreter as interpreter
+
+    from tessera import LLM, SamplingParams
+    from tessera.bench.presets import write_preset
+    from tessera.ops import registry
+
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "float16"
+    for kind in registry.OP_KINDS:  # each CUDA Triton builder again for the CPU, first
+        for b in registry.builders(kind):
+            if b.devices == ("cuda",) and b.name.startswith("triton_"):
+                registry.register_op(kind, name=f"interpreted_{b.name}", priority=1000, devices=("cpu",),
+                                     dtypes=b.dtypes, phases=b.phases, quant=b.quant, check=b.check,
+                                     prepare=b.prepare)(b.impl)
+    counts: collections.Counter[str] = collections.Counter()
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        counts[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    interpreter.InterpretedFunction.run = counted
+    folder = write_preset("llama-3.2-1b", Path(tempfile.mkdtemp()))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                  bos_token_id=1, eos_token_id=2)
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder), load_format="dummy", dtype=dtype, enforce_eager=True, show_progress=False,
+              num_kv_blocks=64, max_model_len=1024)
+    prompt = list(range(100, 300))  # 200 tokens: more than one decode partition
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)  # compiles (interprets) everything once
+    counts.clear()
+    llm.generate([prompt[::-1]], params, use_tqdm=False)  # a prefill step, then 4 decode steps
+    layers = config["num_hidden_layers"]
+    print(f"{dtype}: Triton launches over one prefill and 4 decode steps of {layers} layers")
+    for name, n in sorted(counts.items()):
+        print(f"  {name:<24} {n:>3}")
+
+
+if __name__ == "__main__":
+    main()
