@@ -43,7 +43,8 @@ from tessera.ops.triton.launch import launch_options
 PARTITION_SIZE = 512  # the most tokens one program takes
 TILE_N = 64           # tokens per inner step (fewer for wide rows: key_tile)
 MIN_PROGRAMS = 264    # about two programs per SM on an H100 (132 SMs)
-MERGE_CHUNK = 32      # partitions a merge reads at a time, 256 wide or narrower (merge_plan)
+MERGE_CHUNK = 32      # partitions merge_kernel reads at a time, 256 wide or narrower
+MERGE_TILE = 2048     # floats of weighted V in a fused merge's tile (merge_plan)
 MAX_FUSED_MERGE_STEPS = 16
 NO_WINDOW = 1 << 30   # "no sliding window" as a window longer than any context
 
@@ -54,7 +55,7 @@ def _kernels():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global fp8, finish, grid_dependency, merge_head
+    global fp8, finish, grid_dependency, merge_group, merge_head
     from tessera.ops.triton import fp8, grid_dependency
 
     # The lengths, partition and table sizes change from step to step: left unspecialised,
@@ -74,6 +75,41 @@ def _kernels():
             o = o / total[:, None]
         tl.store(out_ptr + (seq * num_heads + heads)[:, None] * head_size + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+    @triton.jit
+    def merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head0, head_end, lo, hi,
+                    num_heads, head_size, num_partitions, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
+                    MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr):
+        """The fused merge: heads [head0, head_end) from their live partitions [lo, hi),
+        MERGE_G heads x MERGE_P partitions a tile, each tile one pass (its max, sum and
+        weighted V loaded together, rescaled to a running max), so a short context's merge
+        is one round trip to memory. The parts are read past L1 (.cg): other SMs wrote them."""
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < head_size
+        p = tl.arange(0, MERGE_P)
+        for h0 in range(head0, head_end, MERGE_G):
+            heads = h0 + tl.arange(0, MERGE_G)
+            h_mask = heads < head_end
+            row = (seq * num_heads + heads) * num_partitions
+            m_run = tl.zeros([MERGE_G], dtype=tl.float32) - float("inf")
+            total = tl.zeros([MERGE_G], dtype=tl.float32)
+            o = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+            for p0 in range(lo, hi, MERGE_P):
+                mask = h_mask[:, None] & (p0 + p < hi)[None, :]
+                at = row[:, None] + p0 + p[None, :]
+                m = tl.load(m_ptr + at, mask=mask, other=-float("inf"), cache_modifier=".cg")
+                l = tl.load(l_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+                acc = tl.load(acc_ptr + at[:, :, None] * head_size + d[None, None, :],
+                              mask=mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_run, tl.max(m, axis=1))
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a masked head: nothing yet
+                alpha = tl.exp(m_run - m_safe)
+                w = tl.where(mask & (l > 0), tl.exp(m - m_safe[:, None]), 0.0)
+                o = o * alpha[:, None] + tl.sum(w[:, :, None] * acc, axis=1)
+                total = total * alpha + tl.sum(w * l, axis=1)
+                m_run = m_new
+            finish(o, total, m_run, heads, h_mask, d, d_mask, out_ptr, sinks_ptr, seq, num_heads, head_size,
+                   USE_SINKS)
 
     @triton.jit
     def merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head, lo, hi, num_heads, head_size,
@@ -111,7 +147,8 @@ def _kernels():
                        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                        KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                       MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr, PDL: tl.constexpr):
+                       MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr,
+                       PDL: tl.constexpr):
         grid_dependency.start(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // head_chunks  # a group wider than BLOCK_G takes several programs
@@ -173,9 +210,9 @@ def _kernels():
                     counter = counters_ptr + seq * tl.num_programs(1) + tl.program_id(1)
                     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == hi - lo - 1:
                         head0 = kv_head * group + chunk * BLOCK_G
-                        for head in range(head0, tl.minimum(head0 + BLOCK_G, (kv_head + 1) * group)):
-                            merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head, lo, hi, num_heads,
-                                       head_size, num_partitions, BLOCK_D, MERGE_P, USE_SINKS)
+                        merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head0,
+                                    tl.minimum(head0 + BLOCK_G, (kv_head + 1) * group), lo, hi, num_heads,
+                                    head_size, num_partitions, BLOCK_D, MERGE_G, MERGE_P, USE_SINKS)
                         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
     @triton.jit(do_not_specialize=["num_partitions", "partition"])
@@ -259,25 +296,28 @@ def choose_partition(batch: int, num_kv_heads: int, max_len: int, largest: int =
 class MergePlan:
     """How a decode's partitions are merged: in the partition kernel by the last program
     of each group to finish (`fused`: no second launch; a group's one live partition writes
-    the output directly), or by merge_kernel, spread over (sequence, head) programs, where
-    that last program would loop too long. Either reads `partitions` at a time."""
+    the output directly), a tile of `heads` x `partitions` at a time; or by merge_kernel,
+    one head per program, `partitions` at a time, where that last program would loop long."""
 
     fused: bool
+    heads: int
     partitions: int
 
 
 def merge_plan(group: int, block_g: int, block_d: int, num_partitions: int) -> MergePlan:
-    """merge_kernel reads as many partition rows at a time as 32 of 256 wide (it spills
-    nothing), a fused merge half that (beside the partition loop's registers). Fused
-    while the last program's loop (its heads one at a time, each over every partition of
-    the grid, which the live ones are at most) takes at most MAX_FUSED_MERGE_STEPS tiles:
-    Llama-3-8B's groups of 4 at batch 1 over 8k tokens (64 partitions) take 16; MLA's
-    576-wide latent over long contexts, hundreds, so it keeps merge_kernel."""
-    partitions = max(1, MERGE_CHUNK * 256 // max(block_d, 256))
-    fused = max(1, partitions // 2)
-    if min(group, block_g) * -(-num_partitions // fused) <= MAX_FUSED_MERGE_STEPS:
-        return MergePlan(True, fused)
-    return MergePlan(False, partitions)
+    """The fused merge's tiles hold at most MERGE_TILE floats of weighted V (32 registers a
+    thread over 4 warps: no spills beside the partition loop's); it is chosen while its
+    loop takes at most MAX_FUSED_MERGE_STEPS tiles over the grid's partitions (the live
+    ones are at most those): Llama-3-8B's groups of 4 heads at batch 1 over 8k tokens (64
+    partitions) take 8, a short context 1. merge_kernel reads as many partition rows at a
+    time as 32 of 256 wide; it keeps 64-128 query heads per KV head and MLA's 576-wide
+    latent over long contexts."""
+    heads = min(_next_power_of_2(min(group, block_g)), max(1, MERGE_TILE // block_d))
+    partitions = max(1, MERGE_TILE // (heads * block_d))
+    steps = -(-min(group, block_g) // heads) * -(-num_partitions // partitions)
+    if steps <= MAX_FUSED_MERGE_STEPS:
+        return MergePlan(True, heads, partitions)
+    return MergePlan(False, 1, max(1, MERGE_CHUNK * 256 // max(block_d, 256)))
 
 
 def partition_workspace(batch: int, num_heads: int, num_partitions: int, head_size: int,
@@ -335,7 +375,7 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=block_g,
         TILE=min(key_tile(head_size, held), partition_size),
         USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8,
-        FUSED_MERGE=plan.fused, MERGE_P=plan.partitions, USE_SINKS=sinks is not None,
+        FUSED_MERGE=plan.fused, MERGE_G=plan.heads, MERGE_P=plan.partitions, USE_SINKS=sinks is not None,
         # a 1024-wide accumulator over 4 warps would spill, as would float32's tiles beside a fused merge
         num_warps=8 if block_d > 256 or q.dtype == torch.float32 else 4, **launch_options(q))
     if not plan.fused:
