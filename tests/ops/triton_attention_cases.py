@@ -269,6 +269,7 @@ def check_512_wide_heads(device: str) -> None:
     assert (got.cpu() - want_prefill).abs().max().item() < 1e-4
 
 
-ATTENTION_CHECKS = (check_kv_write, check_rotary_kv_write, check_paged_decode, check_paged_decode_skips_dead_partitions, check_paged_prefill,
+ATTENTION_CHECKS = (check_kv_write, check_rotary_kv_write, check_paged_decode, check_paged_decode_skips_dead_partitions,
+                    check_paged_prefill,
                     check_paged_prefill_key_limits, check_attention_sinks, check_wide_heads_of_large_groups,
                     check_512_wide_heads)

@@ -137,8 +137,9 @@ def _kernels():
                           mask=p_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
             o += tl.sum(w[:, None] * acc, axis=0)
         one = tl.arange(0, 1)
-        finish(o[None, :], tl.sum(total, axis=0) + tl.zeros([1], dtype=tl.float32), m_all + tl.zeros([1], dtype=tl.float32),
-               head + one, one == 0, d, d_mask, out_ptr, sinks_ptr, seq, num_heads, head_size, USE_SINKS)
+        as_row = tl.zeros([1], dtype=tl.float32)  # the head as a one-row tile, as finish takes
+        finish(o[None, :], tl.sum(total, axis=0) + as_row, m_all + as_row, head + one, one == 0, d, d_mask,
+               out_ptr, sinks_ptr, seq, num_heads, head_size, USE_SINKS)
 
     @triton.jit(do_not_specialize=["table_width", "num_partitions", "partition"])
     def partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
