@@ -22,15 +22,10 @@ def main() -> None:
 
     from tessera import LLM, SamplingParams
     from tessera.bench.presets import write_preset
-    from tessera.ops import registry
+    from tessera.ops.triton.interpreted import expose_triton_builders_on_cpu
 
     dtype = sys.argv[1] if len(sys.argv) > 1 else "float16"
-    for kind in registry.OP_KINDS:  # each CUDA Triton builder again for the CPU, first
-        for b in registry.builders(kind):
-            if b.devices == ("cuda",) and b.name.startswith("triton_"):
-                registry.register_op(kind, name=f"interpreted_{b.name}", priority=1000, devices=("cpu",),
-                                     dtypes=b.dtypes, phases=b.phases, quant=b.quant, check=b.check,
-                                     prepare=b.prepare)(b.impl)
+    expose_triton_builders_on_cpu()
     counts: collections.Counter[str] = collections.Counter()
     run = interpreter.InterpretedFunction.run
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tessera.weights.gguf_granite import granite_multipliers
 from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
 from tessera.weights.gguf_rope import field_value
 from tessera.weights.lazy import materialize
@@ -47,9 +48,7 @@ def granitehybrid_config(fields: dict, tensors: list) -> Any:
         num_local_experts=experts, num_experts_per_tok=int(key("expert_used_count", 0)),
         intermediate_size=int(key("expert_feed_forward_length", 0)) or int(key("feed_forward_length")),
         shared_intermediate_size=int(key("expert_shared_feed_forward_length", 0)) or int(key("feed_forward_length")),
-        attention_multiplier=float(key("attention.scale", head_dim ** -0.5)),
-        embedding_multiplier=float(key("embedding_scale", 1.0)), residual_multiplier=float(key("residual_scale", 1.0)),
-        logits_scaling=float(key("logit_scale", 1.0)))
+        **granite_multipliers(key, logit_scale=1.0))
 
 
 def _whole(inner: int, hidden: int) -> int:

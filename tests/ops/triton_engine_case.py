@@ -17,23 +17,11 @@ import torch
 from tessera import LLM, SamplingParams
 from tessera.ops import registry
 from tessera.ops.triton import activation, kv_write, paged_decode, paged_prefill, rms_norm, rotary  # noqa: F401
+from tessera.ops.triton.interpreted import expose_triton_builders_on_cpu
 
 from tests.models.parity import FP32_ATOL, hf_generate, hf_logits
 
 NEW_TOKENS = 6
-
-
-def expose_triton_builders_on_cpu() -> list[str]:
-    """Register each CUDA Triton builder again for the CPU, above every CPU builder."""
-    names = []
-    for kind in registry.OP_KINDS:
-        for b in registry.builders(kind):
-            if b.devices == ("cuda",) and b.name.startswith("triton_"):
-                registry.register_op(kind, name=f"interpreted_{b.name}", priority=1000, devices=("cpu",),
-                                     dtypes=b.dtypes, phases=b.phases, quant=b.quant, check=b.check,
-                                     prepare=b.prepare)(b.impl)
-                names.append(b.name)
-    return names
 
 
 def replay_like_a_cuda_graph(llm: LLM) -> list[int]:

@@ -373,14 +373,17 @@ def deepseek_expert_tensors(name: str, array: np.ndarray) -> list[tuple[str, np.
     return None
 
 
-def add_decoder_keys(w: gguf.GGUFWriter, cfg) -> None:
-    """The keys every decoder file starts with: context, widths, layers, heads."""
+def add_decoder_keys(w: gguf.GGUFWriter, cfg, *, blocks: int | None = None, feed_forward: int | None = None,
+                     head_count_kv: int | list[int] | None = None) -> None:
+    """The keys every decoder file starts with: context, widths, layers, heads. The
+    keywords write what a converter writes instead of the config's own value (a layer
+    count with MTP layers, per-layer KV heads, an MoE file's shared width)."""
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers if blocks is None else blocks)
+    w.add_feed_forward_length(cfg.intermediate_size if feed_forward is None else feed_forward)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads if head_count_kv is None else head_count_kv)
 
 
 def round_tripped(model: torch.nn.Module, qtype: QT, stored: Callable[[str, np.ndarray], bool]) -> torch.nn.Module:

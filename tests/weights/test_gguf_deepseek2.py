@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_deepseek import CASES, make_tiny_deepseek
-from tests.weights.gguf_writer import add_tokenizer, deepseek_expert_tensors, fused_gate_up, write_tensors
+from tests.weights.gguf_writer import (add_decoder_keys, add_tokenizer, deepseek_expert_tensors, fused_gate_up,
+                                       write_tensors)
 from tests.weights.test_gguf_models import dequantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,11 +29,7 @@ ARCH = "deepseek2"
 
 def _metadata(w: gguf.GGUFWriter, cfg, split_kv_b: bool, gating: int | None = None) -> None:
     heads, rope = cfg.num_attention_heads, cfg.qk_rope_head_dim
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads)
+    add_decoder_keys(w, cfg, head_count_kv=1 if split_kv_b else heads)  # split: MQA over the latent
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
@@ -43,14 +40,12 @@ def _metadata(w: gguf.GGUFWriter, cfg, split_kv_b: bool, gating: int | None = No
     if cfg.q_lora_rank:
         w.add_q_lora_rank(cfg.q_lora_rank)
     w.add_kv_lora_rank(cfg.kv_lora_rank)
-    if split_kv_b:  # MQA over the latent; the per-head sizes in the _mla keys
-        w.add_head_count_kv(1)
+    if split_kv_b:  # the per-head sizes in the _mla keys
         w.add_key_length(cfg.kv_lora_rank + rope)
         w.add_value_length(cfg.kv_lora_rank)
         w.add_key_length_mla(cfg.qk_nope_head_dim + rope)
         w.add_value_length_mla(cfg.v_head_dim)
     else:
-        w.add_head_count_kv(heads)
         w.add_key_length(cfg.qk_nope_head_dim + rope)
         w.add_value_length(cfg.v_head_dim)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_glm4_moe import CASES, make_tiny_glm4_moe
-from tests.weights.gguf_writer import add_tokenizer, deepseek_expert_tensors, write_tensors
+from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, deepseek_expert_tensors, write_tensors
 from tests.weights.test_gguf_models import dequantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,12 +25,7 @@ ARCH = "glm4moe"
 
 def _metadata(w: gguf.GGUFWriter, cfg) -> None:
     head_dim = cfg.head_dim
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers + 1)  # the MTP layer counted in
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_keys(w, cfg, blocks=cfg.num_hidden_layers + 1)  # the MTP layer counted in
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters["partial_rotary_factor"]))

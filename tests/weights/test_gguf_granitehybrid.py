@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched, check_prefill_and_decode_logits
 from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
-from tests.weights.gguf_writer import add_tokenizer, llama_cpp_permute, round_tripped, write_tensors
+from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, llama_cpp_permute, round_tripped, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "granitehybrid"
@@ -26,12 +26,9 @@ ARCH = "granitehybrid"
 
 def _metadata(w: gguf.GGUFWriter, cfg) -> None:
     attention = [kind in ("attention", "full_attention") for kind in cfg.layer_types]
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size if cfg.num_local_experts else cfg.shared_intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv([cfg.num_key_value_heads if a else 0 for a in attention])
+    feed_forward = cfg.intermediate_size if cfg.num_local_experts else cfg.shared_intermediate_size
+    add_decoder_keys(w, cfg, feed_forward=feed_forward,
+                     head_count_kv=[cfg.num_key_value_heads if a else 0 for a in attention])
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)

@@ -17,7 +17,7 @@ from tessera import LLM
 from tessera.models.lfm2.modeling import feed_forward_size
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_lfm2 import make_tiny_lfm2
-from tests.weights.gguf_writer import add_tokenizer, round_tripped, write_tensors
+from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, round_tripped, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "lfm2"
@@ -33,16 +33,12 @@ def write_lfm2_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
     moe = cfg.model_type == "lfm2_moe"
     w = gguf.GGUFWriter(str(path), "lfm2moe" if moe else ARCH)
     w.add_name("tiny random lfm2")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv([cfg.num_key_value_heads if kind != "conv" else 0 for kind in cfg.layer_types])
+    add_decoder_keys(w, cfg, feed_forward=feed_forward_size(cfg),
+                     head_count_kv=[cfg.num_key_value_heads if kind != "conv" else 0 for kind in cfg.layer_types])
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(cfg.vocab_size)
     w.add_shortconv_l_cache(cfg.conv_L_cache)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_feed_forward_length(feed_forward_size(cfg))
     if moe:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -78,16 +78,15 @@ class Attention(OpModule):
         if (rotary is None) != (rope is None):
             raise ValueError("pass rotary and rope together")
         meta = current_metadata()
-        if rotary is not None and self._rotary_write is not None and rotary.whole_heads:
+        fused = rotary is not None and self._rotary_write is not None and rotary.whole_heads
+        if fused:  # the rotated keys and the values are in the cache already
             q, k = self._rotary_write(q, k, v, rope[0], rope[1], self.head_size, *self.kv_cache,
                                       meta.slot_mapping, meta.has_padding)
-            k = k.view(-1, self.num_kv_heads, self.head_size)
-            v = v.view(-1, self.num_kv_heads, self.head_size)
-        else:
-            if rotary is not None:
-                q, k = rotary(q, k, rope)
-            k = k.view(-1, self.num_kv_heads, self.head_size)
-            v = v.view(-1, self.num_kv_heads, self.head_size)
+        elif rotary is not None:
+            q, k = rotary(q, k, rope)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        if not fused:
             self._write(k, v, *self.kv_cache, meta.slot_mapping, meta.has_padding)
         if self.keeps_step_kv:
             self.step_kv = (k, v)

@@ -55,7 +55,7 @@ def _kernels():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global fp8, finish, grid_dependency, merge_group, merge_head
+    global fp8, finish, grid_dependency, merge_group
     from tessera.ops.triton import fp8, grid_dependency
 
     # The lengths, partition and table sizes change from step to step: left unspecialised,
@@ -80,10 +80,11 @@ def _kernels():
     def merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head0, head_end, lo, hi,
                     num_heads, head_size, num_partitions, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
                     MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr):
-        """The fused merge: heads [head0, head_end) from their live partitions [lo, hi),
-        MERGE_G heads x MERGE_P partitions a tile, each tile one pass (its max, sum and
-        weighted V loaded together, rescaled to a running max), so a short context's merge
-        is one round trip to memory. The parts are read past L1 (.cg): other SMs wrote them."""
+        """Heads [head0, head_end) from their live partitions [lo, hi), MERGE_G heads x
+        MERGE_P partitions a tile, each tile one pass (its max, sum and weighted V loaded
+        together, rescaled to a running max), so a short context's merge is one round trip
+        to memory: a group's in the fused merge, one head per program in merge_kernel. The
+        parts are read past L1 (.cg): in the fused merge, other SMs wrote them."""
         d = tl.arange(0, BLOCK_D)
         d_mask = d < head_size
         p = tl.arange(0, MERGE_P)
@@ -110,36 +111,6 @@ def _kernels():
                 m_run = m_new
             finish(o, total, m_run, heads, h_mask, d, d_mask, out_ptr, sinks_ptr, seq, num_heads, head_size,
                    USE_SINKS)
-
-    @triton.jit
-    def merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head, lo, hi, num_heads, head_size,
-                   num_partitions, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, USE_SINKS: tl.constexpr):
-        """One head's output from its live partitions [lo, hi), BLOCK_P at a time, so a
-        long context never needs a huge tile. The parts are read past L1 (.cg): in the
-        fused merge, other SMs wrote them."""
-        base = (seq * num_heads + head) * num_partitions
-        p = tl.arange(0, BLOCK_P)
-        m_all = -float("inf")
-        for p0 in range(lo, hi, BLOCK_P):
-            m = tl.load(m_ptr + base + p0 + p, mask=p0 + p < hi, other=-float("inf"), cache_modifier=".cg")
-            m_all = tl.maximum(m_all, tl.max(m, axis=0))
-        d = tl.arange(0, BLOCK_D)
-        d_mask = d < head_size
-        total = tl.zeros([BLOCK_P], dtype=tl.float32)
-        o = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for p0 in range(lo, hi, BLOCK_P):
-            p_mask = p0 + p < hi
-            m = tl.load(m_ptr + base + p0 + p, mask=p_mask, other=-float("inf"), cache_modifier=".cg")
-            l = tl.load(l_ptr + base + p0 + p, mask=p_mask, other=0.0, cache_modifier=".cg")
-            w = tl.where(p_mask & (l > 0), tl.exp(m - m_all), 0.0)
-            total += w * l
-            acc = tl.load(acc_ptr + (base + p0 + p)[:, None] * head_size + d[None, :],
-                          mask=p_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-            o += tl.sum(w[:, None] * acc, axis=0)
-        one = tl.arange(0, 1)
-        as_row = tl.zeros([1], dtype=tl.float32)  # the head as a one-row tile, as finish takes
-        finish(o[None, :], tl.sum(total, axis=0) + as_row, m_all + as_row, head + one, one == 0, d, d_mask,
-               out_ptr, sinks_ptr, seq, num_heads, head_size, USE_SINKS)
 
     @triton.jit(do_not_specialize=["table_width", "num_partitions", "partition"])
     def partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr,
@@ -226,8 +197,9 @@ def _kernels():
         length = tl.load(lens_ptr + seq)
         lo = tl.maximum(length - window, 0) // partition
         hi = tl.minimum((length + partition - 1) // partition, num_partitions)  # the grid's, at most
-        merge_head(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, tl.program_id(1), lo, hi, num_heads,
-                   head_size, num_partitions, BLOCK_D, BLOCK_P, USE_SINKS)
+        head = tl.program_id(1)
+        merge_group(m_ptr, l_ptr, acc_ptr, out_ptr, sinks_ptr, seq, head, head + 1, lo, hi, num_heads,
+                    head_size, num_partitions, BLOCK_D, 1, BLOCK_P, USE_SINKS)
 
     return partial_kernel, merge_kernel
 
