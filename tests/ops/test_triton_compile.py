@@ -56,7 +56,8 @@ def test_bf16_kernels_compile_for_hopper_without_spills():
 def test_decode_kernels_compile_for_programmatic_dependent_launch():
     """With TESSERA_PDL (tessera/ops/triton/launch.py) every kernel of a decode step (all
     but prefill's) waits for the kernel before it in its PTX (griddepcontrol.wait, once);
-    without it, none does."""
+    without it, none does. The few-row linears first hint their pipeline's first stages of
+    weight into L2 (prefetch.py), ahead of the wait."""
     shapes = tuple(s for s in SHAPES if s.name == "llama-3-8b")
     with_pdl = compile_all(90, (torch.bfloat16,), shapes, pdl=True)
     _check(with_pdl, 90, no_spills=True)
@@ -65,6 +66,8 @@ def test_decode_kernels_compile_for_programmatic_dependent_launch():
     assert all(r.pdl_waits == 0 for r in compile_all(90, (torch.bfloat16,), shapes)), "waits without PDL"
     linears = compile_skinny(90, SHAPES[1], pdl=True)  # SmolLM2's: few candidates
     assert linears and all(r.pdl_waits == 1 and r.spilled == 0 for r in linears), linears
+    assert all(r.prefetches_before_wait > 0 for r in linears), linears
+    assert not any(r.prefetches_before_wait for r in compile_skinny(90, SHAPES[1])), "prefetches without PDL"
 
 
 def test_float32_and_ampere_kernels_compile():

@@ -73,6 +73,8 @@ class Compiled:
     ordered_arrivals: int = 0
     # griddepcontrol.wait in the PTX: a kernel launched with PDL waits for the one before
     pdl_waits: int = 0
+    # L2 prefetch hints in the PTX ahead of its first griddepcontrol.wait (prefetch.py)
+    prefetches_before_wait: int = 0
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -100,6 +102,11 @@ def _ordered_arrivals(ptx: str) -> int:
     return count
 
 
+def _prefetches_before_wait(ptx: str) -> int:
+    wait = ptx.find("griddepcontrol.wait")
+    return len(re.findall(r"prefetch\.global\.L2", ptx[:wait])) if wait >= 0 else 0
+
+
 class _Recorder:
     """Stands in for a JITFunction: `rec[grid](*args, **kw)` compiles for `arch`."""
 
@@ -125,7 +132,8 @@ class _Recorder:
             self.out.append(Compiled(fn.__name__, self.case, kernel.metadata.shared, registers, spilled,
                                      conversions, matrix, len(re.findall(r"cp\.async\.c[ag]", ptx)),
                                      len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
-                                     _ordered_arrivals(ptx), len(re.findall(r"griddepcontrol\.wait", ptx))))
+                                     _ordered_arrivals(ptx), len(re.findall(r"griddepcontrol\.wait", ptx)),
+                                     _prefetches_before_wait(ptx)))
 
         return launch
 

@@ -5,9 +5,11 @@ before to finish and drain before it is scheduled (~0.65 us between kernels on a
 docs/benchmarks.md, session 30). Launched with PDL, a kernel is scheduled while the one
 before is still running, once every program of that one has started; its programs wait at
 their first instruction (griddepcontrol.wait) until that kernel has finished and its
-writes are visible. Every kernel taking part waits before touching memory, so the order
-of reads and writes is the stream's, transitively: a kernel finishes only after its own
-wait. Kernels without PDL (cuBLAS, torch's) keep plain stream order on both sides.
+writes are visible. Every kernel taking part waits before touching memory that a kernel
+writes, so the order of reads and writes is the stream's, transitively: a kernel finishes
+only after its own wait. (Weights, which no kernel writes, may be read before: the few-row
+linear hints its first stages into L2 there, prefetch.py.) Kernels without PDL (cuBLAS,
+torch's) keep plain stream order on both sides.
 
 Off by default until a GPU run has checked and measured it; `launch_options` gives the
 launch keywords (the kernels' PDL constexpr, Triton's launch_pdl) for a tensor's device.

@@ -8,7 +8,8 @@ computed transposed, W [N, K] @ x^T [K, rows padded to 16], so the weight's rows
 matrix unit's wide side; tiles of the weight stream through a multi-stage pipeline, and
 the K dimension splits across programs when N alone gives too few to fill the chip
 (fp32 partial sums, added up by the last of a tile's programs to finish: semaphores.py,
-no second kernel).
+no second kernel). Launched with PDL, each program hints its first stages of weight into L2
+before waiting for the kernel before (prefetch.py).
 
 Which tile, split and pipeline depth wins depends on the shape and the chip, so nothing is
 guessed: the builder measures the candidates against cuBLAS (tessera/ops/kernel_tuning.py)
@@ -62,8 +63,8 @@ def _kernel():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global gating, grid_dependency, load_input
-    from tessera.ops.triton import gating, grid_dependency
+    global gating, grid_dependency, load_input, prefetch
+    from tessera.ops.triton import gating, grid_dependency, prefetch
 
     @triton.jit
     def load_input(cols, k, K, mask, ACT: tl.constexpr):
@@ -80,8 +81,7 @@ def _kernel():
     def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, k_per_split, splits,
                       x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ACT: tl.constexpr,
                       EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
-        grid_dependency.start(PDL)
+                      PREFETCH: tl.constexpr, PDL: tl.constexpr):
         tile = tl.program_id(0)
         split = tl.program_id(1)
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,7 +89,11 @@ def _kernel():
         n_ok, m_ok = n < N, m < M
         k_begin = split * k_per_split
         k_end = tl.minimum(k_begin + k_per_split, K)
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * w_stride
+        w_row_starts = w_ptr + n.to(tl.int64) * w_stride
+        if PDL:  # the pipeline's first stages of weight into L2 while the kernel before finishes
+            prefetch.rows_to_l2(w_row_starts, n_ok, k_begin, k_end, PREFETCH)
+        grid_dependency.start(PDL)
+        w_rows = w_row_starts[:, None]
         x_cols = x_ptr + m.to(tl.int64)[None, :] * x_stride
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
@@ -157,6 +161,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             HAS_BIAS=bias is not None, PARTIAL=splits > 1, ACT=ACTIVATIONS[activation],
             EVEN=n % config.block_n == 0 and k % config.block_k == 0,
             BLOCK_N=config.block_n, BLOCK_M=MAX_ROWS, BLOCK_K=config.block_k,
+            PREFETCH=1 << (config.num_stages * config.block_k - 1).bit_length(),
             num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(x))
     return out.reshape(*x.shape[:-1], n)
 
