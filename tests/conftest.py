@@ -14,6 +14,16 @@ import torch
 # compare CPU behaviour (decode-graph buckets, scheduler defaults, sync vs async engines)
 os.environ.setdefault("TESSERA_DEVICE", "cpu")
 
+# Under pytest-xdist (the README's test command) each worker shares the cores with the
+# others: its share of threads, in torch and in the processes it starts. Two workers of
+# two OpenMP threads on two cores spin against each other (the default model's load took
+# 5x longer). The kernels' threaded paths still run at 2 threads: test_cpu_simd_bf16.py's
+# other builds, and the tests that set a thread count.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention stores the KV cache in fixed-size blocks.",

@@ -131,7 +131,7 @@ def test_every_kernel_in_the_other_builds(isa, tmp_path):
     if reason:
         pytest.skip(reason)
     here = Path(__file__).parent.parent
-    env = {**os.environ, build.ISA_ENV: isa}
+    env = {**os.environ, build.ISA_ENV: isa, "OMP_NUM_THREADS": "2"}  # threaded paths too (conftest.py)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
          *[str(here / name) for name in _KERNEL_TESTS], "-k", "not other_builds"],
