@@ -16,6 +16,7 @@ from torch import nn
 
 from tessera.distributed.parallel import HeadSplit, Span, all_reduce, even_span, split_heads
 from tessera.ops.module import OpModule
+from tessera.ops.pending_norm import PendingNorm
 from tessera.ops.registry import OpTarget, register_op
 from tessera.ops.weights import copy_checked, make_param, prepared_param
 from tessera.weights.lazy import materialize, narrow
@@ -41,14 +42,27 @@ class Linear(OpModule):
         self.bias = make_param((out_features,), target.dtype, target.device) if bias else None
         self._linear = target.op("linear", quant=target.quant)
         self._prepare = target.prepare("linear", quant=target.quant)
+        # a layer's input norm computed while this linear loads its input (PendingNorm), on
+        # the weight as loaded (not a layout prepared for another builder)
+        self._norm_linear = (target.optional_op("rms_norm_linear", quant=target.quant)
+                             if self._prepare is None else None)
 
     def prepare_weights(self) -> None:
         """After loading: hand the weight to the builder's preferred layout (once)."""
         self.weight = prepared_param(self.weight, self._prepare)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):  # fused where a builder does both (not with LoRA: it reads the rows)
+            if self._norm_linear is not None and self.lora is None:
+                return x.through(self._norm_linear, self.weight, self.bias)
+            x = x.rows()
         out = self._linear(x, self.weight, self.bias)
         return out if self.lora is None else self.lora(x, out)
+
+    @property
+    def fuses_input_norm(self) -> bool:
+        """Whether a PendingNorm given to this layer is computed by one op with it."""
+        return self._norm_linear is not None
 
 
 class RowParallelLinear(Linear):

@@ -17,8 +17,9 @@ OP_KINDS = (
     "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
     "layer_norm", "gelu", "clamped_swiglu", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "ssm_scan", "relu_squared", "short_conv",
     # fused, optional (a layer without a builder runs the ops one by one): rotary, then
-    # kv_write; a gated MLP's activation, then its down projection
-    "rotary_kv_write", "gated_linear",
+    # kv_write; a gated MLP's activation, then its down projection; a layer's input
+    # RMSNorm, then the linear reading it
+    "rotary_kv_write", "gated_linear", "rms_norm_linear",
 )
 PHASES = (None, "prefill", "decode")
 

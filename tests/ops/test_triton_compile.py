@@ -128,7 +128,8 @@ def test_few_row_linear_candidates_compile_for_hopper_on_tensor_cores():
     for shape in (s for s in SHAPES if s.name in ("llama-3-8b", "smollm2-135m")):
         results = compile_skinny(90, shape)
         kernels = [r for r in results if r.kernel == "skinny_kernel"]
-        assert {r.case.split()[1] for r in kernels} == {"qkv", "o", "gate_up", "down", "down_gated"}
+        assert {r.case.split()[1] for r in kernels} == {"qkv", "o", "gate_up", "down", "down_gated", "qkv_normed",
+                                                         "gate_up_normed"}
         assert any("split1" not in r.case for r in kernels)  # split-K candidates exist
         for r in results:
             assert r.shared <= SHARED_LIMIT[90] and r.spilled == 0, r

@@ -223,7 +223,8 @@ def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
                    dtype: torch.dtype = torch.bfloat16, pdl: bool = False) -> list[Compiled]:
     """Every candidate the few-row linear times (tessera/ops/triton/skinny_linear.py) at
     the shape's four projections (QKV, o, gate-up, down, and down applying SiLU-and-mul to
-    its gate-up input), one row, on `num_sms` SMs."""
+    its gate-up input; QKV and gate-up normalising theirs with the residual added), one
+    row, on `num_sms` SMs."""
     import tessera.ops.triton.launch as launch
     import tessera.ops.triton.skinny_linear as skinny
 
@@ -233,16 +234,20 @@ def compile_skinny(arch: int, shape: Shape, num_sms: int = 132,
     h, hk, d = shape.heads, shape.kv_heads, shape.head_size
     layers = {"qkv": ((h + 2 * hk) * d, shape.hidden), "o": (shape.hidden, h * d),
               "gate_up": (2 * shape.intermediate, shape.hidden), "down": (shape.hidden, shape.intermediate),
-              "down_gated": (shape.hidden, shape.intermediate)}  # SiLU-and-mul applied while loading
+              "down_gated": (shape.hidden, shape.intermediate),  # SiLU-and-mul applied while loading
+              "qkv_normed": ((h + 2 * hk) * d, shape.hidden),  # the input RMSNorm applied while loading
+              "gate_up_normed": (2 * shape.intermediate, shape.hidden)}
     try:
         for layer, (n, k) in layers.items():
             gated = layer == "down_gated"
+            rows = torch.zeros((1, k), dtype=dtype)
+            norm = skinny.InputNorm(rows[0], 1e-6, rows, torch.zeros_like(rows)) if "normed" in layer else None
             for config in skinny.candidate_configs(n, k, num_sms):
                 case = f"{shape.name} {layer} {config.name} sm_{arch}"
                 skinny._kernel = lambda case=case: _Recorder(original(), arch, case, out)
                 skinny.skinny_linear(torch.zeros((1, 2 * k if gated else k), dtype=dtype),
                                      torch.zeros((n, k), dtype=dtype), None, config,
-                                     "silu_and_mul" if gated else None)
+                                     "silu_and_mul" if gated else None, norm)
     finally:
         skinny._kernel, launch._enabled = original, original_enabled
     return out

@@ -11,6 +11,7 @@ from tessera.ops.attention import Attention
 from tessera.ops.embedding import LMHead, VocabEmbedding
 from tessera.ops.linear import PackedLinear, QKVLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
+from tessera.ops.pending_norm import PendingNorm, input_to_one_linear
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary, RotaryEmbedding, rope_parameters
 
@@ -29,6 +30,8 @@ def rotary_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaMLP(nn.Module):
+    input_to_one_linear = True  # forward's input goes to gate_up_proj only (ops/pending_norm.py)
+
     def __init__(self, config: PretrainedConfig, target: OpTarget, intermediate_size: int | None = None):
         """`intermediate_size`: other than the config's (DeepSeek's shared experts)."""
         super().__init__()
@@ -46,6 +49,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     uses_rope = True  # False: no rotary (SmolLM3's NoPE layers, Granite 4.0-H's, Nemotron-H's attention)
+    input_to_one_linear = True  # forward's hidden goes to qkv_proj only (ops/pending_norm.py)
 
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
@@ -92,6 +96,7 @@ def add_and_norm(norm: nn.Module, hidden: torch.Tensor,
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
     mlp_cls = LlamaMLP
+    norms_into_linears = False  # set by __init__ (a subclass building its own modules keeps False)
 
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
@@ -99,9 +104,18 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.mlp_cls(config, target)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        # the two norms computed by the linears reading them, where one op does both (CUDA)
+        self.norms_into_linears = all(
+            input_to_one_linear(m) and getattr(getattr(m, linear, None), "fuses_input_norm", False)
+            for m, linear in ((self.self_attn, "qkv_proj"), (self.mlp, "gate_up_proj")))
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.norms_into_linears:
+            pending = PendingNorm(self.input_layernorm, hidden, residual)
+            hidden = self.self_attn(rope, pending)
+            pending = PendingNorm(self.post_attention_layernorm, hidden, pending.next_residual())
+            return self.mlp(pending), pending.next_residual()
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)

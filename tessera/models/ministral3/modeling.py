@@ -13,6 +13,8 @@ from tessera.models.mistral.modeling import MistralAttention, MistralDecoderLaye
 
 
 class Ministral3Attention(MistralAttention):
+    input_to_one_linear = True  # forward's hidden goes to qkv_proj only (ops/pending_norm.py)
+
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self.rotary(q, k, rope)

@@ -17,6 +17,8 @@ class HeadNormForward:
     """Attention whose `q_norm` / `k_norm` (set by the class) normalise every query and key
     head over head_dim before rotary (Qwen3, Gemma 3); mixed in before a LlamaAttention."""
 
+    input_to_one_linear = True  # forward's hidden goes to qkv_proj only (ops/pending_norm.py)
+
     def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm_per_head(norm, x, self.head_dim)
 

@@ -59,7 +59,7 @@ def _kernel():
     return rms_norm_kernel
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def matrix_rows(t: torch.Tensor) -> torch.Tensor:
     """A 2-D view with unit column stride (a copy only when there is none)."""
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -69,10 +69,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                     residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
-    rows_x = _rows(x)
+    rows_x = matrix_rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     new_residual = None if residual is None else torch.empty_like(out)
-    rows_res = None if residual is None else _rows(residual)
+    rows_res = None if residual is None else matrix_rows(residual)
     if rows_x.shape[0] and hidden:
         block = min(MAX_BLOCK, 1 << (hidden - 1).bit_length())
         _kernel()[(rows_x.shape[0],)](

@@ -32,6 +32,7 @@ from tessera.ops.triton import semaphores
 from tessera.ops.triton.activation import triton_gelu_tanh_and_mul, triton_silu_and_mul
 from tessera.ops.triton.availability import triton_missing
 from tessera.ops.triton.launch import launch_options
+from tessera.ops.triton.rms_norm import matrix_rows, triton_rms_norm
 
 MAX_ROWS = 16  # the rows one program covers (the matrix unit's narrow side)
 # the gated activations applied while loading (the kernel's ACT codes: gating.py)
@@ -63,7 +64,7 @@ def _kernel():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global gating, grid_dependency, load_input, prefetch
+    global gating, grid_dependency, load_input, load_normed, load_sum, prefetch
     from tessera.ops.triton import gating, grid_dependency, prefetch
 
     @triton.jit
@@ -76,12 +77,37 @@ def _kernel():
             x = gating.gated(x, tl.load(cols + K + k, mask=mask, other=0.0), ACT).to(x.dtype)
         return x
 
+    @triton.jit
+    def load_sum(cols, res_cols, k, mask, HAS_RES: tl.constexpr):
+        """Input columns k plus the residual's, rounded to the input dtype as the norm op
+        rounds the sum (the next residual); the input alone without a residual."""
+        x = tl.load(cols + k, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_cols + k, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def load_normed(cols, res_cols, sum_cols, norm_w_ptr, k, K, mask, rstd, write_sum,
+                    HAS_RES: tl.constexpr, ROUND_NORMED: tl.constexpr):
+        """Input columns k as the RMSNorm op gives them (tessera/ops/norm.py): the sum
+        with the residual times the rows' rstd, rounded before a weight in the input dtype,
+        times the weight; the sum stored for the next residual where `write_sum`."""
+        x = load_sum(cols, res_cols, k, mask, HAS_RES)
+        if HAS_RES:
+            if write_sum:
+                tl.store(sum_cols + k, x, mask=mask)
+        normed = x.to(tl.float32) * rstd[None, :]
+        if ROUND_NORMED:
+            normed = normed.to(x.dtype).to(tl.float32)
+        return (tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32) * normed).to(x.dtype)
+
     # one compile for every row count and split (1 would be its own)
     @triton.jit(do_not_specialize=["M", "splits"])
-    def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, M, N, K, k_per_split, splits,
-                      x_stride, w_stride, out_stride, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ACT: tl.constexpr,
-                      EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    def skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, res_ptr, sum_ptr, norm_w_ptr, eps,
+                      M, N, K, k_per_split, splits, x_stride, w_stride, out_stride, res_stride,
+                      HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+                      HAS_RES: tl.constexpr, ROUND_NORMED: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
         tile = tl.program_id(0)
         split = tl.program_id(1)
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,16 +121,31 @@ def _kernel():
         grid_dependency.start(PDL)
         w_rows = w_row_starts[:, None]
         x_cols = x_ptr + m.to(tl.int64)[None, :] * x_stride
+        res_cols = res_ptr + m.to(tl.int64)[None, :] * res_stride
+        sum_cols = sum_ptr + m.to(tl.int64)[None, :] * K
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NORM:  # RMSNorm's statistics: every program reads the whole rows (a few, from L2)
+            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                h = load_sum(x_cols, res_cols, k[:, None], m_ok[None, :] & (k < K)[:, None], HAS_RES).to(tl.float32)
+                squares += tl.sum(h * h, axis=0)
+            rstd = tl.rsqrt(squares / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:  # whole tiles: the weight loads need no mask
                 w = tl.load(w_rows + k[None, :])
-                x = load_input(x_cols, k[:, None], K, m_ok[None, :], ACT)
+                x_mask = m_ok[None, :]
             else:
                 k_ok = k < k_end
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = load_input(x_cols, k[:, None], K, m_ok[None, :] & k_ok[:, None], ACT)
+                x_mask = m_ok[None, :] & k_ok[:, None]
+            if NORM:  # the first tile's programs (one per split) store the sum
+                x = load_normed(x_cols, res_cols, sum_cols, norm_w_ptr, k[:, None], K, x_mask, rstd, tile == 0,
+                                HAS_RES, ROUND_NORMED)
+            else:
+                x = load_input(x_cols, k[:, None], K, x_mask, ACT)
             acc = tl.dot(w, x, acc)
         mask = n_ok[:, None] & m_ok[None, :]
         last = True
@@ -130,25 +171,56 @@ def _kernel():
     return skinny_kernel
 
 
+@dataclass
+class InputNorm:
+    """RMSNorm of the input rows, applied while loading them as tessera/ops/norm.py's op
+    computes it: norm(x + residual) with `weight` and `eps`. Where there is a residual, the
+    sum (the next residual) is written to `sum_out`: [rows, in features], contiguous."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    sum_out: torch.Tensor | None = None
+
+
+def _check_norm(norm: InputNorm, rows: torch.Tensor, k: int, activation: str | None) -> None:
+    if activation is not None:
+        raise ValueError("skinny_linear: an input norm and a gated activation do not combine")
+    if tuple(norm.weight.shape) != (k,):
+        raise ValueError(f"skinny_linear: norm weight shape {tuple(norm.weight.shape)} for in features {k}")
+    if norm.residual is not None:
+        if norm.residual.numel() != rows.numel():
+            raise ValueError(f"skinny_linear: residual shape {tuple(norm.residual.shape)} for input rows "
+                             f"{tuple(rows.shape)}")
+        out = norm.sum_out
+        if out is None or tuple(out.shape) != tuple(rows.shape) or not out.is_contiguous() or out.dtype != rows.dtype:
+            raise ValueError(f"skinny_linear: with a residual, sum_out must be a contiguous {tuple(rows.shape)} "
+                             f"{rows.dtype} tensor")
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: SkinnyConfig, activation: str | None = None) -> torch.Tensor:
+                  config: SkinnyConfig, activation: str | None = None,
+                  norm: InputNorm | None = None) -> torch.Tensor:
     """x @ weight.T + bias for at most MAX_ROWS rows of x (any leading shape). With an
     `activation` ("silu_and_mul", "gelu_tanh_and_mul"), x is a gated MLP's packed gate-up
     rows (twice the weight's in features) and the product is of act(gate) * up, as that
     op computes it, applied while loading: a down projection without the activation's
-    kernel."""
+    kernel. With a `norm`, the product is of the RMSNorm of x (plus a residual): a layer's
+    input norm without its kernel."""
     k = weight.shape[1]
     if x.shape[-1] != (2 * k if activation else k):
         raise ValueError(f"skinny_linear: input width {x.shape[-1]} for in features {k}"
                          f"{' (gated: twice)' if activation else ''}")
     n = weight.shape[0]
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = matrix_rows(x)
     m = rows.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {m}")
+    if norm is not None:
+        _check_norm(norm, rows, k, activation)
+    residual = rows if norm is None or norm.residual is None else matrix_rows(norm.residual)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and not n and norm is not None and norm.residual is not None:
+        torch.add(rows, residual, out=norm.sum_out)  # no program to store the sum
     if m and n:
         per_split = -(-k // config.split_k)
         k_per_split = -(-per_split // config.block_k) * config.block_k
@@ -157,8 +229,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
         _kernel()[(tiles, splits)](
             rows, weight, bias if bias is not None else weight, out, parts, semaphores.counters(x.device, tiles),
-            m, n, k, k_per_split, splits, rows.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, PARTIAL=splits > 1, ACT=ACTIVATIONS[activation],
+            residual, norm.sum_out if norm is not None and norm.sum_out is not None else rows,
+            weight if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+            m, n, k, k_per_split, splits, rows.stride(0), weight.stride(0), out.stride(0), residual.stride(0),
+            HAS_BIAS=bias is not None, PARTIAL=splits > 1, ACT=ACTIVATIONS[activation], NORM=norm is not None,
+            HAS_RES=norm is not None and norm.residual is not None,
+            ROUND_NORMED=norm is None or not (norm.weight.dtype == torch.float32 and x.dtype != torch.float32),
             EVEN=n % config.block_n == 0 and k % config.block_k == 0,
             BLOCK_N=config.block_n, BLOCK_M=MAX_ROWS, BLOCK_K=config.block_k,
             PREFETCH=1 << (config.num_stages * config.block_k - 1).bit_length(),
@@ -206,12 +282,12 @@ def _timer(device: torch.device) -> Callable[[dict[str, Callable[[], torch.Tenso
 
 
 def _tune(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-          activation: str | None) -> str:
+          activation: str | None, norm: InputNorm | None, reference: Callable[[], torch.Tensor]) -> str:
     n, k = weight.shape
-    candidates = {"torch": functools.partial(_reference, x, weight, bias, activation)}
+    candidates = {"torch": reference}
     for config in candidate_configs(n, k, _num_sms(x.device)):
         _CONFIGS[config.name] = config
-        candidates[config.name] = functools.partial(skinny_linear, x, weight, bias, config, activation)
+        candidates[config.name] = functools.partial(skinny_linear, x, weight, bias, config, activation, norm)
     return _TABLE.tune(key, candidates, timer=_timer(x.device), agrees=_agrees)
 
 
@@ -225,24 +301,32 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.linear(x, weight, bias)
 
 
-def _tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           activation: str | None) -> torch.Tensor:
-    """The measured choice for this shape, measuring it in a tuning window; cuBLAS for
-    more rows, an unseen shape outside a window, or operands the kernel does not take."""
+def _choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+            norm: InputNorm | None, reference: Callable[[], torch.Tensor]) -> SkinnyConfig | None:
+    """The measured choice for this call's shape, measuring it in a tuning window; None
+    (the reference: cuBLAS, after the ops the kernel would fuse) for more rows, an unseen
+    shape outside a window, operands the kernel does not take, or where it measured best."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     plain_bias = bias is None or (bias.stride(-1) == 1 and bias.dtype == x.dtype)
     if not 0 < m <= MAX_ROWS or weight.stride(-1) != 1 or weight.dtype != x.dtype or not plain_bias:
-        return _reference(x, weight, bias, activation)
-    key = (1 << (m - 1).bit_length(), weight.shape[0], weight.shape[1], x.dtype, bias is not None, activation)
+        return None
+    norm_key = None if norm is None else ("rms_norm", norm.residual is not None, norm.weight.dtype)
+    key = (1 << (m - 1).bit_length(), weight.shape[0], weight.shape[1], x.dtype, bias is not None, activation,
+           norm_key)
     choice = _TABLE.chosen(key)
     if choice is None:
         if not tuning_open() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return _reference(x, weight, bias, activation)  # serving never stops to measure
-        choice = _tune(key, x, weight, bias, activation)
-    config = _CONFIGS.get(choice)
-    return _reference(x, weight, bias, activation) if config is None else skinny_linear(x, weight, bias, config,
-                                                                                        activation)
+            return None  # serving never stops to measure
+        choice = _tune(key, x, weight, bias, activation, norm, reference)
+    return _CONFIGS.get(choice)
+
+
+def _tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           activation: str | None) -> torch.Tensor:
+    reference = functools.partial(_reference, x, weight, bias, activation)
+    config = _choice(x, weight, bias, activation, None, reference)
+    return reference() if config is None else skinny_linear(x, weight, bias, config, activation)
 
 
 @register_op("linear", name="triton_skinny_linear", priority=20, devices=("cuda",),
@@ -262,3 +346,26 @@ def tuned_gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"gated_linear: activation must be one of silu_and_mul, gelu_tanh_and_mul; "
                          f"got {activation!r}")
     return _tuned(gate_up, weight, bias, activation)
+
+
+@register_op("rms_norm_linear", name="triton_skinny_rms_norm_linear", priority=20, devices=("cuda",),
+             dtypes=(torch.bfloat16, torch.float16), check=triton_missing)
+def tuned_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                          weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm and the linear reading it: (norm(x + residual) @ weight.T + bias,
+    x + residual: the next residual, x itself without one), the norm applied while the
+    few-row linear loads its input where that was measured faster than the norm's kernel,
+    then the linear's own choice."""
+    def reference() -> torch.Tensor:
+        return _tuned(triton_rms_norm(x, norm_weight, eps, residual)[0], weight, bias, None)
+
+    m, k = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    few = m <= MAX_ROWS  # more rows (prefill) are never the kernel's: nothing to allocate for it
+    sums = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None and few else None
+    norm = InputNorm(norm_weight, eps, residual, sums)
+    config = _choice(x, weight, bias, None, norm, reference)
+    if config is None:
+        normed, summed = triton_rms_norm(x, norm_weight, eps, residual)
+        return _tuned(normed, weight, bias, None), x if summed is None else summed
+    out = skinny_linear(x, weight, bias, config, norm=norm)
+    return out, x if sums is None else sums.view(x.shape)

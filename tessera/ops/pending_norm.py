@@ -1,0 +1,55 @@
+"""A decoder layer's input norm left for the linear that reads it.
+
+At decode's few rows an RMSNorm is a kernel of its own (two a layer, ~2 us each plus the
+gap before the next on an H200: docs/benchmarks.md, session 30), though the linear after it
+reads the same rows anyway. A layer whose attention and MLP pass their input to one linear
+each (`input_to_one_linear`) hands them a `PendingNorm` instead of normalised rows, where
+the `rms_norm_linear` op exists (CUDA with Triton: the few-row linear normalises the rows
+as it loads them, where that measures faster). Elsewhere layers never build one, and a
+linear that cannot fuse it (LoRA on the layer) computes the norm first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PendingNorm:
+    """norm(x + residual), not yet computed; `next_residual()` is x + residual once a
+    linear has read it (x itself without a residual)."""
+    norm: nn.Module  # an RMSNorm: its weight and eps
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    _sum: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        """The normalised rows, by the norm's own op."""
+        if self.residual is None:
+            self._sum = self.x
+            return self.norm(self.x)
+        out, self._sum = self.norm(self.x, self.residual)
+        return out
+
+    def through(self, norm_linear: Callable, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The rows through a linear by the fused op (`rms_norm_linear`'s signature)."""
+        out, self._sum = norm_linear(self.x, self.residual, self.norm.weight, self.norm.eps, weight, bias)
+        return out
+
+    def next_residual(self) -> torch.Tensor:
+        if self._sum is None:
+            raise RuntimeError("a pending norm was never computed: the module given it did not pass it to a linear")
+        return self._sum
+
+
+def input_to_one_linear(module: nn.Module) -> bool:
+    """Whether `module`'s forward passes its input to one linear and nothing else, as the
+    class defining that forward declares (`input_to_one_linear = True` in its own body: a
+    subclass overriding forward does not inherit the claim)."""
+    for cls in type(module).__mro__:
+        if "forward" in vars(cls):
+            return bool(vars(cls).get("input_to_one_linear", False))
+    return False
