@@ -86,11 +86,16 @@ def test_fp8_cache_kernels_compile_for_hopper():
     the SM's shared memory with no spills, and the attention kernels widen the cache with
     Hopper's fp8 conversions (cvt ... e4m3x2 in the PTX; on an H100 the integer decoding,
     kept for older GPUs, made fp8 decode slower than bf16's); the integer decoding still
-    compiles there (its gemma-2 256-wide prefill spills a little: limits only)."""
+    compiles there (its gemma-2 256-wide prefill spills a little: limits only). Decode
+    multiplies in float16 (paged_decode.py's HALF_DOTS): no value goes on to bf16 (one more
+    conversion each, which made the kernel slower than reading the cache at batch 256)."""
     results = compile_all(90, (torch.bfloat16,), TESTED, kv_dtype=torch.float8_e4m3fn)
     _check(results, 90, no_spills=True)
     attention = [r for r in results if r.kernel in ("partial_kernel", "prefill_kernel")]
     assert attention and all(r.fp8_conversions > 0 for r in attention), attention
+    decode = [r for r in attention if r.kernel == "partial_kernel"]
+    assert all(r.half_to_bf16 == 0 for r in decode), decode
+    assert any(r.half_to_bf16 > 0 for r in attention if r.kernel == "prefill_kernel")  # the count sees them
     integer = compile_all(90, (torch.bfloat16,), TESTED, kv_dtype=torch.float8_e4m3fn, hardware_fp8=False)
     _check(integer, 90, no_spills=False)
     assert all(r.fp8_conversions == 0 for r in integer)

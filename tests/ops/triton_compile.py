@@ -75,6 +75,8 @@ class Compiled:
     pdl_waits: int = 0
     # L2 prefetch hints in the PTX ahead of its first griddepcontrol.wait (prefetch.py)
     prefetches_before_wait: int = 0
+    # float16 -> bf16 conversions (cvt.bf16.f16): an fp8 tile, widened to float16, on to bf16
+    half_to_bf16: int = 0
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
@@ -133,7 +135,7 @@ class _Recorder:
                                      conversions, matrix, len(re.findall(r"cp\.async\.c[ag]", ptx)),
                                      len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
                                      _ordered_arrivals(ptx), len(re.findall(r"griddepcontrol\.wait", ptx)),
-                                     _prefetches_before_wait(ptx)))
+                                     _prefetches_before_wait(ptx), len(re.findall(r"cvt\.(?:rn\.)?bf16\.f16\b", ptx))))
 
         return launch
 

@@ -24,7 +24,14 @@ reading the group's K/V.
 An 8-bit float cache (kv_quant.py, KV_FORMAT 1 e4m3fn / 2 e5m2) is passed as bytes and
 widened in-kernel to the query's dtype (tessera/ops/triton/fp8.py; by the GPU's own fp8
 conversions from sm_89 on), half the bytes read per cached token of a bf16 model;
-KV_FORMAT 0 (the model dtype) compiles to the plain loads.
+KV_FORMAT 0 (the model dtype) compiles to the plain loads. A bf16 query over such a cache
+is multiplied in float16 (HALF_DOTS): both fp8 formats widen exactly to float16 in one
+conversion per pair of values (Hopper's cvt.rn.f16x2.e4m3x2; e5m2 is float16's top byte),
+while reaching bf16 takes two more per value (through float32), which at batch 256 would
+cost more time than reading the cache (session 30's fp8 throughput was below bf16's).
+float16 keeps the bf16 query's bits (more mantissa, range to 65504, which queries stay
+well within; not MLA's absorbed latent queries, which keep bf16) and holds the
+probabilities more finely than bf16 would.
 """
 from __future__ import annotations
 
@@ -120,7 +127,7 @@ def _kernels():
                        TILE: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                        KV_FORMAT: tl.constexpr, HW_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
                        MERGE_G: tl.constexpr, MERGE_P: tl.constexpr, USE_SINKS: tl.constexpr,
-                       PDL: tl.constexpr):
+                       HALF_DOTS: tl.constexpr, PDL: tl.constexpr):
         grid_dependency.start(PDL)
         seq = tl.program_id(0)
         kv_head = tl.program_id(1) // head_chunks  # a group wider than BLOCK_G takes several programs
@@ -141,6 +148,8 @@ def _kernels():
             d_mask = d < head_size
             q = tl.load(q_ptr + (seq * num_heads + heads)[:, None] * head_size + d[None, :],
                         mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+            if HALF_DOTS:  # a bf16 query over an 8-bit cache: the dots in float16 (the module docstring)
+                q = q.to(tl.float16)
             m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
             l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
             acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -349,6 +358,9 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         TILE=min(key_tile(head_size, held), partition_size),
         USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8,
         FUSED_MERGE=plan.fused, MERGE_G=plan.heads, MERGE_P=plan.partitions, USE_SINKS=sinks is not None,
+        # not MLA's wide latent heads: their queries carry the absorbed key projection, whose
+        # range float16 is not known to hold
+        HALF_DOTS=fmt != 0 and q.dtype == torch.bfloat16 and head_size <= 256,
         # a 1024-wide accumulator over 4 warps would spill, as would float32's tiles beside a fused merge
         num_warps=8 if block_d > 256 or q.dtype == torch.float32 else 4, **launch_options(q))
     if not plan.fused:
