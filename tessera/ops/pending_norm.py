@@ -53,3 +53,11 @@ def input_to_one_linear(module: nn.Module) -> bool:
         if "forward" in vars(cls):
             return bool(vars(cls).get("input_to_one_linear", False))
     return False
+
+
+def can_fuse_input_norms(attention: nn.Module, mlp: nn.Module) -> bool:
+    """Whether a decoder layer may hand its attention's and MLP's input norms to their first
+    linears (`qkv_proj`, `gate_up_proj`): both declare `input_to_one_linear` and both linears
+    have the fused op."""
+    return all(input_to_one_linear(m) and getattr(getattr(m, linear, None), "fuses_input_norm", False)
+               for m, linear in ((attention, "qkv_proj"), (mlp, "gate_up_proj")))

@@ -49,13 +49,27 @@ def _layers(llm: LLM) -> list[nn.Module]:
     return list(llm.engine.runner.model.model.layers)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_layers_fuse_their_norms_and_match_transformers(family, norm_linear_calls, tmp_path, tiny_tokenizer_dir):
+def _make(family: str, folder, tokenizer_dir) -> nn.Module:
+    """A tiny checkpoint of `family`; Gemma 2 / 3 with their float32 (1 + w) norm weights,
+    pre- and post-norms, soft-capping and sliding windows."""
+    if family == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        from tests.models.test_gemma2_parity import BASE
+        return make_tiny(folder, tokenizer_dir, Gemma2Config, Gemma2ForCausalLM, seed=5, base=BASE,
+                         attn_implementation="eager")
+    if family == "gemma3":
+        from tests.models.test_gemma3_parity import make
+        return make(folder, tokenizer_dir, "gemma3-untied-softcap")
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     config, model = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
-    hf = make_tiny(tmp_path, tiny_tokenizer_dir, config, model, seed=5,
-                   **({"head_dim": 16} if family == "qwen3" else {}))
+    return make_tiny(folder, tokenizer_dir, config, model, seed=5, **({"head_dim": 16} if family == "qwen3" else {}))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
+def test_layers_fuse_their_norms_and_match_transformers(family, norm_linear_calls, tmp_path, tiny_tokenizer_dir):
+    hf = _make(family, tmp_path, tiny_tokenizer_dir)
     prompts = [[5, 9, 31, 7, 100, 42], [17, 3, 250]]
     with LLM(str(tmp_path), dtype="float32", enforce_eager=True, show_progress=False) as llm:
         assert all(layer.norms_into_linears for layer in _layers(llm))

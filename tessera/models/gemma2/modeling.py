@@ -19,6 +19,7 @@ from tessera.ops.activation import GeluTanhAndMul
 from tessera.ops.embedding import VocabEmbedding
 from tessera.ops.linear import PackedLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
+from tessera.ops.pending_norm import PendingNorm, can_fuse_input_norms
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import RotaryEmbedding, rope_parameters
 from tessera.ops.weights import copy_checked
@@ -47,6 +48,8 @@ class Gemma2RMSNorm(RMSNorm):
 
 
 class Gemma2MLP(nn.Module):
+    input_to_one_linear = True  # forward's input goes to gate_up_proj only (ops/pending_norm.py)
+
     def __init__(self, config: PretrainedConfig, target: OpTarget, intermediate_size: int | None = None):
         """`intermediate_size`: other than the config's (Gemma 4's double-wide layers)."""
         super().__init__()
@@ -89,10 +92,18 @@ class Gemma2DecoderLayer(nn.Module):
         self.post_attention_layernorm = Gemma2RMSNorm(size, eps, target)
         self.pre_feedforward_layernorm = Gemma2RMSNorm(size, eps, target)
         self.post_feedforward_layernorm = Gemma2RMSNorm(size, eps, target)
+        # the input and pre-feedforward norms computed by the linears reading them, where
+        # one op does both (CUDA)
+        self.norms_into_linears = can_fuse_input_norms(self.self_attn, self.mlp)
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual adds are fused into the next norm (input / pre-feedforward / final).
+        if self.norms_into_linears:
+            pending = PendingNorm(self.input_layernorm, hidden, residual)
+            hidden = self.post_attention_layernorm(self.self_attn(rope, pending))
+            pending = PendingNorm(self.pre_feedforward_layernorm, hidden, pending.next_residual())
+            return self.post_feedforward_layernorm(self.mlp(pending)), pending.next_residual()
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(rope, hidden))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)

@@ -11,7 +11,7 @@ from tessera.ops.attention import Attention
 from tessera.ops.embedding import LMHead, VocabEmbedding
 from tessera.ops.linear import PackedLinear, QKVLinear, RowParallelLinear
 from tessera.ops.norm import RMSNorm
-from tessera.ops.pending_norm import PendingNorm, input_to_one_linear
+from tessera.ops.pending_norm import PendingNorm, can_fuse_input_norms
 from tessera.ops.registry import OpTarget
 from tessera.ops.rotary import ApplyRotary, RotaryEmbedding, rope_parameters
 
@@ -105,9 +105,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         # the two norms computed by the linears reading them, where one op does both (CUDA)
-        self.norms_into_linears = all(
-            input_to_one_linear(m) and getattr(getattr(m, linear, None), "fuses_input_norm", False)
-            for m, linear in ((self.self_attn, "qkv_proj"), (self.mlp, "gate_up_proj")))
+        self.norms_into_linears = can_fuse_input_norms(self.self_attn, self.mlp)
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
