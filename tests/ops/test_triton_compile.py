@@ -93,8 +93,10 @@ def test_fp8_cache_kernels_compile_for_hopper():
     _check(results, 90, no_spills=True)
     attention = [r for r in results if r.kernel in ("partial_kernel", "prefill_kernel")]
     assert attention and all(r.fp8_conversions > 0 for r in attention), attention
-    decode = [r for r in attention if r.kernel == "partial_kernel"]
-    assert all(r.half_to_bf16 == 0 for r in decode), decode
+    wide = {s.name for s in TESTED if s.head_size > 256}  # keep bf16: MLA's latent, Gemma 4's global heads
+    decode = [r for r in attention if r.kernel == "partial_kernel" and r.case.split()[0] not in wide]
+    assert decode and all(r.half_to_bf16 == 0 for r in decode), decode
+    assert all(r.half_to_bf16 > 0 for r in attention if r.kernel == "partial_kernel" and r.case.split()[0] in wide)
     assert any(r.half_to_bf16 > 0 for r in attention if r.kernel == "prefill_kernel")  # the count sees them
     integer = compile_all(90, (torch.bfloat16,), TESTED, kv_dtype=torch.float8_e4m3fn, hardware_fp8=False)
     _check(integer, 90, no_spills=False)

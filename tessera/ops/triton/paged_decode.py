@@ -30,8 +30,8 @@ conversion per pair of values (Hopper's cvt.rn.f16x2.e4m3x2; e5m2 is float16's t
 while reaching bf16 takes two more per value (through float32), which at batch 256 would
 cost more time than reading the cache (session 30's fp8 throughput was below bf16's).
 float16 keeps the bf16 query's bits (more mantissa, range to 65504, which queries stay
-well within; not MLA's absorbed latent queries, which keep bf16) and holds the
-probabilities more finely than bf16 would.
+well within; heads wider than 256, MLA's absorbed latent queries among them, keep bf16)
+and holds the probabilities more finely than bf16 would.
 """
 from __future__ import annotations
 
@@ -358,8 +358,8 @@ def triton_paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         TILE=min(key_tile(head_size, held), partition_size),
         USE_SOFTCAP=softcap is not None, PRECISION=dot_precision(q.dtype), KV_FORMAT=fmt, HW_FP8=hw_fp8,
         FUSED_MERGE=plan.fused, MERGE_G=plan.heads, MERGE_P=plan.partitions, USE_SINKS=sinks is not None,
-        # not MLA's wide latent heads: their queries carry the absorbed key projection, whose
-        # range float16 is not known to hold
+        # not heads wider than 256: MLA's latent queries carry the absorbed key projection,
+        # whose range float16 is not known to hold (Gemma 4's 512-wide global heads too)
         HALF_DOTS=fmt != 0 and q.dtype == torch.bfloat16 and head_size <= 256,
         # a 1024-wide accumulator over 4 warps would spill, as would float32's tiles beside a fused merge
         num_warps=8 if block_d > 256 or q.dtype == torch.float32 else 4, **launch_options(q))
