@@ -53,7 +53,7 @@ class Linear(OpModule):
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):  # fused where a builder does both (not with LoRA: it reads the rows)
-            if self._norm_linear is not None and self.lora is None:
+            if self._norm_linear is not None and self.lora is None and x.fusable:
                 return x.through(self._norm_linear, self.weight, self.bias)
             x = x.rows()
         out = self._linear(x, self.weight, self.bias)

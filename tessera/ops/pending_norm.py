@@ -16,12 +16,14 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tessera.ops.norm import RMSNorm
+
 
 @dataclass
 class PendingNorm:
     """norm(x + residual), not yet computed; `next_residual()` is x + residual once a
     linear has read it (x itself without a residual)."""
-    norm: nn.Module  # an RMSNorm: its weight and eps
+    norm: RMSNorm
     x: torch.Tensor
     residual: torch.Tensor | None
     _sum: torch.Tensor | None = None
@@ -33,6 +35,12 @@ class PendingNorm:
             return self.norm(self.x)
         out, self._sum = self.norm(self.x, self.residual)
         return out
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the norm is RMSNorm's own computation (its weight and eps say all of it),
+        which a fused op can apply; a subclass computing otherwise is run as itself."""
+        return type(self.norm).forward is RMSNorm.forward
 
     def through(self, norm_linear: Callable, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The rows through a linear by the fused op (`rms_norm_linear`'s signature)."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from tessera import LLM, SamplingParams
 from tessera.ops import registry
-from tessera.ops.norm import rms_norm_ref
+from tessera.ops.norm import RMSNorm, rms_norm_ref
 from tessera.ops.pending_norm import PendingNorm, input_to_one_linear
 from tessera.ops.registry import register_op, select_op
 
@@ -119,6 +119,7 @@ def test_a_linear_with_lora_computes_the_norm_first(norm_linear_calls, make_tiny
 
 
 def test_only_forwards_that_declare_it_take_a_pending_norm():
+    from tessera.models.gemma2.modeling import Gemma2RMSNorm
     from tessera.models.llama.modeling import LlamaAttention, LlamaMLP
     from tessera.models.qwen3.modeling import Qwen3Attention
 
@@ -135,5 +136,12 @@ def test_only_forwards_that_declare_it_take_a_pending_norm():
     assert input_to_one_linear(bare(LlamaAttention)) and input_to_one_linear(bare(Qwen3Attention))
     assert input_to_one_linear(bare(Inheriting)) and not input_to_one_linear(bare(Overriding))
     assert not input_to_one_linear(nn.Linear(2, 2))
+
+    class OffsetNorm(RMSNorm):  # computes otherwise than its weight and eps say
+        def forward(self, x, residual=None):
+            return super().forward(x + 1, residual)
+
+    assert PendingNorm(bare(Gemma2RMSNorm), torch.zeros(1, 2), None).fusable
+    assert not PendingNorm(bare(OffsetNorm), torch.zeros(1, 2), None).fusable
     with pytest.raises(RuntimeError, match="never computed"):
         PendingNorm(None, torch.zeros(1, 2), None).next_residual()
