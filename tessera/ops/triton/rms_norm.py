@@ -21,8 +21,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global grid_dependency  # a module global: the interpreter does not see this closure (fp8.py)
-    from tessera.ops.triton import grid_dependency
+    global grid_dependency, rms  # module globals: the interpreter does not see this closure (fp8.py)
+    from tessera.ops.triton import grid_dependency, rms
 
     @triton.jit
     def rms_norm_kernel(x_ptr, res_ptr, new_res_ptr, w_ptr, out_ptr, hidden, x_stride, res_stride,
@@ -39,22 +39,19 @@ def _kernel():
             x = tl.load(x_row + start + cols, mask=mask, other=0.0)
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + row * res_stride + start + cols, mask=mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                x = rms.residual_sum(x, r)
                 tl.store(new_res_ptr + row * hidden + start + cols, x, mask=mask)
             xf = x.to(tl.float32)
             sq += xf * xf
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) / hidden + eps)
+        rstd = rms.inverse_rms(tl.sum(sq, axis=0), hidden, eps)
         # pass 2: normalise (the row is in L1/L2 by now)
         src = new_res_ptr + row * hidden if HAS_RESIDUAL else x_row
         for start in range(0, hidden, BLOCK):
             mask = start + cols < hidden
             x = tl.load(src + start + cols, mask=mask, other=0.0)
             w = tl.load(w_ptr + start + cols, mask=mask, other=0.0)
-            normed = x.to(tl.float32) * rstd
-            if ROUND_NORMED:
-                normed = normed.to(x.dtype).to(tl.float32)
             tl.store(out_ptr + row * hidden + start + cols,
-                     (w.to(tl.float32) * normed).to(out_ptr.dtype.element_ty), mask=mask)
+                     rms.weighted(x, rstd, w, ROUND_NORMED).to(out_ptr.dtype.element_ty), mask=mask)
 
     return rms_norm_kernel
 

@@ -64,8 +64,8 @@ def _kernel():
     import triton.language as tl
 
     # module globals: the interpreter does not see this closure's names (fp8.py)
-    global gating, grid_dependency, load_input, load_normed, load_sum, prefetch
-    from tessera.ops.triton import gating, grid_dependency, prefetch
+    global gating, grid_dependency, load_input, load_normed, load_sum, prefetch, rms
+    from tessera.ops.triton import gating, grid_dependency, prefetch, rms
 
     @triton.jit
     def load_input(cols, k, K, mask, ACT: tl.constexpr):
@@ -83,7 +83,7 @@ def _kernel():
         rounds the sum (the next residual); the input alone without a residual."""
         x = tl.load(cols + k, mask=mask, other=0.0)
         if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(res_cols + k, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            x = rms.residual_sum(x, tl.load(res_cols + k, mask=mask, other=0.0))
         return x
 
     @triton.jit
@@ -96,10 +96,7 @@ def _kernel():
         if HAS_RES:
             if write_sum:
                 tl.store(sum_cols + k, x, mask=mask)
-        normed = x.to(tl.float32) * rstd[None, :]
-        if ROUND_NORMED:
-            normed = normed.to(x.dtype).to(tl.float32)
-        return (tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32) * normed).to(x.dtype)
+        return rms.weighted(x, rstd[None, :], tl.load(norm_w_ptr + k, mask=k < K, other=0.0), ROUND_NORMED).to(x.dtype)
 
     # one compile for every row count and split (1 would be its own)
     @triton.jit(do_not_specialize=["M", "splits"])
@@ -130,7 +127,7 @@ def _kernel():
                 k = k0 + tl.arange(0, BLOCK_K)
                 h = load_sum(x_cols, res_cols, k[:, None], m_ok[None, :] & (k < K)[:, None], HAS_RES).to(tl.float32)
                 squares += tl.sum(h * h, axis=0)
-            rstd = tl.rsqrt(squares / K + eps)
+            rstd = rms.inverse_rms(squares, K, eps)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
