@@ -24,3 +24,13 @@ def vision_key(fields: dict, name: str) -> Any:
     if value is None:
         raise MmprojError(f"the mmproj file lacks clip.vision.{name}")
     return value
+
+
+def image_mean_std(fields: dict) -> tuple[list[float], list[float]]:
+    """The image processor's per-channel mean and std (`clip.vision.image_mean` / `_std`),
+    which the converter copies from the released preprocessor; a file without them is refused."""
+    mean = field_value(fields, "clip.vision.image_mean")
+    std = field_value(fields, "clip.vision.image_std")
+    if mean is None or std is None:
+        raise MmprojError("the mmproj file lacks clip.vision.image_mean / image_std")
+    return [float(v) for v in mean], [float(v) for v in std]

@@ -2,16 +2,16 @@
 vision tower and projector its converter writes as a separate GGUF of arch "clip".
 
 Read for Qwen's image-text models (gguf_mmproj_qwen.py), Mistral Small 3.1 / 3.2
-(gguf_mmproj_pixtral.py), Gemma 4 (gguf_mmproj_gemma4.py) and Gemma 3 (clip projector type
-"gemma3"): the SigLIP tower's shape and the image
+(gguf_mmproj_pixtral.py), Gemma 4 (gguf_mmproj_gemma4.py), SmolVLM and Idefics3
+(gguf_mmproj_idefics3.py) and Gemma 3 (clip projector type "gemma3"): the SigLIP tower's shape and the image
 processor's size, mean and std come from its `clip.vision.*` keys; the tokens an image
 takes from the patch grid and the projector's pooling (`projector.scale_factor`, 4 where
 absent, as llama.cpp assumes). With the converted text GGUF's config and tokenizer they
 make the folder a Hugging Face Gemma 3 checkpoint would have (config.json for
 `Gemma3ForConditionalGeneration`, the processor's files), so the multimodal path runs
 unchanged. The tensors keep the Hugging Face layout (the converter writes them as they
-are), under the names gguf's TensorNameMap gives them; the projector's soft-embedding norm
-is stored as 1 + w, as llama.cpp's Gemma norms are."""
+are), under the names gguf's TensorNameMap gives them (Gemma 3's and SmolVLM's alike); the
+projector's soft-embedding norm is stored as 1 + w, as llama.cpp's Gemma norms are."""
 from __future__ import annotations
 
 import hashlib
@@ -27,6 +27,8 @@ import torch
 from tessera.weights.gguf_clip import MmprojError, torch_shape, vision_key
 from tessera.weights.gguf_mmproj_gemma4 import PROJECTOR_TYPE as GEMMA4V
 from tessera.weights.gguf_mmproj_gemma4 import iter_gemma4_weights, write_gemma4_folder
+from tessera.weights.gguf_mmproj_idefics3 import PROJECTOR_TYPE as IDEFICS3
+from tessera.weights.gguf_mmproj_idefics3 import write_idefics3_folder
 from tessera.weights.gguf_mmproj_pixtral import PROJECTOR_TYPE as PIXTRAL
 from tessera.weights.gguf_mmproj_pixtral import iter_pixtral_weights, write_mistral3_folder
 from tessera.weights.gguf_mmproj_qwen import QWEN_PROJECTORS, iter_qwen_vl_weights, write_qwen_vl_folder
@@ -34,7 +36,7 @@ from tessera.weights.gguf_rope import field_value
 
 logger = logging.getLogger(__name__)
 
-PROJECTOR_TYPES = ("gemma3", GEMMA4V, PIXTRAL, *QWEN_PROJECTORS)
+PROJECTOR_TYPES = ("gemma3", GEMMA4V, IDEFICS3, PIXTRAL, *QWEN_PROJECTORS)
 DEFAULT_SCALE_FACTOR = 4  # llama.cpp's Gemma 3 pooling (896-pixel images, 64 x 64 patches -> 16 x 16)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 SOFT_EMB_NORM = "mm.soft_emb_norm.weight"
@@ -96,6 +98,8 @@ def gguf_mmproj_folder(text_folder: Path, mmproj: Path, cache_dir: Path) -> Path
         write_mistral3_folder(tmp, text_folder, reader.fields, reader.tensors)
     elif kind == GEMMA4V:
         write_gemma4_folder(tmp, text_folder, reader.fields, reader.tensors)
+    elif kind == IDEFICS3:
+        write_idefics3_folder(tmp, text_folder, reader.fields)
     else:
         _write_gemma3(tmp, text_folder, reader.fields)
     for item in text_folder.iterdir():  # the text file's tensor index, which its loader reads
@@ -162,6 +166,8 @@ def mmproj_tensor_names(hf_names: Iterable[str], num_blocks: int) -> dict[str, s
     for hf in hf_names:
         converted = _as_released(hf).replace("_weight", ".weight")  # as the converter renames the projector's
         name = table.get_name(converted, try_suffixes=(".weight", ".bias"))
+        if name is None:  # (Idefics3's released names keep the "model." in front)
+            name = table.get_name("model." + converted, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise MmprojError(f"{hf}: no llama.cpp name for it")
         out[name] = hf

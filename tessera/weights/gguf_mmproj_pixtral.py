@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tessera.weights.gguf import unpermute_rows
-from tessera.weights.gguf_clip import MmprojError, vision_key
+from tessera.weights.gguf_clip import MmprojError, image_mean_std, vision_key
 from tessera.weights.gguf_rope import field_value
 
 PROJECTOR_TYPE = "pixtral"
@@ -85,12 +85,9 @@ def write_mistral3_folder(folder: Path, text_folder: Path, fields: dict, tensors
                    multimodal_projector_bias="mm.1.bias" in names,
                    tie_word_embeddings=bool(text.get("tie_word_embeddings")),
                    architectures=["Mistral3ForConditionalGeneration"]).save_pretrained(str(folder))
-    mean = field_value(fields, "clip.vision.image_mean")
-    std = field_value(fields, "clip.vision.image_std")
-    if mean is None or std is None:
-        raise MmprojError("the mmproj file lacks clip.vision.image_mean / image_std")
+    mean, std = image_mean_std(fields)
     PixtralImageProcessor(size={"longest_edge": vision["image_size"]}, patch_size=vision["patch_size"],
-                          image_mean=list(mean), image_std=list(std)).save_pretrained(str(folder))
+                          image_mean=mean, image_std=std).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     (folder / "processor_config.json").write_text(json.dumps({
         **TOKENS, "patch_size": vision["patch_size"], "processor_class": "PixtralProcessor",

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from tessera.weights.gguf_clip import MmprojError, torch_shape, vision_key
+from tessera.weights.gguf_clip import MmprojError, image_mean_std, torch_shape, vision_key
 from tessera.weights.gguf_qwen_vl import DEEPSTACK_LAYERS, MROPE_SECTION
 from tessera.weights.gguf_rope import field_value
 
@@ -162,14 +162,11 @@ def write_qwen_vl_folder(folder: Path, text_folder: Path, fields: dict, tensors:
         architectures=[ARCHITECTURES[model_type]])
     config.save_pretrained(str(folder))
     unit = (vision["patch_size"] * vision["spatial_merge_size"]) ** 2
-    mean = field_value(fields, "clip.vision.image_mean")
-    std = field_value(fields, "clip.vision.image_std")
-    if mean is None or std is None:
-        raise MmprojError("the mmproj file lacks clip.vision.image_mean / image_std")
+    mean, std = image_mean_std(fields)
     low = field_value(fields, "clip.vision.image_min_pixels") or MIN_MERGED_PATCHES[tower] * unit
     high = field_value(fields, "clip.vision.image_max_pixels") or MAX_MERGED_PATCHES * unit
     Qwen2VLImageProcessor(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
-                          temporal_patch_size=TEMPORAL_PATCH, image_mean=list(mean), image_std=list(std),
+                          temporal_patch_size=TEMPORAL_PATCH, image_mean=mean, image_std=std,
                           size={"shortest_edge": int(low), "longest_edge": int(high)}).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
 
