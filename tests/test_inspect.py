@@ -58,7 +58,8 @@ def test_models_table_lists_native_types_with_their_gguf_support(capsys):
     assert encoders == {"bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert", "gte", "new", "eurobert"}  # embeddings only
     text = {t: row for t, row in rows.items() if row[-1] == "no" and t not in encoders}
     assert all(row[-3:-1] == ["yes", "yes"] for row in text.values())  # every generating text type: TP and LoRA
-    assert {t for t, row in rows.items() if row[-1] == "yes"} == {"llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl",
+    assert {t for t, row in rows.items() if row[-1] == "yes"} == {"llava", "llava_next", "idefics3", "smolvlm", "mistral3",
+                                                                     "qwen2_vl", "qwen2_5_vl",
                                                                      "qwen3_vl", "qwen3_vl_moe", "gemma3", "qwen3_5",
                                                                      "qwen3_5_moe", "gemma4"}
     assert rows["qwen2_5_vl"][1] == "VisionLanguageForCausalLM" and rows["qwen2_5_vl"][-3:] == ["yes"] * 3

@@ -247,16 +247,18 @@ def test_gpt_oss_mxfp4_stacks_tp2_match_transformers(tmp_path, tiny_tokenizer_di
     check_tp2_matches_hf(tmp_path / "mxfp4", hf)
 
 
-@pytest.mark.parametrize("kind", ["llava", "llava_next", "idefics3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+@pytest.mark.parametrize("kind", ["llava", "llava_next", "idefics3", "smolvlm", "mistral3", "qwen2_5_vl", "qwen3_vl",
+                                  "qwen3_vl_moe",
                                   "gemma3", "qwen3_5", "qwen3_5_moe", "gemma4"])
 def test_images_tp2_equal_tp1(kind, tmp_path):
     """Image features (and M-RoPE's 3-D positions) reach every rank: the same greedy tokens
     as one rank for prompts with images, text alone, and 8-token chunks that split images."""
     from tests.conftest import TINY_CORPUS
-    from tests.multimodal import checkpoints, gemma4_checkpoint
+    from tests.multimodal import checkpoints, gemma4_checkpoint, smolvlm_checkpoint
 
     make = {"llava": checkpoints.make_tiny_llava, "llava_next": checkpoints.make_tiny_llava_next,
-            "idefics3": checkpoints.make_tiny_idefics3, "mistral3": checkpoints.make_tiny_mistral3,
+            "idefics3": checkpoints.make_tiny_idefics3, "smolvlm": smolvlm_checkpoint.make_tiny_smolvlm,
+            "mistral3": checkpoints.make_tiny_mistral3,
             "qwen2_5_vl": checkpoints.make_tiny_qwen2_vl, "qwen3_vl": checkpoints.make_tiny_qwen3_vl,
             "qwen3_vl_moe": functools.partial(checkpoints.make_tiny_qwen3_vl, moe=True),
             "gemma3": checkpoints.make_tiny_gemma3, "qwen3_5": checkpoints.make_tiny_qwen3_5_vl,
@@ -284,7 +286,8 @@ def test_every_native_type_claims_tensor_parallel():
                | set(BAMBA_CASES))
     cases = hybrids | set(GEMMA4_CASES)
     tested = {"llama", *(set(ZOO) - cases), "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "bamba",
-              "gemma4_text", "gemma4", "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+              "gemma4_text", "gemma4", "llava", "llava_next", "idefics3", "smolvlm", "mistral3", "qwen2_vl", "qwen2_5_vl",
+              "qwen3_vl",
               "qwen3_vl_moe", "gemma3", "qwen3_5", "qwen3_5_moe"}
     assert {t for t, r in router_classes().items() if r.features()["supports_tensor_parallel"]} == tested
 

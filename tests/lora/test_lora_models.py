@@ -297,7 +297,7 @@ def test_lora_is_claimed_by_the_tested_folders_only(tiny_tokenizer_dir, make_tin
               "smollm3", "olmo2", "olmo3", "ministral3", "granite", "glm4", "cohere2", "gpt_oss",
               "deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe", "glm4_moe_lite", "minimax_m2", "ernie4_5", "ernie4_5_moe", "bamba", "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1",
               "qwen3_5_moe_text", "gemma4_text", "gemma4",  # (Qwen3-Next's router and model: the qwen3-next-hybrid case)
-              "llava", "llava_next", "idefics3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+              "llava", "llava_next", "idefics3", "smolvlm", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
               "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}  # these and gemma3: tests/multimodal
     assert {t for t, r in router_classes().items() if r.features()["supports_lora"]} == tested
     folder, _ = make_tiny_llama()

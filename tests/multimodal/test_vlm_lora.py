@@ -11,7 +11,7 @@ from tessera.lora.request import LoRARequest
 from tessera.sampling.params import SamplingParams
 from tests.conftest import TINY_CORPUS
 from tests.lora.peft_adapters import save_peft_adapter
-from tests.multimodal import checkpoints, gemma4_checkpoint
+from tests.multimodal import checkpoints, gemma4_checkpoint, smolvlm_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N = 12
@@ -22,6 +22,8 @@ def _hf_tokens(model, folder, kind: str, text: str, images: list, llm: LLM) -> l
     expansion (its test checks that expansion against the layout written out)."""
     if kind == "gemma4":  # (its transformers processor needs torchvision)
         return gemma4_checkpoint.hf_gemma4_generate(model, folder, text, images, N)[1]
+    if kind == "smolvlm":  # (so does SmolVLM's)
+        return smolvlm_checkpoint.hf_smolvlm_generate(model, folder, text, images, N)[1]
     if kind != "mistral3":
         return checkpoints.hf_image_generate(model, folder, text, images, N)[1]
     from transformers import AutoImageProcessor
@@ -36,10 +38,12 @@ def _hf_tokens(model, folder, kind: str, text: str, images: list, llm: LLM) -> l
 
 
 @pytest.mark.parametrize("kind, placeholder", [("llava_next", "<image>"), ("idefics3", "<image>"),
+                                               ("smolvlm", "<image>"),
                                                ("mistral3", "[IMG]"), ("gemma3", checkpoints.GEMMA3_IMAGE),
                                                ("gemma4", gemma4_checkpoint.GEMMA4_IMAGE)])
 def test_lora_with_images_equals_peft(kind, placeholder, tmp_path):
     make = {"llava_next": checkpoints.make_tiny_llava_next, "idefics3": checkpoints.make_tiny_idefics3,
+            "smolvlm": smolvlm_checkpoint.make_tiny_smolvlm,
             "mistral3": checkpoints.make_tiny_mistral3, "gemma3": checkpoints.make_tiny_gemma3,
             "gemma4": gemma4_checkpoint.make_tiny_gemma4}[kind]
     folder = tmp_path / kind

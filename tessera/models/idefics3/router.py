@@ -10,3 +10,5 @@ class Idefics3Router(VisionLanguageRouter):
     supports_images = True  # tests/multimodal/test_idefics3.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_vlm_lora.py
+    # a GGUF language model (arch llama) with its --mmproj projector (tests/multimodal/test_idefics3_gguf.py)
+    supports_gguf = True
