@@ -115,6 +115,10 @@ class VisionLanguageRouter(BaseRouter):
     def gguf_norm_offset(self) -> float:  # type: ignore[override]
         return self._text_gguf("gguf_norm_offset")
 
+    @property
+    def gguf_plain_norms(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self._text_gguf("gguf_plain_norms")
+
     @cached_property
     def image_token_id(self) -> int:
         for attr in self.image_token_attrs:

@@ -1,9 +1,10 @@
 """Qwen's vision towers from llama.cpp's projector file (clip projector types
 "qwen2vl_merger", "qwen2.5vl_merger" and "qwen3vl_merger"), beside their language model's
-GGUF (arch qwen2vl, qwen3vl or qwen3vlmoe: gguf_qwen_vl.py).
+GGUF (arch qwen2vl, qwen3vl or qwen3vlmoe: gguf_qwen_vl.py; Qwen3.5's qwen35 or qwen35moe:
+gguf_qwen35.py, whose tower is Qwen3-VL's without DeepStack, in a qwen3vl_merger file).
 
 The folder made is the one a Hugging Face checkpoint has: config.json for Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE (the text GGUF's config with its M-RoPE sections as
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 or Qwen3.5-MoE (the text GGUF's config with its M-RoPE sections as
 text_config; the tower's shape from `clip.vision.*` and its tensors), the tokenizer as
 converted and a Qwen2VLImageProcessor with the file's mean and std and its pixel limits
 where it has them, else the released checkpoints' (4 to 16384 merged patches for Qwen2(.5)-VL,
@@ -37,7 +38,8 @@ from tessera.weights.gguf_rope import field_value
 
 # projector type -> {its text GGUF's model type: the Hugging Face model type rebuilt}
 QWEN_PROJECTORS = {"qwen2vl_merger": {"qwen2": "qwen2_vl"}, "qwen2.5vl_merger": {"qwen2": "qwen2_5_vl"},
-                   "qwen3vl_merger": {"qwen3": "qwen3_vl", "qwen3_moe": "qwen3_vl_moe"}}
+                   "qwen3vl_merger": {"qwen3": "qwen3_vl", "qwen3_moe": "qwen3_vl_moe",
+                                      "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}}
 WINDOW_PIXELS = 112  # Qwen2.5-VL's attention window, which llama.cpp fixes (every released size has it)
 TEMPORAL_PATCH = 2
 DEFAULT_MERGE = 2
@@ -45,7 +47,9 @@ MAX_MERGED_PATCHES = 16384  # the released preprocessor_config.json's max pixels
 MIN_MERGED_PATCHES = {"qwen2_vl": 4, "qwen2_5_vl": 4, "qwen3_vl": 64}  # ... and min pixels
 SPECIAL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+                 "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+                 "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+WITHOUT_DEEPSTACK = ("qwen3_5", "qwen3_5_moe")  # Qwen3-VL's tower, no DeepStack mergers
 
 # llama.cpp name -> the Hugging Face one, per tower (the MoE model's is Qwen3-VL's)
 _BLOCK_NAMES = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2"}
@@ -68,8 +72,8 @@ PATCH_EMBED = "v.patch_embd.weight"
 
 
 def tower_of(model_type: str) -> str:
-    """The vision tower a model type has (Qwen3-VL-MoE's is Qwen3-VL's)."""
-    return model_type.removesuffix("_moe")
+    """The vision tower a model type has (Qwen3-VL-MoE's and Qwen3.5's are Qwen3-VL's)."""
+    return "qwen3_vl" if model_type in WITHOUT_DEEPSTACK else model_type.removesuffix("_moe")
 
 
 def deepstack_layers(tensors: list) -> list[int]:
@@ -77,10 +81,11 @@ def deepstack_layers(tensors: list) -> list[int]:
     return sorted({int(m.group(1)) for t in tensors if (m := _DEEPSTACK_RE.match(t.name))})
 
 
-def _vision_config(fields: dict, tensors: list, tower: str, text_hidden: int) -> dict[str, Any]:
+def _vision_config(fields: dict, tensors: list, model_type: str, text_hidden: int) -> dict[str, Any]:
     def key(name: str) -> Any:
         return vision_key(fields, name)
 
+    tower = tower_of(model_type)
     by_name = {t.name: t for t in tensors}
     up = by_name.get("v.blk.0.ffn_up.weight")
     if up is None:
@@ -103,9 +108,15 @@ def _vision_config(fields: dict, tensors: list, tower: str, text_hidden: int) ->
         positions = by_name.get("v.position_embd.weight")
         if positions is None:
             raise MmprojError("a Qwen3-VL projector file needs v.position_embd.weight")
-        return dict(common, hidden_size=embed, intermediate_size=width, out_hidden_size=projection,
-                    hidden_act="gelu_pytorch_tanh", num_position_embeddings=torch_shape(positions)[0],
-                    deepstack_visual_indexes=deepstack_layers(tensors))
+        vision = dict(common, hidden_size=embed, intermediate_size=width, out_hidden_size=projection,
+                      hidden_act="gelu_pytorch_tanh", num_position_embeddings=torch_shape(positions)[0])
+        deepstack = deepstack_layers(tensors)
+        if model_type not in WITHOUT_DEEPSTACK:
+            return dict(vision, deepstack_visual_indexes=deepstack)
+        if deepstack:
+            raise MmprojError(f"the projector file has DeepStack mergers (tower layers {deepstack}), which "
+                              f"Qwen3.5's language model does not take: it is a Qwen3-VL one")
+        return vision
     pattern = int(field_value(fields, "clip.vision.n_wa_pattern") or 0)
     if pattern <= 0:
         raise MmprojError("a Qwen2.5-VL projector file needs clip.vision.n_wa_pattern (its full-attention layers)")
@@ -114,13 +125,16 @@ def _vision_config(fields: dict, tensors: list, tower: str, text_hidden: int) ->
                 window_size=window, fullatt_block_indexes=[i for i in range(depth) if (i + 1) % pattern == 0])
 
 
-def _text_config(text_dict: dict, tower: str, vision: dict) -> dict[str, Any]:
+def _text_config(text_dict: dict, model_type: str, vision: dict) -> dict[str, Any]:
     """The text GGUF's config as the image-text model's text_config."""
+    tower = tower_of(model_type)
     sections = text_dict[MROPE_SECTION]
     head_dim = text_dict.get("head_dim") or text_dict["hidden_size"] // text_dict["num_attention_heads"]
-    if sum(sections) * 2 != head_dim:
-        raise MmprojError(f"the M-RoPE sections {sections} do not cover a head of {head_dim}")
-    if tower == "qwen3_vl":
+    # (Qwen3.5 turns a quarter of each head)
+    rotary = int(head_dim * float((text_dict.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)))
+    if sum(sections) * 2 != rotary:
+        raise MmprojError(f"the M-RoPE sections {sections} do not cover the {rotary} rotary dimensions of a head")
+    if tower == "qwen3_vl" and model_type not in WITHOUT_DEEPSTACK:
         levels = len(vision["deepstack_visual_indexes"])
         if text_dict.get(DEEPSTACK_LAYERS, levels) != levels:
             raise MmprojError(f"the GGUF's language model takes {text_dict[DEEPSTACK_LAYERS]} DeepStack levels, "
@@ -131,7 +145,7 @@ def _text_config(text_dict: dict, tower: str, vision: dict) -> dict[str, Any]:
     if tower == "qwen3_vl":
         rope["mrope_interleaved"] = True
     text["rope_parameters"] = rope
-    if "num_experts" in text:  # (Qwen3-VL-MoE's text config names them so)
+    if model_type == "qwen3_vl_moe" and "num_experts" in text:  # (Qwen3-VL-MoE's text config names them so)
         text["num_local_experts"] = text["num_experts"]
     return text
 
@@ -147,14 +161,13 @@ def write_qwen_vl_folder(folder: Path, text_folder: Path, fields: dict, tensors:
         wanted = " or ".join(sorted(QWEN_PROJECTORS[kind]))
         raise MmprojError(f"a {kind} projector goes with the GGUF of a Qwen image-text model ({wanted}), "
                           f"not a {text_dict.get('model_type')} one")
-    tower = tower_of(model_type)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(text_folder))
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     missing = [t for t, i in ids.items() if not isinstance(i, int) or i == tokenizer.unk_token_id]
     if missing:
         raise MmprojError(f"the GGUF's vocabulary lacks Qwen's vision tokens {missing}")
-    vision = _vision_config(fields, tensors, tower, int(text_dict["hidden_size"]))
-    text = _text_config(text_dict, tower, vision)
+    vision = _vision_config(fields, tensors, model_type, int(text_dict["hidden_size"]))
+    text = _text_config(text_dict, model_type, vision)
     config = AutoConfig.for_model(
         model_type, text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -163,7 +176,7 @@ def write_qwen_vl_folder(folder: Path, text_folder: Path, fields: dict, tensors:
     config.save_pretrained(str(folder))
     unit = (vision["patch_size"] * vision["spatial_merge_size"]) ** 2
     mean, std = image_mean_std(fields)
-    low = field_value(fields, "clip.vision.image_min_pixels") or MIN_MERGED_PATCHES[tower] * unit
+    low = field_value(fields, "clip.vision.image_min_pixels") or MIN_MERGED_PATCHES[tower_of(model_type)] * unit
     high = field_value(fields, "clip.vision.image_max_pixels") or MAX_MERGED_PATCHES * unit
     Qwen2VLImageProcessor(patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
                           temporal_patch_size=TEMPORAL_PATCH, image_mean=mean, image_std=std,

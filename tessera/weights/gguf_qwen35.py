@@ -15,7 +15,10 @@ The converter changes the Gated DeltaNet layers' tensors for its kernels:
   a plain one (the routers' gguf_norm_offset / gguf_plain_norms take it off).
 Layers are linear attention but every `full_attention_interval`-th, which attends; the
 multi-token-prediction blocks (`nextn_predict_layers`) counted into block_count are not served.
-Text only (Qwen3.5's images need its Hugging Face folder)."""
+Qwen3.5's interleaved M-RoPE sections (`rope.dimension_sections`, which the converter always
+writes) stay in the config (`mrope_section`), as gguf_qwen_vl.py keeps Qwen3-VL's: alone a
+file is its text model (M-RoPE over text is plain rotary), and with a projector file
+(--mmproj: gguf_mmproj_qwen.py) the image-text model is rebuilt."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
+from tessera.weights.gguf_qwen_vl import MROPE_SECTION, mrope_sections
 from tessera.weights.gguf_rope import field_value
 from tessera.weights.lazy import materialize
 
@@ -50,6 +54,8 @@ def qwen35_config(fields: dict, tensors: list) -> Any:
             experts |= dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[
                 i for i in range(layers)
                 if f"blk.{i}.ffn_gate_exps.weight" not in names and f"blk.{i}.ffn_gate_up_exps.weight" not in names])
+    sections = mrope_sections(fields, arch) if arch != "qwen3next" else []  # (Qwen3-Next has no images)
+    images = {MROPE_SECTION: sections} if sections else {}
     config_cls, architecture = {"qwen35": (Qwen3_5TextConfig, "Qwen3_5ForCausalLM"),
                                 "qwen35moe": (Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM"),
                                 "qwen3next": (Qwen3NextConfig, "Qwen3NextForCausalLM")}[arch]
@@ -59,7 +65,7 @@ def qwen35_config(fields: dict, tensors: list) -> Any:
                                         for i in range(layers)],
         linear_conv_kernel_dim=int(key("ssm.conv_kernel")), linear_key_head_dim=int(key("ssm.state_size")),
         linear_num_key_heads=int(key("ssm.group_count")), linear_num_value_heads=num_v,
-        linear_value_head_dim=inner // num_v, **experts)
+        linear_value_head_dim=inner // num_v, **experts, **images)
     config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotary / head_dim}
     return config
 

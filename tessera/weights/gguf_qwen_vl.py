@@ -21,6 +21,15 @@ MROPE_SECTION = "mrope_section"  # the config fields the file's image-text setti
 DEEPSTACK_LAYERS = "n_deepstack_layers"
 
 
+def mrope_sections(fields: dict, arch: str) -> list[int]:
+    """The file's M-RoPE sections (`{arch}.rope.dimension_sections`, padded with 0 to four),
+    the padding taken off; [] where the file has none."""
+    sections = [int(s) for s in field_value(fields, f"{arch}.rope.dimension_sections") or []]
+    while sections and sections[-1] == 0:
+        sections.pop()
+    return sections
+
+
 def _experts(arch: str, fields: dict, tensors: list, layers: int) -> dict[str, Any]:
     """Qwen3-MoE's expert keys; layers without a router are dense (mlp_only_layers)."""
     def key(name: str) -> Any:
@@ -41,9 +50,7 @@ def qwen_vl_text_config(fields: dict, tensors: list) -> Any:
     from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     arch = field_value(fields, "general.architecture")
-    sections = [int(s) for s in field_value(fields, f"{arch}.rope.dimension_sections") or []]
-    while sections and sections[-1] == 0:
-        sections.pop()
+    sections = mrope_sections(fields, arch)
     if not sections:
         raise ValueError(f"{arch} GGUF: the file lacks {arch}.rope.dimension_sections")
     extra: dict[str, Any] = {MROPE_SECTION: sections}

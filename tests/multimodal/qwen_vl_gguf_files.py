@@ -1,6 +1,7 @@
 """Qwen image-text checkpoints as llama.cpp's convert_hf_to_gguf.py writes them: the language
 model's GGUF (arch qwen2vl / qwen3vl / qwen3vlmoe, Q and K unpermuted, M-RoPE sections as four
-numbers, Qwen3-VL's DeepStack depth) and the projector file (`--mmproj`, arch clip): the
+numbers, Qwen3-VL's DeepStack depth; Qwen3.5's qwen35 / qwen35moe as test_gguf_qwen35.py
+writes them) and the projector file (`--mmproj`, arch clip): the
 patch embedding's two temporal kernels apart, Qwen2(.5)-VL's q / k / v apart, the tower's
 shape as clip.vision.* keys, Qwen2.5-VL's windows as n_wa_pattern, Qwen3-VL's DeepStack
 mergers as v.deepstack.LAYER.*, the 2-D tower weights in F16."""
@@ -13,13 +14,16 @@ from gguf import GGMLQuantizationType as QT
 import torch
 
 from tests.conftest import TINY_CORPUS
-from tests.multimodal.checkpoints import QWEN_CHAT_TEMPLATE, make_tiny_qwen2_vl, make_tiny_qwen3_vl
+from tests.multimodal.checkpoints import (QWEN_CHAT_TEMPLATE, make_tiny_qwen2_vl, make_tiny_qwen3_5_vl,
+                                          make_tiny_qwen3_vl)
 from tests.weights.gguf_writer import write_model_gguf, write_tensors
 
-TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
-ARCH = {"qwen2_5_vl": "qwen2vl", "qwen2_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe"}
+TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+ARCH = {"qwen2_5_vl": "qwen2vl", "qwen2_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "qwen3_vl_moe": "qwen3vlmoe",
+        "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
 PROJECTOR = {"qwen2_5_vl": "qwen2.5vl_merger", "qwen2_vl": "qwen2vl_merger", "qwen3_vl": "qwen3vl_merger",
-             "qwen3_vl_moe": "qwen3vl_merger"}
+             "qwen3_vl_moe": "qwen3vl_merger", "qwen3_5": "qwen3vl_merger", "qwen3_5_moe": "qwen3vl_merger"}
+QWEN3_TOWERS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # (Qwen3.5's: Qwen3-VL's, no DeepStack)
 # 112-pixel windows, as llama.cpp fixes them: a 224 x 196 image's 8 x 7 merged patches lie in
 # 2 x 2 windows, so the windowed layer differs from a full one
 WINDOWED = dict(window_size=112, fullatt_block_indexes=[1])
@@ -56,9 +60,24 @@ def _text_model(hf):
     return model.eval()
 
 
+def _qwen35_text_model(hf):
+    """Qwen3.5's language model alone, as Qwen3_5(Moe)ForCausalLM."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+
+    cls = Qwen3_5MoeForCausalLM if hf.config.model_type == "qwen3_5_moe" else Qwen3_5ForCausalLM
+    model = cls(hf.config.text_config)
+    state = {f"model.{k}": v for k, v in hf.model.language_model.state_dict().items()}
+    model.load_state_dict({**state, "lm_head.weight": hf.lm_head.weight})
+    return model.eval()
+
+
 def write_text_gguf(path: Path, hf, tokenizer_json: Path, qtype=QT.F32) -> Path:
     kind = hf.config.model_type
     arch = ARCH[kind]
+    if arch.startswith("qwen35"):
+        from tests.weights.test_gguf_qwen35 import write_qwen35_gguf
+
+        return write_qwen35_gguf(path, _qwen35_text_model(hf), tokenizer_json, qtype, chat_template=QWEN_CHAT_TEMPLATE)
     sections = list(hf.config.text_config.rope_parameters["mrope_section"])
 
     def extra(w: gguf.GGUFWriter) -> None:
@@ -84,13 +103,14 @@ def _keys(w: gguf.GGUFWriter, hf, folder: Path, projector_type: str | None) -> N
     w.add_vision_attention_layernorm_eps(1e-6)
     w.add_vision_image_mean(list(images.image_mean))
     w.add_vision_image_std(list(images.image_std))
-    if kind in ("qwen3_vl", "qwen3_vl_moe"):
+    if kind in QWEN3_TOWERS:
         w.add_vision_image_size(int(vision.num_position_embeddings ** 0.5) * vision.patch_size)
         w.add_vision_embedding_length(vision.hidden_size)
         w.add_vision_feed_forward_length(vision.intermediate_size)
         w.add_vision_use_gelu(True)
         w.add_vision_spatial_merge_size(vision.spatial_merge_size)
-        w.add_vision_is_deepstack_layers([i in vision.deepstack_visual_indexes for i in range(vision.depth)])
+        deepstack = getattr(vision, "deepstack_visual_indexes", [])
+        w.add_vision_is_deepstack_layers([i in deepstack for i in range(vision.depth)])
         return
     w.add_vision_image_size(560)  # the converter's default (the config has none)
     v25 = kind == "qwen2_5_vl"
@@ -161,7 +181,8 @@ def make_qwen_vl_files(kind: str, folder: Path, files: Path):
         hf = make_tiny_qwen2_vl(folder, TINY_CORPUS, model_type=kind, seed=3,
                                 vision_overrides=WINDOWED if kind == "qwen2_5_vl" else None)
     else:
-        hf = make_tiny_qwen3_vl(folder, TINY_CORPUS, seed=3, moe=kind == "qwen3_vl_moe")
+        make = make_tiny_qwen3_vl if kind.startswith("qwen3_vl") else make_tiny_qwen3_5_vl
+        hf = make(folder, TINY_CORPUS, seed=3, moe=kind.endswith("_moe"))
         processor = AutoImageProcessor.from_pretrained(str(folder))
         processor.size = dict(QWEN3_RELEASED_SIZE)
         processor.save_pretrained(str(folder))

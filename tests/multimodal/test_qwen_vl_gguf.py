@@ -1,7 +1,8 @@
-"""Qwen2.5-VL, Qwen2-VL, Qwen3-VL and Qwen3-VL-MoE from llama.cpp's files: the language
-model's GGUF (arch qwen2vl / qwen3vl / qwen3vlmoe, with its M-RoPE sections) and the projector
-file beside it (`--mmproj`, clip projector types qwen2.5vl_merger / qwen2vl_merger /
-qwen3vl_merger), written as convert_hf_to_gguf.py writes them (qwen_vl_gguf_files.py).
+"""Qwen2.5-VL, Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE from llama.cpp's
+files: the language model's GGUF (arch qwen2vl / qwen3vl / qwen3vlmoe / qwen35 / qwen35moe,
+with its M-RoPE sections) and the projector file beside it (`--mmproj`, clip projector types
+qwen2.5vl_merger / qwen2vl_merger / qwen3vl_merger), written as convert_hf_to_gguf.py writes
+them (qwen_vl_gguf_files.py).
 Against transformers' model the files were written from: the same prompt tokens, greedy
 tokens and logprobs with images; the converted folder's config is the original's."""
 from __future__ import annotations
@@ -55,7 +56,8 @@ def test_the_gguf_and_its_mmproj_equal_transformers(qwen_files, tmp_path):
 def test_the_gguf_alone_is_its_text_model(qwen_files, tmp_path):
     """Without a projector the file is its text model (M-RoPE over text is plain rotary)."""
     folder, hf, text, _ = qwen_files
-    text_type = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+    text_type = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
+                 "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
     with LLM(text, dtype="float32", num_kv_blocks=16, show_progress=False, cache_dir=tmp_path / "cache") as llm:
         assert not llm.engine.supports_images
         assert llm.engine.router.config.model_type == text_type[hf.config.model_type]

@@ -70,7 +70,9 @@ def _quantized(array: np.ndarray) -> bool:
     return array.ndim >= 2 and array.shape[-1] % 32 == 0
 
 
-def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
+def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT, chat_template: str | None = None) -> Path:
+    """`hf` (a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next causal LM) as the converter writes it; the
+    M-RoPE sections are its config's, else the tiny checkpoints' (2, 1, 1)."""
     cfg = hf.config
     moe = cfg.model_type != "qwen3_5_text"
     arch = {"qwen3_5_text": ARCH, "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}[cfg.model_type]
@@ -81,7 +83,7 @@ def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-    w.add_rope_dimension_sections([2, 1, 1, 0])
+    w.add_rope_dimension_sections((list(cfg.rope_parameters.get("mrope_section") or [2, 1, 1]) + [0] * 4)[:4])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
@@ -95,7 +97,7 @@ def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Path:
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    add_tokenizer(w, tokenizer_json, cfg.vocab_size)
+    add_tokenizer(w, tokenizer_json, cfg.vocab_size, **({"chat_template": chat_template} if chat_template else {}))
     table = gguf.TensorNameMap({"qwen35": gguf.MODEL_ARCH.QWEN35, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE,
                                 "qwen3next": gguf.MODEL_ARCH.QWEN3NEXT}[arch], cfg.num_hidden_layers)
     tensors = []

@@ -61,15 +61,22 @@ class Qwen3_5VLRouter(VisionLanguageRouter):
     supports_images = True  # tests/multimodal/test_qwen3_5_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_qwen3_5_vl.py
+    # a GGUF language model (arch qwen35 / qwen35moe) with its --mmproj projector
+    # (tests/multimodal/test_qwen_vl_gguf.py)
+    supports_gguf = True
     image_prompts_cls = QwenVLImagePrompts
 
     def language_model_cls(self):
         return Qwen3_5VLForCausalLM
 
+    def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return qwen35_tensor(self.config, name, tensor)  # (self.config: the text config, as the text routers')
+
 
 class Qwen3_5MoeVLRouter(Qwen3_5VLRouter):
     model_types = ("qwen3_5_moe",)
     supports_images = True  # tests/multimodal/test_qwen3_5_vl.py
+    supports_gguf = True  # tests/multimodal/test_qwen_vl_gguf.py
     is_moe = True  # tests/multimodal/test_qwen3_5_vl.py
     supports_tensor_parallel = True  # tests/distributed/test_tensor_parallel.py
     supports_lora = True  # tests/multimodal/test_qwen3_5_vl.py (attention of both kinds; experts refused)
