@@ -103,6 +103,13 @@ _PACKED_BUILDERS = [
 ]
 
 
+@pytest.fixture
+def without_amx(monkeypatch):
+    """The packed kernel at every row count (on an AMX host torch takes a prefill's rows)."""
+    monkeypatch.setattr(cpu_linear, "has_amx", lambda: False)
+
+
+@pytest.mark.usefixtures("without_amx")
 @pytest.mark.parametrize("linear", _PACKED_BUILDERS)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 12, 13, 32, 200])
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 578), (80, 64), (1024, 96)])
@@ -164,6 +171,7 @@ def test_layers_pack_after_loading_and_a_tied_head_leaves_the_embedding_rows():
 
 
 @needs_kernel
+@pytest.mark.usefixtures("without_amx")
 def test_packed_kernel_across_row_blocks():
     """More rows than one 4 MB block of x (1024 rows at k = 2048): blocks and their remainder."""
     g = torch.Generator().manual_seed(9)
@@ -171,6 +179,35 @@ def test_packed_kernel_across_row_blocks():
     w = torch.randn(48, 2048, generator=g).bfloat16()
     b = torch.randn(48, generator=g).bfloat16()
     assert_bf16_close(cpu_linear.gemm_linear(x, cpu_linear.pack_weight(w), b), x, w, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bias", [False, True])
+def test_with_amx_a_prefills_rows_go_to_torch_on_the_unpacked_weight(monkeypatch, bias):
+    """From AMX_MIN_ROWS rows, torch's GEMM (AMX tiles under oneDNN) on the weight unpacked for
+    the call: exactly F.linear on the plain weight; fewer rows keep the packed kernel's result
+    exactly. (The dispatch is tested on any host: F.linear runs everywhere.)"""
+    monkeypatch.setattr(cpu_linear, "has_amx", lambda: True)
+    g = torch.Generator().manual_seed(11)
+    n, k, rows = 96, 160, cpu_linear.AMX_MIN_ROWS
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None  # (float32: brought to bf16 as the kernel's path does)
+    packed = cpu_linear.pack_weight(w)
+    bf16_b = None if b is None else b.bfloat16()
+    for m in (rows, rows + 7):
+        x = torch.randn(2, m, k, generator=g).bfloat16()[1]  # (a view)
+        assert torch.equal(cpu_linear.gemm_linear(x, packed, b), F.linear(x, w, bf16_b))
+    x = torch.randn(rows - 1, k, generator=g).bfloat16()
+    kernel = cpu_linear._packed_linear(cpu_linear._GEMM_PACKED, x, packed, b)
+    assert torch.equal(cpu_linear.gemm_linear(x, packed, b), kernel)
+    assert_bf16_close(cpu_linear.gemm_linear(x, packed, b), x, w, bf16_b)
+
+
+def test_unpacking_gives_the_weight_back_as_its_own_tensor():
+    w = torch.randn(48, 70).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    plain = cpu_linear.unpack_weight(packed)
+    assert plain.is_contiguous() and torch.equal(plain, w) and plain.data_ptr() != packed.data_ptr()
 
 
 # ---- the AVX2 kernel (CPUs without AVX512): same packed layout ---------------------------
