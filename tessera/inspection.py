@@ -23,6 +23,7 @@ from tessera.ops.attention import Attention
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.linear_attention import RecurrentLayer
 from tessera.ops.cpu.build import isa_description, unavailable_reason
+from tessera.ops.cpu.linear import AMX_KERNEL_MIN_ROWS, amx_kernel_ready, has_amx
 from tessera.ops.registry import OpChoice, OpTarget
 from tessera.platform import cpu_bf16_reason, resolve_dtype
 from tessera.pooling.model import as_pooling_model
@@ -57,6 +58,11 @@ def cpu_kernels_note(device: str) -> str | None:
     reason = unavailable_reason("gemm_bf16.c")
     if reason and unavailable_reason("gemm_bf16_avx2.c") is not None:
         return f"unavailable: {reason}"
+    if amx_kernel_ready():
+        return f"{isa_description()}; bf16 GEMMs of {AMX_KERNEL_MIN_ROWS}+ rows on AMX tiles"
+    if has_amx():
+        return f"{isa_description()}; AMX here, but its kernel is unavailable: " \
+               f"{unavailable_reason('gemm_packed_amx.c') or 'the OS refused its tiles'}"
     return isa_description()
 
 

@@ -105,8 +105,9 @@ _PACKED_BUILDERS = [
 
 @pytest.fixture
 def without_amx(monkeypatch):
-    """The packed kernel at every row count (on an AMX host torch takes a prefill's rows)."""
+    """The AVX512 packed kernel at every row count (on an AMX host the tiles take most rows)."""
     monkeypatch.setattr(cpu_linear, "has_amx", lambda: False)
+    monkeypatch.setattr(cpu_linear, "amx_kernel_ready", lambda: False)
 
 
 @pytest.mark.usefixtures("without_amx")
@@ -183,11 +184,13 @@ def test_packed_kernel_across_row_blocks():
 
 @needs_kernel
 @pytest.mark.parametrize("bias", [False, True])
-def test_with_amx_a_prefills_rows_go_to_torch_on_the_unpacked_weight(monkeypatch, bias):
-    """From AMX_MIN_ROWS rows, torch's GEMM (AMX tiles under oneDNN) on the weight unpacked for
-    the call: exactly F.linear on the plain weight; fewer rows keep the packed kernel's result
-    exactly. (The dispatch is tested on any host: F.linear runs everywhere.)"""
+def test_without_the_amx_kernel_a_prefills_rows_go_to_torch_on_the_unpacked_weight(monkeypatch, bias):
+    """An AMX CPU whose compiler cannot build gemm_packed_amx.c: from AMX_MIN_ROWS rows,
+    torch's GEMM (AMX tiles under oneDNN) on the weight unpacked for the call, exactly
+    F.linear on the plain weight; fewer rows keep the packed kernel's result exactly. (The
+    dispatch is tested on any host: F.linear runs everywhere.)"""
     monkeypatch.setattr(cpu_linear, "has_amx", lambda: True)
+    monkeypatch.setattr(cpu_linear, "amx_kernel_ready", lambda: False)
     g = torch.Generator().manual_seed(11)
     n, k, rows = 96, 160, cpu_linear.AMX_MIN_ROWS
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -201,6 +204,47 @@ def test_with_amx_a_prefills_rows_go_to_torch_on_the_unpacked_weight(monkeypatch
     kernel = cpu_linear._packed_linear(cpu_linear._GEMM_PACKED, x, packed, b)
     assert torch.equal(cpu_linear.gemm_linear(x, packed, b), kernel)
     assert_bf16_close(cpu_linear.gemm_linear(x, packed, b), x, w, bf16_b)
+
+
+needs_amx_kernel = pytest.mark.skipif(not cpu_linear.amx_kernel_ready(), reason="no AMX, or its kernel does not build")
+
+
+@needs_amx_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 15, 16, 17, 31, 32, 33, 100])
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 64), (80, 96), (1024, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_kernel_matches_torch(m, n, k, bias):
+    """Odd and even panel counts, one and two row tiles, rows past the last whole 16 (padded)."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = cpu_linear._packed_linear(cpu_linear._GEMM_PACKED_AMX, x, cpu_linear.pack_weight(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert_bf16_close(got, x, w, b)
+
+
+@needs_amx_kernel
+def test_on_amx_a_rows_bits_do_not_depend_on_its_batch_and_the_dispatch():
+    """Each row is its own tile row over the same k steps: 40 rows at once or in batches of
+    3, 17 and 20 give the same bits. gemm_linear takes the AMX kernel from
+    AMX_KERNEL_MIN_ROWS rows when k is a multiple of 32, the AVX512 kernel otherwise."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 128, generator=g).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    x = torch.randn(40, 128, generator=g).bfloat16()
+    whole = cpu_linear.gemm_linear(x, packed, None)
+    assert torch.equal(whole, cpu_linear._packed_linear(cpu_linear._GEMM_PACKED_AMX, x, packed, None))
+    parts = [cpu_linear.gemm_linear(x[a:b], packed, None) for a, b in ((0, 3), (3, 20), (20, 40))]
+    assert torch.equal(torch.cat(parts), whole)
+    few = x[:cpu_linear.AMX_KERNEL_MIN_ROWS - 1]
+    assert torch.equal(cpu_linear.gemm_linear(few, packed, None),
+                       cpu_linear._packed_linear(cpu_linear._GEMM_PACKED, few, packed, None))
+    odd_w = torch.randn(64, 80, generator=g).bfloat16()  # k = 80: not whole steps of 32
+    odd_x = torch.randn(8, 80, generator=g).bfloat16()
+    odd = cpu_linear.pack_weight(odd_w)
+    assert torch.equal(cpu_linear.gemm_linear(odd_x, odd, None),
+                       cpu_linear._packed_linear(cpu_linear._GEMM_PACKED, odd_x, odd, None))
 
 
 def test_unpacking_gives_the_weight_back_as_its_own_tensor():

@@ -34,6 +34,10 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 AVX2_FLAGS = ("-mavx2", "-mfma")
 AVX2_CPU_FLAGS = ("avx2", "fma")
 PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c")
+# AMX (*_amx.c files: Sapphire Rapids and later Xeons): the AVX512 family's flags, its bf16
+# extension and AMX's tiles, all of which the CPU must have.
+AMX_FLAGS = ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+AMX_CPU_FLAGS = ("avx512_bf16", "amx_tile", "amx_bf16")
 # Extensions the AVX512 kernels use when the CPU has them and emulate otherwise (simd_bf16.h):
 # /proc/cpuinfo flag -> compiler flag. Many AVX512 CPUs lack AVX512-BF16 (Skylake-X to Ice
 # Lake, and hypervisors that hide it); their kernels widen bf16 to float32 in registers.
@@ -70,9 +74,11 @@ def _isa_setting() -> str:
 
 
 def kernel_family(source_name: str) -> str:
-    """"avx512", "avx2" or "portable": which flags build the kernel in `source_name`."""
+    """"avx512", "avx2", "amx" or "portable": which flags build the kernel in `source_name`."""
     if source_name.endswith("_avx2.c"):
         return "avx2"
+    if source_name.endswith("_amx.c"):
+        return "amx"
     return "portable" if source_name in PORTABLE_SOURCES else "avx512"
 
 
@@ -82,12 +88,16 @@ def missing_cpu_flags(source_name: str = "") -> list[str]:
     if family == "portable":
         return []
     required = AVX2_CPU_FLAGS if family == "avx2" else REQUIRED_CPU_FLAGS
+    if family == "amx":
+        required = REQUIRED_CPU_FLAGS + AMX_CPU_FLAGS
     flags = cpu_flags()
     if flags is None:
         return list(required)
     missing = [f for f in required if f not in flags]
-    if not missing and family == "avx512" and _isa_setting() == "avx2":
+    if not missing and family in ("avx512", "amx") and _isa_setting() == "avx2":
         return [f"AVX512 ({ISA_ENV}=avx2)"]
+    if not missing and family == "amx" and _isa_setting() != "native":
+        return [f"AMX ({ISA_ENV}={_isa_setting()})"]
     return missing
 
 
@@ -112,6 +122,8 @@ def build_flags(source_name: str = "") -> tuple[str, ...]:
         return BASE_FLAGS
     if family == "avx2":
         return BASE_FLAGS + AVX2_FLAGS
+    if family == "amx":
+        return BASE_FLAGS + AVX512_FLAGS + AMX_FLAGS
     return BASE_FLAGS + AVX512_FLAGS + tuple(OPTIONAL_EXTENSIONS[ext] for ext in extensions_used())
 
 

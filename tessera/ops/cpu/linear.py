@@ -10,12 +10,15 @@ projection of the supported families) are repacked once after loading (`pack_wei
 builder's `prepare`) into 16-feature panels; the packed kernel then serves every row count,
 prefill included, from that one copy (the plain weight is dropped; a tied LM head packs its
 own copy and leaves the embedding's rows alone). Weights that cannot be packed keep their
-layout: the row-layout kernel takes up to `MAX_ROWS` rows, F.linear the rest.
+layout: the row-layout kernel takes up to `MAX_ROWS` rows, F.linear the rest. On CPUs with
+AMX the panels are AMX's B tiles as they lie: from a few rows the product runs on the tiles
+(gemm_packed_amx.c), a decode batch's and a prefill's alike.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +26,24 @@ import torch.nn.functional as F
 from tessera.ops.cpu.build import Kernel, cpu_flags, unavailable_reason
 from tessera.ops.registry import OpSpec, register_op
 
+logger = logging.getLogger(__name__)
+
 # Up to this many rows the row-layout kernel beats torch's GEMM on the 2-core host (bf16, 2 threads,
 # medians of 30; 960x576 / 3072x576 / 576x1536 / 49152x576 weights): 1 row 3.3x / 2.8x /
 # 3.2x / 1.5x, 8 rows 1.9x / 1.6x / 1.8x / 1.1x, 32 rows 1.3x / 1.2x / 1.2x / 0.9x,
 # 128 rows 1.1x / 1.0x / 1.0x / 0.9x.
 MAX_ROWS = 32
-# With AMX (Sapphire Rapids and later Xeons) torch's bf16 GEMM runs on its tiles: 500-760
-# GFLOP/s on 2 cores at 128-512 rows, against the packed kernel's 90-128 (AVX512-BF16 dot
-# products). From this many rows it wins even after unpacking the weight for the call (an
-# int32 transpose, 0.13 ms for 1536 x 576): 1.5x at 32 rows, 2.3x at 64, 5.4x at 512
-# (1536 x 576, 2 threads); below it the packed kernel is as fast or faster (3-5x at 1 row).
+# With AMX (Sapphire Rapids and later Xeons) the packed weights' panels are AMX's own B
+# tiles (gemm_packed_amx.c): 0.5-2.5 TFLOP/s on 2 cores from 16 rows, 7-15x the AVX512
+# kernel's 90-128 GFLOP/s, 1.3-1.7x from 3 rows; at 1-2 rows (memory-bound) the AVX512
+# kernel is as fast or faster (1536 x 576 and the 49152 x 576 LM head, 2 threads). The two
+# round differently, so the threshold keeps every captured decode bucket on one side (1 and
+# 2 are buckets of their own: runner/decode_graphs.py), and a row's AMX bits do not depend
+# on its batch (a padded bucket replays what eager ran).
+AMX_KERNEL_MIN_ROWS = 3
+# Where that kernel cannot run (a compiler without -mamx-tile, k not a multiple of 32),
+# torch's bf16 GEMM still runs on AMX tiles (oneDNN): from this many rows it wins even after
+# unpacking the weight for the call (an int32 transpose); a batch-32 decode lost to it.
 AMX_MIN_ROWS = 128
 
 
@@ -41,6 +52,8 @@ _GEMM = Kernel("gemm_bf16.c", "tessera_gemm_bf16", _GEMM_ARGS, ctypes.c_int)
 _GEMM_PACKED = Kernel("gemm_bf16.c", "tessera_gemm_packed_bf16", _GEMM_ARGS, ctypes.c_int)
 # CPUs without AVX512: the same packed layout, float32 FMAs on 8 lanes (gemm_bf16_avx2.c)
 _GEMM_PACKED_AVX2 = Kernel("gemm_bf16_avx2.c", "tessera_gemm_packed_bf16_avx2", _GEMM_ARGS, ctypes.c_int)
+# CPUs with AMX: the same packed layout multiplied on AMX tiles
+_GEMM_PACKED_AMX = Kernel("gemm_packed_amx.c", "tessera_gemm_packed_amx", _GEMM_ARGS, ctypes.c_int)
 
 
 def kernel_unavailable() -> str | None:
@@ -66,9 +79,11 @@ def _call(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def _raise_for(status: int, kernel: Kernel, x: torch.Tensor, weight: torch.Tensor) -> None:
-    if status == 2:  # a float32 copy of x or of a panel pair (CPUs without AVX512-BF16)
-        raise MemoryError(f"{kernel.symbol}: no memory for float32 copies of x {tuple(x.shape)} "
+    if status == 2:  # a float32 copy of x or of a panel pair (no AVX512-BF16), AMX's padded rows
+        raise MemoryError(f"{kernel.symbol}: no memory for working copies of x {tuple(x.shape)} "
                           "or of a weight panel pair")
+    if status == 3:
+        raise RuntimeError(f"{kernel.symbol}: the OS refused AMX's tile state")
     if status:
         raise ValueError(f"{kernel.symbol} refused shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
 
@@ -113,6 +128,24 @@ def has_amx() -> bool:
     return "amx_bf16" in (cpu_flags() or ())
 
 
+@functools.lru_cache(maxsize=None)
+def amx_kernel_ready() -> bool:
+    """gemm_packed_amx.c builds here and the OS grants AMX's tiles: one tiny product says so,
+    on ctypes buffers and past any graph recorder (it may first be asked inside a capture,
+    which no torch op may enter)."""
+    if not has_amx() or unavailable_reason(_GEMM_PACKED_AMX.source):
+        return False
+    one, thirty_two = 0x3F80, 0x4200  # bf16 1.0 and 32.0: ones times ones over k = 32
+    x, packed, y = (ctypes.c_uint16 * 96)(*[one] * 96), (ctypes.c_uint16 * 512)(*[one] * 512), (ctypes.c_uint16 * 48)()
+    status = _GEMM_PACKED_AMX._fn(ctypes.addressof(x), ctypes.addressof(packed), None, ctypes.addressof(y),
+                                  3, 16, 32, 1)
+    if status or any(v != thirty_two for v in y):
+        logger.warning("the AMX GEMM is not used: %s", "the OS refused AMX's tiles" if status == 3
+                       else f"status {status}, a wrong result on a probe")
+        return False
+    return True
+
+
 def _packed_linear(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
@@ -146,7 +179,11 @@ def run_packed(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor, bias: torc
              dtypes=(torch.bfloat16,), check=_check, prepare=pack_weight)
 def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if is_packed(weight):
-        if has_amx() and x.numel() >= AMX_MIN_ROWS * x.shape[-1]:  # a prefill's rows: torch on AMX tiles
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if rows >= AMX_KERNEL_MIN_ROWS and k % 32 == 0 and amx_kernel_ready():
+            return _packed_linear(_GEMM_PACKED_AMX, x, weight, bias)
+        if rows >= AMX_MIN_ROWS and has_amx():  # a prefill's rows: torch on AMX tiles
             return F.linear(x.to(torch.bfloat16), unpack_weight(weight),
                             None if bias is None else bias.to(torch.bfloat16))
         return _packed_linear(_GEMM_PACKED, x, weight, bias)
