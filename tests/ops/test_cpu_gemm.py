@@ -315,3 +315,23 @@ def test_avx2_rows_come_out_the_same_in_any_batch():
     two = cpu_linear.gemm_linear_avx2(x[:2], w, b)  # one and two rows: their own order
     assert torch.equal(cpu_linear.gemm_linear_avx2(x[:1], w, b), two[:1])
     assert_bf16_close(two, x[:2], cpu_linear.unpack_weight(w), b)
+
+
+def test_amx_builds_are_a_family_of_their_own(monkeypatch):
+    """*_amx.c files and sources built with TESSERA_AMX take AMX's compiler flags and need
+    the CPU's amx_tile / amx_bf16 (and AVX512-BF16); TESSERA_CPU_KERNEL_ISA other than
+    native turns them off, as it does the extensions."""
+    amx = (build.AMX_DEFINE,)
+    assert build.kernel_family("gemm_packed_amx.c") == build.kernel_family("gemm_int8.c", amx) == "amx"
+    assert build.kernel_family("gemm_int8.c") == "avx512"
+    assert {"-mamx-tile", "-mamx-bf16", "-mavx512bf16"} <= set(build.build_flags("gemm_int8.c", amx))
+    assert "-mamx-tile" not in build.build_flags("gemm_int8.c")
+    avx512 = frozenset({"avx512f", "avx512bw", "avx512vl", "fma", "avx512_bf16"})
+    monkeypatch.setattr(build, "cpu_flags", lambda: avx512)
+    assert build.missing_cpu_flags("gemm_packed_amx.c") == ["amx_tile", "amx_bf16"]
+    assert build.missing_cpu_flags("gemm_int8.c", amx) == ["amx_tile", "amx_bf16"]
+    monkeypatch.setattr(build, "cpu_flags", lambda: avx512 | {"amx_tile", "amx_bf16"})
+    assert build.missing_cpu_flags("gemm_packed_amx.c") == []
+    monkeypatch.setenv(build.ISA_ENV, "avx512")
+    assert build.missing_cpu_flags("gemm_packed_amx.c") == [f"AMX ({build.ISA_ENV}=avx512)"]
+    assert build.missing_cpu_flags("gemm_int8.c") == []

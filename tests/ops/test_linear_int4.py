@@ -72,7 +72,19 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
     torch.testing.assert_close(linear_int4_ref(xk, pack_int4_rows(kept), None), F.linear(xk, kept))
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def build(request, monkeypatch):
+    """The kernel's AVX512 build, and on CPUs with AMX its AMX build (widened rows on tiles)."""
+    if request.param == "amx":
+        if cpu_int4.amx_build(cpu_int4._KERNEL) is None:
+            pytest.skip("no AMX, or its build does not compile")
+    else:
+        monkeypatch.setattr(cpu_int4, "amx_build", lambda kernel: None)
+    return request.param
+
+
 @needs_kernel
+@pytest.mark.usefixtures("build")
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 40, 300])
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])

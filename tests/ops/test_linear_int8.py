@@ -57,7 +57,19 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
         linear_int8_ref(torch.randn(2, 41), quantize_rows(w), None)
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def build(request, monkeypatch):
+    """The kernel's AVX512 build, and on CPUs with AMX its AMX build (widened rows on tiles)."""
+    if request.param == "amx":
+        if cpu_int8.amx_build(cpu_int8._KERNEL) is None:
+            pytest.skip("no AMX, or its build does not compile")
+    else:
+        monkeypatch.setattr(cpu_int8, "amx_build", lambda kernel: None)
+    return request.param
+
+
 @needs_kernel
+@pytest.mark.usefixtures("build")
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 40, 300])
 @pytest.mark.parametrize("n, k", [(16, 2), (48, 576), (80, 1030), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -165,6 +177,7 @@ def test_the_transformers_fallback_refuses_quantization(make_tiny_llama):
 
 
 @needs_kernel
+@pytest.mark.usefixtures("build")
 def test_kernel_across_row_blocks():
     """More rows than one block of x: the AVX512 widened path's 4 MB (1024 rows at
     k = 2048), the int16 path's 96 KB (24 rows)."""

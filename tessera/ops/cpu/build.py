@@ -73,18 +73,22 @@ def _isa_setting() -> str:
     return value
 
 
-def kernel_family(source_name: str) -> str:
-    """"avx512", "avx2", "amx" or "portable": which flags build the kernel in `source_name`."""
+AMX_DEFINE = "TESSERA_AMX 1"  # an AVX512 source built for AMX (widened_gemm.h's AMX build)
+
+
+def kernel_family(source_name: str, defines: tuple[str, ...] = ()) -> str:
+    """"avx512", "avx2", "amx" or "portable": which flags build the kernel in `source_name`
+    (with `defines`)."""
     if source_name.endswith("_avx2.c"):
         return "avx2"
-    if source_name.endswith("_amx.c"):
+    if source_name.endswith("_amx.c") or AMX_DEFINE in defines:
         return "amx"
     return "portable" if source_name in PORTABLE_SOURCES else "avx512"
 
 
-def missing_cpu_flags(source_name: str = "") -> list[str]:
+def missing_cpu_flags(source_name: str = "", defines: tuple[str, ...] = ()) -> list[str]:
     """What the kernel in `source_name` needs that this CPU lacks (AVX512 family by default)."""
-    family = kernel_family(source_name)
+    family = kernel_family(source_name, defines)
     if family == "portable":
         return []
     required = AVX2_CPU_FLAGS if family == "avx2" else REQUIRED_CPU_FLAGS
@@ -116,8 +120,8 @@ def f16c_missing() -> list[str]:
     return [] if flags is None or "f16c" in flags else ["this CPU lacks f16c (fp8 KV cache widening)"]
 
 
-def build_flags(source_name: str = "") -> tuple[str, ...]:
-    family = kernel_family(source_name)
+def build_flags(source_name: str = "", defines: tuple[str, ...] = ()) -> tuple[str, ...]:
+    family = kernel_family(source_name, defines)
     if family == "portable":
         return BASE_FLAGS
     if family == "avx2":
@@ -143,7 +147,7 @@ def isa_description() -> str:
 def unavailable_reason(source_name: str, defines: tuple[str, ...] = ()) -> str | None:
     """Why the kernel in `source_name` (built with `defines`) cannot run here (no ISA, no
     compiler, a failed build), or None: what a registry builder's `check` reports."""
-    missing = missing_cpu_flags(source_name)
+    missing = missing_cpu_flags(source_name, defines)
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     try:
@@ -164,7 +168,7 @@ def load_kernel(source_name: str, cache_dir: Path = CACHE, defines: tuple[str, .
     source = HERE / source_name
     text = "".join(f"#define {d}\n" for d in defines) + source.read_text()
     stem = "-".join((source.stem, *(d.replace(" ", "") for d in defines)))
-    return load_source(stem, text, cache_dir, build_flags(source_name))
+    return load_source(stem, text, cache_dir, build_flags(source_name, defines))
 
 
 def load_source(stem: str, text: str, cache_dir: Path = CACHE,

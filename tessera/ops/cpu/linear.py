@@ -17,13 +17,14 @@ AMX the panels are AMX's B tiles as they lie: from a few rows the product runs o
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 
 import torch
 import torch.nn.functional as F
 
-from tessera.ops.cpu.build import Kernel, cpu_flags, unavailable_reason
+from tessera.ops.cpu.build import AMX_DEFINE, Kernel, cpu_flags, unavailable_reason
 from tessera.ops.registry import OpSpec, register_op
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,14 @@ def amx_kernel_ready() -> bool:
                        else f"status {status}, a wrong result on a probe")
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def amx_build(kernel: Kernel) -> Kernel | None:
+    """`kernel`'s source built for AMX (widened_gemm.h's AMX multiply), where AMX runs here
+    and that build compiles; else None."""
+    amx = dataclasses.replace(kernel, defines=(*kernel.defines, AMX_DEFINE), fallback_source=None)
+    return amx if amx_kernel_ready() and unavailable_reason(amx.source, amx.defines) is None else None
 
 
 def _packed_linear(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor,

@@ -5,7 +5,8 @@ Weights are quantized per output feature in groups of 32 (tessera/ops/linear_int
 packed into the kernel's 16-feature panels. Weights the panels or the format cannot take (out
 features not a multiple of 16, in features not a multiple of 32, values beyond float16) stay
 in the model dtype and run through the bf16 GEMM's row kernel (small matrices such as MoE
-routers: a kernel call, so decode graphs still capture them).
+routers: a kernel call, so decode graphs still capture them). On CPUs with AMX the kernel's
+AMX build runs: from its widening threshold the widened panels multiply on AMX tiles.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from tessera.ops.cpu.build import Kernel, f16c_missing
 from tessera.ops.cpu import linear as cpu_linear
-from tessera.ops.cpu.linear import run_packed
+from tessera.ops.cpu.linear import amx_build, run_packed
 from tessera.ops.linear_int4 import GROUP, int4_quantizable, linear_int4_rows, quantize_int4
 from tessera.ops.registry import register_op
 
@@ -75,4 +76,5 @@ def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != PANEL_BYTES_PER_K * k:
         raise ValueError(f"input has {k} features; the packed int4 weight {tuple(weight.shape)} "
                          f"expects {weight.shape[1] // PANEL_BYTES_PER_K}")
-    return run_packed(_KERNEL, x, weight, bias, weight.shape[0] * 16)
+    amx = amx_build(_KERNEL)  # (k is whole groups of 32: its widened rows multiply on AMX tiles)
+    return run_packed(amx or _KERNEL, x, weight, bias, weight.shape[0] * 16)

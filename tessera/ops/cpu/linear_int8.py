@@ -2,7 +2,9 @@
 the same symbol built from gemm_int8_avx2.c, on CPUs with AVX2 but no AVX512.
 
 Weights are quantized per output feature (tessera/ops/linear_int8.py) and packed into the
-kernel's 16-feature panels, each led by its 16 float32 scales. Shapes the kernel cannot
+kernel's 16-feature panels, each led by its 16 float32 scales. On CPUs with AMX the kernel's
+AMX build runs: from its widening threshold (4 rows) the widened panels multiply on AMX
+tiles. Shapes the kernel cannot
 take (out features not a multiple of 16, odd in features) keep the reference builder's
 row layout and run through it.
 """
@@ -13,7 +15,7 @@ import ctypes
 import torch
 
 from tessera.ops.cpu.build import Kernel
-from tessera.ops.cpu.linear import packable, run_packed
+from tessera.ops.cpu.linear import amx_build, packable, run_packed
 from tessera.ops.linear_int8 import linear_int8_rows, quantize_int8, quantize_rows
 from tessera.ops.registry import register_op
 
@@ -53,4 +55,5 @@ def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != 64 + 16 * k:
         raise ValueError(f"input has {k} features; the packed int8 weight {tuple(weight.shape)} "
                          f"expects {(weight.shape[1] - 64) // 16}")
-    return run_packed(_KERNEL, x, weight, bias, weight.shape[0] * 16)
+    amx = amx_build(_KERNEL) if k % 32 == 0 else None  # (its widened rows multiply on AMX tiles)
+    return run_packed(amx or _KERNEL, x, weight, bias, weight.shape[0] * 16)
