@@ -79,7 +79,7 @@ def build(request, monkeypatch):
         if cpu_int4.amx_build(cpu_int4._KERNEL) is None:
             pytest.skip("no AMX, or its build does not compile")
     else:
-        monkeypatch.setattr(cpu_int4, "amx_build", lambda kernel: None)
+        monkeypatch.setattr(cpu_int4, "amx_build", lambda kernel, *defines: None)
     return request.param
 
 

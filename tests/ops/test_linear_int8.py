@@ -64,7 +64,7 @@ def build(request, monkeypatch):
         if cpu_int8.amx_build(cpu_int8._KERNEL) is None:
             pytest.skip("no AMX, or its build does not compile")
     else:
-        monkeypatch.setattr(cpu_int8, "amx_build", lambda kernel: None)
+        monkeypatch.setattr(cpu_int8, "amx_build", lambda kernel, *defines: None)
     return request.param
 
 

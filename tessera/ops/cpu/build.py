@@ -126,9 +126,10 @@ def build_flags(source_name: str = "", defines: tuple[str, ...] = ()) -> tuple[s
         return BASE_FLAGS
     if family == "avx2":
         return BASE_FLAGS + AVX2_FLAGS
-    if family == "amx":
-        return BASE_FLAGS + AVX512_FLAGS + AMX_FLAGS
-    return BASE_FLAGS + AVX512_FLAGS + tuple(OPTIONAL_EXTENSIONS[ext] for ext in extensions_used())
+    extensions = tuple(OPTIONAL_EXTENSIONS[ext] for ext in extensions_used())
+    if family == "amx":  # (the extensions too: an AMX build's other paths are the AVX512 build's)
+        return BASE_FLAGS + AVX512_FLAGS + extensions + tuple(f for f in AMX_FLAGS if f not in extensions)
+    return BASE_FLAGS + AVX512_FLAGS + extensions
 
 
 def isa_description() -> str:

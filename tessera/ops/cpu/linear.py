@@ -148,10 +148,10 @@ def amx_kernel_ready() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def amx_build(kernel: Kernel) -> Kernel | None:
-    """`kernel`'s source built for AMX (widened_gemm.h's AMX multiply), where AMX runs here
-    and that build compiles; else None."""
-    amx = dataclasses.replace(kernel, defines=(*kernel.defines, AMX_DEFINE), fallback_source=None)
+def amx_build(kernel: Kernel, *defines: str) -> Kernel | None:
+    """`kernel`'s source built for AMX (widened_gemm.h's AMX multiply; `defines` besides),
+    where AMX runs here and that build compiles; else None."""
+    amx = dataclasses.replace(kernel, defines=(*kernel.defines, AMX_DEFINE, *defines), fallback_source=None)
     return amx if amx_kernel_ready() and unavailable_reason(amx.source, amx.defines) is None else None
 
 

@@ -6,7 +6,7 @@ packed into the kernel's 16-feature panels. Weights the panels or the format can
 features not a multiple of 16, in features not a multiple of 32, values beyond float16) stay
 in the model dtype and run through the bf16 GEMM's row kernel (small matrices such as MoE
 routers: a kernel call, so decode graphs still capture them). On CPUs with AMX the kernel's
-AMX build runs: from its widening threshold the widened panels multiply on AMX tiles.
+AMX build runs: from 9 rows the widened panels multiply on AMX tiles.
 """
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def kernel_unavailable(spec: object = None) -> list[str]:
     return reasons
 
 PANEL_BYTES_PER_K = 10  # 320 bytes per 16 features x 32 k
+# On AMX the widened multiply wins from fewer rows than gemm_int4.c's 17: 1.5-1.9x at 16 rows
+# (0.7-0.9x at 8; 2 threads, the default model's shapes), so from 9, a decode bucket's edge
+# (runner/decode_graphs.py: 9-16 rows replay as 16).
+AMX_WIDEN_MIN_ROWS = "WIDEN_MIN_ROWS 9"
 
 
 def pack_int4(weight: torch.Tensor) -> torch.Tensor:
@@ -76,5 +80,5 @@ def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != PANEL_BYTES_PER_K * k:
         raise ValueError(f"input has {k} features; the packed int4 weight {tuple(weight.shape)} "
                          f"expects {weight.shape[1] // PANEL_BYTES_PER_K}")
-    amx = amx_build(_KERNEL)  # (k is whole groups of 32: its widened rows multiply on AMX tiles)
+    amx = amx_build(_KERNEL, AMX_WIDEN_MIN_ROWS)  # (k: whole groups of 32, so whole steps of AMX's k)
     return run_packed(amx or _KERNEL, x, weight, bias, weight.shape[0] * 16)
