@@ -22,6 +22,7 @@ from tessera.ops.linear_int4 import (GROUP, dequantize_int4, linear_int4_ref, lm
                                      quantize_int4, unpack_int4_rows)
 from tessera.ops.linear_int8 import quantize_int8
 from tessera.ops.registry import OpSpec, select_op
+from tests.ops.kernel_builds import avx512_or_amx
 
 UNAVAILABLE = "; ".join(cpu_int4.kernel_unavailable()) or None  # the AVX512 or the AVX2 build
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -74,13 +75,7 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
 
 @pytest.fixture(params=["avx512", "amx"])
 def build(request, monkeypatch):
-    """The kernel's AVX512 build, and on CPUs with AMX its AMX build (widened rows on tiles)."""
-    if request.param == "amx":
-        if cpu_int4.amx_build(cpu_int4._KERNEL) is None:
-            pytest.skip("no AMX, or its build does not compile")
-    else:
-        monkeypatch.setattr(cpu_int4, "amx_build", lambda kernel, *defines: None)
-    return request.param
+    return avx512_or_amx(request, monkeypatch, cpu_int4)
 
 
 @needs_kernel

@@ -19,6 +19,7 @@ from tessera.config import ConfigError, ModelConfig
 from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.linear_int8 import linear_int8_ref, quantize_int8, quantize_rows, split_rows
 from tessera.ops.registry import OpSpec, select_op
+from tests.ops.kernel_builds import avx512_or_amx
 
 UNAVAILABLE = "; ".join(cpu_int8._KERNEL.check(None)) or None  # the AVX512 or the AVX2 build
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -59,13 +60,7 @@ def test_reference_builder_equals_the_dequantized_product(dtype):
 
 @pytest.fixture(params=["avx512", "amx"])
 def build(request, monkeypatch):
-    """The kernel's AVX512 build, and on CPUs with AMX its AMX build (widened rows on tiles)."""
-    if request.param == "amx":
-        if cpu_int8.amx_build(cpu_int8._KERNEL) is None:
-            pytest.skip("no AMX, or its build does not compile")
-    else:
-        monkeypatch.setattr(cpu_int8, "amx_build", lambda kernel, *defines: None)
-    return request.param
+    return avx512_or_amx(request, monkeypatch, cpu_int8)
 
 
 @needs_kernel

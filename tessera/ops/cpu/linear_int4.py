@@ -11,6 +11,7 @@ AMX build runs: from 9 rows the widened panels multiply on AMX tiles.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,13 @@ def unpack_int4(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return codes, d, m
 
 
+@functools.lru_cache(maxsize=None)
+def amx_kernel() -> Kernel | None:
+    """This kernel's AMX build (its widened rows, from 9, multiply on AMX tiles), where it runs here; asked once,
+    not per call (a decode step makes ~120 calls)."""
+    return amx_build(_KERNEL, AMX_WIDEN_MIN_ROWS)
+
+
 @register_op("linear", name="cpu_gemm_int4", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
              quant=("int4",), check=kernel_unavailable, prepare=pack_int4)
 def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -80,5 +88,4 @@ def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != PANEL_BYTES_PER_K * k:
         raise ValueError(f"input has {k} features; the packed int4 weight {tuple(weight.shape)} "
                          f"expects {weight.shape[1] // PANEL_BYTES_PER_K}")
-    amx = amx_build(_KERNEL, AMX_WIDEN_MIN_ROWS)  # (k: whole groups of 32, so whole steps of AMX's k)
-    return run_packed(amx or _KERNEL, x, weight, bias, weight.shape[0] * 16)
+    return run_packed(amx_kernel() or _KERNEL, x, weight, bias, weight.shape[0] * 16)  # (k: whole steps of 32)

@@ -11,6 +11,7 @@ row layout and run through it.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -46,6 +47,13 @@ def unpack_int8(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return q, scale
 
 
+@functools.lru_cache(maxsize=None)
+def amx_kernel() -> Kernel | None:
+    """This kernel's AMX build (its widened rows, from 4, multiply on AMX tiles), where it runs here; asked once,
+    not per call (a decode step makes ~120 calls)."""
+    return amx_build(_KERNEL)
+
+
 @register_op("linear", name="cpu_gemm_int8", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
              quant=("int8",), check=_KERNEL.check, prepare=pack_int8)
 def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -55,5 +63,5 @@ def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != 64 + 16 * k:
         raise ValueError(f"input has {k} features; the packed int8 weight {tuple(weight.shape)} "
                          f"expects {(weight.shape[1] - 64) // 16}")
-    amx = amx_build(_KERNEL) if k % 32 == 0 else None  # (its widened rows multiply on AMX tiles)
+    amx = amx_kernel() if k % 32 == 0 else None
     return run_packed(amx or _KERNEL, x, weight, bias, weight.shape[0] * 16)
