@@ -47,6 +47,18 @@ PRESETS["gpt-oss-20b"] = dict(
     rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
     torch_dtype="bfloat16", use_cache=True, vocab_size=201088)
 
+# Qwen/Qwen3-30B-A3B: 128 experts a layer, 8 per token (3.3B of 30.5B weights active); in
+# bf16 ~61 GB, with --quantization int4 ~19 GB (its experts in int4 too)
+PRESETS["qwen3-30b-a3b"] = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False, attention_dropout=0.0,
+    bos_token_id=151643, eos_token_id=151645, decoder_sparse_step=1, head_dim=128, hidden_act="silu",
+    hidden_size=2048, intermediate_size=6144, initializer_range=0.02, max_position_embeddings=40960,
+    max_window_layers=48, mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True,
+    num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4,
+    output_router_logits=False, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1000000.0,
+    router_aux_loss_coef=0.001, sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+    use_cache=True, use_sliding_window=False, vocab_size=151936)
+
 # Qwen/Qwen3.5-0.8B's language model (its text_config; the release is an image-text model):
 # 18 Gated DeltaNet layers and 6 gated attention layers
 PRESETS["qwen3.5-0.8b"] = dict(

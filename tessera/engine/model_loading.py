@@ -42,15 +42,20 @@ def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: 
 
 
 def _note_unquantized(model: nn.Module, target: OpTarget) -> None:
-    """Say which linear layers --quantization left in the model dtype (shapes the format does
-    not take), so a model it barely touches is not mistaken for a quantized one. MoE experts
-    always stay in the model dtype."""
+    """Say which linear layers and expert stacks --quantization left in the model dtype
+    (shapes the format does not take, experts no builder takes quantized there), so a model
+    it barely touches is not mistaken for a quantized one."""
     from tessera.ops.embedding import LMHead
     from tessera.ops.linear import Linear
+    from tessera.ops.moe import ExpertStacks
 
     layers = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
     kept = [m for m in layers if m.weight.is_floating_point()]
     if kept:
         logger.warning("--quantization %s: %d of %d linear layers keep their %s weights (shapes the "
-                       "format or its kernel does not take); MoE experts are never quantized", target.quant,
-                       len(kept), len(layers), target.dtype)
+                       "format or its kernel does not take)", target.quant, len(kept), len(layers), target.dtype)
+    stacks = [w for m in model.modules() if isinstance(m, ExpertStacks) for w in m.stacks()]
+    kept = [w for w in stacks if w.is_floating_point()]
+    if kept:
+        logger.warning("--quantization %s: %d of %d MoE expert stacks keep their %s weights", target.quant,
+                       len(kept), len(stacks), target.dtype)

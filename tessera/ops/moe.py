@@ -19,8 +19,8 @@ from torch import nn
 from tessera.distributed.parallel import Span, all_reduce, even_span
 from tessera.ops.linear import Linear
 from tessera.ops.module import OpModule
-from tessera.ops.registry import OpTarget, register_op
-from tessera.ops.weights import copy_checked, make_param
+from tessera.ops.registry import OpLookupError, OpTarget, builders, register_op, select_op
+from tessera.ops.weights import copy_checked, make_param, prepared_param
 from tessera.weights.lazy import materialize, narrow
 
 
@@ -75,6 +75,58 @@ def run_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_e
     return out
 
 
+def per_expert(linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+               name: str) -> Callable[..., torch.Tensor]:
+    """A moe_experts implementation (grouped_experts_ref's signature) that runs each
+    expert's projections through `linear`, a `linear` builder, on the expert's slice of
+    stacks laid out by that builder's preparation (`stacked`)."""
+    def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        return run_grouped(x, weights, ids, w13.shape[0], lambda rows, e, bias: linear(rows, w13[e], bias),
+                           lambda rows, e, bias: linear(rows, w2[e], bias), b13, b2, activation)
+    experts.__name__ = experts.__qualname__ = name
+    experts.__doc__ = f"grouped_experts_ref with each projection through {linear.__name__}."
+    return experts
+
+
+def stacked(prepare: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A `linear` builder's one-matrix preparation made a stack's: each expert of [E, rows,
+    cols] prepared, into one new [E, ...] tensor (built expert by expert, so preparing costs
+    one prepared stack beside the loaded one). The stack stays as loaded where the layout
+    would not change, or would differ between experts (an expert the format does not take)."""
+    def prepare_stack(stack: torch.Tensor) -> torch.Tensor:
+        if stack.dim() != 3 or not stack.is_floating_point():
+            return stack  # prepared already
+        out = None
+        for e in range(stack.shape[0]):
+            weight = stack[e]
+            prepared = prepare(weight)
+            if out is None:
+                if prepared is weight:
+                    return stack
+                out = torch.empty((stack.shape[0], *prepared.shape), dtype=prepared.dtype, device=prepared.device)
+            elif prepared is weight or prepared.shape != out.shape[1:] or prepared.dtype != out.dtype:
+                return stack
+            out[e].copy_(prepared)
+        return stack if out is None else out
+    return prepare_stack
+
+
+def register_per_expert(linear_builder: str, name: str) -> Callable[..., torch.Tensor]:
+    """Register the moe_experts builder `name`: the `linear` builder named `linear_builder`
+    run on each expert, under the same conditions (devices, dtypes, quantization, check,
+    priority), with its weight preparation applied to each expert of a stack. Returns the
+    implementation."""
+    linear = next((b for b in builders("linear") if b.name == linear_builder), None)
+    if linear is None:
+        raise ValueError(f"no linear builder {linear_builder!r} is registered (import its module first)")
+    impl = per_expert(linear.impl, name)
+    return register_op("moe_experts", name=name, priority=linear.priority, devices=linear.devices,
+                       dtypes=linear.dtypes, quant=linear.quant, check=linear.check,
+                       prepare=None if linear.prepare is None else stacked(linear.prepare))(impl)
+
+
 @register_op("moe_experts", name="torch_grouped_experts", priority=0)
 def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         weights: torch.Tensor, ids: torch.Tensor, b13: torch.Tensor | None = None,
@@ -85,6 +137,40 @@ def grouped_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (None: SwiGLU)."""
     return run_grouped(x, weights, ids, w13.shape[0], lambda rows, e, bias: F.linear(rows, w13[e], bias),
                        lambda rows, e, bias: F.linear(rows, w2[e], bias), b13, b2, activation)
+
+
+def expert_quantization(target: OpTarget) -> str | None:
+    """How expert stacks are stored under `target`: its --quantization where some moe_experts
+    builder takes it there, else the model dtype (None)."""
+    if target.quant is None:
+        return None
+    try:
+        select_op(target.spec("moe_experts", quant=target.quant))
+    except OpLookupError:
+        return None
+    return target.quant
+
+
+class ExpertStacks(OpModule):
+    """What holds `w13_weight` and `w2_weight` stacks [E, rows, cols] in the model dtype as
+    they load; after loading, `prepare_weights` hands them to the layout the moe_experts
+    builder for `quant` wants (int8 / int4 codes under --quantization, packed panels for the
+    CPU kernels). Subclasses create the two parameters."""
+
+    quant: str | None = None  # how the stacks are stored (the moe_experts spec's quant)
+
+    def _choose_layout(self, target: OpTarget) -> None:
+        self.quant = expert_quantization(target)
+        self._prepare_stack = target.prepare("moe_experts", quant=self.quant)
+
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the moe_experts op takes them."""
+        return self.w13_weight, self.w2_weight
+
+    def prepare_weights(self) -> None:
+        """After loading: the stacks in the builder's layout (once)."""
+        self.w13_weight = prepared_param(self.w13_weight, self._prepare_stack)
+        self.w2_weight = prepared_param(self.w2_weight, self._prepare_stack)
 
 
 ExpertShard = tuple[int, int]  # (expert index, 0 = gate or down / 1 = up)
@@ -111,7 +197,7 @@ def copy_half(dst: torch.Tensor, tensor: torch.Tensor, half: str, full: int, spa
     copy_checked(dst.narrow(1, (half == UP) * local, local), narrow(tensor, 1, span.start, local), what)
 
 
-class StackedExperts(OpModule):
+class StackedExperts(ExpertStacks):
     """Under tensor parallelism each rank holds a span of every expert's intermediate
     dimension (its gate and up rows, the matching down columns); outputs are summed."""
 
@@ -132,12 +218,7 @@ class StackedExperts(OpModule):
             self.w13_bias = make_param((num_experts, 2 * intermediate_size), target.dtype, target.device,
                                        loader=self._load_bias, shard_ids=(GATE, UP))
             self.w2_bias = make_param((num_experts, hidden_size), target.dtype, target.device)
-
-    quant: str | None = None  # how the stacks are stored (the moe_experts spec's quant)
-
-    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) as the moe_experts op takes them."""
-        return self.w13_weight, self.w2_weight
+        self._choose_layout(target)
 
     def _load_bias(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         """The stacked gate-then-up bias [E, 2I] (or one half, [E, I]): this rank's span of each half."""

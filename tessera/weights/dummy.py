@@ -17,25 +17,35 @@ DUMMY_RANGE = 0.02
 
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0) -> int:
-    """Fill every parameter (each shared one once); returns how many were filled."""
+    """Fill every parameter (each shared one once); returns how many were filled. A module
+    with a `prepare_weights` hook is prepared as soon as its own parameters are filled, as
+    checkpoint loading does (weights/loader.py), so a quantized model (say a mixture of
+    experts in int4) never sits whole in the model dtype."""
     count = 0
-    own: set[int] = set()
+    filled: set[int] = set()
     for module_name, module in model.named_modules():
+        params = list(module.named_parameters(recurse=False))
         fill = getattr(module, "fill_dummy", None)
-        if callable(fill):
-            params = list(module.parameters(recurse=False))
-            fill(torch.Generator(device=params[0].device).manual_seed(seed * 1_000_003 + zlib.crc32(module_name.encode())))
-            own.update(id(p) for p in params)
+        if callable(fill) and params:
+            fill(torch.Generator(device=params[0][1].device).manual_seed(
+                seed * 1_000_003 + zlib.crc32(module_name.encode())))
+            filled.update(id(p) for _, p in params)
             count += len(params)
-    for name, param in model.named_parameters():
-        if id(param) in own:
-            continue
-        # drawn where the parameter lives: one CPU generator would fill an 8B model on a GPU
-        # serially in host memory, then copy it over
-        generator = torch.Generator(device=param.device).manual_seed(
-            seed * 1_000_003 + zlib.crc32(name.encode()))
-        values = torch.empty(param.shape, dtype=torch.float32, device=param.device).uniform_(
-            -DUMMY_RANGE, DUMMY_RANGE, generator=generator)
-        param.copy_(values.to(param.dtype))
-        count += 1
+        for local_name, param in params:
+            if id(param) in filled:  # (a shared parameter is named, and seeded, where first met)
+                continue
+            name = f"{module_name}.{local_name}" if module_name else local_name
+            # drawn where the parameter lives: one CPU generator would fill an 8B model on a GPU
+            # serially in host memory, then copy it over
+            generator = torch.Generator(device=param.device).manual_seed(
+                seed * 1_000_003 + zlib.crc32(name.encode()))
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device).uniform_(
+                -DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+            param.copy_(values.to(param.dtype))
+            filled.add(id(param))
+            count += 1
+        prepare = getattr(module, "prepare_weights", None)
+        if callable(prepare) and params and not getattr(module, "weights_prepared", False):
+            prepare()
+            module.weights_prepared = True
     return count

@@ -235,6 +235,29 @@ def check_int8_linear(device: str) -> None:
     assert int8_linear(x[:0].to(device), quantize_rows(w).to(device), None).shape == (0, 3, 24)
 
 
+def check_quantized_experts(device: str) -> None:
+    """The int8 / int4 expert builders (each expert's projections through the linears above)
+    against the reference builders on the same prepared stacks: 1 token and 12, float16."""
+    from tessera.ops.moe import softmax_topk_ref
+    from tessera.ops.moe_quantized import int4_experts_ref, int8_experts_ref
+    from tessera.ops.registry import builders
+    from tessera.ops.triton.moe_experts import int4_experts, int8_experts
+
+    g = torch.Generator().manual_seed(13)
+    prepare = {b.name: b.prepare for b in builders("moe_experts")}
+    for name, got_fn, want_fn in (("triton_int8_experts", int8_experts, int8_experts_ref),
+                                  ("triton_int4_experts", int4_experts, int4_experts_ref)):
+        w13 = prepare[name](torch.randn(4, 128, 64, generator=g) / 8)
+        w2 = prepare[name](torch.randn(4, 64, 64, generator=g) / 8)
+        for tokens in (1, 12):
+            x = torch.randn(tokens, 64, generator=g).to(torch.float16)
+            weights, ids = softmax_topk_ref(torch.randn(tokens, 4, generator=g), 2, True)
+            want = want_fn(x.float(), w13, w2, weights, ids)
+            got = got_fn(x.to(device), w13.to(device), w2.to(device), weights.to(device), ids.to(device))
+            assert got.dtype == torch.float16
+            torch.testing.assert_close(got.cpu().float(), want, rtol=2 ** -6, atol=8e-3, msg=lambda e: f"{name}: {e}")
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     for check in ATTENTION_CHECKS + LINEAR_ATTENTION_CHECKS:
@@ -246,4 +269,5 @@ if __name__ == "__main__":
         check(dev)
     check_int4_linear(dev)
     check_int8_linear(dev)
+    check_quantized_experts(dev)
     print("triton kernels OK")

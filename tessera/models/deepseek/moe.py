@@ -84,7 +84,7 @@ class RoutedMoE(nn.Module):
         shared = config.moe_intermediate_size * (num_shared or 0)
         self.shared_experts = LlamaMLP(config, target, shared) if shared else None
         self.tp_size = target.tp_size
-        self._experts = target.op("moe_experts")
+        self._experts = target.op("moe_experts", quant=self.experts.quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

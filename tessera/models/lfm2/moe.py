@@ -26,7 +26,7 @@ class Lfm2MoeBlock(nn.Module):
                             if config.use_expert_bias else None)
         self.experts = StackedExperts(config.hidden_size, config.moe_intermediate_size, config.num_experts, target)
         self.tp_size = target.tp_size
-        self._experts = target.op("moe_experts")
+        self._experts = target.op("moe_experts", quant=self.experts.quant)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""

@@ -22,17 +22,15 @@ from tessera.models.llama.modeling import Rope
 from tessera.models.nemotron_h.mlp import NemotronHMLP, check_relu2
 from tessera.ops.activation import ReluSquared
 from tessera.ops.linear import Linear
-from tessera.ops.module import OpModule
+from tessera.ops.moe import ExpertStacks
 from tessera.ops.registry import OpTarget
 from tessera.ops.weights import copy_checked, make_param
 from tessera.weights.lazy import narrow
 
 
-class UpDownExperts(OpModule):
+class UpDownExperts(ExpertStacks):
     """Stacks of gateless experts: w13 [E, I, width] (up rows only), w2 [E, width, I]; this
     rank's span of I."""
-
-    quant: str | None = None
 
     def __init__(self, width: int, intermediate_size: int, num_experts: int, target: OpTarget):
         super().__init__()
@@ -44,9 +42,7 @@ class UpDownExperts(OpModule):
         self.w2_weight = make_param((num_experts, width, local), target.dtype, target.device, loader=self._load,
                                     shard_ids=shards)
         self.w13_bias = self.w2_bias = None
-
-    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13_weight, self.w2_weight
+        self._choose_layout(target)
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         if shard_id is None:
@@ -78,7 +74,7 @@ class NemotronHMoE(nn.Module):
         self.shared_experts = NemotronHMLP(config, target, config.moe_shared_expert_intermediate_size)
         self.act_fn = ReluSquared(target)
         self.tp_size = target.tp_size
-        self._experts = target.op("moe_experts")
+        self._experts = target.op("moe_experts", quant=self.experts.quant)
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
