@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 DUMMY_RANGE = 0.02
+CHUNK_ELEMENTS = 1 << 26  # drawn at a time: an expert stack's float32 draw would be GBs at once
 
 
 @torch.no_grad()
@@ -39,9 +40,7 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> int:
             # serially in host memory, then copy it over
             generator = torch.Generator(device=param.device).manual_seed(
                 seed * 1_000_003 + zlib.crc32(name.encode()))
-            values = torch.empty(param.shape, dtype=torch.float32, device=param.device).uniform_(
-                -DUMMY_RANGE, DUMMY_RANGE, generator=generator)
-            param.copy_(values.to(param.dtype))
+            _fill_uniform(param.data, generator)
             filled.add(id(param))
             count += 1
         prepare = getattr(module, "prepare_weights", None)
@@ -49,3 +48,13 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> int:
             prepare()
             module.weights_prepared = True
     return count
+
+
+def _fill_uniform(data: torch.Tensor, generator: torch.Generator) -> None:
+    """Uniform values in +-DUMMY_RANGE, drawn in float32 CHUNK_ELEMENTS at a time (all at
+    once for all but the largest tensors)."""
+    flat = data.view(-1) if data.is_contiguous() and data.numel() > CHUNK_ELEMENTS else None
+    for chunk in (data,) if flat is None else flat.split(CHUNK_ELEMENTS):
+        values = torch.empty(chunk.shape, dtype=torch.float32, device=data.device).uniform_(
+            -DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+        chunk.copy_(values.to(data.dtype))
