@@ -100,7 +100,7 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     """Paged KV cache geometry. The cache gets `memory_fraction` of the memory still free
-    after warm-up; None means 0.9 on CUDA (the process owns the GPU) and 0.2 on CPU (the
+    after warm-up, less a step's peak activations; None means 0.9 on CUDA (the process owns the GPU) and 0.2 on CPU (the
     machine is shared with everything else; 4-5 GiB on a 24 GiB host). `num_blocks`
     overrides the sizing altogether (tests, tight RAM)."""
 

@@ -198,11 +198,14 @@ def plan_kv_cache(runner: ModelRunner, *, memory_fraction: float, max_num_batche
     per_block = runner.kv_bytes_per_block() * runner.ranks_sharing_memory
     if draft is not None:
         per_block += draft.runner.kv_bytes_per_block()
-    budget = int(available * memory_fraction) - activation * runner.ranks_sharing_memory
-    num_blocks = max(budget // per_block, 0)
+    # the fraction of what a step's activations leave: a model that fills most of a host's
+    # RAM still gets a cache (a fraction of all that is available, less the activations,
+    # left none for a 30B mixture of experts in int4 on 24 GB)
+    left = available - activation * runner.ranks_sharing_memory
+    num_blocks = max(int(left * memory_fraction) // per_block, 0)
     num_blocks = min(num_blocks, useful_blocks(max_num_seqs, max_model_len, runner.block_size))
     logger.info("warm-up: peak step of %d tokens needed %.1f MiB; %.1f GiB available, "
-                "%.0f%% of it for the KV cache", num_tokens, activation / 2**20,
+                "%.0f%% of what that leaves for the KV cache", num_tokens, activation / 2**20,
                 available / 2**30, memory_fraction * 100)
     return KVCachePlan(num_blocks, activation, available, per_block)
 
