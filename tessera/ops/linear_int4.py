@@ -57,16 +57,16 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k = weight.shape
-    w = weight.float().reshape(n, k // GROUP, GROUP)
-    low, high = w.amin(dim=2), w.amax(dim=2)
+    w = weight.to(torch.float32, copy=True).reshape(n, k // GROUP, GROUP)  # (worked on in place)
+    low, high = torch.aminmax(w, dim=2)
     m = low.to(torch.float16)
     # rounded down, so that the step (high - m) / 15 is never negative
     m = torch.where(m.float() > low, torch.nextafter(m, torch.full_like(m, float("-inf"))), m)
     d = ((high - m.float()) / 15).to(torch.float16)
     step = d.float().unsqueeze(2)
+    # a group whose step rounds to 0 spans under 15 * 2^-25, so each w - m rounds to code 0
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    codes = torch.round((w - m.float().unsqueeze(2)) / safe).clamp_(0, 15)
-    codes = torch.where(step > 0, codes, torch.zeros_like(codes))
+    codes = w.sub_(m.float().unsqueeze(2)).div_(safe).round_().clamp_(0, 15)
     return codes.to(torch.uint8).reshape(n, k), d, m
 
 

@@ -49,11 +49,15 @@ def pack_int4(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     codes, d, m = quantize_int4(weight)
     p, groups = n // 16, k // GROUP
-    c = codes.view(p, 16, groups, GROUP // 4, 2, 2)            # (panel, l, g, t, half, e)
-    chunks = (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, groups, 256)
-    steps = d.view(p, 16, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
-    offsets = m.view(p, 16, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
-    return torch.cat([steps, offsets, chunks], dim=2).reshape(p, groups * 320).contiguous()
+    c = codes.view(n, k // 4, 2, 2)                            # (row, t, half, e)
+    pairs = (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous()      # each 4 codes' 2 bytes, as one int16
+    out = torch.empty((p, groups, 320), dtype=torch.uint8)
+    out[..., :32].view(torch.float16).copy_(d.view(p, 16, groups).transpose(1, 2))
+    out[..., 32:64].view(torch.float16).copy_(m.view(p, 16, groups).transpose(1, 2))
+    # (panel, l, g, t) -> (panel, g, t, l): whole int16s move, not bytes
+    out[..., 64:].view(torch.int16).view(p, groups, GROUP // 4, 16).copy_(
+        pairs.view(torch.int16).view(p, 16, groups, GROUP // 4).permute(0, 2, 3, 1))
+    return out.view(p, groups * 320)
 
 
 def unpack_int4(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
