@@ -167,10 +167,9 @@ class ExpertStacks(OpModule):
     builder for `quant` wants (int8 / int4 codes under --quantization, packed panels for the
     CPU kernels). Subclasses create the two parameters."""
 
-    quant: str | None = None  # how the stacks are stored (the moe_experts spec's quant)
-
-    def _choose_layout(self, target: OpTarget) -> None:
-        self.quant = expert_quantization(target)
+    def __init__(self, target: OpTarget):
+        super().__init__()
+        self.quant = expert_quantization(target)  # how the stacks are stored (the moe_experts spec's quant)
         self._prepare_stack = target.prepare("moe_experts", quant=self.quant)
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +212,7 @@ class StackedExperts(ExpertStacks):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, target: OpTarget,
                  bias: bool = False):
-        super().__init__()
+        super().__init__(target)
         self.full_intermediate = intermediate_size
         self.span = even_span(intermediate_size, target.tp_rank, target.tp_size)
         self.intermediate_size = intermediate_size = self.span.size  # this rank's
@@ -228,7 +227,6 @@ class StackedExperts(ExpertStacks):
             self.w13_bias = make_param((num_experts, 2 * intermediate_size), target.dtype, target.device,
                                        loader=self._load_bias, shard_ids=(GATE, UP))
             self.w2_bias = make_param((num_experts, hidden_size), target.dtype, target.device)
-        self._choose_layout(target)
 
     def _load_bias(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         """The stacked gate-then-up bias [E, 2I] (or one half, [E, I]): this rank's span of each half."""

@@ -64,12 +64,18 @@ def prepared_param(param: nn.Parameter, prepare: Callable[[torch.Tensor], torch.
     return param if data is param.data else nn.Parameter(data, requires_grad=False)
 
 
+def prepare_module(module: nn.Module) -> None:
+    """Run `module`'s prepare_weights hook, if it has one, unless it ran already (marks it:
+    `weights_prepared`)."""
+    hook = getattr(module, "prepare_weights", None)
+    if callable(hook) and not getattr(module, "weights_prepared", False):
+        hook()
+        module.weights_prepared = True
+
+
 def prepare_weights(model: nn.Module) -> None:
     """Let every layer put its loaded weights into its op builders' layouts (packed panels
     for the CPU GEMM, ...). Call once, after loading; layers the loader prepared already
     (`weights_prepared`, weights/loader.py) are skipped."""
     for module in list(model.modules()):
-        hook = getattr(module, "prepare_weights", None)
-        if callable(hook) and not getattr(module, "weights_prepared", False):
-            hook()
-            module.weights_prepared = True
+        prepare_module(module)

@@ -12,6 +12,8 @@ import zlib
 import torch
 from torch import nn
 
+from tessera.ops.weights import prepare_module
+
 DUMMY_RANGE = 0.02
 CHUNK_ELEMENTS = 1 << 26  # drawn at a time: an expert stack's float32 draw would be GBs at once
 
@@ -43,10 +45,8 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> int:
             _fill_uniform(param.data, generator)
             filled.add(id(param))
             count += 1
-        prepare = getattr(module, "prepare_weights", None)
-        if callable(prepare) and params and not getattr(module, "weights_prepared", False):
-            prepare()
-            module.weights_prepared = True
+        if params:
+            prepare_module(module)
     return count
 
 

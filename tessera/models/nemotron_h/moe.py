@@ -33,7 +33,7 @@ class UpDownExperts(ExpertStacks):
     rank's span of I."""
 
     def __init__(self, width: int, intermediate_size: int, num_experts: int, target: OpTarget):
-        super().__init__()
+        super().__init__(target)
         self.full_intermediate = intermediate_size
         self.span = even_span(intermediate_size, target.tp_rank, target.tp_size)
         local, shards = self.span.size, tuple((e, 0) for e in range(num_experts))
@@ -42,7 +42,6 @@ class UpDownExperts(ExpertStacks):
         self.w2_weight = make_param((num_experts, width, local), target.dtype, target.device, loader=self._load,
                                     shard_ids=shards)
         self.w13_bias = self.w2_bias = None
-        self._choose_layout(target)
 
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         if shard_id is None:
