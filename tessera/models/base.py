@@ -223,7 +223,8 @@ class BaseRouter:
                 num_kv_heads=(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) if permute else 0,
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset,
                 num_layers=getattr(cfg, "num_hidden_layers", None), packed=kept,
-                global_names=self.gguf_global_names, plain_norms=self.gguf_plain_norms)
+                global_names=self.gguf_global_names, plain_norms=self.gguf_plain_norms,
+                int4=self.model_config.quantization == "int4")
             return ((name, self.gguf_tensor(name, tensor)) for name, tensor in weights)
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.distributed.parallel import HeadSplit, Span, all_reduce, even_span, split_heads
+from tessera.ops.linear_int4 import StoredInt4
 from tessera.ops.module import OpModule
 from tessera.ops.pending_norm import PendingNorm
 from tessera.ops.registry import OpTarget, register_op
@@ -38,18 +39,36 @@ class Linear(OpModule):
     def __init__(self, in_features: int, out_features: int, target: OpTarget, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = make_param((out_features, in_features), target.dtype, target.device)
+        self.weight = make_param((out_features, in_features), target.dtype, target.device, loader=self._load_whole)
         self.bias = make_param((out_features,), target.dtype, target.device) if bias else None
         self._linear = target.op("linear", quant=target.quant)
         self._prepare = target.prepare("linear", quant=target.quant)
+        # int4: where the loaded rows came from, so parts a checkpoint stored in the format
+        # (a Q4 GGUF's) are prepared as they are, not quantized again from the dequantized copy
+        self._stored = StoredInt4(out_features) if target.quant == "int4" and self._prepare else None
+        self.weight.takes_int4_parts = self._stored is not None  # (weights/loader.py)
         # a layer's input norm computed while this linear loads its input (PendingNorm), on
         # the weight as loaded (not a layout prepared for another builder)
         self._norm_linear = (target.optional_op("rms_norm_linear", quant=target.quant)
                              if self._prepare is None else None)
 
+    def _load_whole(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
+        with torch.no_grad():
+            copy_checked(param.data, tensor, getattr(param, "tessera_name", "linear weight"))
+        self._note_rows(0, tensor, (0, self.out_features), (0, self.in_features))
+
+    def _note_rows(self, start: int, tensor: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """Rows [start, start + rows[1]) of the weight were loaded from `tensor`'s rows and
+        cols (each (first, length))."""
+        if self._stored is not None:
+            self._stored.note(start, tensor, rows, cols)
+
     def prepare_weights(self) -> None:
         """After loading: hand the weight to the builder's preferred layout (once)."""
-        self.weight = prepared_param(self.weight, self._prepare)
+        stored = self._stored.parts() if self._stored is not None else None
+        self._stored = None
+        self.weight = prepared_param(self.weight, self._prepare if stored is None
+                                     else lambda weight: self._prepare(weight, stored=stored))
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):  # fused where a builder does both (not with LoRA: it reads the rows)
@@ -86,6 +105,7 @@ class RowParallelLinear(Linear):
         with torch.no_grad():
             copy_checked(param.data, narrow(tensor, 1, self.in_span.start, self.in_span.size),
                          "row-parallel weight")
+        self._note_rows(0, tensor, (0, self.out_features), (self.in_span.start, self.in_span.size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(x, self.weight, self.bias if self.add_bias else None)
@@ -138,21 +158,27 @@ class PackedLinear(Linear):
                                      f"shape {expected} (shards {self.full_sizes})")
                 start = 0
                 for sid, full in self.full_sizes.items():
-                    self._copy_rows(param, narrow(tensor, 0, start, full), sid)
+                    self._copy_rows(param, tensor, sid, first=start)
                     start += full
                 return
             if shard_id not in self.shard_offsets:
                 raise KeyError(f"unknown shard {shard_id!r}; this layer packs {list(self.shard_sizes)}")
             self._copy_rows(param, tensor, shard_id)
 
-    def _copy_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable) -> None:
+    def _copy_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable,
+                   first: int | None = None) -> None:
+        """Shard `shard_id`'s rows of this rank from `tensor`, which holds that shard alone, or
+        (`first` given) the packed shards, that one's rows from row `first` on."""
         span = self.spans[shard_id]
         expected = (self.full_sizes[shard_id], *param.shape[1:])
-        if tuple(tensor.shape) != expected:
+        if first is None and tuple(tensor.shape) != expected:
             raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(tensor.shape)} != "
                              f"model shape {expected}")
         copy_checked(param.data.narrow(0, self.shard_offsets[shard_id], span.size),
-                     narrow(tensor, 0, span.start, span.size), f"shard {shard_id!r}")
+                     narrow(tensor, 0, (first or 0) + span.start, span.size), f"shard {shard_id!r}")
+        if param is self.weight:
+            self._note_rows(self.shard_offsets[shard_id], tensor, ((first or 0) + span.start, span.size),
+                            (0, self.in_features))
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.shard_sizes.values()), dim=-1)

@@ -77,12 +77,55 @@ def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> to
     return w.reshape(n, k)
 
 
-def pack_int4_rows(weight: torch.Tensor) -> torch.Tensor:
+Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # quantize_int4's (codes, d, m)
+
+
+def int4_parts(weight: torch.Tensor, stored: Int4Parts | None) -> Int4Parts:
+    """The int4 parts of `weight` [n, k]: `stored`, the parts its checkpoint stored where it
+    did (a GGUF's Q4_0 / Q4_1 rows, StoredInt4), else weight quantized."""
+    if stored is None:
+        return quantize_int4(weight)
+    if tuple(stored[0].shape) != tuple(weight.shape):
+        raise ValueError(f"stored int4 codes {tuple(stored[0].shape)} != weight {tuple(weight.shape)}")
+    return stored
+
+
+class StoredInt4:
+    """Where a linear layer's loaded weight rows came from, for checkpoint tensors that keep
+    int4 parts as stored (`int4_parts(rows, cols)`: tessera/weights/gguf_q4.py), so the layer
+    prepares those instead of quantizing its dequantized copy. A span loaded from any other
+    tensor, or loaded twice, means the parts are not the weight's."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.spans: list[tuple[int, int, object]] = []  # (first row, rows, a () -> parts or None)
+
+    def note(self, start: int, tensor: object, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """Rows [start, start + rows[1]) of the weight were copied from `tensor`'s rows and cols
+        (each (first, length))."""
+        get = getattr(tensor, "int4_parts", None)
+        self.spans.append((start, rows[1], None if get is None else lambda: get(rows, cols)))
+
+    def parts(self) -> Int4Parts | None:
+        """The weight's stored parts, where every row came once from such a tensor."""
+        spans = sorted(self.spans, key=lambda s: s[0])
+        if not spans or any(get is None for _, _, get in spans) or sum(n for _, n, _ in spans) != self.rows:
+            return None
+        if any(a[0] + a[1] != b[0] for a, b in zip(spans, spans[1:])) or spans[0][0] != 0:
+            return None
+        parts = [get() for _, _, get in spans]
+        if any(p is None for p in parts):
+            return None
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def pack_int4_rows(weight: torch.Tensor, stored: Int4Parts | None = None) -> torch.Tensor:
     """[n, k] float -> uint8 [n, 5 k / 8] (the reference layout), or the weight itself when
-    it is prepared already or does not take the format."""
+    it is prepared already or does not take the format. `stored`: its parts as the checkpoint
+    stored them (int4_parts)."""
     if weight.dtype == torch.uint8 or not int4_quantizable(weight):
         return weight
-    codes, d, m = quantize_int4(weight)
+    codes, d, m = int4_parts(weight, stored)
     n, k = codes.shape
     nibbles = codes[:, 0::2] | (codes[:, 1::2] << 4)
     scales = torch.stack([d, m], dim=2).reshape(n, 2 * k // GROUP).view(torch.uint8)

@@ -48,6 +48,7 @@ from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
 from tessera.weights.gguf_olmo2 import ARCH as OLMO2
 from tessera.weights.gguf_olmo2 import olmo2_config
 from tessera.weights.gguf_pretokenizers import apply_gguf_pretokenizer
+from tessera.weights.gguf_q4 import Q4Rows, is_q4
 from tessera.weights.gguf_qwen35 import ARCHES as QWEN35_ARCHES
 from tessera.weights.gguf_qwen35 import qwen35_config
 from tessera.weights.gguf_qwen_vl import ARCHES as QWEN_VL_ARCHES
@@ -161,7 +162,7 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
                       index_dir: Path | None = None, names: Mapping[str, str] | None = None,
                       norm_offset: float = 0.0, num_layers: int | None = None,
                       packed: tuple[str, ...] = (), global_names: Mapping[str, str] | None = None,
-                      plain_norms: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+                      plain_norms: tuple[str, ...] = (), int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file; `index_dir` is the
     converted metadata folder holding the tensor index (without one, the file is parsed).
     `names`: the router's extra llama.cpp names (hf_tensor_name); `norm_offset` is taken off
@@ -170,7 +171,9 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
     Blocks from `num_layers` on are skipped: the multi-token-prediction layers llama.cpp
     writes after the model's (GLM-4.5's `nextn`). With "mxfp4" in `packed` (a model that
     runs MXFP4 stacks as stored), MXFP4 tensors come as their `_blocks` and `_scales` parts
-    in OpenAI's layout (gguf_mxfp4.py) instead of dequantized."""
+    in OpenAI's layout (gguf_mxfp4.py) instead of dequantized. `int4` (the model's linear layers
+    take tessera's int4 format): Q4_0 and Q4_1 matrices come as Q4Rows, whose stored codes and
+    scales those layers take as they are (gguf_q4.py)."""
     tensors = _cached_tensor_index(path, index_dir)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     for tensor in tensors:
@@ -194,6 +197,13 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             for e in range(shape[0]):
                 array = _dequantized(tensor, data[e], shape[1:])
                 yield name.replace(EXPERT, str(e)), torch.from_numpy(array)
+            continue
+        if int4 and len(shape) == 2 and is_q4(tensor.tensor_type):
+            if permute_qk and name.endswith("q_proj.weight"):  # (rows of blocks move whole)
+                data = unpermute_rows(data, num_heads)
+            elif permute_qk and name.endswith("k_proj.weight"):
+                data = unpermute_rows(data, num_kv_heads)
+            yield name, Q4Rows(name, tensor.tensor_type, data, shape, lazy=shape[0] * shape[1] * 4 > LAZY_BYTES)
             continue
         if len(shape) == 2 and shape[0] * shape[1] * 4 > LAZY_BYTES and not (
                 permute_qk and name.endswith(("q_proj.weight", "k_proj.weight"))):  # (those are un-permuted whole)

@@ -40,6 +40,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         if param is None:
             unexpected.append(ckpt_name)
             continue
+        if not getattr(param, "takes_int4_parts", False) and hasattr(tensor, "plain"):
+            tensor = tensor.plain()  # (int4 parts as stored: only for layers that use them)
         try:
             param.weight_loader(param, tensor, shard_id)
         except (ValueError, KeyError) as exc:

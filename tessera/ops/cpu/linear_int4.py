@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tessera.ops.cpu.build import Kernel, f16c_missing
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu.linear import amx_build, run_packed
-from tessera.ops.linear_int4 import GROUP, int4_quantizable, linear_int4_rows, quantize_int4
+from tessera.ops.linear_int4 import GROUP, Int4Parts, int4_parts, int4_quantizable, linear_int4_rows
 from tessera.ops.registry import register_op
 
 _KERNEL = Kernel("gemm_int4.c", "tessera_gemm_int4",
@@ -41,13 +41,14 @@ PANEL_BYTES_PER_K = 10  # 320 bytes per 16 features x 32 k
 AMX_WIDEN_MIN_ROWS = "WIDEN_MIN_ROWS 9"
 
 
-def pack_int4(weight: torch.Tensor) -> torch.Tensor:
+def pack_int4(weight: torch.Tensor, stored: Int4Parts | None = None) -> torch.Tensor:
     """[n, k] float -> uint8 [n / 16, 10 k] panels (gemm_int4.c's layout); the weight itself
-    when already prepared, or when the panels or the format do not fit it."""
+    when already prepared, or when the panels or the format do not fit it. `stored`: its parts
+    as the checkpoint stored them (linear_int4.int4_parts)."""
     if weight.dtype == torch.uint8 or weight.dim() != 2 or weight.shape[0] % 16 or not int4_quantizable(weight):
         return weight
     n, k = weight.shape
-    codes, d, m = quantize_int4(weight)
+    codes, d, m = int4_parts(weight, stored)
     p, groups = n // 16, k // GROUP
     c = codes.view(n, k // 4, 2, 2)                            # (row, t, half, e)
     pairs = (c[:, :, 0] | (c[:, :, 1] << 4)).contiguous()      # each 4 codes' 2 bytes, as one int16

@@ -1,0 +1,127 @@
+"""GGUF Q4_0 / Q4_1 matrices under `--quantization int4`: the linear layers take the file's
+codes and scales as stored (tessera/weights/gguf_q4.py), so the model runs on exactly the
+file's weights. Quantizing the dequantized copy again would not give them back: a Q4_0 block
+whose largest code is not 15 gets a narrower step (checked below, so the exact checks cannot
+pass by accident)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from tessera import LLM
+from tessera.ops.cpu.linear_int4 import unpack_int4
+from tessera.ops.linear import Linear, PackedLinear, RowParallelLinear
+from tessera.ops.linear_int4 import dequantize_int4, quantize_int4, unpack_int4_rows
+from tessera.ops.registry import OpTarget
+from tessera.sampling.params import SamplingParams
+from tessera.weights.gguf_q4 import Q4Rows
+from tests.weights.gguf_writer import round_trip, write_llama_gguf
+from tests.weights.test_gguf import HEAD_DIM, HEADS, INTER, KV_HEADS, expected_weights, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
+
+
+def stored(weights: np.ndarray, qtype: QT) -> Q4Rows:
+    """`weights` [n, k] as the file holds them, read back as the loader does."""
+    data = gguf.quants.quantize(np.ascontiguousarray(weights, dtype=np.float32), qtype)
+    return Q4Rows("w", int(qtype), data, weights.shape, lazy=False)
+
+
+def values(prepared: torch.Tensor, k: int) -> torch.Tensor:
+    """float32 weights of a prepared int4 weight: the reference's rows or the CPU panels."""
+    unpack = unpack_int4_rows if prepared.shape[1] == 5 * k // 8 else unpack_int4
+    return dequantize_int4(*unpack(prepared, k))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1], ids=["Q4_0", "Q4_1"])
+def test_rows_read_as_the_gguf_package_dequantizes(qtype: QT):
+    g = np.random.default_rng(0)
+    w = (g.standard_normal((24, 96)) * np.exp(g.uniform(-6, 2, (24, 1)))).astype(np.float32)
+    rows = stored(w, qtype)
+    want = torch.from_numpy(round_trip(w, qtype).copy())
+    assert torch.equal(rows.load(), want)
+    assert torch.equal(rows.narrow(0, 5, 7), want[5:12])
+    assert torch.equal(dequantize_int4(*rows.int4_parts()), want)  # the int4 format holds them exactly
+    codes, d, m = rows.int4_parts(rows=(3, 4), cols=(32, 64))
+    assert torch.equal(dequantize_int4(codes, d, m), want[3:7, 32:96])
+    assert rows.int4_parts(cols=(16, 32)) is None  # (splits a block)
+
+
+def tp_target(rank: int = 0, size: int = 1) -> OpTarget:
+    return OpTarget("cpu", torch.bfloat16, tp_size=size, tp_rank=rank, quant="int4")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_layers_prepare_the_stored_parts(rank: int):
+    """Packed shards (each its own tensor, or one stored tensor) and a row-parallel rank's
+    columns all come out as the file's values."""
+    g = np.random.default_rng(1)
+    q, k, v = (g.standard_normal((n, 64)).astype(np.float32) for n in (64, 32, 32))
+    down = g.standard_normal((64, 128)).astype(np.float32)
+    want = {name: torch.from_numpy(round_trip(w, QT.Q4_0).copy()) for name, w in
+            {"q": q, "k": k, "v": v, "down": down}.items()}
+
+    packed = PackedLinear(64, {"q": 64, "k": 32, "v": 32}, tp_target(rank, 2))
+    for name, w in (("q", q), ("k", k), ("v", v)):
+        packed.weight.weight_loader(packed.weight, stored(w, QT.Q4_0), name)
+    whole = PackedLinear(64, {"q": 64, "k": 32, "v": 32}, tp_target(rank, 2))
+    whole.weight.weight_loader(whole.weight, stored(np.concatenate([q, k, v]), QT.Q4_0), None)
+    rank_rows = torch.cat([want[s][rank * n // 2:(rank + 1) * n // 2] for s, n in (("q", 64), ("k", 32), ("v", 32))])
+    for layer in (packed, whole):
+        layer.prepare_weights()
+        assert torch.equal(values(layer.weight, 64), rank_rows)
+
+    row_parallel = RowParallelLinear(128, 64, tp_target(rank, 2))
+    row_parallel.weight.weight_loader(row_parallel.weight, stored(down, QT.Q4_0), None)
+    row_parallel.prepare_weights()
+    assert torch.equal(values(row_parallel.weight, 64), want["down"][:, rank * 64:(rank + 1) * 64])
+
+
+def test_a_weight_loaded_otherwise_is_quantized_from_its_values():
+    """A float tensor (any other checkpoint) leaves nothing stored to take; so does a layer
+    whose rows came partly from a Q4 tensor."""
+    w = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32)
+    layer = Linear(64, 32, tp_target())
+    layer.weight.weight_loader(layer.weight, torch.from_numpy(w), None)
+    layer.prepare_weights()
+    want = dequantize_int4(*quantize_int4(torch.from_numpy(w).bfloat16()))
+    assert torch.equal(values(layer.weight, 64), want)
+
+    mixed = PackedLinear(64, {"a": 16, "b": 16}, tp_target())
+    mixed.weight.weight_loader(mixed.weight, stored(w[:16], QT.Q4_0), "a")
+    mixed.weight.weight_loader(mixed.weight, torch.from_numpy(w[16:]), "b")
+    mixed.prepare_weights()
+    loaded = torch.from_numpy(np.concatenate([round_trip(w[:16], QT.Q4_0), w[16:]]))
+    assert torch.equal(values(mixed.weight, 64), dequantize_int4(*quantize_int4(loaded.bfloat16())))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1], ids=["Q4_0", "Q4_1"])
+def test_an_int4_model_runs_on_the_files_weights(qtype, make_tiny_llama, tiny_tokenizer_dir, tmp_path: Path):
+    hf = tiny_llama(make_tiny_llama, seed=3)
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
+    llm = LLM(path, dtype="bfloat16", quantization="int4", num_kv_blocks=16, show_progress=False,
+              cache_dir=tmp_path / "cache")
+    expected = expected_weights(hf, qtype)
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    requantized_differs = False
+    for i, layer in enumerate(llm.engine.model.model.layers):
+        p = f"model.layers.{i}"
+        qkv = values(layer.self_attn.qkv_proj.weight, q)
+        gate_up = values(layer.mlp.gate_up_proj.weight, q)
+        got = {"self_attn.q_proj": qkv[:q], "self_attn.k_proj": qkv[q:q + kv], "self_attn.v_proj": qkv[q + kv:],
+               "self_attn.o_proj": values(layer.self_attn.o_proj.weight, q),
+               "mlp.gate_proj": gate_up[:INTER], "mlp.up_proj": gate_up[INTER:],
+               "mlp.down_proj": values(layer.mlp.down_proj.weight, INTER)}
+        for name, w in got.items():
+            want = expected[f"{p}.{name}.weight"]
+            assert torch.equal(w, want), name
+            again = dequantize_int4(*quantize_int4(want.bfloat16()))
+            requantized_differs |= not torch.equal(again, want)
+    assert requantized_differs  # (what loading used to give)
+    out = llm.generate([[5, 9, 14, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
