@@ -76,7 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8: linear weights quantized per output feature after loading "
                         "(half the weight memory; faster single-stream decode on CPU); int4: in "
                         "groups of 32 as GGUF's Q4_1 (a third of bf16's weight bytes; the LM head "
-                        "takes int8). Both trade a little accuracy for the bytes")
+                        "takes int8). Both trade a little accuracy for the bytes. none: the model "
+                        "dtype. Default: a GGUF stored as Q4_0 / Q4_1 (the default model) runs as "
+                        "stored, in int4, on CPU with bf16; anything else in the model dtype")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every decode step op by op instead of replaying captured graphs "
                         "(kernel graphs on CPU, CUDA graphs on GPU)")

@@ -25,7 +25,7 @@ from tessera.ops.linear_attention import RecurrentLayer
 from tessera.ops.cpu.build import isa_description, unavailable_reason
 from tessera.ops.cpu.linear import AMX_KERNEL_MIN_ROWS, amx_kernel_ready, has_amx
 from tessera.ops.registry import OpChoice, OpTarget
-from tessera.platform import cpu_bf16_reason, resolve_dtype
+from tessera.platform import cpu_bf16_reason, resolve_weights
 from tessera.pooling.model import as_pooling_model
 
 
@@ -107,11 +107,12 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
     router: BaseRouter = get_router(model_config)
     cfg = router.config
     tessera_ops = router.implementation == "native"
-    dtype = resolve_dtype(model_config.dtype, device, tessera_ops, model_config.quantization)
+    dtype, weights = resolve_weights(model_config.dtype, model_config.quantization, device, tessera_ops,
+                                     router.stored_matrix_format)
     started = time.perf_counter()
     with _recorded_lookups() as lookups:
         model = router.build_model(OpTarget(torch.device(device).type, dtype,
-                                            quant=model_config.quantization,
+                                            quant=weights,
                                             kv_cache_dtype=kv_cache_torch_dtype(kv_cache_dtype))).eval()
         if not router.generates:  # an encoder: its checkpoint names the backbone bare, as the engine loads it
             model = as_pooling_model(model)
@@ -147,7 +148,9 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
             "dtype": str(dtype).removeprefix("torch."),
             "dtype_reason": dtype_reason(model_config.dtype, device, tessera_ops,
-                                         model_config.quantization),
+                                         weights),
+            # the linear layers' weight format (--quantization, or the GGUF's own int4)
+            "quantization": weights,
         },
         "cpu_kernels": cpu_kernels_note(device),
         # a pre-quantized checkpoint's method (weights/prequantized.py: dequantized as it loads)
@@ -189,6 +192,8 @@ def format_report(info: dict[str, Any]) -> str:
         f"{c['head_dim']}, vocab {c['vocab_size']}, max_model_len {c['max_model_len']}"
         f"{', tied embeddings' if c['tie_word_embeddings'] else ''}",
         f"dtype:        {c['dtype']} ({c['dtype_reason']})",
+        *([f"weights:      {c['quantization']} (linear layers; the LM head int8 under int4)"]
+          if c.get("quantization") else []),
         *([f"cpu kernels:  {info['cpu_kernels']}"] if info.get("cpu_kernels") else []),
         *([f"checkpoint:   {info['checkpoint_quantization']}-quantized, "
            + ("kept packed" if info.get("checkpoint_packed") else "dequantized as it loads")]

@@ -93,6 +93,31 @@ def resolve_dtype(name: str, device: str, tessera_ops: bool = True,
     return torch.bfloat16 if cpu_bf16_reason(tessera_ops, quantization) else torch.float32
 
 
+# GGUF matrix formats tessera's int4 format holds exactly (tessera/weights/gguf_q4.py)
+STORED_INT4_FORMATS = ("Q4_0", "Q4_1")
+
+
+def resolve_weights(dtype: str, quantization: str | None, device: str, tessera_ops: bool = True,
+                    stored_format: str | None = None) -> tuple[torch.dtype, str | None]:
+    """(model dtype, the linear layers' weight format) for --dtype and --quantization on
+    `device`; `stored_format`: how a GGUF stores its matrices (routers' stored_matrix_format).
+
+    --quantization unset runs a GGUF's Q4_0 / Q4_1 matrices as stored, in int4 (exactly the
+    file's values), as llama.cpp runs them, where the CPU's int4 kernel runs with bf16
+    activations: decode streams 5 bits a weight instead of 16 (2x faster a token on the
+    default model, docs/benchmarks.md). Elsewhere (CUDA, whose int4 kernel is not measured
+    yet; float32) and for other sources the weights take the model dtype, as "none" asks."""
+    requested = None if quantization == "none" else quantization
+    auto = (quantization is None and stored_format in STORED_INT4_FORMATS and tessera_ops
+            and device.startswith("cpu"))
+    model_dtype = resolve_dtype(dtype, device, tessera_ops, "int4" if auto else requested)
+    if auto and model_dtype == torch.bfloat16:
+        from tessera.ops.cpu.linear_int4 import kernel_unavailable  # compiles the kernel on first use
+        if not kernel_unavailable():
+            return model_dtype, "int4"
+    return model_dtype, requested
+
+
 def available_memory_bytes(device: str) -> int:
     if device.startswith("cuda"):
         free, _total = torch.cuda.mem_get_info(torch.device(device))

@@ -114,3 +114,30 @@ def test_async_scheduling_is_on_by_default_on_cuda_unless_ruled_out(monkeypatch)
     config = engine_config(None)  # device "auto" on a machine with a GPU
     assert config.device == "cuda" and config.scheduler.async_scheduling
     assert config.scheduler.max_num_seqs == 256  # CUDA's scheduler defaults follow the device
+
+
+@pytest.fixture
+def int4_kernel(monkeypatch):
+    """Whether the CPU's int4 kernel runs, as resolve_weights asks it (set per test)."""
+    from tessera.ops.cpu import linear_int4
+
+    def runs(yes: bool) -> None:
+        monkeypatch.setattr(linear_int4, "kernel_unavailable", lambda spec=None: [] if yes else ["no kernel"])
+    return runs
+
+
+def test_a_q4_gguf_runs_as_stored_in_int4_where_the_cpu_kernel_runs(int4_kernel):
+    int4_kernel(True)
+    for stored in ("Q4_0", "Q4_1"):
+        assert platform.resolve_weights("bfloat16", None, "cpu", True, stored) == (torch.bfloat16, "int4")
+    # asked otherwise, or not a Q4_0 / Q4_1 file, or not tessera's CPU kernel with bf16
+    assert platform.resolve_weights("bfloat16", "none", "cpu", True, "Q4_1") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", "int8", "cpu", True, "Q4_1") == (torch.bfloat16, "int8")
+    assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q4_K") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", None, "cpu", True, None) == (torch.bfloat16, None)
+    assert platform.resolve_weights("float32", None, "cpu", True, "Q4_1") == (torch.float32, None)
+    assert platform.resolve_weights("auto", None, "cuda", True, "Q4_1") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", None, "cpu", False, "Q4_1") == (torch.bfloat16, None)
+    int4_kernel(False)
+    assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q4_1") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", "int4", "cpu", True, "Q4_1") == (torch.bfloat16, "int4")

@@ -302,7 +302,7 @@ def _bench(args: argparse.Namespace, llm, entries: list[DatasetEntry] | None) ->
     columns = (["engine", "output_tokens_per_s", "elapsed_s", "requests_per_s", "total_tokens_per_s"]
                if args.workload == "throughput"
                else ["engine", "tpot_ms", "batch_size", "ttft_ms", "roofline_ms", "roofline_pct"])
-    quant = engine.config.model.quantization
+    quant = engine.quantization
     meta = {"workload": args.workload, "model": engine.router.source.name, "dtype": str(engine.dtype),
             "quantization": quant, "kv_cache_dtype": str(engine.runner.kv_cache_dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "input_len": None if args.dataset else args.input_len,

@@ -18,20 +18,25 @@ from tessera.engine.state_cache import num_state_slots
 from tessera.models.registry import get_router
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
-from tessera.platform import resolve_dtype
+from tessera.platform import resolve_weights
 from tessera.pooling.model import as_pooling_model
 from tessera.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
+def rank_weights(config: EngineConfig, router) -> tuple[torch.dtype, str | None]:
+    """(model dtype, weight format) as the driver resolves them (engine.py), from the same config."""
+    return resolve_weights(config.model.dtype, config.model.quantization, config.device,
+                           router.implementation == "native", router.stored_matrix_format)
+
+
 def build_rank_model(config: EngineConfig, rank: int, world_size: int):
     """(router, model with its weights) for one rank: the same on the driver and the others."""
     device = rank_device(config, rank)
     router = get_router(config.model)
-    dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
-                          config.model.quantization)
-    target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=config.model.quantization,
+    dtype, quant = rank_weights(config, router)
+    target = OpTarget(device.type, dtype, tp_size=world_size, tp_rank=rank, quant=quant,
                       kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
     model = router.build_model(target).eval()
     pooler = resolve_pooler(config, router)
@@ -49,8 +54,7 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
     init_rank(config, info)
     router, model = build_rank_model(config, info.rank, info.world_size)
     device = rank_device(config, info.rank)
-    dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native",
-                          config.model.quantization)
+    dtype, _ = rank_weights(config, router)
     runner = ModelRunner(model, config.cache.block_size, device, dtype, sampler=None,
                          num_state_slots=num_state_slots(config.scheduler.max_num_seqs,
                                                          config.cache.enable_prefix_caching))

@@ -38,7 +38,7 @@ from tessera.models.registry import get_router
 from tessera.multimodal.inputs import MultimodalInputs
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
-from tessera.platform import resolve_dtype
+from tessera.platform import resolve_weights
 from tessera.pooling.params import PoolingParams
 from tessera.pooling.pooler import Pooler
 from tessera.runner.graph_inputs import GraphLimits
@@ -59,8 +59,14 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
         self.router = get_router(config.model)
         self.tokenizer = self.router.tokenizer
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.model.dtype, config.device,
-                                   self.router.implementation == "native", config.model.quantization)
+        # the model dtype and the linear layers' weight format (--quantization made concrete)
+        self.dtype, self.quantization = resolve_weights(
+            config.model.dtype, config.model.quantization, config.device, self.router.implementation == "native",
+            self.router.stored_matrix_format)
+        if self.quantization and config.model.quantization is None:
+            logger.info("the GGUF stores its weight matrices as %s: they run as stored, in %s "
+                        "(--quantization none loads them dequantized to %s)", self.router.stored_matrix_format,
+                        self.quantization, str(self.dtype).removeprefix("torch."))
         self.max_model_len = self.router.max_model_len
         check_engine_config(config, self.router, self.max_model_len)
         # an embedding model's pooling (--runner pooling); None: the engine generates
@@ -76,7 +82,7 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
     def _build(self, config: EngineConfig, show_progress: bool) -> None:
         tp = config.parallel.tensor_parallel_size
         target = OpTarget(self.device.type, self.dtype, tp_size=tp, tp_rank=0,
-                          quant=config.model.quantization,
+                          quant=self.quantization,
                           kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
         pooling = self.pooler_config is not None
         self.model = load_model(self.router, target, show_progress, pooling=self.pooler_config)

@@ -38,7 +38,20 @@ def load_model(router: BaseRouter, target: OpTarget, show_progress: bool, what: 
                 time.perf_counter() - started)
     if target.quant:
         _note_unquantized(model, target)
+    else:
+        _note_stored_format(router, target)
     return model
+
+
+def _note_stored_format(router: BaseRouter, target: OpTarget) -> None:
+    """A GGUF's matrices loaded dequantized to the model dtype: say which --quantization
+    would keep them near the file's own size (and decode faster where bytes bound it)."""
+    stored = router.stored_matrix_format or ""
+    kept = "int4" if stored.startswith(("Q4", "IQ4")) else "int8" if stored.startswith(("Q8", "Q5", "Q6")) else None
+    if kept:
+        logger.info("the GGUF stores its weight matrices as %s; they loaded dequantized to %s "
+                    "(--quantization %s keeps them compact: less memory, faster decode on CPU)",
+                    stored, str(target.dtype).removeprefix("torch."), kept)
 
 
 def _note_unquantized(model: nn.Module, target: OpTarget) -> None:

@@ -17,7 +17,7 @@ from tessera.models.base import BaseRouter
 from tessera.models.registry import get_router
 from tessera.ops.attention.kv_quant import kv_cache_torch_dtype
 from tessera.ops.registry import OpTarget
-from tessera.platform import resolve_dtype
+from tessera.platform import resolve_weights
 from tessera.runner.graph_inputs import GraphLimits
 from tessera.runner.model_runner import ModelRunner
 from tessera.runner.warmup import DraftSizing
@@ -67,8 +67,9 @@ def load_draft_model(draft: DraftModel, config: EngineConfig, device: torch.devi
     """Build and load the draft model, unsharded on `device` (no sampler, no KV cache yet)."""
     spec = config.speculative
     router = draft.router
-    dtype = resolve_dtype(config.model.dtype, config.device, router.implementation == "native", spec.quantization)
-    target = OpTarget(device.type, dtype, quant=spec.quantization,
+    dtype, quant = resolve_weights(config.model.dtype, spec.quantization, config.device,
+                                   router.implementation == "native", router.stored_matrix_format)
+    target = OpTarget(device.type, dtype, quant=quant,
                       kv_cache_dtype=kv_cache_torch_dtype(config.cache.kv_cache_dtype))
     model = load_model(router, target, show_progress, "draft weights")
     # its decode passes replay captured graphs too: it runs on this rank alone, joining no collective

@@ -23,7 +23,7 @@ from tessera.ops.weights import prepare_weights
 from tessera.sampling.params import SamplingParams, SamplingParamsError
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf import gguf_matrix_format, iter_gguf_weights
-from tessera.weights.loader import load_weights
+from tessera.weights.loader import load_weights, takes_int4_parts
 from tessera.weights.prequantized import CheckpointQuantization, QuantizedCheckpointError, checkpoint_quantization
 from tessera.weights.safetensors import hf_tensor_names, iter_hf_weights
 from tessera.weights.source import ModelSource
@@ -206,16 +206,17 @@ class BaseRouter:
             count = load_dummy_weights(model)
         else:
             kept = getattr(model, "packed_checkpoint_methods", ())
-            count = len(load_weights(model, progress(self.iter_weights(kept)), prepare=True))
+            count = len(load_weights(model, progress(self.iter_weights(kept, int4=takes_int4_parts(model))),
+                                     prepare=True))
         prepare_weights(model)  # whatever the loading left unprepared (all of a dummy model)
         return count
 
-    def iter_weights(self, kept: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, kept: tuple[str, ...] = (), int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors, pre-quantized ones dequantized, unless the model keeps
-        that method's parts as stored (`kept`: a model's `packed_checkpoint_methods`)."""
+        that method's parts as stored (`kept`: a model's `packed_checkpoint_methods`; `int4`:
+        its layers take a GGUF's Q4_0 / Q4_1 parts as stored, weights/gguf_q4.py)."""
         if self.source.is_gguf:
             cfg = self.config
-            self._note_gguf_format()
             permute = self.gguf_permute_qk  # (the head counts matter only then; Gemma 4's vary by layer)
             weights = iter_gguf_weights(
                 self.source.path, permute_qk=permute,
@@ -224,7 +225,7 @@ class BaseRouter:
                 index_dir=self.metadata_dir, names=self.gguf_names, norm_offset=self.gguf_norm_offset,
                 num_layers=getattr(cfg, "num_hidden_layers", None), packed=kept,
                 global_names=self.gguf_global_names, plain_norms=self.gguf_plain_norms,
-                int4=self.model_config.quantization == "int4")
+                int4=int4)
             return ((name, self.gguf_tensor(name, tensor)) for name, tensor in weights)
         weights = iter_hf_weights(self.source.path, lazy=True)
         quant = self.checkpoint_quantization
@@ -246,17 +247,10 @@ class BaseRouter:
         llama.cpp's converter stored it otherwise than renaming and permuting (Qwen3.5's)."""
         return tensor
 
-    def _note_gguf_format(self) -> None:
-        """A GGUF's matrices load dequantized to the model dtype; say which --quantization
-        would keep them near the file's own size (and decode faster where bytes bound it)."""
-        if self.model_config.quantization is not None:
-            return
-        stored = gguf_matrix_format(self.source.path, self.metadata_dir) or ""
-        kept = "int4" if stored.startswith(("Q4", "IQ4")) else "int8" if stored.startswith(("Q8", "Q5", "Q6")) else None
-        if kept:
-            logger.info("the GGUF stores its weight matrices as %s; they load dequantized to the model "
-                        "dtype (--quantization %s keeps them compact: less memory, faster decode on CPU)",
-                        stored, kept)
+    @cached_property
+    def stored_matrix_format(self) -> str | None:
+        """How a GGUF stores most of its weight matrices (e.g. "Q4_1"); None for other sources."""
+        return gguf_matrix_format(self.source.path, self.metadata_dir) if self.source.is_gguf else None
 
     @cached_property
     def checkpoint_quantization(self) -> CheckpointQuantization | None:

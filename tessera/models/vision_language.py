@@ -22,7 +22,7 @@ from tessera.ops.registry import OpTarget
 from tessera.ops.weights import prepare_weights
 from tessera.weights.dummy import load_dummy_weights
 from tessera.weights.gguf_mmproj import iter_mmproj_weights
-from tessera.weights.loader import load_weights
+from tessera.weights.loader import load_weights, takes_int4_parts
 from tessera.weights.prequantized import checkpoint_quantization
 
 # checkpoint prefixes of a multimodal model's language model, across transformers' layouts
@@ -174,7 +174,8 @@ class VisionLanguageRouter(BaseRouter):
         vision = model.vision
         if self.source.is_gguf:  # the language model from the GGUF, the vision side from its mmproj file
             count = len(load_weights(model.language_model, progress(
-                (language_model_name(n), t) for n, t in self.iter_weights()), prepare=True))
+                (language_model_name(n), t)
+                for n, t in self.iter_weights(int4=takes_int4_parts(model.language_model))), prepare=True))
             if vision.materialized:
                 for name, tensor in iter_mmproj_weights(Path(self.model_config.mmproj), vision.weight_names(),
                                                         vision.buffer_names()):

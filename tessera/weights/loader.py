@@ -65,6 +65,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     return set(loaded)
 
 
+def takes_int4_parts(model: nn.Module) -> bool:
+    """Whether some layer of `model` takes int4 parts as a checkpoint stored them (a Q4 GGUF's:
+    `param.takes_int4_parts`, set by ops/linear.py under int4); only then are they read so."""
+    return any(getattr(p, "takes_int4_parts", False) for p in model.parameters())
+
+
 def _complete(shards: set | None, shard_ids: tuple) -> bool:
     return shards is not None and (None in shards or set(shard_ids) <= shards)
 

@@ -186,31 +186,37 @@ def test_tiny_llama_int4_equals_transformers_on_dequantized_weights(make_tiny_ll
         assert abs(value - reference[token_id].item()) <= tol, (token_id, value, reference[token_id].item())
 
 
-def test_default_model_int4_holds_int4_weights_and_answers_like_bf16(default_gguf, caplog):
-    """The default model's checkpoint is Q4_1 already: int4 re-quantizes its values (as
-    loaded in bf16) and keeps them at 5 bits; loading it without a --quantization says so."""
+def test_default_model_runs_its_q4_1_weights_as_stored_in_int4(default_gguf, caplog):
+    """The default model's file stores its matrices as Q4_1. Without a --quantization they run
+    as stored, in int4, where the CPU's int4 kernel runs (and the load says so); "none" loads
+    them in bf16 (and the load names the flag that keeps them compact). Both answer alike."""
     import logging
 
     from tessera.llm import LLM
+    from tessera.ops.cpu.linear_int4 import kernel_unavailable
     from tessera.sampling.params import SamplingParams
     from tessera.weights.gguf import gguf_matrix_format
 
     assert gguf_matrix_format(default_gguf) == "Q4_1"
-    caplog.set_level(logging.INFO, logger="tessera.models.base")
+    caplog.set_level(logging.INFO, logger="tessera.engine")
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     answers = {}
-    for quantization in (None, "int4"):
+    for quantization in (None, "none", "int4"):
+        int4 = quantization == "int4" or (quantization is None and not kernel_unavailable())
         with LLM(dtype="bfloat16", quantization=quantization, num_kv_blocks=64, show_progress=False) as llm:
+            assert llm.engine.quantization == ("int4" if int4 else None)
             weights = [p for n, p in llm.engine.model.named_parameters() if "proj" in n]
-            assert all((p.dtype == torch.uint8) == (quantization == "int4") for p in weights)
+            assert all((p.dtype == torch.uint8) == int4 for p in weights)
             answers[quantization] = llm.chat([question], params)[0].outputs[0].text
-        hints = [r.getMessage() for r in caplog.records if "--quantization int4 keeps" in r.getMessage()]
-        assert len(hints) == (1 if quantization is None else 0)
-        assert all("as Q4_1" in hint for hint in hints)
+        messages = [r.getMessage() for r in caplog.records]
+        hints = [m for m in messages if "--quantization int4 keeps" in m]
+        assert len(hints) == (0 if int4 else 1) and all("as Q4_1" in hint for hint in hints)
+        chosen = [m for m in messages if "they run as stored, in int4" in m]
+        assert len(chosen) == (1 if int4 and quantization is None else 0)
         caplog.clear()
-    assert "Paris" in answers[None] and answers["int4"] == answers[None]
+    assert "Paris" in answers["none"] and answers["int4"] == answers["none"] == answers[None]
 
 
 def test_layers_the_format_does_not_take_are_named_at_load(make_tiny_llama, caplog):

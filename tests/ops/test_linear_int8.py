@@ -151,12 +151,12 @@ def test_default_model_int8_holds_int8_weights_and_answers_like_bf16(default_ggu
     question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     answers = {}
-    for quantization in (None, "int8"):
+    for quantization in ("none", "int8"):
         with LLM(dtype="bfloat16", quantization=quantization, num_kv_blocks=64, show_progress=False) as llm:
             weights = [p for n, p in llm.engine.model.named_parameters() if "proj" in n]
             assert all((p.dtype == torch.int8) == (quantization == "int8") for p in weights)
             answers[quantization] = llm.chat([question], params)[0].outputs[0].text
-    assert "Paris" in answers[None] and answers["int8"] == answers[None]
+    assert "Paris" in answers["none"] and answers["int8"] == answers["none"]
 
 
 def test_the_transformers_fallback_refuses_quantization(make_tiny_llama):

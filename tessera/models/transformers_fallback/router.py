@@ -58,7 +58,7 @@ class TransformersRouter(BaseRouter):
             raise FallbackUnsupportedError(
                 "GGUF files load only through native model folders; give the fallback a "
                 "safetensors checkpoint directory")
-        if self.model_config.quantization is not None:
+        if self.model_config.quantization not in (None, "none"):
             raise FallbackUnsupportedError(
                 f"--quantization {self.model_config.quantization} quantizes tessera's own linear "
                 "layers; the transformers fallback runs transformers' modules, so it needs a "
