@@ -18,6 +18,7 @@ from torch import nn
 
 from tessera.distributed.parallel import Span, all_reduce, even_span
 from tessera.ops.linear import Linear
+from tessera.ops.linear_int4 import StoredInt4
 from tessera.ops.module import OpModule
 from tessera.ops.registry import OpLookupError, OpTarget, builders, register_op, select_op
 from tessera.ops.weights import copy_checked, make_param, prepared_param
@@ -104,14 +105,15 @@ def stacked(prepare: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.
     """A `linear` builder's one-matrix preparation made a stack's: each expert of [E, rows,
     cols] prepared, into one new [E, ...] tensor (built expert by expert, so preparing costs
     one prepared stack beside the loaded one). The stack stays as loaded where the layout
-    would not change, or would differ between experts (an expert the format does not take)."""
-    def prepare_stack(stack: torch.Tensor) -> torch.Tensor:
+    would not change, or would differ between experts (an expert the format does not take).
+    `stored`: per expert, int4 parts as the checkpoint stored them, or None (int4 builders)."""
+    def prepare_stack(stack: torch.Tensor, stored: list | None = None) -> torch.Tensor:
         if stack.dim() != 3 or not stack.is_floating_point():
             return stack  # prepared already
         out = None
         for e in range(stack.shape[0]):
             weight = stack[e]
-            prepared = prepare(weight)
+            prepared = prepare(weight) if stored is None or stored[e] is None else prepare(weight, stored=stored[e])
             if out is None:
                 if prepared is weight:
                     return stack
@@ -171,6 +173,23 @@ class ExpertStacks(OpModule):
         super().__init__()
         self.quant = expert_quantization(target)  # how the stacks are stored (the moe_experts spec's quant)
         self._prepare_stack = target.prepare("moe_experts", quant=self.quant)
+        # int4: per stack and expert, where its rows came from (as Linear's: a Q4 GGUF's stored
+        # parts are prepared as they are); loaders that note nothing leave the stack quantized
+        self._stored: dict[int, dict[int, StoredInt4]] | None = (
+            {} if self.quant == "int4" and self._prepare_stack is not None else None)
+
+    def take_int4_parts(self, *params: nn.Parameter) -> None:
+        """Mark the stacks whose loader notes stored int4 parts (note_expert_rows)."""
+        for param in params:
+            param.takes_int4_parts = self._stored is not None
+
+    def note_expert_rows(self, param: nn.Parameter, expert: int, start: int, tensor: torch.Tensor,
+                         rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """Rows [start, start + rows[1]) of `expert` in stack `param` were loaded from
+        `tensor`'s rows and cols (each (first, length))."""
+        if self._stored is not None:
+            per_expert = self._stored.setdefault(id(param), {})
+            per_expert.setdefault(expert, StoredInt4(param.shape[1])).note(start, tensor, rows, cols)
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as the moe_experts op takes them."""
@@ -178,8 +197,16 @@ class ExpertStacks(OpModule):
 
     def prepare_weights(self) -> None:
         """After loading: the stacks in the builder's layout (once)."""
-        self.w13_weight = prepared_param(self.w13_weight, self._prepare_stack)
-        self.w2_weight = prepared_param(self.w2_weight, self._prepare_stack)
+        self.w13_weight = self._prepared(self.w13_weight)
+        self.w2_weight = self._prepared(self.w2_weight)
+        self._stored = None
+
+    def _prepared(self, param: nn.Parameter) -> nn.Parameter:
+        noted = (self._stored or {}).get(id(param), {})
+        stored = [noted[e].parts() if e in noted else None for e in range(param.shape[0])]
+        if not any(part is not None for part in stored):
+            return prepared_param(param, self._prepare_stack)
+        return prepared_param(param, lambda stack: self._prepare_stack(stack, stored=stored))
 
 
 ExpertShard = tuple[int, int]  # (expert index, 0 = gate or down / 1 = up)
@@ -222,6 +249,7 @@ class StackedExperts(ExpertStacks):
         self.w2_weight = make_param((num_experts, hidden_size, intermediate_size), target.dtype,
                                     target.device, loader=self._load,
                                     shard_ids=tuple((e, 0) for e in range(num_experts)))
+        self.take_int4_parts(self.w13_weight, self.w2_weight)
         self.w13_bias = self.w2_bias = None
         if bias:  # stacked as the weights are: [E, 2I] this rank's gate then up entries, [E, H]
             self.w13_bias = make_param((num_experts, 2 * intermediate_size), target.dtype, target.device,
@@ -269,11 +297,12 @@ class StackedExperts(ExpertStacks):
                 raise ValueError(f"expert {expert} shard {half}: checkpoint shape "
                                  f"{tuple(tensor.shape)} != model shape {expected}")
             if param is self.w13_weight:  # checkpoint [I, H]: this rank's rows of it
-                dst = dst.narrow(0, half * local, local)
-                tensor = narrow(tensor, 0, span.start, local)
+                copy_checked(dst.narrow(0, half * local, local), narrow(tensor, 0, span.start, local),
+                             f"expert {expert} shard {half}")
+                self.note_expert_rows(param, expert, half * local, tensor, (span.start, local), (0, hidden))
             else:                         # down [H, I]: this rank's columns
-                tensor = narrow(tensor, 1, span.start, local)
-            copy_checked(dst, tensor, f"expert {expert} shard {half}")
+                copy_checked(dst, narrow(tensor, 1, span.start, local), f"expert {expert} shard {half}")
+                self.note_expert_rows(param, expert, 0, tensor, (0, hidden), (span.start, local))
 
 
 class SparseMoE(OpModule):

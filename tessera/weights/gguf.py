@@ -195,8 +195,11 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             # be 1.9 GB); GGUF quant blocks run along the last dimension, so each expert's
             # bytes are a contiguous slice.
             for e in range(shape[0]):
-                array = _dequantized(tensor, data[e], shape[1:])
-                yield name.replace(EXPERT, str(e)), torch.from_numpy(array)
+                expert = name.replace(EXPERT, str(e))
+                if int4 and is_q4(tensor.tensor_type):  # (its stored parts too)
+                    yield expert, Q4Rows(expert, tensor.tensor_type, data[e], shape[1:], lazy=False)
+                else:
+                    yield expert, torch.from_numpy(_dequantized(tensor, data[e], shape[1:]))
             continue
         if int4 and len(shape) == 2 and is_q4(tensor.tensor_type):
             if permute_qk and name.endswith("q_proj.weight"):  # (rows of blocks move whole)

@@ -125,3 +125,32 @@ def test_an_int4_model_runs_on_the_files_weights(qtype, make_tiny_llama, tiny_to
     assert requantized_differs  # (what loading used to give)
     out = llm.generate([[5, 9, 14, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_expert_stacks_take_the_files_parts(tiny_tokenizer_dir, tmp_path: Path):
+    """A mixture's stacked Q4_0 experts (llama.cpp's ffn_*_exps) come out as the file's
+    values in every expert, gate and up rows as down columns."""
+    from tests.weights.gguf_writer import write_model_gguf
+    from tests.weights.test_gguf_models import qwen3_moe
+
+    torch.manual_seed(0)
+    hf = qwen3_moe()
+    path = write_model_gguf(tmp_path / "moe.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", "qwen3moe",
+                            qtype=QT.Q4_0)
+    llm = LLM(path, dtype="bfloat16", quantization="int4", num_kv_blocks=16, show_progress=False,
+              cache_dir=tmp_path / "cache")
+    reader = gguf.GGUFReader(str(path))
+    stored = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()) for t in reader.tensors}
+    requantized_differs = False
+    for i, layer in enumerate(llm.engine.model.model.layers):
+        experts = layer.mlp.experts
+        w13, w2 = experts.w13_weight, experts.w2_weight
+        assert w13.dtype == w2.dtype == torch.uint8
+        hidden, inter = hf.config.hidden_size, hf.config.moe_intermediate_size
+        for e in range(w13.shape[0]):
+            gate_up = torch.cat([stored[f"blk.{i}.ffn_gate_exps.weight"][e], stored[f"blk.{i}.ffn_up_exps.weight"][e]])
+            down = stored[f"blk.{i}.ffn_down_exps.weight"][e]
+            assert torch.equal(values(w13[e], hidden), gate_up), (i, e)
+            assert torch.equal(values(w2[e], inter), down), (i, e)
+            requantized_differs |= not torch.equal(dequantize_int4(*quantize_int4(gate_up.bfloat16())), gate_up)
+    assert requantized_differs
