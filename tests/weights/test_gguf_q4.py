@@ -52,6 +52,40 @@ def test_rows_read_as_the_gguf_package_dequantizes(qtype: QT):
     assert rows.int4_parts(cols=(16, 32)) is None  # (splits a block)
 
 
+def q4_k_rows(n: int, k: int, seed: int) -> Q4Rows:
+    """A Q4_K matrix of random blocks (the gguf package has no Q4_K quantizer): steps and
+    offsets of a few orders of magnitude, every scale, min and code drawn."""
+    g = np.random.default_rng(seed)
+    blocks = g.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    scales = np.exp(g.uniform(-9, -4, (n, k // 256, 2))).astype(np.float16)  # d, dmin
+    blocks[..., :4] = scales.view(np.uint8).reshape(n, k // 256, 4)
+    return Q4Rows("w", int(QT.Q4_K), blocks.reshape(n, -1), (n, k), lazy=False)
+
+
+def test_q4_k_rows_read_as_the_gguf_package_dequantizes_and_give_near_exact_parts():
+    rows = q4_k_rows(16, 512, seed=3)
+    want = torch.from_numpy(gguf.quants.dequantize(rows.data, QT.Q4_K).reshape(16, 512).copy())
+    assert torch.equal(rows.load(), want)
+    assert torch.equal(rows.narrow(0, 4, 5), want[4:9])
+    codes, d, m = rows.int4_parts()  # steps and offsets rounded to float16: 2^-11 relative
+    held = dequantize_int4(codes, d, m)
+    bound = (15 * d.float().abs() + m.float().abs()) * 2 ** -10
+    assert ((held - want).abs().view(16, 16, 32) <= bound.unsqueeze(2)).all()
+    again = dequantize_int4(*quantize_int4(want.bfloat16()))  # what loading used to give
+    assert (held - want).abs().sum() * 20 < (again - want).abs().sum()
+    codes, d, m = rows.int4_parts(rows=(2, 3), cols=(256, 256))
+    assert torch.equal(dequantize_int4(codes, d, m), held[2:5, 256:])
+    assert rows.int4_parts(cols=(32, 256)) is None  # (splits a 256-weight block)
+
+
+def test_a_q4_k_layer_prepares_the_stored_parts():
+    rows = q4_k_rows(32, 256, seed=4)
+    layer = Linear(256, 32, tp_target())
+    layer.weight.weight_loader(layer.weight, rows, None)
+    layer.prepare_weights()
+    assert torch.equal(values(layer.weight, 256), dequantize_int4(*rows.int4_parts()))
+
+
 def tp_target(rank: int = 0, size: int = 1) -> OpTarget:
     return OpTarget("cpu", torch.bfloat16, tp_size=size, tp_rank=rank, quant="int4")
 
