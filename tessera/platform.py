@@ -93,8 +93,9 @@ def resolve_dtype(name: str, device: str, tessera_ops: bool = True,
     return torch.bfloat16 if cpu_bf16_reason(tessera_ops, quantization) else torch.float32
 
 
-# GGUF matrix formats tessera's int4 format holds exactly (tessera/weights/gguf_q4.py)
-STORED_INT4_FORMATS = ("Q4_0", "Q4_1")
+# GGUF matrix formats tessera's int4 format holds as stored (tessera/weights/gguf_q4.py:
+# Q4_0 and Q4_1 exactly, Q4_K with its group scales rounded to float16)
+STORED_INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def resolve_weights(dtype: str, quantization: str | None, device: str, tessera_ops: bool = True,
@@ -102,11 +103,13 @@ def resolve_weights(dtype: str, quantization: str | None, device: str, tessera_o
     """(model dtype, the linear layers' weight format) for --dtype and --quantization on
     `device`; `stored_format`: how a GGUF stores its matrices (routers' stored_matrix_format).
 
-    --quantization unset runs a GGUF's Q4_0 / Q4_1 matrices as stored, in int4 (exactly the
-    file's values), as llama.cpp runs them, where the CPU's int4 kernel runs with bf16
-    activations: decode streams 5 bits a weight instead of 16 (2x faster a token on the
-    default model, docs/benchmarks.md). Elsewhere (CUDA, whose int4 kernel is not measured
-    yet; float32) and for other sources the weights take the model dtype, as "none" asks."""
+    --quantization unset runs a GGUF whose matrices are mostly Q4_0 / Q4_1 / Q4_K (the
+    default model, llama.cpp's Q4_K_M files) in int4, its 4-bit matrices as stored (the
+    matrices a K-quant mix keeps at 6 bits in int8), as llama.cpp runs them, where the CPU's
+    int4 kernel runs with bf16 activations: decode streams 5 bits a weight instead of 16 (2x
+    faster a token on the default model, docs/benchmarks.md). Elsewhere (CUDA, whose int4
+    kernel is not measured yet; float32) and for other sources the weights take the model
+    dtype, as "none" asks."""
     requested = None if quantization == "none" else quantization
     auto = (quantization is None and stored_format in STORED_INT4_FORMATS and tessera_ops
             and device.startswith("cpu"))

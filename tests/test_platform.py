@@ -128,12 +128,12 @@ def int4_kernel(monkeypatch):
 
 def test_a_q4_gguf_runs_as_stored_in_int4_where_the_cpu_kernel_runs(int4_kernel):
     int4_kernel(True)
-    for stored in ("Q4_0", "Q4_1"):
+    for stored in ("Q4_0", "Q4_1", "Q4_K"):
         assert platform.resolve_weights("bfloat16", None, "cpu", True, stored) == (torch.bfloat16, "int4")
     # asked otherwise, or not a Q4_0 / Q4_1 file, or not tessera's CPU kernel with bf16
     assert platform.resolve_weights("bfloat16", "none", "cpu", True, "Q4_1") == (torch.bfloat16, None)
     assert platform.resolve_weights("bfloat16", "int8", "cpu", True, "Q4_1") == (torch.bfloat16, "int8")
-    assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q4_K") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q5_K") == (torch.bfloat16, None)
     assert platform.resolve_weights("bfloat16", None, "cpu", True, None) == (torch.bfloat16, None)
     assert platform.resolve_weights("float32", None, "cpu", True, "Q4_1") == (torch.float32, None)
     assert platform.resolve_weights("auto", None, "cuda", True, "Q4_1") == (torch.bfloat16, None)

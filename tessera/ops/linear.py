@@ -41,15 +41,22 @@ class Linear(OpModule):
         self.in_features, self.out_features = in_features, out_features
         self.weight = make_param((out_features, in_features), target.dtype, target.device, loader=self._load_whole)
         self.bias = make_param((out_features,), target.dtype, target.device) if bias else None
-        self._linear = target.op("linear", quant=target.quant)
-        self._prepare = target.prepare("linear", quant=target.quant)
+        self._target = target
+        self._select_ops(target.quant)
         # int4: where the loaded rows came from, so parts a checkpoint stored in the format
         # (a Q4 GGUF's) are prepared as they are, not quantized again from the dequantized copy
         self._stored = StoredInt4(out_features) if target.quant == "int4" and self._prepare else None
         self.weight.takes_int4_parts = self._stored is not None  # (weights/loader.py)
+
+    def _select_ops(self, quant: str | None) -> None:
+        """The builders for weights in `quant` (the target's, or int8 for a matrix a 4-bit
+        GGUF keeps wider; chosen before the weight is prepared)."""
+        self.quant = quant
+        self._linear = self._target.op("linear", quant=quant)
+        self._prepare = self._target.prepare("linear", quant=quant)
         # a layer's input norm computed while this linear loads its input (PendingNorm), on
         # the weight as loaded (not a layout prepared for another builder)
-        self._norm_linear = (target.optional_op("rms_norm_linear", quant=target.quant)
+        self._norm_linear = (self._target.optional_op("rms_norm_linear", quant=quant)
                              if self._prepare is None else None)
 
     def _load_whole(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
@@ -66,6 +73,10 @@ class Linear(OpModule):
     def prepare_weights(self) -> None:
         """After loading: hand the weight to the builder's preferred layout (once)."""
         stored = self._stored.parts() if self._stored is not None else None
+        if self._stored is not None and self._stored.wider:
+            # the file keeps (part of) this matrix at 5.5-8 bits where most are 4-bit (llama.cpp's
+            # K-quant mixes keep attn_v and ffn_down so): int8 holds that, int4 would lose it
+            self._select_ops("int8")
         self._stored = None
         self.weight = prepared_param(self.weight, self._prepare if stored is None
                                      else lambda weight: self._prepare(weight, stored=stored))
@@ -95,8 +106,11 @@ class RowParallelLinear(Linear):
         self.in_span, self.tp_size, self.full_in_features = span, target.tp_size, in_features
         self.add_bias = target.tp_rank == 0
         self.weight.weight_loader = self._load_weight
+
+    def _select_ops(self, quant: str | None) -> None:
+        super()._select_ops(quant)
         # a gated MLP's activation applied while this layer loads its input (gated())
-        self._gated = target.optional_op("gated_linear", quant=target.quant)
+        self._gated = self._target.optional_op("gated_linear", quant=quant)
 
     def _load_weight(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         expected = (self.out_features, self.full_in_features)

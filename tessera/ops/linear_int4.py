@@ -94,17 +94,21 @@ class StoredInt4:
     """Where a linear layer's loaded weight rows came from, for checkpoint tensors that keep
     int4 parts as stored (`int4_parts(rows, cols)`: tessera/weights/gguf_q4.py), so the layer
     prepares those instead of quantizing its dequantized copy. A span loaded from any other
-    tensor, or loaded twice, means the parts are not the weight's."""
+    tensor, or loaded twice, means the parts are not the weight's. It also hears of tensors
+    the checkpoint stores wider than int4 in a file mostly 4-bit (`stored_wider`: a GGUF
+    K-quant mix's Q6_K attn_v / ffn_down), for which the layer takes int8 instead."""
 
     def __init__(self, rows: int):
         self.rows = rows
         self.spans: list[tuple[int, int, object]] = []  # (first row, rows, a () -> parts or None)
+        self.wider = False  # some rows came from a tensor stored wider than int4
 
     def note(self, start: int, tensor: object, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """Rows [start, start + rows[1]) of the weight were copied from `tensor`'s rows and cols
         (each (first, length))."""
         get = getattr(tensor, "int4_parts", None)
         self.spans.append((start, rows[1], None if get is None else lambda: get(rows, cols)))
+        self.wider |= bool(getattr(tensor, "stored_wider", False))
 
     def parts(self) -> Int4Parts | None:
         """The weight's stored parts, where every row came once from such a tensor."""

@@ -153,9 +153,20 @@ def gguf_matrix_format(path: Path, index_dir: Path | None = None) -> str | None:
     None if it has none."""
     from gguf import GGMLQuantizationType
 
-    counts = Counter(GGMLQuantizationType(t.tensor_type).name
-                     for t in _cached_tensor_index(path, index_dir) if len(t.shape) == 2)
+    main = _main_matrix_type(_cached_tensor_index(path, index_dir))
+    return None if main is None else GGMLQuantizationType(main).name
+
+
+def _main_matrix_type(tensors: list[GGUFTensor]) -> int | None:
+    counts = Counter(t.tensor_type for t in tensors if len(t.shape) == 2)
     return counts.most_common(1)[0][0] if counts else None
+
+
+def _bits_per_weight(tensor_type: int) -> float:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(tensor_type)]
+    return 8 * size / block
 
 
 def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_heads: int,
@@ -176,6 +187,10 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
     scales those layers take as they are (gguf_q4.py)."""
     tensors = _cached_tensor_index(path, index_dir)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    main = _main_matrix_type(tensors)
+    # a file mostly 4-bit that keeps some matrices wider (llama.cpp's K-quant mixes: Q6_K
+    # attn_v and ffn_down in Q4_K_M): int4 layers take int8 for those (ops/linear_int4.py)
+    mostly_q4 = int4 and main is not None and is_q4(main)
     for tensor in tensors:
         if tensor.name in ROPE_TENSORS:  # read into the config at conversion (gguf_rope.py)
             continue
@@ -210,7 +225,9 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             continue
         if len(shape) == 2 and shape[0] * shape[1] * 4 > LAZY_BYTES and not (
                 permute_qk and name.endswith(("q_proj.weight", "k_proj.weight"))):  # (those are un-permuted whole)
-            yield name, GGUFRows(tensor, data, shape)  # dequantized by rows as the loader reads them
+            rows = GGUFRows(tensor, data, shape)  # dequantized by rows as the loader reads them
+            rows.stored_wider = mostly_q4 and _bits_per_weight(tensor.tensor_type) > 5
+            yield name, rows
             continue
         array = _dequantized(tensor, data, shape)
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -219,7 +236,10 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             array = unpermute_rows(array, num_kv_heads)
         if norm_offset and name.endswith("norm.weight") and not name.endswith(plain_norms):
             array -= np.float32(norm_offset)
-        yield name, torch.from_numpy(array)
+        out = torch.from_numpy(array)
+        if mostly_q4 and len(shape) == 2 and _bits_per_weight(tensor.tensor_type) > 5:
+            out.stored_wider = True
+        yield name, out
 
 
 class GGUFRows(LazyTensor):

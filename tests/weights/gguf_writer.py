@@ -323,10 +323,12 @@ def _model_metadata(w: gguf.GGUFWriter, cfg, arch: str) -> None:
 
 def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, arch: str,
                      qtype: QT = QT.F32, per_expert: bool = False, fuse_gate_up: bool = False,
-                     add_bos: bool = False, extra_metadata=None, chat_template: str = CHAT_TEMPLATE) -> Path:
+                     add_bos: bool = False, extra_metadata=None, chat_template: str = CHAT_TEMPLATE,
+                     types: dict[str, QT] | None = None) -> Path:
     """A GGUF of `model` as llama.cpp writes architecture `arch` (gemma2, phi3, qwen3moe, or
     llama for Mixtral): its metadata keys and tensors (model_tensors); 1-D tensors in F32, the
-    others in `qtype`. `extra_metadata(writer)` adds the keys of an architecture of its own."""
+    others in `qtype` but those `types` names (llama.cpp names: a K-quant mix's wider
+    matrices). `extra_metadata(writer)` adds the keys of an architecture of its own."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny random {cfg.model_type}")
@@ -334,7 +336,11 @@ def write_model_gguf(path: Path, model: torch.nn.Module, tokenizer_json: Path, a
     if extra_metadata is not None:
         extra_metadata(w)
     add_tokenizer(w, tokenizer_json, cfg.vocab_size, add_bos=add_bos, chat_template=chat_template)
-    write_tensors(w, ((name, array, qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32)
+    def stored(name: str, array: np.ndarray) -> QT:
+        if name in (types or {}):
+            return types[name]
+        return qtype if array.ndim >= 2 and not name.endswith("ffn_gate_inp.weight") else QT.F32
+    write_tensors(w, ((name, array, stored(name, array))
                       for name, array in model_tensors(model, arch, per_expert, fuse_gate_up).items()))
     return path
 

@@ -188,3 +188,25 @@ def test_expert_stacks_take_the_files_parts(tiny_tokenizer_dir, tmp_path: Path):
             assert torch.equal(values(w2[e], inter), down), (i, e)
             requantized_differs |= not torch.equal(dequantize_int4(*quantize_int4(gate_up.bfloat16())), gate_up)
     assert requantized_differs
+
+
+def test_matrices_a_4_bit_file_keeps_wider_take_int8(make_tiny_llama, tiny_tokenizer_dir, tmp_path: Path):
+    """As llama.cpp's Q4_K_M keeps attn_v and ffn_down at 6 bits: here layer 0's attn_v and
+    ffn_down in Q8_0, the rest Q4_0. Under int4 the layers holding those (the whole packed
+    QKV: one format per matrix) take int8, the others the file's int4 parts."""
+    from tests.weights.gguf_writer import write_model_gguf
+
+    hf = tiny_llama(make_tiny_llama, seed=5)
+    path = write_model_gguf(tmp_path / "mix.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", "llama",
+                            qtype=QT.Q4_0, types={"blk.0.attn_v.weight": QT.Q8_0, "blk.0.ffn_down.weight": QT.Q8_0})
+    llm = LLM(path, dtype="bfloat16", quantization="int4", num_kv_blocks=16, show_progress=False,
+              cache_dir=tmp_path / "cache")
+    first, second = llm.engine.model.model.layers
+    assert first.self_attn.qkv_proj.weight.dtype == first.mlp.down_proj.weight.dtype == torch.int8
+    assert first.self_attn.o_proj.weight.dtype == first.mlp.gate_up_proj.weight.dtype == torch.uint8
+    assert all(m.weight.dtype == torch.uint8 for m in (second.self_attn.qkv_proj, second.mlp.down_proj))
+    want = expected_weights(hf, QT.Q8_0)["model.layers.0.mlp.down_proj.weight"]
+    down = first.mlp.down_proj(torch.eye(INTER, dtype=torch.bfloat16)).float().T  # its weight, read back
+    assert torch.allclose(down, want, atol=2e-2 * float(want.abs().max()))
+    out = llm.generate([[5, 9, 14, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
