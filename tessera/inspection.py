@@ -151,6 +151,9 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
                                          weights),
             # the linear layers' weight format (--quantization, or the GGUF's own int4)
             "quantization": weights,
+            "quantization_reason": (f"--quantization {model_config.quantization}" if model_config.quantization
+                                    else f"auto: the GGUF stores its matrices as {router.stored_matrix_format}, "
+                                    "run as stored" if weights else None),
         },
         "cpu_kernels": cpu_kernels_note(device),
         # a pre-quantized checkpoint's method (weights/prequantized.py: dequantized as it loads)
@@ -192,8 +195,7 @@ def format_report(info: dict[str, Any]) -> str:
         f"{c['head_dim']}, vocab {c['vocab_size']}, max_model_len {c['max_model_len']}"
         f"{', tied embeddings' if c['tie_word_embeddings'] else ''}",
         f"dtype:        {c['dtype']} ({c['dtype_reason']})",
-        *([f"weights:      {c['quantization']} (linear layers; the LM head int8 under int4)"]
-          if c.get("quantization") else []),
+        *([f"weights:      {c['quantization']} ({c['quantization_reason']})"] if c.get("quantization") else []),
         *([f"cpu kernels:  {info['cpu_kernels']}"] if info.get("cpu_kernels") else []),
         *([f"checkpoint:   {info['checkpoint_quantization']}-quantized, "
            + ("kept packed" if info.get("checkpoint_packed") else "dequantized as it loads")]

@@ -112,6 +112,21 @@ def test_inspect_json_names_router_model_class_and_chosen_builders(tiny, capsys)
     assert info["kv_cache"]["bytes_per_block"] == 16 * info["kv_cache"]["bytes_per_token"]
 
 
+def test_inspect_says_a_q4_gguf_runs_in_int4_as_stored(default_gguf, capsys):
+    """The default model's Q4_1 file: int4 with bf16 where the CPU's int4 kernel runs, and the
+    int4 linear builder chosen; none asked for, the model dtype."""
+    from tessera.ops.cpu.linear_int4 import kernel_unavailable
+
+    if kernel_unavailable():
+        pytest.skip(f"no int4 kernel here: {kernel_unavailable()}")
+    info = inspect_json(capsys, "--dtype", "bfloat16")
+    assert info["config"]["quantization"] == "int4"
+    assert info["config"]["quantization_reason"] == "auto: the GGUF stores its matrices as Q4_1, run as stored"
+    assert {op["builder"] for op in info["ops"] if op["spec"]["kind"] == "linear"} >= {"cpu_gemm_int4"}
+    info = inspect_json(capsys, "--dtype", "bfloat16", "--quantization", "none")
+    assert info["config"]["quantization"] is None
+
+
 def test_inspect_shows_the_fp8_kv_cache_and_its_builders(tiny, capsys):
     info = inspect_json(capsys, "--model", str(tiny), "--dtype", "bfloat16", "--kv-cache-dtype", "fp8")
     assert info["kv_cache"]["dtype"] == "float8_e4m3fn"
