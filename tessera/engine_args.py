@@ -78,8 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "groups of 32 as GGUF's Q4_1 (a third of bf16's weight bytes; the LM head "
                         "takes int8). Both trade a little accuracy for the bytes. none: the model "
                         "dtype. Default: a GGUF stored as Q4_0 / Q4_1 / Q4_K (the default model, "
-                        "Q4_K_M files) runs as stored, in int4, on CPU with bf16 (matrices the file "
-                        "keeps at 6-8 bits in int8); anything else in the model dtype")
+                        "Q4_K_M files) runs as stored, in int4, on CPU with bf16 (dense matrices the "
+                        "file keeps at more than 5 bits in int8); anything else in the model dtype")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every decode step op by op instead of replaying captured graphs "
                         "(kernel graphs on CPU, CUDA graphs on GPU)")

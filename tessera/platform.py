@@ -104,7 +104,7 @@ def resolve_weights(dtype: str, quantization: str | None, device: str, tessera_o
     `device`; `stored_format`: how a GGUF stores its matrices (routers' stored_matrix_format).
 
     --quantization unset runs a GGUF whose matrices are mostly Q4_0 / Q4_1 / Q4_K (the
-    default model, llama.cpp's Q4_K_M files) in int4, its 4-bit matrices as stored (the
+    default model, llama.cpp's Q4_K_M files) in int4, its 4-bit matrices as stored (the dense
     matrices a K-quant mix keeps at 6 bits in int8), as llama.cpp runs them, where the CPU's
     int4 kernel runs with bf16 activations: decode streams 5 bits a weight instead of 16 (2x
     faster a token on the default model, docs/benchmarks.md). Elsewhere (CUDA, whose int4
@@ -118,6 +118,8 @@ def resolve_weights(dtype: str, quantization: str | None, device: str, tessera_o
         from tessera.ops.cpu.linear_int4 import kernel_unavailable  # compiles the kernel on first use
         if not kernel_unavailable():
             return model_dtype, "int4"
+    if auto:  # declined: the dtype for the weights as they will be
+        model_dtype = resolve_dtype(dtype, device, tessera_ops, requested)
     return model_dtype, requested
 
 

@@ -141,3 +141,11 @@ def test_a_q4_gguf_runs_as_stored_in_int4_where_the_cpu_kernel_runs(int4_kernel)
     int4_kernel(False)
     assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q4_1") == (torch.bfloat16, None)
     assert platform.resolve_weights("bfloat16", "int4", "cpu", True, "Q4_1") == (torch.bfloat16, "int4")
+
+
+def test_a_declined_int4_leaves_the_dtype_the_weights_want(int4_kernel, monkeypatch):
+    """bf16 only for int4's sake (its AVX2 kernel), then no int4 kernel: the dtype is asked
+    again for unquantized weights."""
+    int4_kernel(False)
+    monkeypatch.setattr(platform, "cpu_bf16_reason", lambda ops=True, quant=None: "bf16 kernels" if quant is None else None)
+    assert platform.resolve_weights("auto", None, "cpu", True, "Q4_1") == (torch.bfloat16, None)

@@ -244,6 +244,7 @@ class RegroupedLinear(PackedLinear):
             return
         with torch.no_grad():
             for part, rows in self.split_checkpoint_rows(shard_id, tensor):
+                rows.stored_wider = getattr(tensor, "stored_wider", False)  # (how the file kept it)
                 self._copy_rows(param, rows, part)
 
 

@@ -92,7 +92,7 @@ def int4_parts(weight: torch.Tensor, stored: Int4Parts | None) -> Int4Parts:
         return quantize_int4(weight)
     if tuple(stored[0].shape) != tuple(weight.shape):
         raise ValueError(f"stored int4 codes {tuple(stored[0].shape)} != weight {tuple(weight.shape)}")
-    return stored
+    return tuple(part.to(weight.device) for part in stored)  # (read from the file on the host)
 
 
 class StoredInt4:

@@ -183,8 +183,9 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
     writes after the model's (GLM-4.5's `nextn`). With "mxfp4" in `packed` (a model that
     runs MXFP4 stacks as stored), MXFP4 tensors come as their `_blocks` and `_scales` parts
     in OpenAI's layout (gguf_mxfp4.py) instead of dequantized. `int4` (the model's linear layers
-    take tessera's int4 format): Q4_0 and Q4_1 matrices come as Q4Rows, whose stored codes and
-    scales those layers take as they are (gguf_q4.py)."""
+    take tessera's int4 format): Q4_0, Q4_1 and Q4_K matrices come as Q4Rows, whose stored codes
+    and scales those layers take as they are (gguf_q4.py); in a file mostly 4-bit, the other
+    matrices stored at more than 5 bits a weight are marked `stored_wider` (int8 for them)."""
     tensors = _cached_tensor_index(path, index_dir)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     main = _main_matrix_type(tensors)

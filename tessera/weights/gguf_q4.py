@@ -11,8 +11,8 @@ weights):
 - Q4_K block (256 weights, 144 bytes): d, dmin (float16), 12 bytes packing eight 6-bit
   scales and eight 6-bit mins, then 128 bytes of codes (each 32 bytes: one group's codes in
   the low nibbles, the next group's in the high ones); w = d sc q - dmin mn per group. The
-  group's step d sc and offset -dmin mn round to float16 here (a relative 2^-12 at most),
-  far finer than quantizing the dequantized values again.
+  group's step d sc and offset -dmin mn round to float16 here (a relative 2^-11 at most where
+  they are normal float16s), far finer than quantizing the dequantized values again.
 
 So an int4 model loaded from such a file runs on the file's weights (Q4_0 / Q4_1: exactly),
 not a second rounding of them (dequantized to the model dtype, then quantized again). Read

@@ -78,9 +78,17 @@ def _grouped(tensor: torch.Tensor, dim: int, num_k: int, per_k: int, head: int) 
 
 
 def qwen35_tensor(config: Any, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor as the Hugging Face checkpoint holds it (module docstring), by its name."""
+    """A tensor as the Hugging Face checkpoint holds it (module docstring), by its name; a
+    matrix the file keeps wider than int4 stays marked so (weights/gguf.py, stored_wider)."""
     if ".linear_attn." not in name:
         return tensor
+    out = _as_checkpoint(config, name, tensor)
+    if getattr(tensor, "stored_wider", False):
+        out.stored_wider = True
+    return out
+
+
+def _as_checkpoint(config: Any, name: str, tensor: torch.Tensor) -> torch.Tensor:
     tensor = materialize(tensor)
     if name.endswith(".A_log"):
         tensor = torch.log(-tensor)

@@ -210,3 +210,12 @@ def test_matrices_a_4_bit_file_keeps_wider_take_int8(make_tiny_llama, tiny_token
     assert torch.allclose(down, want, atol=2e-2 * float(want.abs().max()))
     out = llm.generate([[5, 9, 14, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_stored_parts_come_to_the_weights_device():
+    """The file's parts are read on the host; a weight elsewhere (CUDA) gets them there."""
+    from tessera.ops.linear_int4 import int4_parts
+
+    rows = stored(np.random.default_rng(6).standard_normal((16, 64)).astype(np.float32), QT.Q4_1)
+    weight = torch.empty((16, 64), device="meta")
+    assert all(part.device.type == "meta" for part in int4_parts(weight, rows.int4_parts()))

@@ -4,6 +4,7 @@ model quantizes at load several times faster (docs/benchmarks.md, session 35).""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -15,11 +16,18 @@ _KERNEL = Kernel("quantize_int4.c", "tessera_quantize_int4",
 GROUP = 32
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_runs() -> bool:
+    """Whether the kernel builds and runs here, asked once: a failed build (a compiler
+    without _Float16, GCC before 12) is not retried per matrix; torch's version runs then."""
+    return not _KERNEL.check(None)
+
+
 def quantize_int4_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """quantize_int4(weight) for a CPU float32 or bf16 [n, k] weight (k a multiple of 32),
     or None where the kernel does not apply (another device or dtype, no compiler)."""
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2
-            or weight.shape[1] % GROUP or _KERNEL.check(None)):
+            or weight.shape[1] % GROUP or not kernel_runs()):
         return None
     w = weight.contiguous()
     n, k = w.shape
