@@ -147,5 +147,6 @@ def test_a_declined_int4_leaves_the_dtype_the_weights_want(int4_kernel, monkeypa
     """bf16 only for int4's sake (its AVX2 kernel), then no int4 kernel: the dtype is asked
     again for unquantized weights."""
     int4_kernel(False)
-    monkeypatch.setattr(platform, "cpu_bf16_reason", lambda ops=True, quant=None: "bf16 kernels" if quant is None else None)
+    monkeypatch.setattr(platform, "cpu_bf16_reason",
+                        lambda ops=True, quant=None: "bf16 kernels" if quant is None else None)
     assert platform.resolve_weights("auto", None, "cpu", True, "Q4_1") == (torch.bfloat16, None)
