@@ -4,7 +4,8 @@
  * round-half-even((w - m) / d) clamped to 0..15 (0 where d is 0). Every operation is the
  * float32 one torch's version does, in the same order, so the bits are the same; this only
  * makes a model's quantization at load several times faster (one pass, rows over threads).
- * Portable C: float16 through _Float16 (round to nearest even, as torch converts). */
+ * Portable C: float16 conversions by hand (round to nearest even, as torch converts), not
+ * _Float16, which GCC before 12 lacks on x86. */
 #include <math.h>  /* INFINITY */
 #include <omp.h>
 #include <stdint.h>
@@ -12,14 +13,42 @@
 
 #define GROUP 32
 
-static inline uint16_t half_bits(_Float16 h) { uint16_t b; memcpy(&b, &h, 2); return b; }
-static inline _Float16 bits_half(uint16_t b) { _Float16 h; memcpy(&h, &b, 2); return h; }
+#define TWO_23 8388608.0f  /* adding and taking 2^23 rounds a float in [0, 2^23) half to even */
+
+/* float -> float16 bits, rounded to nearest even (overflow to infinity). */
+static inline uint16_t to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    const uint32_t a = x & 0x7fffffff;
+    if (a >= 0x47800000) return sign | 0x7c00;        /* 2^16 and beyond (and inf): infinity */
+    if (a < 0x38800000) {                             /* below 2^-14: a subnormal, in 2^-24 units */
+        float v;
+        memcpy(&v, &a, 4);
+        return sign | (uint16_t)((v * 16777216.0f + TWO_23) - TWO_23);  /* (1024 is 2^-14 itself) */
+    }
+    uint32_t h = ((a >> 23) - 112) << 10 | (a >> 13 & 0x3ff);  /* exponent rebiased 127 -> 15 */
+    const uint32_t rest = a & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;     /* a carry moves up the exponent */
+    return sign | (uint16_t)h;
+}
+
+static inline float from_half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1f, mant = h & 0x3ff;
+    if (exp == 0) {
+        const float v = (float)mant * 5.9604644775390625e-08f;  /* mant * 2^-24 */
+        return sign ? -v : v;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 255u : exp + 112) << 23 | mant << 13;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* The next float16 below h (toward -inf; h finite). */
-static inline _Float16 half_below(_Float16 h) {
-    const uint16_t b = half_bits(h);
-    if (b == 0x0000 || b == 0x8000) return bits_half(0x8001);  /* +-0 -> the smallest negative */
-    return bits_half(b & 0x8000 ? b + 1 : b - 1);
+static inline uint16_t half_below(uint16_t h) {
+    if (h == 0x0000 || h == 0x8000) return 0x8001;  /* +-0 -> the smallest negative */
+    return h & 0x8000 ? h + 1 : h - 1;
 }
 
 static inline float load_value(const void *w, int bf16, int64_t i) {
@@ -47,20 +76,20 @@ int tessera_quantize_int4(const void *w, int bf16, uint8_t *codes, uint16_t *d_o
                 low = v[i] < low ? v[i] : low;
                 high = v[i] > high ? v[i] : high;
             }
-            _Float16 m = (_Float16)low;
-            if ((float)m > low) m = half_below(m);
-            const float mf = (float)m;
-            const _Float16 d = (_Float16)((high - mf) / 15.0f);
-            const float step = (float)d > 0 ? (float)d : 1.0f;
+            uint16_t m = to_half(low);
+            if (from_half(m) > low) m = half_below(m);
+            const float mf = from_half(m);
+            const uint16_t d = to_half((high - mf) / 15.0f);
+            const float step = from_half(d) > 0 ? from_half(d) : 1.0f;
             for (int i = 0; i < GROUP; i++) {
-                /* (w - m) / d lies in [0, 16): adding and taking 2^23 rounds it half to even,
-                 * as torch.round does, without a libm call (baseline x86-64 has no roundps) */
-                float q = ((v[i] - mf) / step + 8388608.0f) - 8388608.0f;
-                q = q > 15 ? 15 : q;
+                /* (w - m) / d lies in [0, 16): rounded half to even as torch.round does,
+                 * without a libm call (baseline x86-64 has no roundps) */
+                float q = ((v[i] - mf) / step + TWO_23) - TWO_23;
+                q = q > 15 ? 15 : (q >= 0 ? q : 0);
                 codes[at + i] = (uint8_t)q;
             }
-            d_out[r * groups + g] = half_bits(d);
-            m_out[r * groups + g] = half_bits(m);
+            d_out[r * groups + g] = d;
+            m_out[r * groups + g] = m;
         }
     }
     return 0;
