@@ -214,7 +214,7 @@ class BaseRouter:
     def iter_weights(self, kept: tuple[str, ...] = (), int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors, pre-quantized ones dequantized, unless the model keeps
         that method's parts as stored (`kept`: a model's `packed_checkpoint_methods`; `int4`:
-        its layers take a GGUF's Q4_0 / Q4_1 parts as stored, weights/gguf_q4.py)."""
+        its layers take a GGUF's Q4_0 / Q4_1 / Q4_K parts as stored, weights/gguf_q4.py)."""
         if self.source.is_gguf:
             cfg = self.config
             permute = self.gguf_permute_qk  # (the head counts matter only then; Gemma 4's vary by layer)

@@ -51,7 +51,6 @@ class Linear(OpModule):
     def _select_ops(self, quant: str | None) -> None:
         """The builders for weights in `quant` (the target's, or int8 for a matrix a 4-bit
         GGUF keeps wider; chosen before the weight is prepared)."""
-        self.quant = quant
         self._linear = self._target.op("linear", quant=quant)
         self._prepare = self._target.prepare("linear", quant=quant)
         # a layer's input norm computed while this linear loads its input (PendingNorm), on

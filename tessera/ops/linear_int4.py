@@ -87,7 +87,7 @@ Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # quantize_int4's (
 
 def int4_parts(weight: torch.Tensor, stored: Int4Parts | None) -> Int4Parts:
     """The int4 parts of `weight` [n, k]: `stored`, the parts its checkpoint stored where it
-    did (a GGUF's Q4_0 / Q4_1 rows, StoredInt4), else weight quantized."""
+    did (a GGUF's Q4_0 / Q4_1 / Q4_K rows, StoredInt4), else weight quantized."""
     if stored is None:
         return quantize_int4(weight)
     if tuple(stored[0].shape) != tuple(weight.shape):

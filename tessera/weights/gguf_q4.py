@@ -25,10 +25,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tessera.ops.linear_int4 import Int4Parts
+from tessera.ops.linear_int4 import GROUP, Int4Parts
 from tessera.weights.lazy import LazyTensor
 
-GROUP = 32
 Q4_0, Q4_1, Q4_K = 2, 3, 12  # gguf.GGMLQuantizationType values
 # (codes [n, k], step float32 [n, k / 32], offset float32) of blocks [n, blocks, block bytes]
 Decoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

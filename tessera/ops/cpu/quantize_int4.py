@@ -9,17 +9,17 @@ import functools
 import torch
 
 from tessera.ops.cpu.build import Kernel
+from tessera.ops.linear_int4 import GROUP
 
 _KERNEL = Kernel("quantize_int4.c", "tessera_quantize_int4",
                  (ctypes.c_void_p, ctypes.c_int) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 2 + (ctypes.c_int,),
                  ctypes.c_int)
-GROUP = 32
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_runs() -> bool:
-    """Whether the kernel builds and runs here, asked once: a failed build (a compiler
-    without _Float16, GCC before 12) is not retried per matrix; torch's version runs then."""
+    """Whether the kernel builds and runs here, asked once: a failed build (no compiler) is
+    not retried per matrix; torch's version runs then."""
     return not _KERNEL.check(None)
 
 
