@@ -1,8 +1,9 @@
-"""The packed CPU GEMMs that run on this CPU (bf16, int8, int4) over the default model's 211
+"""The CPU linear ops that run on this CPU (bf16, int8, int4) over the default model's 211
 weight matrices (30 layers x q, k, v, o, gate, up, down + the LM head; int4 runs the LM head
-in int8, as the engine does), called straight
-through ctypes with the weights in huge pages as the engine holds them: milliseconds per
-pass at each row count, medians, the kernels interleaved so they share the host's state.
+in int8, as the engine does), called as the engine calls them (the registered ops, so the
+AMX builds run from the rows where the engine takes them), with the weights prepared and in
+huge pages as the engine holds them: milliseconds per pass at each row count, medians, the
+kernels interleaved so they share the host's state.
 
     python tools/bench_cpu_gemm.py --rows 1,2,8,32 --repeats 15 --threads 2
 """
@@ -40,39 +41,35 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).bfloat16() for n, k in LAYER_SHAPES] * LAYERS
     weights.append(torch.randn(VOCAB, 576, generator=g).bfloat16())
-    kernels = {}  # name -> ((kernel, pack) of the layers, (kernel, pack) of the LM head)
+    torch.set_num_threads(args.threads)  # the ops run with torch's thread count, as in the engine
+    kernels = {}  # name -> ((op, prepare) of the layers, (op, prepare) of the LM head)
     if unavailable_reason("gemm_bf16.c") is None:
-        kernels["bf16"] = ((cpu_linear._GEMM_PACKED, cpu_linear.pack_weight),) * 2
+        kernels["bf16"] = ((cpu_linear.gemm_linear, cpu_linear.pack_weight),) * 2
     elif unavailable_reason("gemm_bf16_avx2.c") is None:
-        kernels["bf16 (avx2)"] = ((cpu_linear._GEMM_PACKED_AVX2, cpu_linear.pack_weight),) * 2
-    int8 = (cpu_int8._KERNEL, cpu_int8.pack_int8)
+        kernels["bf16 (avx2)"] = ((cpu_linear.gemm_linear_avx2, cpu_linear.pack_weight),) * 2
+    int8 = (cpu_int8.gemm_int8_linear, cpu_int8.pack_int8)
     if not cpu_int8._KERNEL.check(None):
         kernels[f"int8 ({cpu_int8._KERNEL.runnable_source()})"] = (int8, int8)
         if not cpu_int4.kernel_unavailable():
-            kernels[f"int4 ({cpu_int4._KERNEL.runnable_source()})"] = ((cpu_int4._KERNEL, cpu_int4.pack_int4), int8)
+            kernels[f"int4 ({cpu_int4._KERNEL.runnable_source()})"] = (
+                (cpu_int4.gemm_int4_linear, cpu_int4.pack_int4), int8)
     if not kernels:
         raise SystemExit("no packed GEMM kernel runs on this CPU")
     def per_matrix(name: str) -> list[tuple]:
         layer, head = kernels[name]
         return [layer] * (len(weights) - 1) + [head]
     packed = {name: [_huge(pack(w)) for w, (_, pack) in zip(weights, per_matrix(name))] for name in kernels}
-    print(f"{len(weights)} matrices, {args.threads} threads, median of {args.repeats}")
+    print(f"{len(weights)} matrices, {args.threads} threads, median of {args.repeats}"
+          f"{', AMX from ' + str(cpu_linear.AMX_KERNEL_MIN_ROWS) + ' rows' if cpu_linear.amx_kernel_ready() else ''}")
     for m in (int(r) for r in args.rows.split(",")):
-        keep, calls = [], {}
-        for name in kernels:
-            calls[name] = []
-            for w, p, (kernel, _) in zip(weights, packed[name], per_matrix(name)):
-                n, k = w.shape
-                x, y = torch.randn(m, k, generator=g).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
-                keep += [x, y]
-                calls[name].append((kernel._fn, (x.data_ptr(), p.data_ptr(), None, y.data_ptr(), m, n, k,
-                                                 args.threads)))
+        calls = {name: [(op, torch.randn(m, w.shape[1], generator=g).bfloat16(), p)
+                        for w, p, (op, _) in zip(weights, packed[name], per_matrix(name))] for name in kernels}
         times = {name: [] for name in kernels}
         for _ in range(args.repeats + 1):  # the first pass warms up and is dropped
             for name in kernels:
                 start = time.perf_counter()
-                for fn, call in calls[name]:
-                    fn(*call)
+                for op, x, p in calls[name]:
+                    op(x, p, None)
                 times[name].append(time.perf_counter() - start)
         line = "  ".join(f"{name} {statistics.median(t[1:]) * 1e3:8.2f} ms" for name, t in times.items())
         print(f"rows {m:4d}: {line}", flush=True)

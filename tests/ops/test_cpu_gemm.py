@@ -225,6 +225,22 @@ def test_amx_kernel_matches_torch(m, n, k, bias):
 
 
 @needs_amx_kernel
+def test_amx_kernel_takes_x_in_blocks_of_rows():
+    """At k = 4096 a block of x is 64 rows (amx_row_block: 512 KB): 145 rows are two whole
+    blocks and one of 17 (a whole tile and a padded one). Every row gets the bits it gets
+    alone in a call of fewer rows than a block, and the product is torch's."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(48, 4096, generator=g).bfloat16()
+    b = torch.randn(48, generator=g).bfloat16()
+    packed = cpu_linear.pack_weight(w)
+    x = torch.randn(145, 4096, generator=g).bfloat16()
+    whole = cpu_linear._packed_linear(cpu_linear._GEMM_PACKED_AMX, x, packed, b)
+    parts = [cpu_linear._packed_linear(cpu_linear._GEMM_PACKED_AMX, x[a:a + 40], packed, b) for a in range(0, 145, 40)]
+    assert torch.equal(torch.cat(parts), whole)
+    assert_bf16_close(whole, x, w, b)
+
+
+@needs_amx_kernel
 def test_on_amx_a_rows_bits_do_not_depend_on_its_batch_and_the_dispatch():
     """Each row is its own tile row over the same k steps: 40 rows at once or in batches of
     3, 17 and 20 give the same bits. gemm_linear takes the AMX kernel from

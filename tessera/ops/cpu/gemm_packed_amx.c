@@ -3,8 +3,8 @@
  *
  * gemm_bf16.c's packed panels are AMX's B tiles as they lie (amx_tiles.h), so no copy of
  * the weight is made. Each thread takes a contiguous share of the pairs of panels (as the
- * AVX512 kernel) and multiplies every row of x against its pair while the pair stays in
- * L1 / L2. Requires n % 16 == 0 and k % 32 == 0; AMX must be granted to the process
+ * AVX512 kernel) and, per block of rows of x (amx_row_block), multiplies every row against
+ * its pair while the pair stays in L1 / L2. Requires n % 16 == 0 and k % 32 == 0; AMX must be granted to the process
  * (Linux: an arch_prctl once, done here). Built by build.py for CPUs with amx_tile and
  * amx_bf16. */
 #include <omp.h>
@@ -20,7 +20,7 @@ int tessera_gemm_packed_amx(const uint16_t *x, const uint16_t *packed, const uin
                             uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % 32 || n < 16) return 1;
     if (!amx_granted()) return 3;
-    const int64_t panels = n / 16, pairs = (panels + 1) / 2, panel_elems = k * 16;
+    const int64_t panels = n / 16, pairs = (panels + 1) / 2, panel_elems = k * 16, block = amx_row_block(k);
     int failed;
     uint16_t *padded = amx_padded_rows(x, m, k, &failed);
     if (failed) return 2;
@@ -29,10 +29,13 @@ int tessera_gemm_packed_amx(const uint16_t *x, const uint16_t *packed, const uin
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t u0 = pairs * t / nt, u1 = pairs * (t + 1) / nt;
         amx_configure();
-        for (int64_t u = u0; u < u1; u++) {
-            const int64_t p = 2 * u;
-            amx_pair_rows(x, padded, m, k, packed + p * panel_elems, panel_elems, p + 1 < panels, NULL, bias,
-                          y, n, 16 * p);
+        for (int64_t m0 = 0; m0 < m; m0 += block) {
+            const int64_t rows = m - m0 < block ? m - m0 : block;
+            for (int64_t u = u0; u < u1; u++) {
+                const int64_t p = 2 * u;
+                amx_pair_rows(x + m0 * k, padded, rows, k, packed + p * panel_elems, panel_elems, p + 1 < panels,
+                              NULL, bias, y + m0 * n, n, 16 * p);
+            }
         }
         _tile_release();
     }

@@ -33,14 +33,15 @@ typedef struct {
 #include "amx_tiles.h"
 
 /* The AMX build (build.py's amx family, TESSERA_AMX): each thread widens one pair of its
- * panels at a time and multiplies every row of x against it on AMX tiles (amx_tiles.h),
+ * panels at a time and multiplies every row of a block of x (amx_row_block) against it on
+ * AMX tiles (amx_tiles.h),
  * scales applied to the accumulated sums. Returns 0, 1 when k is not whole steps of 32, 2
  * when memory runs out, 3 where the OS refuses AMX. */
 static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias, uint16_t *y,
                         int64_t m, int64_t n, int64_t k, int threads) {
     if (k % 32) return 1;
     if (!amx_granted()) return 3;
-    const int64_t panels = n / 16, units = (panels + 1) / 2, panel_elems = k * 16;
+    const int64_t panels = n / 16, units = (panels + 1) / 2, panel_elems = k * 16, block = amx_row_block(k);
     int failed;
     uint16_t *padded = amx_padded_rows(x, m, k, &failed);
     if (failed) return 2;
@@ -54,13 +55,17 @@ static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias
             const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
             const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
             amx_configure();
-            for (int64_t u = u0; u < u1; u++) {
-                const int64_t p = 2 * u;
-                const int two = p + 1 < panels;
-                const uint8_t *compact = w.packed + p * w.panel_bytes;
-                w.widen(compact, wide, scale, k);
-                if (two) w.widen(compact + w.panel_bytes, wide + panel_elems, scale + 16, k);
-                amx_pair_rows(x, padded, m, k, wide, panel_elems, two, w.scaled ? scale : NULL, bias, y, n, 16 * p);
+            for (int64_t m0 = 0; m0 < m; m0 += block) {  /* a pair is widened once per block */
+                const int64_t rows = m - m0 < block ? m - m0 : block;
+                for (int64_t u = u0; u < u1; u++) {
+                    const int64_t p = 2 * u;
+                    const int two = p + 1 < panels;
+                    const uint8_t *compact = w.packed + p * w.panel_bytes;
+                    w.widen(compact, wide, scale, k);
+                    if (two) w.widen(compact + w.panel_bytes, wide + panel_elems, scale + 16, k);
+                    amx_pair_rows(x + m0 * k, padded, rows, k, wide, panel_elems, two, w.scaled ? scale : NULL,
+                                  bias, y + m0 * n, n, 16 * p);
+                }
             }
             _tile_release();
         }
