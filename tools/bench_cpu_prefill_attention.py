@@ -1,5 +1,5 @@
-"""The CPU paged prefill attention kernel (paged_prefill_avx2.c) beside the pure-torch
-prefill (SDPA per sequence) in the same run, at the default model's shapes: 9 query / 3 KV
+"""The CPU paged prefill attention kernel (paged_prefill_avx2.c; float32 FMAs, and on AMX hosts
+its AMX build too) beside the pure-torch prefill (SDPA per sequence) in the same run, at the default model's shapes: 9 query / 3 KV
 heads of 64, a bf16 cache of blocks of 16, 30 layers. A workload is `prompts` prompts of
 `length` tokens prefilled together in steps of at most `chunk` tokens (shared evenly), as
 the scheduler's chunked prefill does: later chunks attend over the cached earlier ones.
@@ -11,6 +11,7 @@ Milliseconds per whole prefill (all steps, 30 layers; medians) and attention GFL
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -19,7 +20,6 @@ import torch
 from tessera.ops.attention import AttentionMetadata
 from tessera.ops.attention.torch_paged import paged_prefill_ref
 from tessera.ops.cpu import paged_prefill as cpu_paged_prefill
-from tessera.ops.cpu.paged_prefill import paged_prefill_bf16
 
 LAYERS, HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 30, 9, 3, 64, 16
 
@@ -58,6 +58,10 @@ def main() -> None:
     if problems:
         raise SystemExit("; ".join(problems))
     torch.set_num_threads(args.threads)
+    builds = [("kernel", functools.partial(cpu_paged_prefill._prefill, cpu_paged_prefill._KERNEL))]
+    if cpu_paged_prefill.amx_kernel() is not None:
+        builds.append(("amx", functools.partial(cpu_paged_prefill._prefill, cpu_paged_prefill.amx_kernel())))
+    builds.append(("torch", paged_prefill_ref))
     print(f"{args.threads} threads, {LAYERS} layers, steps of <= {args.chunk} tokens, median of {args.repeats}")
     g = torch.Generator().manual_seed(0)
     scale = HEAD_SIZE ** -0.5
@@ -78,13 +82,13 @@ def main() -> None:
             steps.append((q, key, _metadata(specs, tables)))
         flops = 4 * HEAD_SIZE * HEADS * LAYERS * prompts * length * (length + 1) / 2
         line = f"{prompts:3d} x {length:5d} ({len(steps)} steps)"
-        for name, fn in (("kernel", paged_prefill_bf16), ("torch", paged_prefill_ref)):
+        for name, fn in builds:
             times = []
             for _ in range(args.repeats + 1):  # the first builds and warms
                 start = time.perf_counter()
                 for q, key, meta in steps:
                     for _ in range(LAYERS):
-                        fn(q, key, key, k_cache, v_cache, meta, scale)
+                        fn(q, key, key, k_cache, v_cache, meta, scale, None, None, None)
                 times.append(time.perf_counter() - start)
             ms = statistics.median(times[1:]) * 1e3
             line += f"  {name} {ms:9.1f} ms ({flops / ms / 1e6:5.1f} GFLOP/s)"

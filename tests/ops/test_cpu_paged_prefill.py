@@ -1,5 +1,5 @@
-"""The bf16 paged prefill kernel (paged_prefill_avx2.c) against the pure-torch prefill on
-the same bf16 cache: first chunks and chunks after a cached prefix in one call, behind
+"""The bf16 paged prefill kernel (paged_prefill_avx2.c), and on AMX hosts its AMX build
+(paged_prefill_amx.h), against the pure-torch prefill on the same bf16 cache: first chunks and chunks after a cached prefix in one call, behind
 decode rows; scattered block tables (every other slot holds large values, so reading
 outside a context shows); GQA groups of 1 to 16; head sizes that are not a multiple of 8
 or 16 (padded dims); prompts that cross key tiles (64) and work items (128 rows); windows
@@ -27,6 +27,18 @@ SPECS = {
     "long": [(700, 700)],
     "chunk-after-prefix": [(1300, 260)],
 }
+
+
+@pytest.fixture(params=["avx2", "amx"])
+def build(request, monkeypatch):
+    """The float32 FMA kernel on every host; the AMX build where it runs (head sizes padded
+    to steps of 32: 16, 20, 24 here)."""
+    if request.param == "amx":
+        if cpu_paged_prefill.amx_kernel() is None:
+            pytest.skip("no AMX, or its build does not compile")
+    else:
+        monkeypatch.setattr(cpu_paged_prefill, "amx_kernel", lambda: None)
+    return request.param
 
 
 def _run(specs, *, num_heads, num_kv_heads, head_size, block_size, window, softcap, threads=2):
@@ -57,6 +69,7 @@ def _run(specs, *, num_heads, num_kv_heads, head_size, block_size, window, softc
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (90, None), (None, 2.0), (70, 1.5)])
 @pytest.mark.parametrize("specs", ["mixed"])
+@pytest.mark.usefixtures("build")
 def test_matches_torch_prefill(num_heads, num_kv_heads, head_size, block_size, window, softcap, specs):
     _run(SPECS[specs], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
          block_size=block_size, window=window, softcap=softcap)
@@ -64,11 +77,13 @@ def test_matches_torch_prefill(num_heads, num_kv_heads, head_size, block_size, w
 
 @pytest.mark.parametrize("specs", ["long", "chunk-after-prefix"])
 @pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (None, 2.0)])
+@pytest.mark.usefixtures("build")
 def test_long_prompts_and_chunks(specs, window, softcap):
     _run(SPECS[specs], num_heads=9, num_kv_heads=3, head_size=64, block_size=16, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("window", [2**31 + 100, 2**32, 2**32 + 5, 10**12])
+@pytest.mark.usefixtures("build")
 def test_windows_past_32_bits_mean_no_window(window):
     # the kernel's masks are 32-bit lanes: bounds are clamped before narrowing (they wrapped)
     kwargs = dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, softcap=None)
@@ -85,11 +100,13 @@ def test_windows_past_32_bits_mean_no_window(window):
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (16, 1, 64), (4, 2, 20), (2, 1, 512)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (300, None), (1000, 2.0)])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.usefixtures("build")
 def test_long_prefix_short_chunk_splits_keys(specs, num_heads, num_kv_heads, head_size, window, softcap, threads):
     _run(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=16,
          window=window, softcap=softcap, threads=threads)
 
 
+@pytest.mark.usefixtures("build")
 def test_threads_do_not_change_the_bits():
     # each work item's sums run in one order whatever thread takes it (without a key split)
     kwargs = dict(num_heads=9, num_kv_heads=3, head_size=64, block_size=16, window=None, softcap=None)
@@ -98,8 +115,9 @@ def test_threads_do_not_change_the_bits():
     assert torch.equal(one, two)
 
 
-def test_amx_hosts_keep_torch(monkeypatch):
+def test_amx_hosts_without_its_amx_build_keep_torch(monkeypatch):
     monkeypatch.setattr(cpu_paged_prefill, "cpu_flags", lambda: frozenset({"avx2", "fma", "amx_bf16"}))
+    monkeypatch.setattr(cpu_paged_prefill, "amx_kernel", lambda: None)
     assert "AMX" in " ".join(cpu_paged_prefill._check(None))
 
 

@@ -79,10 +79,10 @@ AMX_DEFINE = "TESSERA_AMX 1"  # an AVX512 source built for AMX (widened_gemm.h's
 def kernel_family(source_name: str, defines: tuple[str, ...] = ()) -> str:
     """"avx512", "avx2", "amx" or "portable": which flags build the kernel in `source_name`
     (with `defines`)."""
+    if source_name.endswith("_amx.c") or AMX_DEFINE in defines:  # (an AVX2 source too: AMX implies it)
+        return "amx"
     if source_name.endswith("_avx2.c"):
         return "avx2"
-    if source_name.endswith("_amx.c") or AMX_DEFINE in defines:
-        return "amx"
     return "portable" if source_name in PORTABLE_SOURCES else "avx512"
 
 

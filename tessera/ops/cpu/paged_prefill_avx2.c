@@ -23,7 +23,8 @@
  * its window. Items run longest first under a dynamic schedule, since causal blocks late in
  * a long prompt see many more keys than early ones; too few items for the threads (a short
  * chunk after a long cached prefix) have their keys split into parts merged afterwards.
- * Built by build.py. */
+ * Built by build.py; with TESSERA_AMX (a bf16 cache) both products run on AMX tiles
+ * instead (paged_prefill_amx.h): rows padded to tiles of 16, head dims to steps of 32. */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -37,7 +38,11 @@
 #include "kv_rows.h"
 #include "paged_slots.h"
 
+#if TESSERA_AMX
+#define TILE_KEYS 128    /* keys per packed K/V tile: fewer rescales of a row's sums on tiles */
+#else
 #define TILE_KEYS 64     /* keys per packed K/V tile */
+#endif
 #define ROW_GROUP 6      /* query rows per score / output register tile */
 #define ROWS_TARGET 128  /* query rows per work item (tokens x group heads) */
 /* Fewer items than SPLIT_ITEMS_PER_THREAD per thread (a few new tokens after a long cached
@@ -65,6 +70,7 @@ typedef struct {
     float *s;      /* [rows][TILE_KEYS] scores, then probabilities */
     float *o;      /* [rows][dp] unnormalised output */
     float *m, *l, *corr;  /* [rows] running max, running sum, this tile's rescale */
+    uint16_t *q16, *kt16, *v16, *p16;  /* the AMX build's bf16 tiles (paged_prefill_amx.h) */
 } Scratch;
 
 static int by_cost_desc(const void *a, const void *b) {
@@ -293,6 +299,15 @@ static inline __attribute__((always_inline)) void row_group(
     if (c0 < dp) values_tile(s, w->v, dp, c0, seen, w->corr + r0, o, nr, 1);
 }
 
+#if TESSERA_AMX
+#include "paged_prefill_amx.h"
+#define ROW_PAD 16  /* rows per AMX tile */
+#define DIM_PAD 32  /* dims per A tile row */
+#else
+#define ROW_PAD 1
+#define DIM_PAD 8
+#endif
+
 static void run_item(const Problem *pb, const Item *it, Scratch *w) {
     const int64_t group = pb->group, d = pb->d, dp = pb->dp;
     const int64_t q_begin = pb->query_start[it->seq];
@@ -300,6 +315,24 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
     const int64_t first_pos = pb->seq_lens[it->seq] - q_len + it->first_token;
     const int64_t rows = it->num_tokens * group;
     const int64_t row_elems = pb->heads * d;
+    Tile tile = pb->tile;
+    tile.table = pb->tables + it->seq * pb->table_width;
+    tile.head_offset = it->kv_head * d;
+#if TESSERA_AMX
+    const int64_t rows_pad = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
+    amx_load_queries(pb, it, w, q_begin, rows, rows_pad);
+    memset(w->o, 0, rows_pad * dp * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.0f;
+    }
+    for (int64_t k0 = it->k_begin; k0 < it->k_end; k0 += TILE_KEYS) {
+        const int64_t kn = it->k_end - k0 < TILE_KEYS ? it->k_end - k0 : TILE_KEYS;
+        amx_pack_tile(&tile, k0, kn, w->kt16, w->v16);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16)
+            amx_row_tile(pb, w, r0, first_pos, k0, kn, rows - r0 < 16 ? (int)(rows - r0) : 16);
+    }
+#else
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *src = pb->q + (q_begin + it->first_token + r / group) * row_elems
                               + (it->kv_head * group + r % group) * d;
@@ -309,9 +342,6 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
-    Tile tile = pb->tile;
-    tile.table = pb->tables + it->seq * pb->table_width;
-    tile.head_offset = it->kv_head * d;
     for (int64_t k0 = it->k_begin; k0 < it->k_end; k0 += TILE_KEYS) {
         const int64_t kn = it->k_end - k0 < TILE_KEYS ? it->k_end - k0 : TILE_KEYS;
         pack_tile(&tile, k0, kn, w->kt, w->v);
@@ -326,6 +356,7 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
             }
         }
     }
+#endif
     if (it->part) {  /* one part of split keys: the merge normalises */
         for (int64_t r = 0; r < rows; r++) {
             float *dst = it->part + r * (dp + 2);
@@ -373,7 +404,8 @@ static void merge_split(const Problem *pb, const Split *sp, float *acc) {
  * rows are query_start[i] .. query_start[i + 1]); caches [blocks, block_size, kv_heads, d];
  * tables [num_seqs, table_width]; seq_lens: each sequence's length including its rows, whose
  * K/V are already in the cache. window 0: none; softcap 0: none; sinks NULL: none.
- * Returns 0, 1 when scratch could not be allocated, 2 for a block size not a power of two. */
+ * Returns 0, 1 when scratch could not be allocated, 2 for a block size not a power of two;
+ * the AMX build 3 where the OS refuses AMX. */
 int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t *v_cache,
                                const int32_t *tables, const int32_t *seq_lens, const int32_t *query_start,
                                uint16_t *out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t d,
@@ -381,7 +413,10 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_
                                float softcap, const float *sinks, int threads) {
     const int64_t shift = block_shift(block_size);
     if (shift < 0) return 2;
-    const int64_t group = heads / kv_heads, dp = (d + 7) / 8 * 8;
+#if TESSERA_AMX
+    if (!amx_granted()) return 3;
+#endif
+    const int64_t group = heads / kv_heads, dp = (d + DIM_PAD - 1) / DIM_PAD * DIM_PAD;
     const int64_t block_tokens = ROWS_TARGET / group > 0 ? ROWS_TARGET / group : 1;
     int64_t num_blocks = 0;  /* (sequence, KV head, block of tokens) */
     for (int64_t i = 0; i < num_seqs; i++)
@@ -390,8 +425,10 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_
     if (threads < 1) threads = 1;
     const int64_t wanted = threads > 1 ? SPLIT_ITEMS_PER_THREAD * (int64_t)threads : 1;
     const int64_t max_parts = num_blocks < wanted ? (wanted + num_blocks - 1) / num_blocks : 1;
-    const int64_t rows = block_tokens * group;
-    const int64_t floats = rows * dp * 2 + 2 * dp * TILE_KEYS + rows * TILE_KEYS + 3 * rows;
+    const int64_t rows = (block_tokens * group + ROW_PAD - 1) / ROW_PAD * ROW_PAD;  /* scratch rows */
+    /* the AMX build's bf16 tiles: queries, keys, values, one row tile's probabilities */
+    const int64_t halves = ROW_PAD > 1 ? rows * dp + 2 * TILE_KEYS * dp + ROW_PAD * TILE_KEYS : 0;
+    const int64_t floats = rows * dp * 2 + 2 * dp * TILE_KEYS + rows * TILE_KEYS + 3 * rows + halves / 2;
     const int64_t stride = (floats * sizeof(float) + 63) / 64 * 64 / sizeof(float);
     Item *items = malloc(num_blocks * max_parts * sizeof(Item));
     Split *splits = malloc(num_blocks * sizeof(Split));
@@ -440,8 +477,18 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_
         w.m = w.o + rows * dp;
         w.l = w.m + rows;
         w.corr = w.l + rows;
+#if TESSERA_AMX
+        w.q16 = (uint16_t *)(w.corr + rows);
+        w.kt16 = w.q16 + rows * dp;
+        w.v16 = w.kt16 + TILE_KEYS * dp;
+        w.p16 = w.v16 + TILE_KEYS * dp;
+        amx_configure();
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) run_item(&pb, &items[i], &w);
+#if TESSERA_AMX
+        _tile_release();
+#endif
         /* after the loop's barrier every part is written; w.q (rows x dp >= d) is free */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_splits; i++) merge_split(&pb, &splits[i], w.q);
