@@ -100,6 +100,22 @@ static void amx_pack_tile(const Tile *t, int64_t k0, int64_t kn, uint16_t *kt, u
 static inline void amx_softmax_row(float *s, int64_t width, int64_t lo, int64_t hi, float scale, float softcap,
                                    float *m, float *l, float *corr, uint16_t *p) {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+    if (lo <= 0 && hi >= width - 1 && softcap <= 0.0f && scale > 0.0f) {  /* most tiles: all seen, no cap */
+        __m512 raw = _mm512_loadu_ps(s);
+        for (int64_t j = 16; j < width; j += 16) raw = _mm512_max_ps(raw, _mm512_loadu_ps(s + j));
+        const float tile_max = _mm512_reduce_max_ps(raw) * scale, new_max = tile_max > *m ? tile_max : *m;
+        *corr = *m == -INFINITY ? 0.0f : expf(*m - new_max);
+        const __m512 mv = _mm512_set1_ps(new_max);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < width; j += 16) {
+            const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, mv));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        *l = *l * *corr + _mm512_reduce_add_ps(sum);
+        *m = new_max;
+        return;
+    }
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     /* clamped into [0, width] before narrowing: a window of 2^31 or more wrapped */
     const int64_t lo_c = lo < 0 ? 0 : lo, hi_c = hi > width ? width : hi;
