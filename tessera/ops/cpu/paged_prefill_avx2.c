@@ -38,13 +38,14 @@
 #include "kv_rows.h"
 #include "paged_slots.h"
 
-#if TESSERA_AMX
-#define TILE_KEYS 128    /* keys per packed K/V tile: fewer rescales of a row's sums on tiles */
+#if TESSERA_AMX  /* fewer rescales of each row's sums; each packed key tile serves more rows */
+#define TILE_KEYS 128    /* keys per packed K/V tile */
+#define ROWS_TARGET 256  /* query rows per work item (tokens x group heads) */
 #else
-#define TILE_KEYS 64     /* keys per packed K/V tile */
+#define TILE_KEYS 64
+#define ROWS_TARGET 128
 #endif
 #define ROW_GROUP 6      /* query rows per score / output register tile */
-#define ROWS_TARGET 128  /* query rows per work item (tokens x group heads) */
 /* Fewer items than SPLIT_ITEMS_PER_THREAD per thread (a few new tokens after a long cached
  * prefix: one item per KV head) and their keys are split into parts of at least
  * MIN_SPLIT_KEYS, merged afterwards, so every thread has work. */
