@@ -31,16 +31,16 @@ _FP8_CHECK = fp8_check(_FP8_KERNELS, needs_f16c=True)
 
 
 @functools.lru_cache(maxsize=None)
-def amx_kernel() -> Kernel | None:
-    """The AMX build (both products on AMX tiles), where AMX runs here and it compiles;
-    asked once, not per layer."""
-    return amx_build(_KERNEL)
+def amx_kernel(kv_dtype: torch.dtype = torch.bfloat16) -> Kernel | None:
+    """The AMX build for a cache of `kv_dtype` (both products on AMX tiles), where AMX runs
+    here and it compiles; asked once, not per layer."""
+    return amx_build(_KERNEL if kv_dtype == torch.bfloat16 else _FP8_KERNELS[kv_dtype])
 
 
 def _amx(spec: object) -> list[str]:
     # Prefill is compute-bound: on AMX tiles torch's flash attention multiplies bf16 natively,
-    # 2-3x what float32 FMAs on 8 lanes reach. Where this kernel's AMX build cannot run, and
-    # for the fp8 cache (the torch op widens it to bf16 first), torch's SDPA keeps prefill.
+    # 2-3x what float32 FMAs on 8 lanes reach. Where this kernel's AMX build cannot run,
+    # torch's SDPA keeps prefill (for an fp8 cache too: the torch op widens it to bf16 first).
     if "amx_bf16" in (cpu_flags() or ()):
         return ["this CPU has AMX, which torch's SDPA uses for bf16 prefill"]
     return []
@@ -53,6 +53,8 @@ def _check(spec: object) -> list[str]:
 
 
 def _check_fp8(spec: OpSpec) -> list[str]:
+    if amx_kernel(spec.kv_dtype) is not None:
+        return _FP8_CHECK(spec)
     return _amx(spec) or _FP8_CHECK(spec)
 
 
@@ -101,5 +103,5 @@ def paged_prefill_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float, sliding_window: int | None = None,
                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """paged_prefill_bf16 over a cache of 8-bit floats (kv_quant.py)."""
-    return _prefill(_FP8_KERNELS[k_cache.dtype], query, key, value, k_cache, v_cache, meta,
-                    scale, sliding_window, softcap, sinks)
+    kernel = amx_kernel(k_cache.dtype) or _FP8_KERNELS[k_cache.dtype]
+    return _prefill(kernel, query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)

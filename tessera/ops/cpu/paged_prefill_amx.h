@@ -1,4 +1,5 @@
-/* The AMX build of paged_prefill_avx2.c (built with TESSERA_AMX, bf16 cache): the same work
+/* The AMX build of paged_prefill_avx2.c (built with TESSERA_AMX; a bf16 cache, or an 8-bit
+ * float one widened to bf16 as it is packed): the same work
  * items, key tiles, masks and online softmax, with both products on AMX tiles (amx_tiles.h)
  * instead of float32 FMAs on 8 lanes.
  *
@@ -52,18 +53,36 @@ static inline void transpose16_epi32(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-/* Up to 32 (16) bf16 of a cache row from dim d0, zeros past its d dims (none read). */
-static inline __m512i row32(const uint16_t *row, int64_t d0, int64_t d) {
-    if (!row) return _mm512_setzero_si512();
-    if (d0 + 32 <= d) return _mm512_loadu_si512(row + d0);
-    return _mm512_maskz_loadu_epi16(((__mmask32)1 << (d - d0)) - 1, row + d0);
+/* 16 elements of a cache row from dim d0 as bf16, zeros past its d dims (none read). An
+ * 8-bit float cache (TESSERA_KV_FP8) widens exactly: every e4m3 and e5m2 value, NaN
+ * included, is a bf16 value. */
+static inline __m256i row16(const kv_t *row, int64_t d0, int64_t d) {
+    if (!row || d0 >= d) return _mm256_setzero_si256();
+    const int64_t n = d - d0 < 16 ? d - d0 : 16;
+#if defined(TESSERA_KV_FP8) && TESSERA_KV_FP8
+    const __m128i bytes = n == 16 ? _mm_loadu_si128((const __m128i *)(row + d0))
+                                  : _mm_maskz_loadu_epi8(((__mmask16)1 << n) - 1, row + d0);
+    const __m256i x = _mm256_cvtepu8_epi16(bytes);
+#if TESSERA_KV_FP8 == 1  /* as kv_rows.h's kv16_widened: e4m3 moved into a float16, NaN kept */
+    __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                    _mm256_set1_epi16((short)0xbfff));
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+#else
+    const __m256i half = _mm256_slli_epi16(x, 8);
+#endif
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(KV_WIDEN_SCALE));
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    if (n == 16) return _mm256_loadu_si256((const __m256i *)(row + d0));
+    return _mm256_maskz_loadu_epi16(((__mmask16)1 << n) - 1, row + d0);
+#endif
 }
 
-static inline __m512i row16_widened(const uint16_t *row, int64_t d0, int64_t d) {
-    if (!row) return _mm512_setzero_si512();
-    const __m256i v = d0 + 16 <= d ? _mm256_loadu_si256((const __m256i *)(row + d0))
-                                   : _mm256_maskz_loadu_epi16(((__mmask16)1 << (d - d0)) - 1, row + d0);
-    return _mm512_cvtepu16_epi32(v);
+/* 32 elements from dim d0 as bf16 (zeros past d) */
+static inline __m512i row32(const kv_t *row, int64_t d0, int64_t d) {
+    const __m256i hi = d0 + 16 < d ? row16(row, d0 + 16, d) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(row16(row, d0, d)), hi, 1);
 }
 
 /* Keys [k0, k0 + kn) of the item's head into kt (TILE_KEYS / 16 key tiles x dp / 32 B tiles)
@@ -71,7 +90,7 @@ static inline __m512i row16_widened(const uint16_t *row, int64_t d0, int64_t d) 
 static void amx_pack_tile(const Tile *t, int64_t k0, int64_t kn, uint16_t *kt, uint16_t *vt) {
     const int64_t d = t->d, chunks = t->dp / 32, dim_tiles = t->dp / 16;
     for (int64_t kb = 0; kb < TILE_KEYS; kb += 16) {
-        const uint16_t *rows[16];
+        const kv_t *rows[16];
         for (int j = 0; j < 16; j++) rows[j] = kb + j < kn ? cache_row(t, t->k_cache, k0 + kb + j) : NULL;
         for (int64_t c = 0; c < chunks; c++) {
             __m512i r[16];
@@ -84,10 +103,11 @@ static void amx_pack_tile(const Tile *t, int64_t k0, int64_t kn, uint16_t *kt, u
     for (int64_t kc = 0; kc < TILE_KEYS; kc += 32) {
         for (int64_t j = 0; j < 16; j++) {
             const int64_t a = kc + 2 * j, b = a + 1;
-            const uint16_t *ra = a < kn ? cache_row(t, t->v_cache, k0 + a) : NULL;
-            const uint16_t *rb = b < kn ? cache_row(t, t->v_cache, k0 + b) : NULL;
+            const kv_t *ra = a < kn ? cache_row(t, t->v_cache, k0 + a) : NULL;
+            const kv_t *rb = b < kn ? cache_row(t, t->v_cache, k0 + b) : NULL;
             for (int64_t g = 0; g < dim_tiles; g++) {
-                const __m512i lo = row16_widened(ra, 16 * g, d), hi = row16_widened(rb, 16 * g, d);
+                const __m512i lo = _mm512_cvtepu16_epi32(row16(ra, 16 * g, d));
+                const __m512i hi = _mm512_cvtepu16_epi32(row16(rb, 16 * g, d));
                 uint16_t *out = vt + ((kc / 32) * dim_tiles + g) * AMX_PAIRS_TILE + 32 * j;
                 _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
             }
