@@ -12,11 +12,10 @@
  * Per row tile of 16 query rows (bf16 as given, not pre-scaled):
  * - scores = Q K^T, 64 keys (4 accumulators) at a time, stored as float32;
  * - the softmax step of each row on 16 lanes (scaled, capped and masked as softmax_row
- *   does), its probabilities written straight to bf16 A rows;
+ *   does), its probabilities written straight to A rows as two bf16 halves (amx_store_p);
  * - the row's output sums (float32 in memory) rescaled, loaded as accumulators, P V added
  *   on tiles and stored back.
- * Both products round their inputs to bf16 as torch's flash attention does for bf16 (its
- * scores from bf16 q and k, its probabilities rounded to bf16 before multiplying v). */
+ * q, k and v are bf16 already, so only the probabilities are rounded, to ~16 bits. */
 #ifndef TESSERA_PAGED_PREFILL_AMX_H
 #define TESSERA_PAGED_PREFILL_AMX_H
 #include <immintrin.h>
@@ -115,6 +114,18 @@ static void amx_pack_tile(const Tile *t, int64_t k0, int64_t kn, uint16_t *kt, u
     }
 }
 
+#define AMX_P_LO (16 * TILE_KEYS)  /* where a row tile's low bf16 halves of P start */
+
+/* Probabilities e as two bf16 A rows, e = hi + lo to ~16 bits (lo at AMX_P_LO further): P V
+ * then multiplies both, so P is not rounded to bf16 as torch's flash attention rounds it.
+ * (Rounded, the default model's answer to "What is the capital of France?" changed.) */
+static inline void amx_store_p(uint16_t *p, __m512 e) {
+    const __m256i hi = (__m256i)_mm512_cvtneps_pbh(e);
+    const __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+    _mm256_storeu_si256((__m256i *)p, hi);
+    _mm256_storeu_si256((__m256i *)(p + AMX_P_LO), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, hi_f)));
+}
+
 /* softmax_row on 16 lanes for `width` (16 or more, a multiple of 16) scores of one row,
  * scaled first; the probabilities go to p as bf16 (zeros where masked). */
 static inline void amx_softmax_row(float *s, int64_t width, int64_t lo, int64_t hi, float scale, float softcap,
@@ -130,7 +141,7 @@ static inline void amx_softmax_row(float *s, int64_t width, int64_t lo, int64_t 
         for (int64_t j = 0; j < width; j += 16) {
             const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, mv));
             sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+            amx_store_p(p + j, e);
         }
         *l = *l * *corr + _mm512_reduce_add_ps(sum);
         *m = new_max;
@@ -165,7 +176,7 @@ static inline void amx_softmax_row(float *s, int64_t width, int64_t lo, int64_t 
         /* masked keys: exactly zero (exp16 of -inf clamps to a tiny positive value) */
         const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(x, mv)));
         sum = _mm512_add_ps(sum, e);
-        _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+        amx_store_p(p + j, e);
     }
     *l = *l * *corr + _mm512_reduce_add_ps(sum);
     *m = new_max;
@@ -208,9 +219,13 @@ static void amx_row_tile(const Problem *pb, Scratch *w, int64_t r0, int64_t firs
             const int64_t lo = window > 0 ? pos - window + 1 - k0 : 0;
             amx_softmax_row(s + r * TILE_KEYS, 16 * key_tiles, lo, hi, pb->scale, pb->softcap,
                             w->m + r0 + r, w->l + r0 + r, w->corr + r0 + r, p);
-            if (key_tiles % 2) memset(p + 16 * key_tiles, 0, 16 * sizeof(uint16_t));
+            if (key_tiles % 2) {
+                memset(p + 16 * key_tiles, 0, 16 * sizeof(uint16_t));
+                memset(p + AMX_P_LO + 16 * key_tiles, 0, 16 * sizeof(uint16_t));
+            }
         } else {
             memset(p, 0, 32 * key_pairs * sizeof(uint16_t));
+            memset(p + AMX_P_LO, 0, 32 * key_pairs * sizeof(uint16_t));
         }
     }
     float *o = w->o + r0 * d;
@@ -228,9 +243,10 @@ static void amx_row_tile(const Problem *pb, Scratch *w, int64_t r0, int64_t firs
         if (nd > 1) _tile_loadd(1, og + 16, 4 * d);
         if (nd > 2) _tile_loadd(2, og + 32, 4 * d);
         if (nd > 3) _tile_loadd(3, og + 48, 4 * d);
-        for (int64_t kc = 0; kc < key_pairs; kc++) {
+        for (int64_t a = 0; a < 2 * key_pairs; a++) {  /* P's high halves, then its low */
+            const int64_t kc = a % key_pairs;
             const uint16_t *vt = w->v16 + (kc * dim_tiles + g0) * AMX_PAIRS_TILE;
-            _tile_loadd(4, w->p16 + 32 * kc, 2 * TILE_KEYS);
+            _tile_loadd(4, w->p16 + (a < key_pairs ? 0 : AMX_P_LO) + 32 * kc, 2 * TILE_KEYS);
             _tile_loadd(5, vt, 64);
             _tile_dpbf16ps(0, 4, 5);
             if (nd > 1) { _tile_loadd(6, vt + AMX_PAIRS_TILE, 64); _tile_dpbf16ps(1, 4, 6); }

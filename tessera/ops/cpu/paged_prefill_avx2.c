@@ -427,8 +427,8 @@ int tessera_paged_prefill_bf16(const uint16_t *q, const kv_t *k_cache, const kv_
     const int64_t wanted = threads > 1 ? SPLIT_ITEMS_PER_THREAD * (int64_t)threads : 1;
     const int64_t max_parts = num_blocks < wanted ? (wanted + num_blocks - 1) / num_blocks : 1;
     const int64_t rows = (block_tokens * group + ROW_PAD - 1) / ROW_PAD * ROW_PAD;  /* scratch rows */
-    /* the AMX build's bf16 tiles: queries, keys, values, one row tile's probabilities */
-    const int64_t halves = ROW_PAD > 1 ? rows * dp + 2 * TILE_KEYS * dp + ROW_PAD * TILE_KEYS : 0;
+    /* the AMX build's bf16 tiles: queries, keys, values, one row tile's probabilities (2 halves) */
+    const int64_t halves = ROW_PAD > 1 ? rows * dp + 2 * TILE_KEYS * dp + 2 * ROW_PAD * TILE_KEYS : 0;
     const int64_t floats = rows * dp * 2 + 2 * dp * TILE_KEYS + rows * TILE_KEYS + 3 * rows + halves / 2;
     const int64_t stride = (floats * sizeof(float) + 63) / 64 * 64 / sizeof(float);
     Item *items = malloc(num_blocks * max_parts * sizeof(Item));
