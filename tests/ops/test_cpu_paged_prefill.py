@@ -128,7 +128,7 @@ def test_block_size_not_a_power_of_two_runs_through_torch():
 
 def test_registry_prefers_it_for_bf16_prefill_only():
     spec = OpSpec("paged_attention", "cpu", torch.bfloat16, phase="prefill", sliding_window=True, softcap=True)
-    reasons = cpu_paged_prefill._check(spec)  # on AMX hosts torch's SDPA keeps prefill
+    reasons = cpu_paged_prefill._check(spec)  # (AMX hosts whose compiler lacks AMX: torch's SDPA)
     assert select_op(spec).builder.name == ("torch_paged_prefill" if reasons else "cpu_paged_prefill_bf16")
     assert select_op(OpSpec("paged_attention", "cpu", torch.float32, phase="prefill")).builder.name \
         == "torch_paged_prefill"

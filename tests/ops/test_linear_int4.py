@@ -80,14 +80,14 @@ def build(request, monkeypatch):
 
 @needs_kernel
 @pytest.mark.usefixtures("build")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 40, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 40, 300, 600])
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
     """Row tiles of 4 and their remainders (AVX2: 2 rows by both panels up to 2 rows); from
     17 rows (64 without AVX512-BF16; AVX512 only) the dequantized bf16 path with 12-row
-    tiles and their remainders (300 rows); odd panel counts (80); one group (k = 32) and
-    64 groups."""
+    tiles and their remainders (300 rows; on AMX 600 rows are two blocks of x); odd panel
+    counts (80); one group (k = 32) and 64 groups."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()

@@ -38,12 +38,12 @@ static int amx_granted(void) {
     return state == 1;
 }
 
-/* Rows of x [., k] per block (whole pairs of row tiles): a block's rows stay in L2 while a
- * thread's pairs of panels pass over them, where x as a whole would stream from memory once
- * per pair (1.2-1.5x at 4096 prefill rows, or 1024 rows of k 1536). */
-static inline int64_t amx_row_block(int64_t k) {
-    const int64_t rows = AMX_BLOCK_BYTES / (2 * k) / (2 * AMX_TILE_ROWS) * (2 * AMX_TILE_ROWS);
-    return rows < 2 * AMX_TILE_ROWS ? 2 * AMX_TILE_ROWS : rows;
+/* Rows of x [., k] per block (whole pairs of row tiles, at least `min_rows`): a block's rows
+ * stay in L2 while a thread's pairs of panels pass over them, where x as a whole would stream
+ * from memory once per pair (1.2-1.5x at 4096 prefill rows, or 1024 rows of k 1536). */
+static inline int64_t amx_row_block(int64_t k, int64_t min_rows) {
+    const int64_t rows = k > 0 ? AMX_BLOCK_BYTES / (2 * k) / (2 * AMX_TILE_ROWS) * (2 * AMX_TILE_ROWS) : min_rows;
+    return rows < min_rows ? min_rows : rows;
 }
 
 /* Per thread, before its first tile instruction. */

@@ -20,7 +20,7 @@ int tessera_gemm_packed_amx(const uint16_t *x, const uint16_t *packed, const uin
                             uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % 32 || n < 16) return 1;
     if (!amx_granted()) return 3;
-    const int64_t panels = n / 16, pairs = (panels + 1) / 2, panel_elems = k * 16, block = amx_row_block(k);
+    const int64_t panels = n / 16, pairs = (panels + 1) / 2, panel_elems = k * 16, block = amx_row_block(k, 32);
     int failed;
     uint16_t *padded = amx_padded_rows(x, m, k, &failed);
     if (failed) return 2;

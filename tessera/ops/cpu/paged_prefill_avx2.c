@@ -23,7 +23,7 @@
  * its window. Items run longest first under a dynamic schedule, since causal blocks late in
  * a long prompt see many more keys than early ones; too few items for the threads (a short
  * chunk after a long cached prefix) have their keys split into parts merged afterwards.
- * Built by build.py; with TESSERA_AMX (a bf16 cache) both products run on AMX tiles
+ * Built by build.py; with TESSERA_AMX (a bf16 or fp8 cache) both products run on AMX tiles
  * instead (paged_prefill_amx.h): rows padded to tiles of 16, head dims to steps of 32. */
 #include <immintrin.h>
 #include <math.h>

@@ -12,6 +12,7 @@
 #include "panel_tiles.h"
 
 #define WIDE_BLOCK_BYTES (4096 * 1024)  /* of bf16 x rows, as gemm_bf16.c (see there) */
+#define WIDE_MIN_BLOCK 512              /* rows of x per widening of a pair, at least (AMX build) */
 
 /* One compact panel -> `out` (k / 2 pairs of 32 bf16); `scale` receives the panel's 16
  * per-feature scales, for formats that apply them to the outputs. */
@@ -41,7 +42,10 @@ static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias
                         int64_t m, int64_t n, int64_t k, int threads) {
     if (k % 32) return 1;
     if (!amx_granted()) return 3;
-    const int64_t panels = n / 16, units = (panels + 1) / 2, panel_elems = k * 16, block = amx_row_block(k);
+    /* at least WIDE_MIN_BLOCK rows: a pair is widened once per block, and at large k (11008:
+     * 32-row blocks) widening would cost more than the multiply it feeds */
+    const int64_t panels = n / 16, units = (panels + 1) / 2, panel_elems = k * 16;
+    const int64_t block = amx_row_block(k, WIDE_MIN_BLOCK);
     int failed;
     uint16_t *padded = amx_padded_rows(x, m, k, &failed);
     if (failed) return 2;
