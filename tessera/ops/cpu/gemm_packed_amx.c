@@ -4,8 +4,8 @@
  * gemm_bf16.c's packed panels are AMX's B tiles as they lie (amx_tiles.h), so no copy of
  * the weight is made. Each thread takes a contiguous share of the pairs of panels (as the
  * AVX512 kernel) and, per block of rows of x (amx_row_block), multiplies every row against
- * its pair while the pair stays in L1 / L2. Requires n % 16 == 0 and k % 32 == 0; AMX must be granted to the process
- * (Linux: an arch_prctl once, done here). Built by build.py for CPUs with amx_tile and
+ * its pair while the pair stays in L1 / L2. Requires n % 16 == 0 and k % 32 == 0; AMX must
+ * be granted to the process (Linux: an arch_prctl once, done here). Built by build.py for CPUs with amx_tile and
  * amx_bf16. */
 #include <omp.h>
 #include <stdint.h>

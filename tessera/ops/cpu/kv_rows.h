@@ -55,17 +55,21 @@ static inline __m256 kv8_to_f32(const kv_t *p) {
     return _mm256_mul_ps(_mm256_cvtph_ps(kv8_half(p, 1)), _mm256_set1_ps(KV_WIDEN_SCALE));
 }
 
+/* 16 codes (one per 16-bit lane) as float16 bits, NaN kept: the value / KV_WIDEN_SCALE */
+static inline __m256i kv16_half(__m256i x) {
+#if TESSERA_KV_FP8 == 1
+    const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                          _mm256_set1_epi16((short)0xbfff));
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+    return _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+#else
+    return _mm256_slli_epi16(x, 8);
+#endif
+}
+
 /* kv8_widened of p and p + 8 (NaN kept), from one load and one set of shifts */
 static inline void kv16_widened(const kv_t *p, __m256 *lo, __m256 *hi) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-#if TESSERA_KV_FP8 == 1
-    __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
-                                    _mm256_set1_epi16((short)0xbfff));
-    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
-    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
-#else
-    const __m256i half = _mm256_slli_epi16(x, 8);
-#endif
+    const __m256i half = kv16_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)));
     *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
     *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
 }

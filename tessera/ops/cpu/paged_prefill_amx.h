@@ -61,16 +61,8 @@ static inline __m256i row16(const kv_t *row, int64_t d0, int64_t d) {
 #if defined(TESSERA_KV_FP8) && TESSERA_KV_FP8
     const __m128i bytes = n == 16 ? _mm_loadu_si128((const __m128i *)(row + d0))
                                   : _mm_maskz_loadu_epi8(((__mmask16)1 << n) - 1, row + d0);
-    const __m256i x = _mm256_cvtepu8_epi16(bytes);
-#if TESSERA_KV_FP8 == 1  /* as kv_rows.h's kv16_widened: e4m3 moved into a float16, NaN kept */
-    __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
-                                    _mm256_set1_epi16((short)0xbfff));
-    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
-    half = _mm256_or_si256(half, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
-#else
-    const __m256i half = _mm256_slli_epi16(x, 8);
-#endif
-    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(KV_WIDEN_SCALE));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(kv16_half(_mm256_cvtepu8_epi16(bytes))),
+                                   _mm512_set1_ps(KV_WIDEN_SCALE));
     return (__m256i)_mm512_cvtneps_pbh(f);
 #else
     if (n == 16) return _mm256_loadu_si256((const __m256i *)(row + d0));
@@ -127,54 +119,49 @@ static inline void amx_store_p(uint16_t *p, __m512 e) {
 }
 
 /* softmax_row on 16 lanes for `width` (16 or more, a multiple of 16) scores of one row,
- * scaled first; the probabilities go to p as bf16 (zeros where masked). */
+ * scaled first; the probabilities go to p as bf16 halves (zeros where masked). A tile whose
+ * keys the row all sees, uncapped (most), takes its max from the raw scores and no masks. */
 static inline void amx_softmax_row(float *s, int64_t width, int64_t lo, int64_t hi, float scale, float softcap,
                                    float *m, float *l, float *corr, uint16_t *p) {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
-    if (lo <= 0 && hi >= width - 1 && softcap <= 0.0f && scale > 0.0f) {  /* most tiles: all seen, no cap */
+    const int masked = !(lo <= 0 && hi >= width - 1 && softcap <= 0.0f && scale > 0.0f);
+    float tile_max;
+    if (!masked) {
         __m512 raw = _mm512_loadu_ps(s);
         for (int64_t j = 16; j < width; j += 16) raw = _mm512_max_ps(raw, _mm512_loadu_ps(s + j));
-        const float tile_max = _mm512_reduce_max_ps(raw) * scale, new_max = tile_max > *m ? tile_max : *m;
-        *corr = *m == -INFINITY ? 0.0f : expf(*m - new_max);
-        const __m512 mv = _mm512_set1_ps(new_max);
-        __m512 sum = _mm512_setzero_ps();
+        tile_max = _mm512_reduce_max_ps(raw) * scale;
+    } else {  /* scaled, capped and masked in place */
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        /* clamped into [0, width] before narrowing: a window of 2^31 or more wrapped */
+        const int64_t lo_c = lo < 0 ? 0 : lo, hi_c = hi > width ? width : hi;
+        const __m512i lo_v = _mm512_set1_epi32((int)lo_c), hi_v = _mm512_set1_epi32((int)hi_c);
+        __m512 mx = neg_inf;
         for (int64_t j = 0; j < width; j += 16) {
-            const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, mv));
-            sum = _mm512_add_ps(sum, e);
-            amx_store_p(p + j, e);
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc);
+            if (softcap > 0.0f) {  /* softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) */
+                const __m512 e = exp16(_mm512_mul_ps(x, _mm512_set1_ps(2.0f / softcap)));
+                const __m512 inv = _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+                const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f), inv);
+                x = _mm512_mul_ps(t, _mm512_set1_ps(softcap));
+            }
+            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)j));
+            const __mmask16 seen = _mm512_cmpge_epi32_mask(idx, lo_v) & _mm512_cmple_epi32_mask(idx, hi_v);
+            x = _mm512_mask_mov_ps(neg_inf, seen, x);
+            _mm512_storeu_ps(s + j, x);
+            mx = _mm512_max_ps(mx, x);
         }
-        *l = *l * *corr + _mm512_reduce_add_ps(sum);
-        *m = new_max;
-        return;
+        tile_max = _mm512_reduce_max_ps(mx);
     }
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    /* clamped into [0, width] before narrowing: a window of 2^31 or more wrapped */
-    const int64_t lo_c = lo < 0 ? 0 : lo, hi_c = hi > width ? width : hi;
-    const __m512i lo_v = _mm512_set1_epi32((int)lo_c), hi_v = _mm512_set1_epi32((int)hi_c);
-    __m512 mx = neg_inf;
-    for (int64_t j = 0; j < width; j += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc);
-        if (softcap > 0.0f) {  /* softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1) */
-            const __m512 e = exp16(_mm512_mul_ps(x, _mm512_set1_ps(2.0f / softcap)));
-            const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                                           _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
-            x = _mm512_mul_ps(t, _mm512_set1_ps(softcap));
-        }
-        const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)j));
-        const __mmask16 seen = _mm512_cmpge_epi32_mask(idx, lo_v) & _mm512_cmple_epi32_mask(idx, hi_v);
-        x = _mm512_mask_mov_ps(neg_inf, seen, x);
-        _mm512_storeu_ps(s + j, x);
-        mx = _mm512_max_ps(mx, x);
-    }
-    const float tile_max = _mm512_reduce_max_ps(mx);
     const float new_max = tile_max > *m ? tile_max : *m;
     *corr = *m == -INFINITY ? 0.0f : expf(*m - new_max);
-    __m512 sum = _mm512_setzero_ps();
     const __m512 mv = _mm512_set1_ps(new_max);
+    __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < width; j += 16) {
         const __m512 x = _mm512_loadu_ps(s + j);
         /* masked keys: exactly zero (exp16 of -inf clamps to a tiny positive value) */
-        const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(x, mv)));
+        const __m512 e = masked ? _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ),
+                                                      exp16(_mm512_sub_ps(x, mv)))
+                                : exp16(_mm512_fmsub_ps(x, sc, mv));
         sum = _mm512_add_ps(sum, e);
         amx_store_p(p + j, e);
     }

@@ -319,14 +319,14 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
     Tile tile = pb->tile;
     tile.table = pb->tables + it->seq * pb->table_width;
     tile.head_offset = it->kv_head * d;
-#if TESSERA_AMX
     const int64_t rows_pad = (rows + ROW_PAD - 1) / ROW_PAD * ROW_PAD;
-    amx_load_queries(pb, it, w, q_begin, rows, rows_pad);
     memset(w->o, 0, rows_pad * dp * sizeof(float));
     for (int64_t r = 0; r < rows; r++) {
         w->m[r] = -INFINITY;
         w->l[r] = 0.0f;
     }
+#if TESSERA_AMX
+    amx_load_queries(pb, it, w, q_begin, rows, rows_pad);
     for (int64_t k0 = it->k_begin; k0 < it->k_end; k0 += TILE_KEYS) {
         const int64_t kn = it->k_end - k0 < TILE_KEYS ? it->k_end - k0 : TILE_KEYS;
         amx_pack_tile(&tile, k0, kn, w->kt16, w->v16);
@@ -339,9 +339,6 @@ static void run_item(const Problem *pb, const Item *it, Scratch *w) {
                               + (it->kv_head * group + r % group) * d;
         float *dst = w->q + r * dp;
         for (int64_t i = 0; i < dp; i++) dst[i] = i < d ? bf16_to_f32(src[i]) * pb->scale : 0.0f;
-        memset(w->o + r * dp, 0, dp * sizeof(float));
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.0f;
     }
     for (int64_t k0 = it->k_begin; k0 < it->k_end; k0 += TILE_KEYS) {
         const int64_t kn = it->k_end - k0 < TILE_KEYS ? it->k_end - k0 : TILE_KEYS;
