@@ -96,6 +96,25 @@ def resolve_dtype(name: str, device: str, tessera_ops: bool = True,
 # GGUF matrix formats tessera's int4 format holds as stored (tessera/weights/gguf_q4.py:
 # Q4_0 and Q4_1 exactly, Q4_K with its group scales rounded to float16)
 STORED_INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+# and those the CPU's int8 format (groups of 32 with a float16 step, as Q8_0) holds closely:
+# Q8_0's codes come back from the bf16-loaded values (tessera/ops/linear_int8.py), 5- and
+# 6-bit codes fit 8 bits with room to spare
+STORED_INT8_FORMATS = ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1")
+
+
+def stored_quantization(stored_format: str | None) -> str | None:
+    """The weight format that keeps a GGUF stored as `stored_format` compact: int4 for its
+    4-bit formats, int8 for its 5- to 8-bit ones, else None."""
+    return ("int4" if stored_format in STORED_INT4_FORMATS else
+            "int8" if stored_format in STORED_INT8_FORMATS else None)
+
+
+def _cpu_kernel_unavailable(quantization: str) -> list[str]:
+    if quantization == "int4":
+        from tessera.ops.cpu.linear_int4 import kernel_unavailable  # compiles the kernel on first use
+    else:
+        from tessera.ops.cpu.linear_int8 import kernel_unavailable
+    return kernel_unavailable()
 
 
 def resolve_weights(dtype: str, quantization: str | None, device: str, tessera_ops: bool = True,
@@ -103,21 +122,22 @@ def resolve_weights(dtype: str, quantization: str | None, device: str, tessera_o
     """(model dtype, the linear layers' weight format) for --dtype and --quantization on
     `device`; `stored_format`: how a GGUF stores its matrices (routers' stored_matrix_format).
 
-    --quantization unset runs a GGUF whose matrices are mostly Q4_0 / Q4_1 / Q4_K (the
-    default model, llama.cpp's Q4_K_M files) in int4, its 4-bit matrices as stored (the dense
-    matrices a K-quant mix keeps at 6 bits in int8), as llama.cpp runs them, where the CPU's
-    int4 kernel runs with bf16 activations: decode streams 5 bits a weight instead of 16 (2x
-    faster a token on the default model, docs/benchmarks.md). Elsewhere (CUDA, whose int4
-    kernel is not measured yet; float32) and for other sources the weights take the model
-    dtype, as "none" asks."""
+    --quantization unset runs a GGUF as compact as its file where the CPU's kernel for that
+    runs with bf16 activations, as llama.cpp runs such a file:
+    - mostly Q4_0 / Q4_1 / Q4_K (the default model, llama.cpp's Q4_K_M files): int4, its
+      4-bit matrices as stored (the dense matrices a K-quant mix keeps at 5-8 bits in int8).
+      Decode streams 5 bits a weight instead of 16 (2x faster a token on the default model,
+      docs/benchmarks.md);
+    - mostly Q8_0 / Q6_K / Q5_K / Q5_0 / Q5_1: int8 in groups of 32 (8.5 bits a weight; the
+      prompt perplexity of a Q8_0 default model is bf16's, docs/benchmarks.md).
+    Elsewhere (CUDA, whose quantized kernels are not measured yet; float32) and for other
+    sources the weights take the model dtype, as "none" asks."""
     requested = None if quantization == "none" else quantization
-    auto = (quantization is None and stored_format in STORED_INT4_FORMATS and tessera_ops
-            and device.startswith("cpu"))
-    model_dtype = resolve_dtype(dtype, device, tessera_ops, "int4" if auto else requested)
-    if auto and model_dtype == torch.bfloat16:
-        from tessera.ops.cpu.linear_int4 import kernel_unavailable  # compiles the kernel on first use
-        if not kernel_unavailable():
-            return model_dtype, "int4"
+    kept = stored_quantization(stored_format) if quantization is None else None
+    auto = kept is not None and tessera_ops and device.startswith("cpu")
+    model_dtype = resolve_dtype(dtype, device, tessera_ops, kept if auto else requested)
+    if auto and model_dtype == torch.bfloat16 and not _cpu_kernel_unavailable(kept):
+        return model_dtype, kept
     if auto:  # declined: the dtype for the weights as they will be
         model_dtype = resolve_dtype(dtype, device, tessera_ops, requested)
     return model_dtype, requested

@@ -126,6 +126,16 @@ def int4_kernel(monkeypatch):
     return runs
 
 
+@pytest.fixture
+def int8_kernel(monkeypatch):
+    """Whether the CPU's int8 kernel runs, as resolve_weights asks it (set per test)."""
+    from tessera.ops.cpu import linear_int8
+
+    def runs(yes: bool) -> None:
+        monkeypatch.setattr(linear_int8, "kernel_unavailable", lambda spec=None: [] if yes else ["no kernel"])
+    return runs
+
+
 def test_a_q4_gguf_runs_as_stored_in_int4_where_the_cpu_kernel_runs(int4_kernel):
     int4_kernel(True)
     for stored in ("Q4_0", "Q4_1", "Q4_K"):
@@ -133,7 +143,7 @@ def test_a_q4_gguf_runs_as_stored_in_int4_where_the_cpu_kernel_runs(int4_kernel)
     # asked otherwise, or not a Q4_0 / Q4_1 file, or not tessera's CPU kernel with bf16
     assert platform.resolve_weights("bfloat16", "none", "cpu", True, "Q4_1") == (torch.bfloat16, None)
     assert platform.resolve_weights("bfloat16", "int8", "cpu", True, "Q4_1") == (torch.bfloat16, "int8")
-    assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q5_K") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", None, "cpu", True, "F16") == (torch.bfloat16, None)
     assert platform.resolve_weights("bfloat16", None, "cpu", True, None) == (torch.bfloat16, None)
     assert platform.resolve_weights("float32", None, "cpu", True, "Q4_1") == (torch.float32, None)
     assert platform.resolve_weights("auto", None, "cuda", True, "Q4_1") == (torch.bfloat16, None)
@@ -141,6 +151,19 @@ def test_a_q4_gguf_runs_as_stored_in_int4_where_the_cpu_kernel_runs(int4_kernel)
     int4_kernel(False)
     assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q4_1") == (torch.bfloat16, None)
     assert platform.resolve_weights("bfloat16", "int4", "cpu", True, "Q4_1") == (torch.bfloat16, "int4")
+
+
+def test_a_q8_0_to_q5_gguf_runs_in_int8_where_the_cpu_kernel_runs(int8_kernel):
+    int8_kernel(True)
+    for stored in ("Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1"):
+        assert platform.resolve_weights("bfloat16", None, "cpu", True, stored) == (torch.bfloat16, "int8")
+    assert platform.resolve_weights("bfloat16", "none", "cpu", True, "Q8_0") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", "int4", "cpu", True, "Q8_0") == (torch.bfloat16, "int4")
+    assert platform.resolve_weights("float32", None, "cpu", True, "Q8_0") == (torch.float32, None)
+    assert platform.resolve_weights("auto", None, "cuda", True, "Q8_0") == (torch.bfloat16, None)
+    assert platform.resolve_weights("bfloat16", None, "cpu", False, "Q8_0") == (torch.bfloat16, None)
+    int8_kernel(False)
+    assert platform.resolve_weights("bfloat16", None, "cpu", True, "Q8_0") == (torch.bfloat16, None)
 
 
 def test_a_declined_int4_leaves_the_dtype_the_weights_want(int4_kernel, monkeypatch):

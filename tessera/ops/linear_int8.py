@@ -9,6 +9,11 @@ real checkpoint); it is opt-in because it is not exact.
 
 This builder runs anywhere: its prepared weight is one int8 tensor [n, k + 4] whose last four
 bytes per row hold the row's float32 scale, widened to the activation dtype per call.
+
+The CPU kernel (tessera/ops/cpu/linear_int8.py) scales in groups of GROUP = 32 input features
+instead, as GGUF's Q8_0 does (`quantize_int8_groups`: a float16 step per group, half a bit a
+weight more): a row's outliers then coarsen only their own group, and a Q8_0 file's matrices,
+loaded in bf16, quantize back to the file's codes.
 """
 from __future__ import annotations
 
@@ -32,6 +37,45 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q[start:start + CHUNK_ROWS] = torch.round(w / s.unsqueeze(1)).clamp_(-127, 127)
         scale[start:start + CHUNK_ROWS] = s
     return q, scale
+
+
+GROUP = 32
+FLOAT16_MAX = 65504.0
+
+
+def int8_groupable(weight: torch.Tensor) -> bool:
+    """Whether `weight` [n, k] takes the grouped format: k a multiple of GROUP, and every value
+    finite with its group's step (max |w| / 127) a float16."""
+    if not (weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[1] > 0
+            and weight.is_floating_point()):
+        return False
+    largest = weight.abs().amax().item() if weight.numel() else 0.0
+    return largest / 127.0 < FLOAT16_MAX  # False for inf and NaN too
+
+
+def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [n, k] -> (q int8 [n, k], d float16 [n, k / GROUP]) with weight ~= q * d per
+    group of GROUP features. d is the group's max |w| / 127 rounded to float16 before the codes
+    are chosen, so each code is the nearest for the stored step (as llama.cpp's Q8_0). For a
+    Q8_0 matrix read in bf16 that recovers the file's codes, and its steps to bf16's
+    precision. Groups whose step is a float16 subnormal (max |w| below ~0.008) lose precision
+    in the step, as Q8_0 does."""
+    n, k = weight.shape
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    d = torch.empty((n, k // GROUP), dtype=torch.float16, device=weight.device)
+    for start in range(0, n, CHUNK_ROWS):
+        w = weight[start:start + CHUNK_ROWS].float().reshape(-1, k // GROUP, GROUP)
+        step = (w.abs().amax(dim=2) / 127.0).half()
+        safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+        q[start:start + CHUNK_ROWS] = torch.round(w / safe.unsqueeze(2)).clamp_(-127, 127).reshape(-1, k)
+        d[start:start + CHUNK_ROWS] = step
+    return q, d
+
+
+def dequantize_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """float32 [n, k] from quantize_int8_groups' parts."""
+    n, k = q.shape
+    return (q.float().reshape(n, k // GROUP, GROUP) * d.float().unsqueeze(2)).reshape(n, k)
 
 
 def quantize_rows(weight: torch.Tensor) -> torch.Tensor:

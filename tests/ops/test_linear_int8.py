@@ -1,6 +1,8 @@
 """Int8 weight-only linear layers (`--quantization int8`).
 
-- quantization: per-row symmetric, error at most half a step, zero rows safe;
+- quantization: per-row symmetric (the reference builder's) and in groups of 32 (the CPU
+  kernel's, as GGUF's Q8_0: a Q8_0 matrix gives back its codes), error at most half a step,
+  zero rows and groups safe;
 - the reference builder and the kernel (AVX512 build, or its AVX2 twin on CPUs without
   AVX512) against the exact product with the dequantized weight (the kernel also quantizes
   each activation row to 15 bits; the bound below accounts for it), packed and row
@@ -17,17 +19,24 @@ import torch.nn.functional as F
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.ops.cpu import linear_int8 as cpu_int8
-from tessera.ops.linear_int8 import linear_int8_ref, quantize_int8, quantize_rows, split_rows
+from tessera.ops.linear_int8 import (dequantize_int8_groups, linear_int8_ref, quantize_int8, quantize_int8_groups,
+                                     quantize_rows, split_rows)
 from tessera.ops.registry import OpSpec, select_op
 from tests.ops.kernel_builds import avx512_or_amx
 
-UNAVAILABLE = "; ".join(cpu_int8._KERNEL.check(None)) or None  # the AVX512 or the AVX2 build
+UNAVAILABLE = "; ".join(cpu_int8.kernel_unavailable()) or None  # the AVX512 or the AVX2 build
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
 
 def dequantized(w: torch.Tensor) -> torch.Tensor:
+    """The reference builder's values (per-row scales)."""
     q, s = quantize_int8(w)
     return q.double() * s.double().unsqueeze(1)
+
+
+def grouped(w: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel's values (a step per 32 in-features)."""
+    return dequantize_int8_groups(*quantize_int8_groups(w)).double()
 
 
 def test_quantization_is_per_row_symmetric_and_within_half_a_step():
@@ -44,6 +53,41 @@ def test_quantization_is_per_row_symmetric_and_within_half_a_step():
     assert rows.shape == (40, 74) and quantize_rows(rows) is rows
     q2, s2 = split_rows(rows)
     assert torch.equal(q2, q) and torch.equal(s2, s)
+
+
+def test_grouped_quantization_is_symmetric_per_group_and_within_half_a_step():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 96, generator=g) * torch.logspace(-1, 3, 24).unsqueeze(1)
+    w[:, 5] = 100 * w.abs().amax(1)  # an outlier coarsens only its own group
+    w[7, 32:64] = 0.0    # a zero group
+    q, d = quantize_int8_groups(w)
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (24, 3) and q.abs().max() <= 127
+    assert torch.equal(d.float(), (w.view(24, 3, 32).abs().amax(2) / 127).half().float())
+    err = (dequantize_int8_groups(q, d) - w).abs().view(24, 3, 32)
+    assert (err <= d.float().unsqueeze(2) / 2 * (1 + 1e-6)).all()
+    assert (q[7, 32:64] == 0).all() and d[7, 1] == 0
+    # the outlier's group has a step 100x the others' of its row
+    assert (d[:, 0].float() > 50 * d[:, 1:].float().amax(1)).all()
+
+
+def test_a_q8_0_matrix_gives_back_its_codes():
+    """A Q8_0 tensor as the gguf package writes and reads it: from its float32 values every
+    code and step comes back; from its bf16 values (what a bf16 model loads) all but a few
+    codes, each of those one off."""
+    import gguf
+    import numpy as np
+
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(64, 256, generator=g) * torch.logspace(-2, 0, 64).unsqueeze(1)).numpy()
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(64, 8, 34)
+    step = torch.from_numpy(raw[..., :2].copy().view(np.float16)).squeeze(-1)
+    codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).reshape(64, 256)
+    values = dequantize_int8_groups(codes, step)
+    q, d = quantize_int8_groups(values)
+    assert torch.equal(q, codes) and torch.equal(d, step)
+    q16, _ = quantize_int8_groups(values.bfloat16())
+    off = (q16.int() - codes.int()).abs()
+    assert off.max() <= 1 and off.float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,38 +110,47 @@ def build(request, monkeypatch):
 @needs_kernel
 @pytest.mark.usefixtures("build")
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 40, 300])
-@pytest.mark.parametrize("n, k", [(16, 2), (48, 576), (80, 1030), (32, 2048)])
+@pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
     """The int16 path: row tiles of 6 (AVX2: 3 rows by both panels up to 3 rows) and their
-    remainders, several int32 flushes (k = 2048 is 1024 pairs); from the widening threshold
-    (AVX512 only) the widened-bf16 path: 12-row tiles and their remainders (300 rows); odd
-    panel counts (80) in both."""
+    remainders, one group (k = 32) to 64; from the widening threshold (AVX512 only) the
+    widened-bf16 path: 12-row tiles and their remainders (300 rows); odd panel counts (80)
+    in both."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     packed = cpu_int8.pack_int8(w)
-    assert packed.dtype == torch.int8 and packed.shape == (n // 16, 64 + 16 * k)
-    q, s = cpu_int8.unpack_int8(packed, k)
-    q_ref, s_ref = quantize_int8(w)
-    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert packed.dtype == torch.int8 and packed.shape == (n // 16, 17 * k)
+    for got, want in zip(cpu_int8.unpack_int8(packed, k), quantize_int8_groups(w)):
+        assert torch.equal(got, want)
     got = cpu_int8.gemm_int8_linear(x, packed, b).double()
-    wd = dequantized(w)
-    exact = F.linear(x.double(), wd, None if b is None else b.double())
-    x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2   # activation rounding
-    tol = exact.abs() * 2.0 ** -7 + x_step * wd.abs().sum(dim=1) + 1e-6
+    exact, tol = product_bound(x, w, b)
     assert ((got - exact).abs() <= tol).all(), (got - exact).abs().max()
+
+
+def product_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x times the kernel's values of w, exactly; how far the kernel may be from it): the
+    int16 path rounds x to 15 bits a row, the widened path each d * q to bf16."""
+    wd = grouped(w)
+    exact = F.linear(x.double(), wd, None if b is None else b.double())
+    x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2
+    w_round = F.linear(x.double().abs(), wd.abs()) * 2.0 ** -8
+    return exact, exact.abs() * 2.0 ** -7 + x_step * wd.abs().sum(dim=1) + w_round + 1e-6
 
 
 @needs_kernel
 def test_kernel_builder_keeps_unpackable_shapes_in_the_row_layout_and_checks_inputs():
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(40, 64, generator=g).bfloat16()           # 40 features: no 16-panels
-    prepared = cpu_int8.pack_int8(w)
-    assert prepared.shape == (40, 68) and cpu_int8.pack_int8(prepared) is prepared
+    for w in (torch.randn(40, 64, generator=g).bfloat16(),           # 40 features: no 16-panels
+              torch.randn(32, 48, generator=g).bfloat16(),           # 48 in features: no groups
+              torch.randn(32, 64, generator=g).bfloat16() * 1e7):    # steps beyond float16
+        prepared = cpu_int8.pack_int8(w)
+        assert prepared.shape == (w.shape[0], w.shape[1] + 4) and cpu_int8.pack_int8(prepared) is prepared
+        x = torch.randn(3, w.shape[1], generator=g).bfloat16()
+        torch.testing.assert_close(cpu_int8.gemm_int8_linear(x, prepared, None), linear_int8_ref(x, prepared, None))
     x = torch.randn(3, 64, generator=g).bfloat16()
-    torch.testing.assert_close(cpu_int8.gemm_int8_linear(x, prepared, None), linear_int8_ref(x, prepared, None))
     packed = cpu_int8.pack_int8(torch.randn(32, 64, generator=g).bfloat16())
     assert cpu_int8.gemm_int8_linear(x[:0], packed, None).shape == (0, 32)
     with pytest.raises(ValueError, match="expects 64"):
@@ -124,10 +177,13 @@ def test_tiny_llama_int8_equals_transformers_on_dequantized_weights(make_tiny_ll
     from tessera.sampling.params import SamplingParams
 
     folder, hf = make_tiny_llama(seed=5, hidden_size=64, intermediate_size=160)
-    with torch.no_grad():  # what int8 holds: every linear weight, LM head included
+    # what int8 holds: every linear weight, LM head included, per row (float32: the reference
+    # builder) or in groups of 32 (bf16: the kernel, where it runs; every shape here fits it)
+    held = grouped if dtype == "bfloat16" and UNAVAILABLE is None else dequantized
+    with torch.no_grad():
         for name, module in hf.named_modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(dequantized(module.weight.data.to(getattr(torch, dtype)).float()))
+                module.weight.copy_(held(module.weight.data.to(getattr(torch, dtype)).float()))
     prompt = torch.randint(3, 400, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
         reference = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
@@ -145,18 +201,20 @@ def test_tiny_llama_int8_equals_transformers_on_dequantized_weights(make_tiny_ll
 
 
 def test_default_model_int8_holds_int8_weights_and_answers_like_bf16(default_gguf):
+    """A prompt whose greedy tokens each lead by more than a nat in float32 (the chat question
+    "What is the capital of France?" is no test of a weight format: float32 puts its first two
+    candidates 0.08 apart, and either of "The capital..." or "L'Étoile..." is the model's)."""
     from tessera.llm import LLM
     from tessera.sampling.params import SamplingParams
 
-    question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     answers = {}
     for quantization in ("none", "int8"):
         with LLM(dtype="bfloat16", quantization=quantization, num_kv_blocks=64, show_progress=False) as llm:
             weights = [p for n, p in llm.engine.model.named_parameters() if "proj" in n]
             assert all((p.dtype == torch.int8) == (quantization == "int8") for p in weights)
-            answers[quantization] = llm.chat([question], params)[0].outputs[0].text
-    assert "Paris" in answers["none"] and answers["int8"] == answers["none"]
+            answers[quantization] = llm.generate(["The capital of France is"], params)[0].outputs[0].text
+    assert answers["none"].startswith(" Paris.") and answers["int8"] == answers["none"]
 
 
 def test_the_transformers_fallback_refuses_quantization(make_tiny_llama):
@@ -180,7 +238,5 @@ def test_kernel_across_row_blocks():
     x = torch.randn(1100, 2048, generator=g).bfloat16()
     w = torch.randn(48, 2048, generator=g).bfloat16()
     got = cpu_int8.gemm_int8_linear(x, cpu_int8.pack_int8(w), None).double()
-    wd = dequantized(w)
-    exact = F.linear(x.double(), wd)
-    x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2  # the int16 path's rounding of x
-    assert ((got - exact).abs() <= exact.abs() * 2.0 ** -7 + x_step * wd.abs().sum(dim=1) + 1e-6).all()
+    exact, tol = product_bound(x, w, None)
+    assert ((got - exact).abs() <= tol).all()

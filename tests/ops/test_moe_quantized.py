@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.ops.linear_int4 import dequantize_int4, quantize_int4
-from tessera.ops.linear_int8 import quantize_int8
+from tessera.ops.linear_int8 import dequantize_int8_groups, quantize_int8, quantize_int8_groups
 from tessera.ops.moe import expert_quantization, grouped_experts_ref, softmax_topk_ref, stacked
 from tessera.ops.registry import OpSpec, OpTarget, builders, select_op
 
@@ -21,6 +21,11 @@ H, I, E, K = 64, 96, 8, 2
 def int8_values(w: torch.Tensor) -> torch.Tensor:
     q, scale = quantize_int8(w)
     return q.float() * scale.unsqueeze(1)
+
+
+def int8_grouped_values(w: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel's int8 (a step per 32 in-features)."""
+    return dequantize_int8_groups(*quantize_int8_groups(w))
 
 
 def int4_values(w: torch.Tensor) -> torch.Tensor:
@@ -33,7 +38,7 @@ BUILDERS = {
     "torch_int4_experts": (int4_values, torch.float32),
     "cpu_packed_experts": (lambda w: w.float(), torch.bfloat16),
     "cpu_packed_experts_avx2": (lambda w: w.float(), torch.bfloat16),
-    "cpu_int8_experts": (int8_values, torch.bfloat16),
+    "cpu_int8_experts": (int8_grouped_values, torch.bfloat16),
     "cpu_int4_experts": (int4_values, torch.bfloat16),
 }
 

@@ -120,6 +120,15 @@ def f16c_missing() -> list[str]:
     return [] if flags is None or "f16c" in flags else ["this CPU lacks f16c (fp8 KV cache widening)"]
 
 
+def unavailable_with_f16c(kernel: "Kernel", spec: object = None) -> list[str]:
+    """Why neither build of `kernel` can run here, where its AVX2 build widens float16 scales
+    with F16C (the int8 and int4 GEMMs)."""
+    reasons = kernel.check(spec)
+    if not reasons and kernel.runnable_source() == kernel.fallback_source:
+        return f16c_missing()
+    return reasons
+
+
 def build_flags(source_name: str = "", defines: tuple[str, ...] = ()) -> tuple[str, ...]:
     family = kernel_family(source_name, defines)
     if family == "portable":

@@ -1,8 +1,8 @@
-/* Rows of bf16 x as 15-bit integers for the int8-weight GEMMs (gemm_int8.c and its AVX2
- * twin): each row is scaled by max|x| / X_MAX, so int16 pair products with int8 weights
- * (|q| <= 127) can be summed in int32 lanes; FLUSH_PAIRS pairs of at most 2 * 16383 * 127
- * each stay below 2^31, after which the partial sums move to float32. Plain C: built
- * with either instruction set. */
+/* Rows of bf16 x as 15-bit integers for the int8- and int4-weight GEMMs (gemm_int8.c,
+ * gemm_int4.c and their AVX2 twins): each row is scaled by max|x| / X_MAX, so int16 pair
+ * products with the weights' codes (|q| <= 127) can be summed exactly in int32 lanes over a
+ * group of 32 k (16 pairs of at most 2 * 16383 * 127 each), after which the kernels move
+ * the sums to float32 with the group's step. Plain C: built with either instruction set. */
 #ifndef TESSERA_INT16_ROWS_H
 #define TESSERA_INT16_ROWS_H
 #include <math.h>
@@ -12,7 +12,6 @@
 
 #include "bf16.h"
 
-#define FLUSH_PAIRS 256
 #define X_MAX 16383.0f
 
 /* One bf16 row to int16 at a per-row scale; returns the scale. Comparisons rather than

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tessera.ops.cpu.build import Kernel, f16c_missing
+from tessera.ops.cpu.build import Kernel, unavailable_with_f16c
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu.linear import amx_build, run_packed
 from tessera.ops.linear_int4 import GROUP, Int4Parts, int4_parts, int4_quantizable, linear_int4_rows
@@ -28,11 +28,8 @@ _KERNEL = Kernel("gemm_int4.c", "tessera_gemm_int4",
 
 
 def kernel_unavailable(spec: object = None) -> list[str]:
-    """Why neither build can run here; the AVX2 one widens the float16 scales with F16C."""
-    reasons = _KERNEL.check(spec)
-    if not reasons and _KERNEL.runnable_source() == _KERNEL.fallback_source:
-        return f16c_missing()
-    return reasons
+    """Why neither build can run here (the AVX2 one needs F16C too)."""
+    return unavailable_with_f16c(_KERNEL, spec)
 
 PANEL_BYTES_PER_K = 10  # 320 bytes per 16 features x 32 k
 # On AMX the widened multiply wins from fewer rows than gemm_int4.c's 17: 1.5-1.9x at 16 rows
