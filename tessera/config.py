@@ -15,11 +15,12 @@ LOAD_FORMATS = ("auto", "dummy")
 # top_p, top_k, min_p, repetition_penalty, max_new_tokens) of requests that leave them out,
 # and max_new_tokens caps OpenAI requests, as vLLM does; vllm: the engine's neutral defaults
 GENERATION_CONFIGS = ("auto", "vllm")
-# int8: linear weights quantized per output feature after loading (weight-only; activations
-# stay in the model dtype). Halves weight memory and single-stream decode's weight traffic.
-# int4: in groups of 32 input features (GGUF's Q4_1 format), the LM head in int8: 5 bits per
-# weight (tessera/ops/linear_int4.py). none: the model dtype. Unset (None): int4 for a GGUF
-# stored as Q4_0 / Q4_1 / Q4_K on CPU, else none (tessera/platform.py, resolve_weights).
+# int8: linear weights quantized after loading (weight-only; activations stay in the model
+# dtype), on CPU in groups of 32 as GGUF's Q8_0. About halves weight memory and single-stream
+# decode's weight traffic. int4: in groups of 32 input features (GGUF's Q4_1 format), the LM
+# head in int8: 5 bits per weight (tessera/ops/linear_int4.py). none: the model dtype. Unset
+# (None): int4 for a GGUF stored as Q4_0 / Q4_1 / Q4_K on CPU, int8 for one stored as Q8_0 /
+# Q6_K / Q5, else none (tessera/platform.py, resolve_weights).
 QUANTIZATIONS = (None, "none", "int8", "int4")
 # the KV cache's storage: the model dtype, or 8-bit floats (fp8 = fp8_e4m3 = TGI's
 # fp8_e4m3fn; fp8_e5m2), half a bf16 cache (tessera/ops/attention/kv_quant.py)

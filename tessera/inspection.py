@@ -149,11 +149,11 @@ def inspect_model(model_config: ModelConfig, *, device: str = "cpu", block_size:
             "dtype": str(dtype).removeprefix("torch."),
             "dtype_reason": dtype_reason(model_config.dtype, device, tessera_ops,
                                          weights),
-            # the linear layers' weight format (--quantization, or the GGUF's own int4)
+            # the linear layers' weight format (--quantization, or the one keeping the GGUF compact)
             "quantization": weights,
             "quantization_reason": (f"--quantization {model_config.quantization}" if model_config.quantization
                                     else f"auto: the GGUF stores its matrices as {router.stored_matrix_format}, "
-                                    "run as stored" if weights else None),
+                                    f"run in {weights}" if weights else None),
         },
         "cpu_kernels": cpu_kernels_note(device),
         # a pre-quantized checkpoint's method (weights/prequantized.py: dequantized as it loads)

@@ -121,7 +121,7 @@ def test_inspect_says_a_q4_gguf_runs_in_int4_as_stored(default_gguf, capsys):
         pytest.skip(f"no int4 kernel here: {kernel_unavailable()}")
     info = inspect_json(capsys, "--dtype", "bfloat16")
     assert info["config"]["quantization"] == "int4"
-    assert info["config"]["quantization_reason"] == "auto: the GGUF stores its matrices as Q4_1, run as stored"
+    assert info["config"]["quantization_reason"] == "auto: the GGUF stores its matrices as Q4_1, run in int4"
     assert {op["builder"] for op in info["ops"] if op["spec"]["kind"] == "linear"} >= {"cpu_gemm_int4"}
     info = inspect_json(capsys, "--dtype", "bfloat16", "--quantization", "none")
     assert info["config"]["quantization"] is None

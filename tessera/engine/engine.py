@@ -64,9 +64,11 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
             config.model.dtype, config.model.quantization, config.device, self.router.implementation == "native",
             self.router.stored_matrix_format)
         if self.quantization and config.model.quantization is None:
-            logger.info("the GGUF stores its weight matrices as %s: they run as stored, in %s "
-                        "(--quantization none loads them dequantized to %s)", self.router.stored_matrix_format,
-                        self.quantization, str(self.dtype).removeprefix("torch."))
+            how = ("as stored, in int4" if self.quantization == "int4"
+                   else "in int8, in groups of 32 as Q8_0 keeps them")
+            logger.info("the GGUF stores its weight matrices as %s: they run %s (--quantization none loads "
+                        "them dequantized to %s)", self.router.stored_matrix_format, how,
+                        str(self.dtype).removeprefix("torch."))
         self.max_model_len = self.router.max_model_len
         check_engine_config(config, self.router, self.max_model_len)
         # an embedding model's pooling (--runner pooling); None: the engine generates
