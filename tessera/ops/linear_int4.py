@@ -49,8 +49,8 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     step and offset: the error is at most half a step (plus the step's rounding) where the
     step is a normal float16 (a group's range above ~1e-3); narrower groups lose precision
     to float16's subnormals, as GGUF's Q4_1 does."""
-    if weight.device.type == "cpu":  # the same bits in one C pass (ops/cpu/quantize_int4.c)
-        from tessera.ops.cpu.quantize_int4 import quantize_int4_cpu
+    if weight.device.type == "cpu":  # the same bits in one C pass (ops/cpu/quantize_groups.c)
+        from tessera.ops.cpu.quantize_groups import quantize_int4_cpu
         parts = quantize_int4_cpu(weight)
         if parts is not None:
             return parts

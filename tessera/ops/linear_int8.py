@@ -60,6 +60,15 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     Q8_0 matrix read in bf16 that recovers the file's codes, and its steps to bf16's
     precision. Groups whose step is a float16 subnormal (max |w| below ~0.008) lose precision
     in the step, as Q8_0 does."""
+    if weight.device.type == "cpu":  # the same bits in one C pass (ops/cpu/quantize_groups.c)
+        from tessera.ops.cpu.quantize_groups import quantize_int8_cpu
+        parts = quantize_int8_cpu(weight)
+        if parts is not None:
+            return parts
+    return _quantize_groups(weight)
+
+
+def _quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     d = torch.empty((n, k // GROUP), dtype=torch.float16, device=weight.device)

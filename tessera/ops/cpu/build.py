@@ -33,7 +33,7 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 AVX2_FLAGS = ("-mavx2", "-mfma")
 AVX2_CPU_FLAGS = ("avx2", "fma")
-PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c", "quantize_int4.c")
+PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c", "quantize_groups.c")
 # AMX (*_amx.c files: Sapphire Rapids and later Xeons): the AVX512 family's flags, its bf16
 # extension and AMX's tiles, all of which the CPU must have.
 AMX_FLAGS = ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")

@@ -1,14 +1,16 @@
-"""The C int4 quantizer (ops/cpu/quantize_int4.c) gives the torch version's bits exactly, for
-float32 and bf16 weights across magnitudes, float16 subnormal steps and degenerate groups."""
+"""The C grouped quantizers (ops/cpu/quantize_groups.c: int4, and the CPU int8 format) give the
+torch versions' bits exactly, for float32 and bf16 weights across magnitudes, float16
+subnormal steps and degenerate groups."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tessera.ops.cpu.quantize_int4 import _KERNEL, kernel_runs, quantize_int4_cpu
+from tessera.ops.cpu.quantize_groups import _INT4, kernel_runs, quantize_int4_cpu, quantize_int8_cpu
 from tessera.ops.linear_int4 import CHUNK_ROWS, _quantize_rows, quantize_int4
+from tessera.ops.linear_int8 import _quantize_groups, quantize_int8_groups
 
-pytestmark = pytest.mark.skipif(not kernel_runs(), reason=str(_KERNEL.check(None)))
+pytestmark = pytest.mark.skipif(not kernel_runs(), reason=str(_INT4.check(None)))
 
 
 def torch_parts(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -36,3 +38,21 @@ def test_the_same_bits_as_torch(dtype, scale):
 def test_what_it_does_not_take_goes_to_torch():
     assert quantize_int4_cpu(torch.randn(4, 48)) is None           # k not a multiple of 32
     assert quantize_int4_cpu(torch.randn(4, 64).half()) is None    # float16 weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e-6, 1e-3, 1.0, 300.0])
+def test_int8_the_same_bits_as_torch(dtype, scale):
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(96, 256, generator=g) * scale * torch.exp(2 * torch.randn(96, 1, generator=g))
+    w[0, :32] = 0.0                                     # a zero group: step 0, codes 0
+    w[1, :32] = (torch.arange(-16, 16) * 2 + 1) / 2     # -15.5 .. 15.5: ties, both signs
+    w[1, 0] = 127.0                                     # (the step: 1)
+    w[2, :32], w[2, 7] = 1e-8, -3e-8                    # a step inside float16's subnormals
+    w[3, :32] = torch.linspace(-8e6, 8e6, 32)           # near the largest step float16 holds
+    w = w.to(dtype)
+    want, got = _quantize_groups(w), quantize_int8_cpu(w)
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(quantize_int8_groups(w), want))
+    assert quantize_int8_cpu(torch.randn(4, 48)) is None
