@@ -154,6 +154,9 @@ def unpack_int4_rows(prepared: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
 
 
 def linear_int4_rows(x: torch.Tensor, prepared: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if prepared.dtype == torch.int8:  # a matrix the file keeps wider, in int8's layout (StoredInt4.wider)
+        from tessera.ops.linear_int8 import linear_int8_rows
+        return linear_int8_rows(x, prepared, bias)
     if prepared.dtype != torch.uint8:  # a layer that kept its float weights
         return F.linear(x, prepared.to(x.dtype), bias)
     weight = dequantize_int4(*unpack_int4_rows(prepared, x.shape[-1])).to(x.dtype)

@@ -177,6 +177,9 @@ class ExpertStacks(OpModule):
         # parts are prepared as they are); loaders that note nothing leave the stack quantized
         self._stored: dict[int, dict[int, StoredInt4]] | None = (
             {} if self.quant == "int4" and self._prepare_stack is not None else None)
+        # a stack whose file keeps it wider (a K-quant mix's Q6_K ffn_down_exps) takes int8's
+        # layout, which every int4 builder's linear runs through int8's (ops/linear_int4.py)
+        self._prepare_wider = target.prepare("moe_experts", quant="int8") if self._stored is not None else None
 
     def take_int4_parts(self, *params: nn.Parameter) -> None:
         """Mark the stacks whose loader notes stored int4 parts (note_expert_rows)."""
@@ -203,6 +206,8 @@ class ExpertStacks(OpModule):
 
     def _prepared(self, param: nn.Parameter) -> nn.Parameter:
         noted = (self._stored or {}).get(id(param), {})
+        if self._prepare_wider is not None and any(rows.wider for rows in noted.values()):
+            return prepared_param(param, self._prepare_wider)
         stored = [noted[e].parts() if e in noted else None for e in range(param.shape[0])]
         if not any(part is not None for part in stored):
             return prepared_param(param, self._prepare_stack)

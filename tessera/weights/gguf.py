@@ -205,6 +205,7 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
             yield from mxfp4_parts(name.replace(f".{EXPERT}", ""), data)
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        wider = mostly_q4 and _bits_per_weight(tensor.tensor_type) > 5
         if EXPERT in name:
             # A stacked [experts, rows, cols] tensor: dequantized one expert at a time, so
             # the float32 copy in flight is one expert's (a whole Mixtral-8x7B tensor would
@@ -214,8 +215,11 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
                 expert = name.replace(EXPERT, str(e))
                 if int4 and is_q4(tensor.tensor_type):  # (its stored parts too)
                     yield expert, Q4Rows(expert, tensor.tensor_type, data[e], shape[1:], lazy=False)
-                else:
-                    yield expert, torch.from_numpy(_dequantized(tensor, data[e], shape[1:]))
+                    continue
+                out = torch.from_numpy(_dequantized(tensor, data[e], shape[1:]))
+                if wider:  # (a K-quant mix's Q6_K ffn_down_exps: int4 stacks take this one in int8)
+                    out.stored_wider = True
+                yield expert, out
             continue
         if int4 and len(shape) == 2 and is_q4(tensor.tensor_type):
             if permute_qk and name.endswith("q_proj.weight"):  # (rows of blocks move whole)
@@ -227,7 +231,7 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         if len(shape) == 2 and shape[0] * shape[1] * 4 > LAZY_BYTES and not (
                 permute_qk and name.endswith(("q_proj.weight", "k_proj.weight"))):  # (those are un-permuted whole)
             rows = GGUFRows(tensor, data, shape)  # dequantized by rows as the loader reads them
-            rows.stored_wider = mostly_q4 and _bits_per_weight(tensor.tensor_type) > 5
+            rows.stored_wider = wider
             yield name, rows
             continue
         array = _dequantized(tensor, data, shape)
@@ -238,7 +242,7 @@ def iter_gguf_weights(path: Path, *, permute_qk: bool, num_heads: int, num_kv_he
         if norm_offset and name.endswith("norm.weight") and not name.endswith(plain_norms):
             array -= np.float32(norm_offset)
         out = torch.from_numpy(array)
-        if mostly_q4 and len(shape) == 2 and _bits_per_weight(tensor.tensor_type) > 5:
+        if wider and len(shape) == 2:
             out.stored_wider = True
         yield name, out
 

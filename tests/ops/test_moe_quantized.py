@@ -95,6 +95,29 @@ def test_each_builder_equals_the_reference_on_the_values_it_holds(name, tokens):
     assert error <= (1e-6 if dtype == torch.float32 else 0.01), error
 
 
+@pytest.mark.parametrize("int4, int8", [("torch_int4_experts", "torch_int8_experts"),
+                                        ("cpu_int4_experts", "cpu_int8_experts")])
+def test_an_int4_builder_runs_a_down_stack_kept_in_int8(int4, int8):
+    """A K-quant mix's Q6_K ffn_down_exps under int4: the down stack takes int8's layout
+    (ExpertStacks._prepare_wider), and the int4 builder runs it through int8's linear."""
+    builder, wide = builder_named(int4), builder_named(int8)
+    values13, dtype = BUILDERS[int4]
+    values2 = BUILDERS[int8][0]
+    for b in (builder, wide):
+        if b.rejections(OpSpec("moe_experts", "cpu", dtype, quant=b.quant[0])):
+            pytest.skip(f"{b.name} cannot run here")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, H, generator=g).to(dtype)
+    w13, w2 = random_stack((E, 2 * I, H), g).to(dtype), random_stack((E, H, I), g).to(dtype)
+    weights, ids = softmax_topk_ref(torch.randn(5, E, generator=g), K, True)
+    p13, p2 = builder.prepare(w13), wide.prepare(w2)
+    assert p2.dtype == torch.int8 and p13.dtype == torch.uint8
+    got = builder.impl(x, p13, p2, weights, ids)
+    expected = grouped_experts_ref(x.double(), held(w13, values13), held(w2, values2), weights.double(), ids)
+    error = ((got.double() - expected).norm() / expected.norm()).item()
+    assert error <= (1e-6 if dtype == torch.float32 else 0.01), error
+
+
 def test_stacked_prepares_each_expert_or_leaves_the_stack():
     stack = torch.randn(3, 16, 64)
     int8 = builder_named("torch_int8_experts").prepare(stack)

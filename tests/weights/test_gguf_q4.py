@@ -212,6 +212,40 @@ def test_matrices_a_4_bit_file_keeps_wider_take_int8(make_tiny_llama, tiny_token
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_expert_stacks_a_4_bit_file_keeps_wider_take_int8(tiny_tokenizer_dir, tmp_path: Path):
+    """As llama.cpp's Q4_K_M keeps ffn_down_exps at 6 bits in some layers: here layer 0's in
+    Q8_0, the rest Q4_0. Under int4 that down stack takes int8 (the gate-up stack beside it
+    the file's int4 parts), with the file's values."""
+    from tessera.ops.cpu.linear_int8 import unpack_int8
+    from tessera.ops.linear_int8 import dequantize_int8_groups, split_rows
+    from tests.weights.gguf_writer import write_model_gguf
+    from tests.weights.test_gguf_models import qwen3_moe
+
+    torch.manual_seed(1)
+    hf = qwen3_moe()
+    path = write_model_gguf(tmp_path / "moe.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", "qwen3moe",
+                            qtype=QT.Q4_0, types={"blk.0.ffn_down_exps.weight": QT.Q8_0})
+    llm = LLM(path, dtype="bfloat16", quantization="int4", num_kv_blocks=16, show_progress=False,
+              cache_dir=tmp_path / "cache")
+    first, second = (layer.mlp.experts for layer in llm.engine.model.model.layers)
+    assert first.w2_weight.dtype == torch.int8 and first.w13_weight.dtype == torch.uint8
+    assert second.w2_weight.dtype == second.w13_weight.dtype == torch.uint8
+    reader = gguf.GGUFReader(str(path))
+    down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    want = torch.from_numpy(gguf.quants.dequantize(down.data, down.tensor_type).copy())
+    inter = hf.config.moe_intermediate_size
+    for e in range(first.w2_weight.shape[0]):
+        w = first.w2_weight[e]
+        if w.shape[1] == inter + 4:  # the reference's rows (per-row scales)
+            q, scale = split_rows(w)
+            got = q.float() * scale.unsqueeze(1)
+        else:
+            got = dequantize_int8_groups(*unpack_int8(w, inter))
+        assert torch.allclose(got, want[e], atol=float(want[e].abs().max()) / 100), e
+    out = llm.generate([[5, 9, 14, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_stored_parts_come_to_the_weights_device():
     """The file's parts are read on the host; a weight elsewhere (CUDA) gets them there."""
     from tessera.ops.linear_int4 import int4_parts

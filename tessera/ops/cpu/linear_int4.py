@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tessera.ops.cpu.build import Kernel, unavailable_with_f16c
 from tessera.ops.cpu import linear as cpu_linear
+from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.cpu.linear import amx_build, run_packed
 from tessera.ops.linear_int4 import GROUP, Int4Parts, int4_parts, int4_quantizable, linear_int4_rows
 from tessera.ops.registry import register_op
@@ -81,6 +82,8 @@ def amx_kernel() -> Kernel | None:
              quant=("int4",), check=kernel_unavailable, prepare=pack_int4)
 def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
+    if weight.dtype == torch.int8:  # a matrix the file keeps wider, in int8's layout (an expert stack)
+        return cpu_int8.gemm_int8_linear(x, weight, bias)
     if weight.dtype != torch.uint8:  # kept in the model dtype
         if cpu_linear.kernel_unavailable() is None:
             return cpu_linear.gemm_linear(x, weight, bias)

@@ -20,6 +20,7 @@ import torch
 from tessera.ops.linear_int4 import GROUP, linear_int4_rows, pack_int4_rows
 from tessera.ops.registry import register_op
 from tessera.ops.triton.availability import triton_missing
+from tessera.ops.triton.int8_linear import triton_int8_linear
 from tessera.ops.triton.weight_only import launch_rows
 
 
@@ -79,6 +80,8 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
              dtypes=(torch.bfloat16, torch.float16), quant=("int4",), check=triton_missing,
              prepare=pack_int4_rows)
 def triton_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.dtype == torch.int8:  # a matrix the file keeps wider, in int8's layout (an expert stack)
+        return triton_int8_linear(x, weight, bias)
     if weight.dtype != torch.uint8 or x.dtype not in (torch.bfloat16, torch.float16):
         return linear_int4_rows(x, weight, bias)  # float weights kept by pack_int4_rows
     if bias is not None and bias.dtype != x.dtype:
