@@ -48,7 +48,7 @@ def main() -> None:
     elif unavailable_reason("gemm_bf16_avx2.c") is None:
         kernels["bf16 (avx2)"] = ((cpu_linear.gemm_linear_avx2, cpu_linear.pack_weight),) * 2
     int8 = (cpu_int8.gemm_int8_linear, cpu_int8.pack_int8)
-    if not cpu_int8._KERNEL.check(None):
+    if not cpu_int8.kernel_unavailable():
         kernels[f"int8 ({cpu_int8._KERNEL.runnable_source()})"] = (int8, int8)
         if not cpu_int4.kernel_unavailable():
             kernels[f"int4 ({cpu_int4._KERNEL.runnable_source()})"] = (

@@ -11,9 +11,9 @@ This builder runs anywhere: its prepared weight is one int8 tensor [n, k + 4] wh
 bytes per row hold the row's float32 scale, widened to the activation dtype per call.
 
 The CPU kernel (tessera/ops/cpu/linear_int8.py) scales in groups of GROUP = 32 input features
-instead, as GGUF's Q8_0 does (`quantize_int8_groups`: a float16 step per group, half a bit a
-weight more): a row's outliers then coarsen only their own group, and a Q8_0 file's matrices,
-loaded in bf16, quantize back to the file's codes.
+instead, as GGUF's Q8_0 does (`quantize_int8_groups`: a float16 step per group, relative to a
+power of two per row; half a bit a weight more): a row's outliers then coarsen only their own
+group, and a Q8_0 file's matrices, loaded in bf16, quantize back to the file's codes.
 """
 from __future__ import annotations
 
@@ -40,26 +40,30 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 GROUP = 32
-FLOAT16_MAX = 65504.0
+Int8Groups = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # quantize_int8_groups' (q, d, scale)
 
 
 def int8_groupable(weight: torch.Tensor) -> bool:
-    """Whether `weight` [n, k] takes the grouped format: k a multiple of GROUP, and every value
-    finite with its group's step (max |w| / 127) a float16."""
+    """Whether `weight` [n, k] takes the grouped format: k a multiple of GROUP, every value
+    finite."""
     if not (weight.dim() == 2 and weight.shape[1] % GROUP == 0 and weight.shape[1] > 0
             and weight.is_floating_point()):
         return False
-    largest = weight.abs().amax().item() if weight.numel() else 0.0
-    return largest / 127.0 < FLOAT16_MAX  # False for inf and NaN too
+    if not weight.numel():
+        return True
+    low, high = torch.aminmax(weight)  # (no |w| copy of a whole LM head; NaN propagates)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
-def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [n, k] -> (q int8 [n, k], d float16 [n, k / GROUP]) with weight ~= q * d per
-    group of GROUP features. d is the group's max |w| / 127 rounded to float16 before the codes
-    are chosen, so each code is the nearest for the stored step (as llama.cpp's Q8_0). For a
-    Q8_0 matrix read in bf16 that recovers the file's codes, and its steps to bf16's
-    precision. Groups whose step is a float16 subnormal (max |w| below ~0.008) lose precision
-    in the step, as Q8_0 does."""
+def quantize_int8_groups(weight: torch.Tensor) -> Int8Groups:
+    """weight [n, k] -> (q int8 [n, k], d float16 [n, k / GROUP], scale float32 [n]) with
+    weight ~= q * d * scale per group of GROUP features: the group's step is its max |w| / 127,
+    stored as a float16 d relative to its row's power of two `scale` (the largest step of the
+    row over 2^frexp: d in (0, 1)), so steps keep float16's precision however small the
+    weights (a plain float16 step turns subnormal below max |w| ~0.008 and zero below ~4e-6).
+    d is rounded before the codes are chosen, so each code is the nearest for the stored step.
+    A Q8_0 matrix's steps are float16s, which a power of two keeps exact: read in bf16 it gives
+    back its codes (bar the few bf16's rounding moved) and its steps to bf16's precision."""
     if weight.device.type == "cpu":  # the same bits in one C pass (ops/cpu/quantize_groups.c)
         from tessera.ops.cpu.quantize_groups import quantize_int8_cpu
         parts = quantize_int8_cpu(weight)
@@ -68,23 +72,30 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return _quantize_groups(weight)
 
 
-def _quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_groups(weight: torch.Tensor) -> Int8Groups:
     n, k = weight.shape
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     d = torch.empty((n, k // GROUP), dtype=torch.float16, device=weight.device)
+    scale = torch.empty((n,), dtype=torch.float32, device=weight.device)
     for start in range(0, n, CHUNK_ROWS):
         w = weight[start:start + CHUNK_ROWS].float().reshape(-1, k // GROUP, GROUP)
-        step = (w.abs().amax(dim=2) / 127.0).half()
-        safe = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+        step = w.abs().amax(dim=2) / 127.0
+        _, exponent = torch.frexp(step.amax(dim=1))              # (0 for a zero row)
+        row = torch.ldexp(torch.ones_like(step[:, 0]), exponent)  # a power of two: exact products
+        stored = (step / row.unsqueeze(1)).half()
+        effective = stored.float() * row.unsqueeze(1)
+        safe = torch.where(effective > 0, effective, torch.ones_like(effective))
         q[start:start + CHUNK_ROWS] = torch.round(w / safe.unsqueeze(2)).clamp_(-127, 127).reshape(-1, k)
-        d[start:start + CHUNK_ROWS] = step
-    return q, d
+        d[start:start + CHUNK_ROWS] = stored
+        scale[start:start + CHUNK_ROWS] = row
+    return q, d, scale
 
 
-def dequantize_int8_groups(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def dequantize_int8_groups(q: torch.Tensor, d: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 [n, k] from quantize_int8_groups' parts."""
     n, k = q.shape
-    return (q.float().reshape(n, k // GROUP, GROUP) * d.float().unsqueeze(2)).reshape(n, k)
+    step = d.float() * scale.float().unsqueeze(1)
+    return (q.float().reshape(n, k // GROUP, GROUP) * step.unsqueeze(2)).reshape(n, k)
 
 
 def quantize_rows(weight: torch.Tensor) -> torch.Tensor:

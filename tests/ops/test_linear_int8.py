@@ -60,14 +60,32 @@ def test_grouped_quantization_is_symmetric_per_group_and_within_half_a_step():
     w = torch.randn(24, 96, generator=g) * torch.logspace(-1, 3, 24).unsqueeze(1)
     w[:, 5] = 100 * w.abs().amax(1)  # an outlier coarsens only its own group
     w[7, 32:64] = 0.0    # a zero group
-    q, d = quantize_int8_groups(w)
+    w[9] = 0.0           # a zero row
+    q, d, scale = quantize_int8_groups(w)
     assert q.dtype == torch.int8 and d.dtype == torch.float16 and d.shape == (24, 3) and q.abs().max() <= 127
-    assert torch.equal(d.float(), (w.view(24, 3, 32).abs().amax(2) / 127).half().float())
-    err = (dequantize_int8_groups(q, d) - w).abs().view(24, 3, 32)
-    assert (err <= d.float().unsqueeze(2) / 2 * (1 + 1e-6)).all()
-    assert (q[7, 32:64] == 0).all() and d[7, 1] == 0
+    assert scale.dtype == torch.float32 and torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of 2
+    steps = w.view(24, 3, 32).abs().amax(2) / 127
+    assert torch.equal(d.float(), (steps / scale.unsqueeze(1)).half().float())
+    assert (d.float().amax(1)[torch.arange(24) != 9] >= 0.5).all() and (d.float() < 1).all()  # (0.5, 1) at the top
+    step = d.float() * scale.unsqueeze(1)
+    err = (dequantize_int8_groups(q, d, scale) - w).abs().view(24, 3, 32)
+    assert (err <= step.unsqueeze(2) / 2 * (1 + 1e-6)).all()
+    assert (q[7, 32:64] == 0).all() and d[7, 1] == 0 and (q[9] == 0).all()
     # the outlier's group has a step 100x the others' of its row
-    assert (d[:, 0].float() > 50 * d[:, 1:].float().amax(1)).all()
+    assert (d[:, 0].float() > 50 * d[:, 1:].float().amax(1))[torch.arange(24) != 9].all()
+
+
+@pytest.mark.parametrize("largest", [1e-2, 1e-4, 1e-6, 1e-8])
+def test_grouped_quantization_keeps_small_weights_to_half_a_step(largest):
+    """The steps are float16s relative to a power of two per row, so a matrix of tiny weights
+    quantizes as finely as one of unit weights (a plain float16 step would turn subnormal below
+    max |w| ~0.008, and zero below ~4e-6, taking the weights with it)."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(16, 128, generator=g)
+    w = w / w.abs().amax() * largest
+    got = dequantize_int8_groups(*quantize_int8_groups(w))
+    step = w.view(16, 4, 32).abs().amax(2, keepdim=True) / 127
+    assert ((got - w).view(16, 4, 32).abs() <= step / 2 * 1.002).all()
 
 
 def test_a_q8_0_matrix_gives_back_its_codes():
@@ -82,10 +100,10 @@ def test_a_q8_0_matrix_gives_back_its_codes():
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0).reshape(64, 8, 34)
     step = torch.from_numpy(raw[..., :2].copy().view(np.float16)).squeeze(-1)
     codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8)).reshape(64, 256)
-    values = dequantize_int8_groups(codes, step)
-    q, d = quantize_int8_groups(values)
-    assert torch.equal(q, codes) and torch.equal(d, step)
-    q16, _ = quantize_int8_groups(values.bfloat16())
+    values = (codes.float().view(64, 8, 32) * step.float().unsqueeze(2)).view(64, 256)
+    q, d, scale = quantize_int8_groups(values)
+    assert torch.equal(q, codes) and torch.equal(d.float() * scale.unsqueeze(1), step.float())
+    q16, _, _ = quantize_int8_groups(values.bfloat16())
     off = (q16.int() - codes.int()).abs()
     assert off.max() <= 1 and off.float().mean() < 0.01
 
@@ -122,7 +140,7 @@ def test_kernel_matches_the_dequantized_product(m, n, k, bias):
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     packed = cpu_int8.pack_int8(w)
-    assert packed.dtype == torch.int8 and packed.shape == (n // 16, 17 * k)
+    assert packed.dtype == torch.int8 and packed.shape == (n // 16, 64 + 17 * k)
     for got, want in zip(cpu_int8.unpack_int8(packed, k), quantize_int8_groups(w)):
         assert torch.equal(got, want)
     got = cpu_int8.gemm_int8_linear(x, packed, b).double()
@@ -141,17 +159,20 @@ def product_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> t
 
 
 @needs_kernel
-def test_kernel_builder_keeps_unpackable_shapes_in_the_row_layout_and_checks_inputs():
+def test_kernel_builder_keeps_what_the_panels_do_not_fit_in_bf16_and_checks_inputs():
     g = torch.Generator().manual_seed(2)
-    for w in (torch.randn(40, 64, generator=g).bfloat16(),           # 40 features: no 16-panels
-              torch.randn(32, 48, generator=g).bfloat16(),           # 48 in features: no groups
-              torch.randn(32, 64, generator=g).bfloat16() * 1e7):    # steps beyond float16
-        prepared = cpu_int8.pack_int8(w)
-        assert prepared.shape == (w.shape[0], w.shape[1] + 4) and cpu_int8.pack_int8(prepared) is prepared
-        x = torch.randn(3, w.shape[1], generator=g).bfloat16()
-        torch.testing.assert_close(cpu_int8.gemm_int8_linear(x, prepared, None), linear_int8_ref(x, prepared, None))
+    for kept in (torch.randn(40, 64, generator=g).bfloat16(),           # 40 features: no 16-panels
+                 torch.randn(32, 48, generator=g).bfloat16()):          # 48 in features: no groups
+        assert cpu_int8.pack_int8(kept) is kept
+        xk = torch.randn(3, kept.shape[1], generator=g).bfloat16()
+        want = F.linear(xk.float(), kept.float())
+        torch.testing.assert_close(cpu_int8.gemm_int8_linear(xk, kept, None).float(), want,
+                                   rtol=2e-2, atol=2e-2 * want.abs().max().item())
     x = torch.randn(3, 64, generator=g).bfloat16()
+    rows = quantize_rows(torch.randn(40, 64, generator=g).bfloat16())  # the reference's layout still runs
+    torch.testing.assert_close(cpu_int8.gemm_int8_linear(x, rows, None), linear_int8_ref(x, rows, None))
     packed = cpu_int8.pack_int8(torch.randn(32, 64, generator=g).bfloat16())
+    assert cpu_int8.pack_int8(packed) is packed
     assert cpu_int8.gemm_int8_linear(x[:0], packed, None).shape == (0, 32)
     with pytest.raises(ValueError, match="expects 64"):
         cpu_int8.gemm_int8_linear(torch.randn(2, 32).bfloat16(), packed, None)

@@ -136,9 +136,12 @@ def test_targets_get_their_builders():
 
     from tessera.ops.cpu.linear import kernel_unavailable
 
-    cpu = kernel_unavailable() is None
+    from tessera.ops.cpu.build import unavailable_reason
+
+    avx2 = unavailable_reason("gemm_bf16_avx2.c") is None
     assert select_op(OpSpec("moe_experts", "cpu", torch.bfloat16)).builder.name == (
-        "cpu_packed_experts" if cpu else "torch_grouped_experts")
+        "cpu_packed_experts" if kernel_unavailable() is None else "cpu_packed_experts_avx2" if avx2
+        else "torch_grouped_experts")
     for quant in ("int8", "int4"):
         assert select_op(OpSpec("moe_experts", "cpu", torch.float32, quant=quant)).builder.name == f"torch_{quant}_experts"
         cuda = select_op(OpSpec("moe_experts", "cuda", torch.bfloat16, quant=quant)).builder.name

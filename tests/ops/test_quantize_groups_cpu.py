@@ -48,8 +48,9 @@ def test_int8_the_same_bits_as_torch(dtype, scale):
     w[0, :32] = 0.0                                     # a zero group: step 0, codes 0
     w[1, :32] = (torch.arange(-16, 16) * 2 + 1) / 2     # -15.5 .. 15.5: ties, both signs
     w[1, 0] = 127.0                                     # (the step: 1)
-    w[2, :32], w[2, 7] = 1e-8, -3e-8                    # a step inside float16's subnormals
-    w[3, :32] = torch.linspace(-8e6, 8e6, 32)           # near the largest step float16 holds
+    w[2, :32], w[2, 7] = 1e-8, -3e-8                    # tiny weights: steps of ~2e-10
+    w[3, :32] = torch.linspace(-8e6, 8e6, 32)           # huge ones
+    w[5, 32:64] = 1e-9                                  # a step 1e-5 of its row's: float16 subnormal
     w = w.to(dtype)
     want, got = _quantize_groups(w), quantize_int8_cpu(w)
     for a, b in zip(want, got):

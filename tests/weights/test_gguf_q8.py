@@ -41,12 +41,12 @@ def test_a_q8_0_file_runs_in_int8_on_its_codes(make_tiny_llama, tiny_tokenizer_d
         assert llm.engine.quantization == "int8"
         down = llm.engine.model.model.layers[1].mlp.down_proj.weight
         assert down.dtype == torch.int8
-        codes, steps = unpack_int8(down, INTER)
+        codes, steps, scale = unpack_int8(down, INTER)
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     want_codes, want_steps = q8_0_parts(gguf.GGUFReader(str(path)), "blk.1.ffn_down.weight")
     off = (codes.int() - want_codes.int()).abs()
     assert off.max() <= 1 and off.float().mean() < 0.01
-    assert torch.allclose(steps.float(), want_steps.float(), rtol=2 ** -8, atol=0)
+    assert torch.allclose(steps.float() * scale.unsqueeze(1), want_steps.float(), rtol=2 ** -8, atol=0)
 
     file_values = expected_weights(hf, QT.Q8_0)
     with torch.no_grad():  # transformers on the file's values

@@ -114,10 +114,10 @@ def extensions_used() -> tuple[str, ...]:
 
 
 def f16c_missing() -> list[str]:
-    """The fp8 KV cache kernels widen through F16C (kv_rows.h enables it for their builds
-    alone): why they cannot run here, if the CPU lacks it."""
+    """The fp8 KV cache kernels and the int8 / int4 GEMMs' AVX2 builds widen float16s through
+    F16C (enabled for those builds alone): why they cannot run here, if the CPU lacks it."""
     flags = cpu_flags()
-    return [] if flags is None or "f16c" in flags else ["this CPU lacks f16c (fp8 KV cache widening)"]
+    return [] if flags is None or "f16c" in flags else ["this CPU lacks f16c (float16 widening)"]
 
 
 def unavailable_with_f16c(kernel: "Kernel", spec: object = None) -> list[str]:

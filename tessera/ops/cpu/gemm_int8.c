@@ -1,26 +1,27 @@
 /* y[m, n] = x[m, k] times int8 weights (+ bias[n]): bfloat16 activations against weights
  * quantized per output feature in groups of 32 input features, symmetrically, as GGUF's Q8_0
- * stores them: w = d * q with codes |q| <= 127 and a float16 step d per group
- * (tessera/ops/linear_int8.py). 8.5 bits per weight, so single-stream decode, which streams
- * every weight once per token, reads 53% of bf16's bytes; a Q8_0 file's matrices keep their
- * values (the step is the group's, not the whole row's).
+ * stores them: w = d * s * q with codes |q| <= 127, a float16 step d per group and a power of
+ * two s per output feature (tessera/ops/linear_int8.py: s keeps small steps out of float16's
+ * subnormals). 8.5 bits per weight, so single-stream decode, which streams every weight once
+ * per token, reads 53% of bf16's bytes; a Q8_0 file's matrices keep their values (the step is
+ * the group's, not the whole row's).
  *
- * Layout (one int8 tensor [n / 16, 17 k], built by tessera/ops/cpu/linear_int8.py): per panel
- * of 16 output features, per group of 32 k, 544 bytes: the 16 features' steps (float16), then
- * for each of the group's 16 pairs of k the 16 features' two values side by side, as in
- * gemm_bf16.c's packed panels.
+ * Layout (one int8 tensor [n / 16, 64 + 17 k], built by tessera/ops/cpu/linear_int8.py): per
+ * panel of 16 output features, their 16 scales s (float32), then per group of 32 k, 544
+ * bytes: the 16 features' steps d (float16), then for each of the group's 16 pairs of k the
+ * 16 features' two values side by side, as in gemm_bf16.c's packed panels.
  *
  * Arithmetic: widening int8 weights to bf16 costs five instructions per 32 weights, which
  * made the kernel compute-bound. Instead each row of x is scaled to 15-bit integers
  * (int16_rows.h: per-row scale max|x| / 16383, finer than bf16's 8-bit significand for
  * every value within 1/64 of the row's largest), weights are sign-extended to int16 (one
  * instruction), and AVX512-VNNI's vpdpwssd multiplies and adds 32 int16 pairs into int32
- * lanes; per group the exact int32 sums times the step go to float32 sums, the row's scale
- * at the end. Tiles: 6 rows of x by two panels.
+ * lanes; per group the exact int32 sums times d go to float32 sums, times s and the row's
+ * scale at the end. Tiles: 6 rows of x by two panels.
  *
  * From WIDEN_MIN_ROWS rows on the multiply is compute-bound and the 6-row tiles lose to bf16;
- * there each thread widens a pair of panels to bf16 (d * q rounded to bf16) once per block of
- * rows and runs gemm_bf16.c's 12-row tile on it; x stays bf16. Requires n % 16 == 0 and
+ * there each thread widens a pair of panels to bf16 (d * s * q rounded to bf16) once per block
+ * of rows and runs gemm_bf16.c's 12-row tile on it; x stays bf16. Requires n % 16 == 0 and
  * k % 32 == 0. Built by tessera/ops/cpu/build.py. */
 #include <immintrin.h>
 #include <math.h>
@@ -38,6 +39,7 @@
 #define GROUP 32
 #define GROUP_PAIRS (GROUP / 2)
 #define GROUP_BYTES 544                  /* 32 bytes of float16 steps, 16 pairs x 32 bytes */
+#define HEAD_BYTES 64                    /* a panel's 16 float32 scales, before its groups */
 #define PAIR_BYTES (GROUP_BYTES / GROUP_PAIRS)  /* a panel's bytes per pair of k, on average */
 #define ROWS 6
 #define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
@@ -71,7 +73,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int r = 0; r < rows; r++)
         for (int q = 0; q < panels; q++) total[r][q] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const int8_t *g0 = panel + g * GROUP_BYTES, *g1 = g0 + panel_bytes;
+        const int8_t *g0 = panel + HEAD_BYTES + g * GROUP_BYTES, *g1 = g0 + panel_bytes;
         __m512i acc[ROWS][2];
         for (int r = 0; r < rows; r++)
             for (int q = 0; q < panels; q++) acc[r][q] = _mm512_setzero_si512();
@@ -95,11 +97,13 @@ static inline __attribute__((always_inline)) void tile(
         }
     }
     for (int q = 0; q < panels; q++) {
+        const __m512 w_scale = _mm512_loadu_ps((const float *)(panel + q * panel_bytes));
         const __m512 b = bias ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(bias + col + 16 * q)))
                               : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++)
             _mm256_storeu_si256((__m256i *)(y + r * n_total + col + 16 * q),
-                                f32x16_to_bf16(_mm512_fmadd_ps(total[r][q], _mm512_set1_ps(x_scale[r]), b)));
+                                f32x16_to_bf16(_mm512_fmadd_ps(
+                                    total[r][q], _mm512_mul_ps(w_scale, _mm512_set1_ps(x_scale[r])), b)));
     }
 }
 
@@ -114,15 +118,16 @@ static inline __attribute__((always_inline)) void tile(
     }
 
 /* One panel -> gemm_bf16.c's packed layout (for each pair of k, the 16 features' two values
- * side by side), each value d * q rounded to bf16 (widened_gemm.h's view of a panel). */
+ * side by side), each value d * s * q rounded to bf16 (widened_gemm.h's view of a panel). */
 static void widen_panel(const uint8_t *panel, uint16_t *out, float *scale, int64_t k) {
     (void)scale;  /* the values are whole: nothing is left to scale */
     /* a pair's first 16 bytes are features 0-7 (two k each), its last 16 features 8-15 */
     const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    const __m512 w_scale = _mm512_loadu_ps((const float *)panel);
     for (int64_t g = 0; g < k / GROUP; g++) {
-        const int8_t *head = (const int8_t *)panel + g * GROUP_BYTES;
-        const __m512 step = load_f16x16(head);
+        const int8_t *head = (const int8_t *)panel + HEAD_BYTES + g * GROUP_BYTES;
+        const __m512 step = _mm512_mul_ps(load_f16x16(head), w_scale);  /* exact: s is a power of two */
         const __m512 step_a = _mm512_permutexvar_ps(first, step), step_b = _mm512_permutexvar_ps(second, step);
         for (int j = 0; j < GROUP_PAIRS; j++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(head + 32 + j * 32));
@@ -135,14 +140,14 @@ static void widen_panel(const uint8_t *panel, uint16_t *out, float *scale, int64
     }
 }
 
-/* x [m, k] bf16, packed [n / 16, 17 k] int8, bias [n] bf16 or NULL, y [m, n] bf16.
+/* x [m, k] bf16, packed [n / 16, 64 + 17 k] int8, bias [n] bf16 or NULL, y [m, n] bf16.
  * Returns 1 on bad shapes, 2 when the int16 copy of x cannot be allocated. */
 int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % GROUP || n < 16 || k < GROUP) return 1;
-    const int64_t panels = n / 16, panel_bytes = k / GROUP * GROUP_BYTES;
+    const int64_t panels = n / 16, panel_bytes = HEAD_BYTES + k / GROUP * GROUP_BYTES;
     if (m >= WIDEN_MIN_ROWS) {
-        const CompactPanels w = {(const uint8_t *)packed, panel_bytes, 0, PAIR_BYTES, widen_panel, 0};
+        const CompactPanels w = {(const uint8_t *)packed, panel_bytes, HEAD_BYTES, PAIR_BYTES, widen_panel, 0};
         return gemm_widened(x, w, bias, y, m, n, k, threads);
     }
     int16_t *xq;
@@ -153,7 +158,7 @@ int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *b
 #pragma omp parallel num_threads(threads)
     FOR_EACH_PANEL_TILE(m, panels, block, ROWS, {
         const int8_t *panel = packed + p * panel_bytes;
-        const NextPair next = next_pair(next_p >= 0 ? packed + next_p * panel_bytes : NULL,
+        const NextPair next = next_pair(next_p >= 0 ? packed + next_p * panel_bytes + HEAD_BYTES : NULL,
                                         panel_bytes, PAIR_BYTES, tile_index, tiles);
         const int16_t *xm = xq + mt * k;
         const float *xs = x_scale + mt;

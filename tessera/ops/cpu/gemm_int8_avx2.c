@@ -6,7 +6,8 @@
  * Arithmetic as gemm_int8.c's int16 tiles: each row of x is scaled to 15-bit integers
  * (int16_rows.h), the weights of a pair are sign-extended to int16 (one vpmovsxbw per 8
  * features), and vpmaddwd multiplies a broadcast pair of x against 8 features' pairs into
- * int32 lanes; per group the exact int32 sums times the step go to float32 sums, which live
+ * int32 lanes; per group the exact int32 sums times the step go to float32 sums (times the feature's scale
+ * at the end), which live
  * in memory (the sixteen ymm registers hold the int32 accumulators, the sign-extended
  * weights and the broadcast). A row's result does not depend on the tile it lands in, and
  * matches the AVX512 build's int16 tiles. vpmaddwd runs at about the FMA rate here, so unlike
@@ -31,6 +32,7 @@
 #define GROUP_PAIRS (GROUP / 2)
 #define GROUP_BYTES 544              /* 32 bytes of float16 steps, 16 pairs x 32 bytes */
 #define PAIR_BYTES (GROUP_BYTES / GROUP_PAIRS)
+#define HEAD_BYTES 64                /* a panel's 16 float32 scales, before its groups */
 #define ROWS 6
 #define PAIR_ROWS 3                  /* rows of a tile that takes both panels */
 #define ROW_BLOCK_BYTES (96 * 1024)  /* of int16 x rows, as gemm_int8.c */
@@ -46,7 +48,7 @@ static inline __attribute__((always_inline)) void tile_i16(
     float total[ROWS][2][16];
     memset(total, 0, sizeof total);
     for (int64_t g = 0; g < groups; g++) {
-        const int8_t *g0 = panel + g * GROUP_BYTES, *g1 = g0 + panel_bytes;
+        const int8_t *g0 = panel + HEAD_BYTES + g * GROUP_BYTES, *g1 = g0 + panel_bytes;
         __m256i acc[ROWS][2][2];
         for (int r = 0; r < rows; r++)
             for (int p = 0; p < panels; p++) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_si256();
@@ -85,10 +87,11 @@ static inline __attribute__((always_inline)) void tile_i16(
             if (bias)
                 for (int i = 0; i < 8; i++) b[i] = bf16_to_f32(bias[c + i]);
             const __m256 bv = _mm256_loadu_ps(b);
+            const __m256 ws = _mm256_loadu_ps((const float *)(panel + p * panel_bytes) + 8 * h);
             for (int r = 0; r < rows; r++) {
                 float out[8];
                 _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_loadu_ps(total[r][p] + 8 * h),
-                                                      _mm256_set1_ps(x_scale[r]), bv));
+                                                      _mm256_mul_ps(ws, _mm256_set1_ps(x_scale[r])), bv));
                 for (int i = 0; i < 8; i++) y[r * n_total + c + i] = f32_to_bf16(out[i]);
             }
         }
@@ -97,7 +100,7 @@ static inline __attribute__((always_inline)) void tile_i16(
 #define TILE(PANEL, COL, ROWS_, PANELS_) \
     tile_i16(xm, xs, PANEL, panel_bytes, bias, ym, k, n, COL, ROWS_, PANELS_, next)
 
-/* x [m, k] bf16, packed [n / 16, 17 k] int8, bias [n] bf16 or NULL, y [m, n] bf16.
+/* x [m, k] bf16, packed [n / 16, 64 + 17 k] int8, bias [n] bf16 or NULL, y [m, n] bf16.
  * Returns 1 on bad shapes, 2 when the int16 copy of x cannot be allocated. */
 int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k, int threads) {
@@ -105,7 +108,7 @@ int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *b
     int16_t *xq;
     float *x_scale;
     if (quantize_rows(x, m, k, threads, &xq, &x_scale)) return 2;
-    const int64_t panels = n / 16, panel_bytes = k / GROUP * GROUP_BYTES;
+    const int64_t panels = n / 16, panel_bytes = HEAD_BYTES + k / GROUP * GROUP_BYTES;
     int64_t block = ROW_BLOCK_BYTES / (2 * k);
     block = block < ROWS ? ROWS : block / ROWS * ROWS;
     /* tiles of up to 3 rows take both panels in one pass over x; wider ones one at a time */
@@ -113,7 +116,7 @@ int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *b
 #pragma omp parallel num_threads(threads)
     FOR_EACH_PANEL_TILE(m, panels, block, tile_rows, {
         const int8_t *panel = packed + p * panel_bytes;
-        const NextPair next = next_pair(next_p >= 0 ? packed + next_p * panel_bytes : NULL,
+        const NextPair next = next_pair(next_p >= 0 ? packed + next_p * panel_bytes + HEAD_BYTES : NULL,
                                         panel_bytes, PAIR_BYTES, tile_index, tiles);
         const int16_t *xm = xq + mt * k;
         const float *xs = x_scale + mt;

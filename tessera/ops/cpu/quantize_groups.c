@@ -2,16 +2,17 @@
  * - int4 (tessera/ops/linear_int4.py, quantize_int4): the offset m is the group's minimum
  *   rounded to float16 (down, if rounding went up) and the step d its range over 15, rounded
  *   to float16; each code is round-half-even((w - m) / d) clamped to 0..15 (0 where d is 0);
- * - int8 (tessera/ops/linear_int8.py, quantize_int8_groups): the step d is the group's
- *   max |w| / 127 rounded to float16; each code is round-half-even(w / d) clamped to
- *   -127..127 (0 where d is 0).
+ * - int8 (tessera/ops/linear_int8.py, quantize_int8_groups): the group's step max |w| / 127
+ *   over its row's power of two (2^frexp of the row's largest step), rounded to float16, is
+ *   d; each code is round-half-even(w / (d * scale)) clamped to -127..127 (0 where d is 0).
  * Every operation is the float32 one torch's version does, in the same order, so the bits
  * are the same; this only makes a model's quantization at load several times faster (one
  * pass, rows over threads). Portable C: float16 conversions by hand (round to nearest even,
  * as torch converts), not _Float16, which GCC before 12 lacks on x86. */
-#include <math.h>  /* INFINITY, fabsf */
+#include <math.h>  /* INFINITY, fabsf, frexpf, ldexpf */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GROUP 32
@@ -99,34 +100,51 @@ int tessera_quantize_int4(const void *w, int bf16, uint8_t *codes, uint16_t *d_o
 }
 
 /* w [n, k] float32 (bf16 = 0) or bfloat16 (bf16 = 1), k a multiple of 32, values finite ->
- * codes int8 [n, k], d float16 bits [n, k / 32]. Returns 1 on bad shapes. */
-int tessera_quantize_int8(const void *w, int bf16, int8_t *codes, uint16_t *d_out, int64_t n, int64_t k,
-                          int threads) {
+ * codes int8 [n, k], d float16 bits [n, k / 32], each row's power-of-two scale float32 [n].
+ * Returns 1 on bad shapes, 2 when a row's step buffer cannot be allocated. */
+int tessera_quantize_int8(const void *w, int bf16, int8_t *codes, uint16_t *d_out, float *scale_out,
+                          int64_t n, int64_t k, int threads) {
     if (n < 0 || k % GROUP) return 1;
     const int64_t groups = k / GROUP;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        float v[GROUP];
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t at = r * k + g * GROUP;
-            float largest = 0.0f;
-            for (int i = 0; i < GROUP; i++) {
-                v[i] = load_value(w, bf16, at + i);
-                const float a = fabsf(v[i]);
-                largest = a > largest ? a : largest;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *step = malloc(sizeof(float) * (size_t)(groups > 0 ? groups : 1));
+        if (!step) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            if (!step) continue;
+            float top = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                float largest = 0.0f;
+                for (int i = 0; i < GROUP; i++) {
+                    const float a = fabsf(load_value(w, bf16, r * k + g * GROUP + i));
+                    largest = a > largest ? a : largest;
+                }
+                step[g] = largest / 127.0f;
+                top = step[g] > top ? step[g] : top;
             }
-            const uint16_t d = to_half(largest / 127.0f);
-            const float step = from_half(d) > 0 ? from_half(d) : 1.0f;
-            for (int i = 0; i < GROUP; i++) {
-                /* |w / d| rounded half to even (adding and taking 2^23), the sign put back:
-                 * rounding half to even is symmetric, as torch.round is */
-                const float x = v[i] / step;
-                float q = (fabsf(x) + TWO_23) - TWO_23;
-                q = q > 127 ? 127 : q;
-                codes[at + i] = (int8_t)(x < 0 ? -q : q);
+            int exponent;
+            frexpf(top, &exponent);                    /* top = m 2^exponent, m in [0.5, 1); 0 for 0 */
+            const float row = ldexpf(1.0f, exponent);  /* a power of two: step / row is exact */
+            scale_out[r] = row;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t at = r * k + g * GROUP;
+                const uint16_t d = to_half(step[g] / row);
+                const float effective = from_half(d) * row;
+                const float safe = effective > 0 ? effective : 1.0f;
+                for (int i = 0; i < GROUP; i++) {
+                    /* |w / step| rounded half to even (adding and taking 2^23), the sign put
+                     * back: rounding half to even is symmetric, as torch.round is */
+                    const float x = load_value(w, bf16, at + i) / safe;
+                    float q = (fabsf(x) + TWO_23) - TWO_23;
+                    q = q > 127 ? 127 : q;
+                    codes[at + i] = (int8_t)(x < 0 ? -q : q);
+                }
+                d_out[r * groups + g] = d;
             }
-            d_out[r * groups + g] = d;
         }
+        free(step);
     }
-    return 0;
+    return failed ? 2 : 0;
 }

@@ -16,7 +16,7 @@ _INT4 = Kernel("quantize_groups.c", "tessera_quantize_int4",
                (ctypes.c_void_p, ctypes.c_int) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 2 + (ctypes.c_int,),
                ctypes.c_int)
 _INT8 = Kernel("quantize_groups.c", "tessera_quantize_int8",
-               (ctypes.c_void_p, ctypes.c_int) + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 2 + (ctypes.c_int,),
+               (ctypes.c_void_p, ctypes.c_int) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 2 + (ctypes.c_int,),
                ctypes.c_int)
 
 
@@ -34,8 +34,11 @@ def _takes(weight: torch.Tensor) -> bool:
 
 def _run(kernel: Kernel, weight: torch.Tensor, *outputs: torch.Tensor) -> None:
     n, k = weight.shape
-    if kernel(weight.data_ptr(), int(weight.dtype == torch.bfloat16), *(o.data_ptr() for o in outputs),
-              n, k, torch.get_num_threads()):
+    status = kernel(weight.data_ptr(), int(weight.dtype == torch.bfloat16), *(o.data_ptr() for o in outputs),
+                    n, k, torch.get_num_threads())
+    if status == 2:
+        raise MemoryError("grouped quantization: no memory for a row's steps")
+    if status:
         raise ValueError(f"grouped quantization: bad shape {tuple(weight.shape)}")
 
 
@@ -53,7 +56,7 @@ def quantize_int4_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return codes, d, m
 
 
-def quantize_int8_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def quantize_int8_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """quantize_int8_groups(weight) for a CPU float32 or bf16 [n, k] weight (k a multiple of
     32), or None where the kernel does not apply."""
     if not _takes(weight):
@@ -62,5 +65,6 @@ def quantize_int8_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     n, k = w.shape
     q = torch.empty((n, k), dtype=torch.int8)
     d = torch.empty((n, k // GROUP), dtype=torch.float16)
-    _run(_INT8, w, q, d)
-    return q, d
+    scale = torch.empty((n,), dtype=torch.float32)
+    _run(_INT8, w, q, d, scale)
+    return q, d, scale
