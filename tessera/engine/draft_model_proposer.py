@@ -34,6 +34,7 @@ from tessera.engine.scheduler import ScheduledSeq
 from tessera.engine.sequence import Sequence
 from tessera.runner.inputs import build_inputs
 from tessera.runner.model_runner import ModelRunner
+from tessera.sampling.sampler import greedy_ids
 
 # what a draft is until `fill` writes it: never a token id (an embedding lookup of it fails)
 DRAFT_PLACEHOLDER = -1
@@ -185,7 +186,7 @@ class DraftModelProposer:
             inputs.input_ids = torch.where(ids < self.draft_vocab_size, ids, torch.zeros_like(ids))
         if inputs.sampled_rows:
             logits = next(self.runner.forward(inputs))
-            tokens = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+            tokens = greedy_ids(logits[:, :self.vocab_size]).tolist()
             for item, token in zip(inputs.sampled_rows, tokens):
                 by_row[id(item.seq)].drafts.append(token)
         else:

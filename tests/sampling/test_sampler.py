@@ -160,3 +160,17 @@ def test_tiny_positive_temperature_behaves_like_greedy():
     logits = torch.tensor([[1.0, 30.0, 2.0, -1.0]])
     out = Sampler(0)(logits, SamplingBatch([SamplingParams(temperature=1e-38)], [None]))
     assert int(out[0]) == 1
+
+
+def test_greedy_ids_are_torchs_argmax():
+    """Ties (the first maximum), NaN (the first NaN), inf and all -inf rows, as argmax."""
+    from tessera.sampling.sampler import greedy_ids
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 4, (64, 500), generator=g).float()  # many ties
+    x[1, 5] = x[1, 9] = float("nan")
+    x[3, 7] = x[3, 8] = float("inf")
+    x[4] = float("-inf")
+    x[5, 3], x[5, 1] = float("nan"), float("inf")
+    assert torch.equal(greedy_ids(x), x.argmax(dim=-1))
+    assert greedy_ids(x)[[1, 3, 4, 5]].tolist() == [5, 7, 0, 3]
