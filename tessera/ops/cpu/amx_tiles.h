@@ -79,9 +79,8 @@ static inline __m512 amx_bias16(const uint16_t *bias, int64_t col) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-/* An accumulator tile (stored to `acc`) times its 16 features' scales (or 1) plus bias,
- * rounded to bf16 into `rows` rows of y. */
-static inline void amx_store_rows(int tile_index, float *acc, const __m512 scale, const __m512 bias,
+/* An accumulator tile (stored to `acc`) plus bias, rounded to bf16 into `rows` rows of y. */
+static inline void amx_store_rows(int tile_index, float *acc, const __m512 bias,
                                   uint16_t *y, int64_t n, int rows) {
     switch (tile_index) {  /* (the tile number must be a constant) */
         case 0: _tile_stored(0, acc, 64); break;
@@ -90,7 +89,7 @@ static inline void amx_store_rows(int tile_index, float *acc, const __m512 scale
         default: _tile_stored(3, acc, 64); break;
     }
     for (int r = 0; r < rows; r++) {
-        const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16 * r), scale, bias);
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), bias);
         _mm256_storeu_si256((__m256i *)(y + r * n), (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
@@ -123,13 +122,11 @@ static inline void amx_prefetch_rows(const uint16_t *at, int64_t stride) {
 
 /* Every row of x [m, k] against panels p (at `panel0`) and p + 1 (`panel_elems` further;
  * `two`: whether it exists), into y's columns col .. col + 32. `padded`: amx_padded_rows'
- * copy of the last rows. `scale`: 32 per-feature factors or NULL. */
+ * copy of the last rows. */
 static void amx_pair_rows(const uint16_t *x, const uint16_t *padded, int64_t m, int64_t k,
-                          const uint16_t *panel0, int64_t panel_elems, int two, const float *scale,
-                          const uint16_t *bias, uint16_t *y, int64_t n, int64_t col) {
+                          const uint16_t *panel0, int64_t panel_elems, int two, const uint16_t *bias,
+                          uint16_t *y, int64_t n, int64_t col) {
     const int64_t whole = m / AMX_TILE_ROWS * AMX_TILE_ROWS, rest = m - whole;
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512 scale0 = scale ? _mm512_loadu_ps(scale) : one, scale1 = scale && two ? _mm512_loadu_ps(scale + 16) : one;
     const __m512 bias0 = amx_bias16(bias, col), bias1 = two ? amx_bias16(bias, col + 16) : bias0;
     float acc[AMX_TILE_ROWS * 16];
     for (int64_t m0 = 0; m0 < m; m0 += 2 * AMX_TILE_ROWS) {
@@ -145,11 +142,11 @@ static void amx_pair_rows(const uint16_t *x, const uint16_t *padded, int64_t m, 
         } else {
             if (two) AMX_MULTIPLY(1, 1); else AMX_MULTIPLY(1, 0);
         }
-        amx_store_rows(0, acc, scale0, bias0, y + m0 * n + col, n, rows_a);
-        if (two) amx_store_rows(1, acc, scale1, bias1, y + m0 * n + col + 16, n, rows_a);
+        amx_store_rows(0, acc, bias0, y + m0 * n + col, n, rows_a);
+        if (two) amx_store_rows(1, acc, bias1, y + m0 * n + col + 16, n, rows_a);
         if (has_b) {
-            amx_store_rows(2, acc, scale0, bias0, y + mb * n + col, n, rows_b);
-            if (two) amx_store_rows(3, acc, scale1, bias1, y + mb * n + col + 16, n, rows_b);
+            amx_store_rows(2, acc, bias0, y + mb * n + col, n, rows_b);
+            if (two) amx_store_rows(3, acc, bias1, y + mb * n + col + 16, n, rows_b);
         }
     }
 }

@@ -151,9 +151,9 @@ int tessera_gemm_packed_bf16(const uint16_t *x, const uint16_t *packed, const ui
         const NextPair next = next_pair(next_p >= 0 ? packed + next_p * (k / 2) * 32 : NULL,
                                         k * 32, 64, tile_index, tiles);
         if (two_panels) {
-            PACKED_TILE_CASES(2, NULL, next)
+            PACKED_TILE_CASES(2, next)
         } else {
-            PACKED_TILE_CASES(1, NULL, next)
+            PACKED_TILE_CASES(1, next)
         }
     });
     tile_x_free(xt);

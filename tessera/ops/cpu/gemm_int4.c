@@ -119,8 +119,7 @@ static inline __attribute__((always_inline)) void tile(
 
 /* One panel's codes -> gemm_bf16.c's packed layout (for each pair of k, the 16 features'
  * two values side by side), each value d * q + m rounded to bf16. */
-static void widen_panel(const uint8_t *panel, uint16_t *out, float *scale, int64_t k) {
-    (void)scale;  /* the values are whole: nothing is left to scale */
+static void widen_panel(const uint8_t *panel, uint16_t *out, int64_t k) {
     /* lanes 0-15 of a chunk's words are features 0-7 (two k each), lanes 16-31 features 8-15 */
     const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
@@ -149,7 +148,7 @@ int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *
                       int64_t m, int64_t n, int64_t k, int threads) {
     if (m < 1 || n % 16 || k % GROUP || n < 16 || k < GROUP) return 1;
     if (m >= WIDEN_MIN_ROWS) {
-        const CompactPanels w = {packed, k / GROUP * GROUP_BYTES, 0, PAIR_BYTES, widen_panel, 0};
+        const CompactPanels w = {packed, k / GROUP * GROUP_BYTES, 0, PAIR_BYTES, widen_panel};
         return gemm_widened(x, w, bias, y, m, n, k, threads);
     }
     int16_t *xq;

@@ -119,8 +119,7 @@ static inline __attribute__((always_inline)) void tile(
 
 /* One panel -> gemm_bf16.c's packed layout (for each pair of k, the 16 features' two values
  * side by side), each value d * s * q rounded to bf16 (widened_gemm.h's view of a panel). */
-static void widen_panel(const uint8_t *panel, uint16_t *out, float *scale, int64_t k) {
-    (void)scale;  /* the values are whole: nothing is left to scale */
+static void widen_panel(const uint8_t *panel, uint16_t *out, int64_t k) {
     /* a pair's first 16 bytes are features 0-7 (two k each), its last 16 features 8-15 */
     const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
@@ -147,7 +146,7 @@ int tessera_gemm_int8(const uint16_t *x, const int8_t *packed, const uint16_t *b
     if (m < 1 || n % 16 || k % GROUP || n < 16 || k < GROUP) return 1;
     const int64_t panels = n / 16, panel_bytes = HEAD_BYTES + k / GROUP * GROUP_BYTES;
     if (m >= WIDEN_MIN_ROWS) {
-        const CompactPanels w = {(const uint8_t *)packed, panel_bytes, HEAD_BYTES, PAIR_BYTES, widen_panel, 0};
+        const CompactPanels w = {(const uint8_t *)packed, panel_bytes, HEAD_BYTES, PAIR_BYTES, widen_panel};
         return gemm_widened(x, w, bias, y, m, n, k, threads);
     }
     int16_t *xq;

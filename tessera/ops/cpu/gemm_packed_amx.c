@@ -34,7 +34,7 @@ int tessera_gemm_packed_amx(const uint16_t *x, const uint16_t *packed, const uin
             for (int64_t u = u0; u < u1; u++) {
                 const int64_t p = 2 * u;
                 amx_pair_rows(x + m0 * k, padded, rows, k, packed + p * panel_elems, panel_elems, p + 1 < panels,
-                              NULL, bias, y + m0 * n, n, 16 * p);
+                              bias, y + m0 * n, n, 16 * p);
             }
         }
         _tile_release();

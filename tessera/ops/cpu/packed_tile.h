@@ -1,8 +1,7 @@
-/* The register tile of the packed-panel GEMMs (gemm_bf16.c; gemm_int8.c on panels it has
- * widened to bf16): up to PACK_ROWS rows of x by one or two panels of 16 output features,
- * each panel holding, for every pair of k, the 16 features' two values side by side, so one
- * vdpbf16ps multiplies a broadcast pair of x against 16 features. `scale` (16 floats per
- * panel, or NULL) multiplies each output lane before the bias: int8 weights' scales.
+/* The register tile of the packed-panel GEMMs (gemm_bf16.c; the int8 / int4 GEMMs on panels
+ * they have widened to bf16, widened_gemm.h): up to PACK_ROWS rows of x by one or two panels
+ * of 16 output features, each panel holding, for every pair of k, the 16 features' two values
+ * side by side, so one vdpbf16ps multiplies a broadcast pair of x against 16 features.
  *
  * Without AVX512-BF16 (simd_bf16.h) a panel pair is widened to float32 in registers once
  * per pair of k (a shift and a mask) and each row's two x values are float32 broadcasts
@@ -58,9 +57,8 @@ static inline void tile_x_free(const TileX *x) {
 
 /* `rows` rows of x against `panels` (1 or 2) consecutive packed panels starting at p. */
 static inline __attribute__((always_inline)) void packed_tile(
-        const TileX *x, const uint16_t *panel, const uint16_t *bias, const float *scale,
-        uint16_t *y, int64_t k, int64_t n_total, int64_t col, const int rows, const int panels,
-        const NextPair next) {
+        const TileX *x, const uint16_t *panel, const uint16_t *bias, uint16_t *y, int64_t k,
+        int64_t n_total, int64_t col, const int rows, const int panels, const NextPair next) {
     const int64_t pairs = k / 2, stride = pairs * 32;  /* elements per panel */
     /* few rows: a second set of accumulators for odd pairs, so the dot-product chains
      * (latency ~6 cycles) do not serialise the stream */
@@ -100,28 +98,27 @@ static inline __attribute__((always_inline)) void packed_tile(
         for (int r = 0; r < rows; r++)
             for (int q = 0; q < panels; q++) acc[0][r][q] = _mm512_add_ps(acc[0][r][q], acc[1][r][q]);
     for (int q = 0; q < panels; q++) {
-        const __m512 s = scale ? _mm512_loadu_ps(scale + 16 * q) : _mm512_set1_ps(1.0f);
         const __m512 b = bias ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(bias + col + 16 * q)))
                               : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++)
             _mm256_storeu_si256((__m256i *)(y + r * n_total + col + 16 * q),
-                                f32x16_to_bf16(_mm512_fmadd_ps(acc[0][r][q], s, b)));
+                                f32x16_to_bf16(_mm512_add_ps(acc[0][r][q], b)));
     }
 }
 
-#define PACKED_TILE_CASES(PANELS, SCALE, NEXT)                                                                          \
-    switch (rows) {                                                                                                     \
-        case 1: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 1, PANELS, NEXT); break;          \
-        case 2: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 2, PANELS, NEXT); break;          \
-        case 3: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 3, PANELS, NEXT); break;          \
-        case 4: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 4, PANELS, NEXT); break;          \
-        case 5: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 5, PANELS, NEXT); break;          \
-        case 6: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 6, PANELS, NEXT); break;          \
-        case 7: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 7, PANELS, NEXT); break;          \
-        case 8: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 8, PANELS, NEXT); break;          \
-        case 9: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 9, PANELS, NEXT); break;          \
-        case 10: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 10, PANELS, NEXT); break;        \
-        case 11: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, 11, PANELS, NEXT); break;        \
-        default: packed_tile(xm, panel, bias, SCALE, ym, k, n, col, PACK_ROWS, PANELS, NEXT); break; \
+#define PACKED_TILE_CASES(PANELS, NEXT)                                                       \
+    switch (rows) {                                                                           \
+        case 1: packed_tile(xm, panel, bias, ym, k, n, col, 1, PANELS, NEXT); break;          \
+        case 2: packed_tile(xm, panel, bias, ym, k, n, col, 2, PANELS, NEXT); break;          \
+        case 3: packed_tile(xm, panel, bias, ym, k, n, col, 3, PANELS, NEXT); break;          \
+        case 4: packed_tile(xm, panel, bias, ym, k, n, col, 4, PANELS, NEXT); break;          \
+        case 5: packed_tile(xm, panel, bias, ym, k, n, col, 5, PANELS, NEXT); break;          \
+        case 6: packed_tile(xm, panel, bias, ym, k, n, col, 6, PANELS, NEXT); break;          \
+        case 7: packed_tile(xm, panel, bias, ym, k, n, col, 7, PANELS, NEXT); break;          \
+        case 8: packed_tile(xm, panel, bias, ym, k, n, col, 8, PANELS, NEXT); break;          \
+        case 9: packed_tile(xm, panel, bias, ym, k, n, col, 9, PANELS, NEXT); break;          \
+        case 10: packed_tile(xm, panel, bias, ym, k, n, col, 10, PANELS, NEXT); break;        \
+        case 11: packed_tile(xm, panel, bias, ym, k, n, col, 11, PANELS, NEXT); break;        \
+        default: packed_tile(xm, panel, bias, ym, k, n, col, PACK_ROWS, PANELS, NEXT); break; \
     }
 #endif

@@ -32,14 +32,19 @@ def _takes(weight: torch.Tensor) -> bool:
             and weight.shape[1] % GROUP == 0 and kernel_runs())
 
 
-def _run(kernel: Kernel, weight: torch.Tensor, *outputs: torch.Tensor) -> None:
-    n, k = weight.shape
-    status = kernel(weight.data_ptr(), int(weight.dtype == torch.bfloat16), *(o.data_ptr() for o in outputs),
+def _run(kernel: Kernel, weight: torch.Tensor,
+         *parts: tuple[tuple[int, ...], torch.dtype]) -> tuple[torch.Tensor, ...]:
+    """`kernel` on `weight` (one _takes) into new tensors of `parts` (shape, dtype)."""
+    w = weight.contiguous()
+    n, k = w.shape
+    out = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in parts)
+    status = kernel(w.data_ptr(), int(w.dtype == torch.bfloat16), *(o.data_ptr() for o in out),
                     n, k, torch.get_num_threads())
     if status == 2:
         raise MemoryError("grouped quantization: no memory for a row's steps")
     if status:
-        raise ValueError(f"grouped quantization: bad shape {tuple(weight.shape)}")
+        raise ValueError(f"grouped quantization: bad shape {tuple(w.shape)}")
+    return out
 
 
 def quantize_int4_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -47,13 +52,9 @@ def quantize_int4_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     or None where the kernel does not apply (another device or dtype, no compiler)."""
     if not _takes(weight):
         return None
-    w = weight.contiguous()
-    n, k = w.shape
-    codes = torch.empty((n, k), dtype=torch.uint8)
-    d = torch.empty((n, k // GROUP), dtype=torch.float16)
-    m = torch.empty((n, k // GROUP), dtype=torch.float16)
-    _run(_INT4, w, codes, d, m)
-    return codes, d, m
+    n, k = weight.shape
+    groups = (n, k // GROUP)
+    return _run(_INT4, weight, ((n, k), torch.uint8), (groups, torch.float16), (groups, torch.float16))
 
 
 def quantize_int8_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -61,10 +62,5 @@ def quantize_int8_cpu(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     32), or None where the kernel does not apply."""
     if not _takes(weight):
         return None
-    w = weight.contiguous()
-    n, k = w.shape
-    q = torch.empty((n, k), dtype=torch.int8)
-    d = torch.empty((n, k // GROUP), dtype=torch.float16)
-    scale = torch.empty((n,), dtype=torch.float32)
-    _run(_INT8, w, q, d, scale)
-    return q, d, scale
+    n, k = weight.shape
+    return _run(_INT8, weight, ((n, k), torch.int8), ((n, k // GROUP), torch.float16), ((n,), torch.float32))

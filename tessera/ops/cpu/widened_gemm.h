@@ -14,18 +14,15 @@
 #define WIDE_BLOCK_BYTES (4096 * 1024)  /* of bf16 x rows, as gemm_bf16.c (see there) */
 #define WIDE_MIN_BLOCK 512              /* rows of x per widening of a pair, at least (AMX build) */
 
-/* One compact panel -> `out` (k / 2 pairs of 32 bf16); `scale` receives the panel's 16
- * per-feature scales, for formats that apply them to the outputs. */
-typedef void (*WidenPanel)(const uint8_t *panel, uint16_t *out, float *scale, int64_t k);
+/* One compact panel -> `out` (k / 2 pairs of 32 bf16), every scale applied. */
+typedef void (*WidenPanel)(const uint8_t *panel, uint16_t *out, int64_t k);
 
 /* The compact weights: panels of `panel_bytes`, whose values start `values_at` bytes in, at
- * `pair_bytes` per pair of k on average (for prefetching the next pair); `scaled`: whether
- * the widened values still need their per-feature scale. */
+ * `pair_bytes` per pair of k on average (for prefetching the next pair). */
 typedef struct {
     const uint8_t *packed;
     int64_t panel_bytes, values_at, pair_bytes;
     WidenPanel widen;
-    int scaled;
 } CompactPanels;
 
 #ifdef TESSERA_AMX
@@ -35,8 +32,7 @@ typedef struct {
 
 /* The AMX build (build.py's amx family, TESSERA_AMX): each thread widens one pair of its
  * panels at a time and multiplies every row of a block of x (amx_row_block) against it on
- * AMX tiles (amx_tiles.h),
- * scales applied to the accumulated sums. Returns 0, 1 when k is not whole steps of 32, 2
+ * AMX tiles (amx_tiles.h). Returns 0, 1 when k is not whole steps of 32, 2
  * when memory runs out, 3 where the OS refuses AMX. */
 static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias, uint16_t *y,
                         int64_t m, int64_t n, int64_t k, int threads) {
@@ -52,7 +48,6 @@ static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         uint16_t *wide = malloc(sizeof(uint16_t) * 2 * panel_elems);
-        float scale[32];
         if (!wide) {
             failed = 1;
         } else {
@@ -65,10 +60,9 @@ static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias
                     const int64_t p = 2 * u;
                     const int two = p + 1 < panels;
                     const uint8_t *compact = w.packed + p * w.panel_bytes;
-                    w.widen(compact, wide, scale, k);
-                    if (two) w.widen(compact + w.panel_bytes, wide + panel_elems, scale + 16, k);
-                    amx_pair_rows(x + m0 * k, padded, rows, k, wide, panel_elems, two, w.scaled ? scale : NULL,
-                                  bias, y + m0 * n, n, 16 * p);
+                    w.widen(compact, wide, k);
+                    if (two) w.widen(compact + w.panel_bytes, wide + panel_elems, k);
+                    amx_pair_rows(x + m0 * k, padded, rows, k, wide, panel_elems, two, bias, y + m0 * n, n, 16 * p);
                 }
             }
             _tile_release();
@@ -92,15 +86,14 @@ static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         uint16_t *wide = malloc(sizeof(uint16_t) * 2 * pairs * 32);
-        float scale[32];
         if (!wide) {
             failed = 1;
         } else {
             FOR_EACH_PANEL_TILE(m, panels, block, PACK_ROWS, {
                 const uint8_t *compact = w.packed + p * w.panel_bytes;
                 if (first_tile) {
-                    w.widen(compact, wide, scale, k);
-                    if (two_panels) w.widen(compact + w.panel_bytes, wide + pairs * 32, scale + 16, k);
+                    w.widen(compact, wide, k);
+                    if (two_panels) w.widen(compact + w.panel_bytes, wide + pairs * 32, k);
                 }
                 /* the next pair's compact panels come into L2 meanwhile (see gemm_bf16.c) */
                 const NextPair next = next_pair(
@@ -109,11 +102,10 @@ static int gemm_widened(const uint16_t *x, CompactPanels w, const uint16_t *bias
                 const uint16_t *panel = wide;  /* one declaration each: a top-level comma */
                 const TileX *xm = xt + mt * k;  /* would split the macro's argument */
                 uint16_t *ym = y + mt * n;
-                const float *scales = w.scaled ? scale : NULL;
                 if (two_panels) {
-                    PACKED_TILE_CASES(2, scales, next)
+                    PACKED_TILE_CASES(2, next)
                 } else {
-                    PACKED_TILE_CASES(1, scales, next)
+                    PACKED_TILE_CASES(1, next)
                 }
             });
         }
