@@ -125,15 +125,21 @@ def stacked(prepare: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.
     return prepare_stack
 
 
-def register_per_expert(linear_builder: str, name: str) -> Callable[..., torch.Tensor]:
+ExpertsImpl = Callable[..., torch.Tensor]  # a moe_experts implementation (grouped_experts_ref's signature)
+
+
+def register_per_expert(linear_builder: str, name: str,
+                        wrap: Callable[[ExpertsImpl], ExpertsImpl] | None = None) -> ExpertsImpl:
     """Register the moe_experts builder `name`: the `linear` builder named `linear_builder`
     run on each expert, under the same conditions (devices, dtypes, quantization, check,
-    priority), with its weight preparation applied to each expert of a stack. Returns the
-    implementation."""
+    priority), with its weight preparation applied to each expert of a stack. `wrap` may put
+    a faster path in front of that loop (the CPU's one-call layer: ops/cpu/moe_experts.py).
+    Returns the implementation."""
     linear = next((b for b in builders("linear") if b.name == linear_builder), None)
     if linear is None:
         raise ValueError(f"no linear builder {linear_builder!r} is registered (import its module first)")
     impl = per_expert(linear.impl, name)
+    impl = impl if wrap is None else wrap(impl)
     return register_op("moe_experts", name=name, priority=linear.priority, devices=linear.devices,
                        dtypes=linear.dtypes, quant=linear.quant, check=linear.check,
                        prepare=None if linear.prepare is None else stacked(linear.prepare))(impl)

@@ -108,7 +108,7 @@ def test_int16_pair_dot_products(probe):
 
 # the suites that run every C kernel against its torch twin, and decode graphs end to end
 _KERNEL_TESTS = ["ops/test_cpu_gemm.py", "ops/test_linear_int8.py", "ops/test_linear_int4.py", "ops/test_cpu_paged_decode.py",
-                 "ops/test_moe_quantized.py",
+                 "ops/test_moe_quantized.py", "ops/test_moe_layer_cpu.py",
                  "ops/test_cpu_norm.py", "ops/test_cpu_rotary.py", "ops/test_cpu_activation.py",
                  "ops/test_cpu_kv_write.py", "ops/test_cpu_embedding.py", "ops/test_cpu_graph.py",
                  "ops/test_cpu_simd_bf16.py", "ops/test_cpu_gated_delta.py", "ops/test_cpu_ssm_scan.py",

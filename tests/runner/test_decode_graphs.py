@@ -114,6 +114,31 @@ def test_head_norms_and_scaled_embeddings_replay_at_every_bucket(kind, tiny_toke
     assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
 
 
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_mixtures_of_experts_replay_at_every_bucket(quantization, tiny_tokenizer_dir, tmp_path):
+    """A mixture's routing and experts are one kernel call each (ops/cpu/moe_routing.py,
+    ops/cpu/moe_experts.py), so its decode steps replay too, equal to the eager steps; the
+    router picks varied experts (its weights scaled up), so the replays route differently
+    from the captured pass."""
+    if quantization and QUANT_UNAVAILABLE[quantization]:
+        pytest.skip(f"{quantization} weights run in torch here: {QUANT_UNAVAILABLE[quantization]}")
+    import torch
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.ops.test_moe_quantized import TINY_QWEN3_MOE
+
+    torch.manual_seed(5)
+    # 16 experts: a router the packed kernels take on every build (8 rows run in torch on AVX2)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, "num_experts": 16})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(25.0)
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(tmp_path)
+    assert replayed_and_eager_buckets(tmp_path, quantization) == ([1, 2, 3], [])
+
+
 def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path, monkeypatch):
     """A pass that runs torch compute from two rows on (here Qwen3's head norms through a
     reshape, which copies a strided slice from two rows: a view at one) runs eagerly at
@@ -127,13 +152,13 @@ def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, 
     assert replayed_and_eager_buckets(tmp_path) == ([1], [2, 3])
 
 
-def replayed_and_eager_buckets(folder) -> tuple[list[int], list[int]]:
+def replayed_and_eager_buckets(folder, quantization: str | None = None) -> tuple[list[int], list[int]]:
     """Three prompts of the model in `folder`, eager and with graphs: the answers must be
     equal; returns (captured buckets, buckets run eagerly)."""
     results = {}
     for eager in (True, False):
-        with LLM(folder, dtype="bfloat16", num_kv_blocks=64, block_size=8, enforce_eager=eager,
-                 show_progress=False) as llm:
+        with LLM(folder, dtype="bfloat16", quantization=quantization, num_kv_blocks=64, block_size=8,
+                 enforce_eager=eager, show_progress=False) as llm:
             results[eager] = run(llm, count=3)
             graphs = llm.engine.runner.graphs
             buckets = (graphs.captured_sizes, graphs.eager_sizes) if graphs is not None else None

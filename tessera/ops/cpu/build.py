@@ -28,12 +28,12 @@ CACHE = Path.home() / ".cache" / "tessera" / "kernels"
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 # Kernel families. AVX512 (the default): what its flags let the compiler use, a CPU must
 # have. AVX2 (*_avx2.c files) for CPUs without AVX512. Portable (PORTABLE_SOURCES: byte
-# copies, the int4 quantizer: plain C) for any CPU.
+# copies, the quantizers, the MoE layer driver: plain C) for any CPU.
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "fma")
 AVX2_FLAGS = ("-mavx2", "-mfma")
 AVX2_CPU_FLAGS = ("avx2", "fma")
-PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c", "quantize_groups.c")
+PORTABLE_SOURCES = ("kv_write.c", "kv_write_fp8.c", "embedding.c", "quantize_groups.c", "moe_layer.c")
 # AMX (*_amx.c files: Sapphire Rapids and later Xeons): the AVX512 family's flags, its bf16
 # extension and AMX's tiles, all of which the CPU must have.
 AMX_FLAGS = ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")

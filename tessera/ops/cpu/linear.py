@@ -159,6 +159,16 @@ def amx_build(kernel: Kernel, *defines: str) -> Kernel | None:
     return amx if amx_kernel_ready() and unavailable_reason(amx.source, amx.defines) is None else None
 
 
+def packed_kernels(k: int, avx2: bool = False) -> tuple[Kernel, Kernel, int]:
+    """(kernel below `wide_rows` rows, kernel from them, wide_rows) that multiply packed
+    weights of `k` in features as the builders here choose them (gemm_linear up to
+    AMX_MIN_ROWS rows; `avx2`: gemm_linear_avx2's)."""
+    if avx2:
+        return _GEMM_PACKED_AVX2, _GEMM_PACKED_AVX2, 1
+    wide = _GEMM_PACKED_AMX if k % 32 == 0 and amx_kernel_ready() else _GEMM_PACKED
+    return _GEMM_PACKED, wide, AMX_KERNEL_MIN_ROWS
+
+
 def _packed_linear(kernel: Kernel, x: torch.Tensor, packed: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]

@@ -78,6 +78,13 @@ def amx_kernel() -> Kernel | None:
     return amx_build(_KERNEL, AMX_WIDEN_MIN_ROWS)
 
 
+@functools.lru_cache(maxsize=None)
+def packed_kernel() -> Kernel | None:
+    """The kernel that multiplies pack_int4's panels here (at any row count), or None where
+    neither build can run."""
+    return None if kernel_unavailable() else (amx_kernel() or _KERNEL)
+
+
 @register_op("linear", name="cpu_gemm_int4", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
              quant=("int4",), check=kernel_unavailable, prepare=pack_int4)
 def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
