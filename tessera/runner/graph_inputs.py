@@ -39,6 +39,7 @@ class StaticDecodeInputs:
         self.lens = torch.ones(size, dtype=torch.int32, device=device)
         self.starts = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device)  # -1: base model
+        self.live = torch.zeros(1, dtype=torch.int64, device=device)  # the step's real rows (live_rows)
         self._lora_slots_set = False  # whether rows may hold slots from an adapter step
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
@@ -58,6 +59,7 @@ class StaticDecodeInputs:
         self.slots[:rows].copy_(meta.slot_mapping)
         self.tables[:rows, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.lens[:rows].copy_(meta.seq_lens)
+        self.live.fill_(rows)
         if inputs.lora_row_slots is not None:
             self.lora_slots[:rows].copy_(inputs.lora_row_slots)
             self._lora_slots_set = True
@@ -83,4 +85,5 @@ class StaticDecodeInputs:
             slot_mapping=self.slots[:bucket], block_tables=self.tables[:bucket],
             seq_lens=self.lens[:bucket], query_start_loc=self.starts[:bucket + 1],
             num_decodes=bucket, num_decode_tokens=bucket,
-            seq_lens_list=seq_lens_list, query_lens_list=[1] * bucket, has_padding=True)
+            seq_lens_list=seq_lens_list, query_lens_list=[1] * bucket, has_padding=True,
+            live_rows=self.live)

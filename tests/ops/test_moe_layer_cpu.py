@@ -143,3 +143,30 @@ def test_a_captured_layer_replays_new_inputs(name):
         logits.copy_((torch.randn(8, E, generator=g) * 3).bfloat16())
         graph.replay()
         assert torch.equal(out, builder.impl(x, p13, p2, *softmax_topk_bf16(logits, K, True)))
+
+
+def test_padded_rows_of_a_graph_step_run_no_experts():
+    """In a step padded to a graph's rows (the step's live_rows), the padded rows get no
+    experts, so their weights are never fetched (their ids here are out of range, which any
+    real row would have refused) and zero rows; the real rows are as a step of them alone."""
+    from tessera.ops.attention.metadata import AttentionMetadata, attention_context
+
+    builder = runnable("cpu_int4_experts")
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = stacks(g)
+    p13, p2 = builder.prepare(w13), builder.prepare(w2)
+    x = torch.randn(8, H, generator=g).bfloat16()
+    weights, ids = softmax_topk_ref(torch.randn(8, E, generator=g) * 3, K, True)
+    ids[5:] = E
+    live = torch.tensor([5])
+    meta = AttentionMetadata(slot_mapping=torch.full((8,), -1), block_tables=torch.zeros(8, 1, dtype=torch.int32),
+                             seq_lens=torch.ones(8, dtype=torch.int32), query_start_loc=torch.arange(9, dtype=torch.int32),
+                             num_decodes=8, num_decode_tokens=8, seq_lens_list=[1] * 8, query_lens_list=[1] * 8,
+                             has_padding=True, live_rows=live)
+    with attention_context(meta):
+        got = builder.impl(x, p13, p2, weights, ids)
+    assert torch.equal(got[:5], builder.impl(x[:5], p13, p2, weights[:5], ids[:5]))
+    assert not got[5:].any()
+    live.fill_(8)  # read at each call: all rows real, and the bad ids are refused
+    with attention_context(meta), pytest.raises(ValueError, match="out of range"):
+        builder.impl(x, p13, p2, weights, ids)

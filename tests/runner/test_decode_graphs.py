@@ -59,6 +59,21 @@ def test_padded_rows_change_nothing(make_tiny_llama, quantization):
     if quantization and QUANT_UNAVAILABLE[quantization]:
         pytest.skip(f"{quantization} weights run in torch here: {QUANT_UNAVAILABLE[quantization]}")
     folder, _ = make_tiny_llama(seed=7)
+    assert_padded_steps_equal_eager(folder, quantization)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_padded_rows_of_a_mixture_change_nothing(quantization, tiny_tokenizer_dir, tmp_path):
+    """A mixture's padded rows run no experts (the step's live rows, read by the one-call
+    layer); its real rows are what an eager step computes."""
+    if quantization and QUANT_UNAVAILABLE[quantization]:
+        pytest.skip(f"{quantization} weights run in torch here: {QUANT_UNAVAILABLE[quantization]}")
+    make_tiny_mixture(tmp_path, tiny_tokenizer_dir)
+    assert_padded_steps_equal_eager(tmp_path, quantization)
+
+
+def assert_padded_steps_equal_eager(folder, quantization: str | None) -> None:
+    """11 sequences (the 16-row graph) then fewer, with graphs and eagerly: the same."""
     prompts = [[5 + i, 6, 7 + 2 * i] * (1 + i % 4) for i in range(11)]
     params = [SamplingParams(max_new_tokens=4 + i, temperature=0.0, logprobs=2, ignore_eos=True)
               for i in range(11)]
@@ -122,21 +137,26 @@ def test_mixtures_of_experts_replay_at_every_bucket(quantization, tiny_tokenizer
     from the captured pass."""
     if quantization and QUANT_UNAVAILABLE[quantization]:
         pytest.skip(f"{quantization} weights run in torch here: {QUANT_UNAVAILABLE[quantization]}")
+    make_tiny_mixture(tmp_path, tiny_tokenizer_dir)
+    assert replayed_and_eager_buckets(tmp_path, quantization) == ([1, 2, 3], [])
+
+
+def make_tiny_mixture(folder, tokenizer_dir) -> None:
+    """A tiny Qwen3-MoE whose router picks varied experts (its weights scaled up), with 16
+    experts: a router the packed kernels take on every build (8 rows run in torch on AVX2)."""
     import torch
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from tests.ops.test_moe_quantized import TINY_QWEN3_MOE
 
     torch.manual_seed(5)
-    # 16 experts: a router the packed kernels take on every build (8 rows run in torch on AVX2)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, "num_experts": 16})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.mul_(25.0)
-    model.save_pretrained(tmp_path)
-    AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(tmp_path)
-    assert replayed_and_eager_buckets(tmp_path, quantization) == ([1, 2, 3], [])
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
 
 
 def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path, monkeypatch):

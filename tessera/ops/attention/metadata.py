@@ -39,6 +39,10 @@ class AttentionMetadata:
     # KV-shared layers, which write no cache, run for these rows alone)
     output_rows: torch.Tensor | None = None
     output_rows_list: list[int] | None = None
+    # a step padded to a captured graph's rows (StaticDecodeInputs): int64 [1], how many
+    # leading rows are real, filled before each replay; None: all. Mixture layers skip the
+    # padded rows' experts (weights each of them would fetch for nothing)
+    live_rows: torch.Tensor | None = None
     # (block_size, sliding_window) -> (tables, mask); a dict because layers may differ in
     # window (gemma2 alternates), and each variant is built once per step
     _decode_views: dict = field(default_factory=dict, repr=False)
@@ -149,6 +153,14 @@ def attention_context(metadata: AttentionMetadata) -> Iterator[None]:
         yield
     finally:
         _current.pop()
+
+
+def live_rows_buffer(rows: int) -> torch.Tensor | None:
+    """The current step's live_rows where a step of `rows` rows is padded to a graph's (no
+    context, or a pass over other rows: None)."""
+    if not _current or _current[-1].live_rows is None or _current[-1].slot_mapping.shape[0] != rows:
+        return None
+    return _current[-1].live_rows
 
 
 def current_metadata() -> AttentionMetadata:

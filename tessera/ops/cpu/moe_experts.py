@@ -12,7 +12,8 @@ Steps of up to DRIVEN_MAX_TOKENS tokens (a decode's) run the whole layer in one 
 (moe_layer.c: the pairs sorted by expert, each expert's projections through the same
 kernels, passed as function pointers, the SwiGLU, the weighted sum), so a mixture's decode
 step is kernels alone, which its kernel graph replays (ops/cpu/graph.py), and pays no Python
-per expert. Longer steps, other activations and stacks a builder left unpacked take the
+per expert. In a step padded to a graph's rows the padded rows run no experts (the step's
+live_rows, read by the call). Longer steps, other activations and stacks a builder left unpacked take the
 per-expert loop (ops/moe.py's run_grouped).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from tessera.ops.attention.metadata import live_rows_buffer
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu import linear_int4 as cpu_int4
 from tessera.ops.cpu import linear_int8 as cpu_int8
@@ -35,7 +37,7 @@ MAX_TOP_K = 64          # (moe_layer.c's per-token arrays)
 
 _GEMM_FNS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 _LAYER = Kernel("moe_layer.c", "tessera_moe_experts",
-                (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 5 + _GEMM_FNS * 2
+                (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 5 + _GEMM_FNS * 2
                 + (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int), ctypes.c_int)
 _SCRATCH = Kernel("moe_layer.c", "tessera_moe_scratch_bytes", (ctypes.c_int64,) * 5, ctypes.c_int64)
 # moe_layer.c's statuses past the GEMMs' own (1 shapes, 2 memory, 3 AMX refused)
@@ -104,7 +106,9 @@ def _run_layer(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     scratch = torch.empty(size, dtype=torch.uint8)
     out = torch.empty_like(x)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    status = _LAYER(x.data_ptr(), weights.data_ptr(), ids.data_ptr(), out.data_ptr(),
+    live = live_rows_buffer(tokens)  # (a padded graph step: its padded rows fetch no experts)
+    status = _LAYER(x.data_ptr(), weights.data_ptr(), ids.data_ptr(), None if live is None else live.data_ptr(),
+                    out.data_ptr(),
                     tokens, top_k, experts, hidden, inter,
                     w13.data_ptr(), w13.stride(0) * w13.element_size(), ptr(b13),
                     _address(up[0]), _address(up[1]), up[2],

@@ -97,20 +97,23 @@ static int project(const int64_t *starts, int64_t experts, const uint16_t *in, u
 }
 
 /* x [tokens, hidden] bf16; weights [tokens, top_k] float32 and ids [tokens, top_k] int64 (the
- * routing); out [tokens, hidden] bf16. w13: each expert's gate-then-up matrix [2 inter, hidden]
+ * routing); live: NULL, or how many leading tokens are real (a step padded to a captured
+ * graph's rows, read at each call): the rest get no experts and zero rows; out [tokens,
+ * hidden] bf16. w13: each expert's gate-then-up matrix [2 inter, hidden]
  * in a packed layout, `w13_bytes` apart, multiplied by up_small / up_wide (from up_wide_rows
  * rows); b13 [experts, 2 inter] bf16 or NULL; w2 likewise ([hidden, inter]); act the gated
  * activation. Returns 0, a GEMM's nonzero status, MOE_EXPERT_OUT_OF_RANGE or
  * MOE_SCRATCH_TOO_SMALL (before anything is written). */
-int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *ids, uint16_t *out,
-                        int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter,
+int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *ids, const int64_t *live,
+                        uint16_t *out, int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter,
                         const uint8_t *w13, int64_t w13_bytes, const uint16_t *b13,
                         void *up_small, void *up_wide, int64_t up_wide_rows,
                         const uint8_t *w2, int64_t w2_bytes, const uint16_t *b2,
                         void *down_small, void *down_wide, int64_t down_wide_rows,
                         void *act, uint8_t *scratch, int64_t scratch_bytes, int threads) {
-    const int64_t pairs = tokens * top_k;
     if (top_k < 1 || top_k > 64) return MOE_BAD_ARGS;
+    const int64_t used = live && *live >= 0 && *live < tokens ? *live : tokens;
+    const int64_t pairs = used * top_k;
     if (scratch_bytes < tessera_moe_scratch_bytes(tokens, top_k, experts, hidden, inter))
         return MOE_SCRATCH_TOO_SMALL;
     for (int64_t p = 0; p < pairs; p++)
@@ -150,7 +153,7 @@ int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *
     if (status) return status;
 
 #pragma omp parallel for num_threads(big ? threads : 1) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t t = 0; t < used; t++) {
         /* this token's sorted slots, ascending: its experts in expert order */
         int32_t mine[64];
         for (int64_t s = 0; s < top_k; s++) {
@@ -168,5 +171,6 @@ int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *
         }
         for (int64_t c = 0; c < hidden; c++) out[t * hidden + c] = f32_to_bf16(sum[c]);
     }
+    memset(out + used * hidden, 0, 2 * (tokens - used) * hidden);
     return MOE_OK;
 }
