@@ -62,6 +62,16 @@ def test_torch_compute_or_writes_make_a_pass_unreplayable():
         graph.replay()
 
 
+def test_held_bytes_count_what_the_pass_allocated_not_its_views_of_weights():
+    """A mixture's layer reads its experts through views of the stacks: held by the graph
+    (as every tensor the pass makes), but not memory the graph costs."""
+    weights = torch.zeros(1 << 20)  # 4 MiB, made before the capture
+    with capture() as graph:
+        weights[3]
+        torch.empty(256, dtype=torch.uint8)
+    assert graph.replayable and graph.held_bytes == 256
+
+
 @torch.inference_mode()
 def test_a_kernel_failure_during_replay_is_an_error_naming_it():
     table = torch.randn(10, 16)

@@ -170,3 +170,60 @@ def test_padded_rows_of_a_graph_step_run_no_experts():
     live.fill_(8)  # read at each call: all rows real, and the bad ids are refused
     with attention_context(meta), pytest.raises(ValueError, match="out of range"):
         builder.impl(x, p13, p2, weights, ids)
+
+
+def activations() -> dict:
+    from tessera.ops.activation import ClampedSwiGLU, GeluTanhAndMul
+    from tessera.ops.registry import OpTarget
+
+    target = OpTarget("cpu", torch.bfloat16)
+    return {"gelu": GeluTanhAndMul(target), "clamped": ClampedSwiGLU(1.702, 7.0, target)}
+
+
+@pytest.mark.parametrize("activation", ["gelu", "clamped"])
+def test_gemma_and_gpt_oss_activations_run_in_the_call(activation):
+    """Gemma's gated GELU (its kernel) and gpt-oss's clamped SwiGLU (in C, rounding after
+    each op as torch does), with biases: as the loop applies them in torch."""
+    builder = runnable("cpu_packed_experts")
+    act = activations()[activation]
+    g = torch.Generator().manual_seed(8)
+    w13, w2 = stacks(g)
+    w13 = w13 * 8  # gate and up values past the clamp's limit
+    p13, p2 = builder.prepare(w13), builder.prepare(w2)
+    x = torch.randn(5, H, generator=g).bfloat16()
+    weights, ids = softmax_topk_ref(torch.randn(5, E, generator=g) * 3, K, True)
+    b13, b2 = (torch.randn(E, 2 * I, generator=g) * 0.1).bfloat16(), (torch.randn(E, H, generator=g) * 0.1).bfloat16()
+    with capture() as graph:
+        got = builder.impl(x, p13, p2, weights, ids, b13, b2, act)
+    assert [kernel.symbol for kernel, _ in graph.calls] == ["tessera_moe_experts"]
+    expected = loop_of("cpu_packed_experts")(x, p13, p2, weights, ids, b13, b2, act)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_mxfp4_stacks_run_in_the_call(tokens):
+    """gpt-oss's experts as its checkpoint keeps them (MXFP4 blocks and scales, the bf16
+    kernel's float32 sums rounded as its builder rounds them), biases and the clamped SwiGLU:
+    as the per-expert loop computes them."""
+    from tessera.ops.cpu import moe_mxfp4 as cpu_moe_mxfp4
+    from tessera.ops.moe_mxfp4 import run_mxfp4_experts
+    from tests.ops.test_moe_mxfp4 import random_stack
+
+    if not cpu_moe_mxfp4._bf16_kernel_runs():
+        pytest.skip("the MXFP4 experts' bf16 kernel does not run here (AVX2 only)")
+    experts, hidden, inter = 4, 64, 96
+    w13 = random_stack(experts, 2 * inter, groups=hidden // 32, seed=1)
+    w2 = random_stack(experts, hidden, groups=inter // 32, seed=2)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    weights, ids = softmax_topk_ref(torch.randn(tokens, experts, generator=g) * 3, 2, True)
+    b13 = torch.randn(experts, 2 * inter, generator=g).bfloat16()
+    b2 = torch.randn(experts, hidden, generator=g).bfloat16()
+    act = activations()["clamped"]
+    with capture() as graph:
+        got = cpu_moe_mxfp4.mxfp4_experts_cpu(x, w13, w2, weights, ids, b13, b2, act)
+    assert [kernel.symbol for kernel, _ in graph.calls] == ["tessera_moe_experts"]
+    expected = run_mxfp4_experts(cpu_moe_mxfp4.mxfp4_linear, x, w13, w2, weights, ids, b13, b2, act)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-3

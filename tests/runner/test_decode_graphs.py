@@ -141,6 +141,19 @@ def test_mixtures_of_experts_replay_at_every_bucket(quantization, tiny_tokenizer
     assert replayed_and_eager_buckets(tmp_path, quantization) == ([1, 2, 3], [])
 
 
+def test_gpt_oss_mxfp4_experts_replay_at_every_bucket(tiny_tokenizer_dir, tmp_path):
+    """gpt-oss as its checkpoint keeps it: MXFP4 stacks, a biased router, biased experts
+    and the clamped SwiGLU run in the one-call layer, the sinks in the attention kernels: its
+    decode steps replay, equal to the eager ones."""
+    from tessera.ops.cpu.moe_mxfp4 import _bf16_kernel_runs
+    from tests.models.test_gpt_oss import make_mxfp4_checkpoint
+
+    if not _bf16_kernel_runs():
+        pytest.skip("the MXFP4 experts' bf16 kernel does not run here (AVX2 only)")
+    make_mxfp4_checkpoint(tmp_path / "gpt-oss", tiny_tokenizer_dir)
+    assert replayed_and_eager_buckets(tmp_path / "gpt-oss") == ([1, 2, 3], [])
+
+
 def make_tiny_mixture(folder, tokenizer_dir) -> None:
     """A tiny Qwen3-MoE whose router picks varied experts (its weights scaled up), with 16
     experts: a router the packed kernels take on every build (8 rows run in torch on AVX2)."""

@@ -45,6 +45,12 @@ def silu_and_mul_kernel() -> Kernel | None:
     return None if _KERNEL.check(None) else _KERNEL
 
 
+@functools.lru_cache(maxsize=None)
+def gelu_tanh_and_mul_kernel() -> Kernel | None:
+    """The same source's GELU (tanh) build, where it runs here."""
+    return None if _GELU_KERNEL.check(None) else _GELU_KERNEL
+
+
 def _gated(kernel: Kernel, reference: Callable[[torch.Tensor], torch.Tensor], gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype != torch.bfloat16 or gate_up.shape[-1] % 2:
         return reference(gate_up)

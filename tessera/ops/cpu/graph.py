@@ -108,6 +108,8 @@ class KernelGraph:
     calls: list[tuple[Kernel, list[int]]] = field(default_factory=list)
     keep: list[torch.Tensor] = field(default_factory=list, repr=False)
     refused: list[str] = field(default_factory=list)  # ops a replay could not repeat
+    # storage -> bytes of what the pass allocated (its views of weights are kept, not counted)
+    allocated: dict[int, int] = field(default_factory=dict, repr=False)
     thread: int = field(default_factory=threading.get_ident)  # the capturing thread
     _bound: tuple | None = field(default=None, repr=False)
 
@@ -120,9 +122,8 @@ class KernelGraph:
 
     @property
     def held_bytes(self) -> int:
-        """Memory of the tensors the capture created (held as long as the graph)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.keep}
-        return sum(storages.values())
+        """Memory the capture allocated (held as long as the graph)."""
+        return sum(self.allocated.values())
 
     def _bind(self) -> tuple:
         signatures = sorted({_signature(k) for k, _ in self.calls}, key=repr)
@@ -177,7 +178,10 @@ class _Guard(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if func.overloadpacket not in _ALLOCATIONS:
+        if func.overloadpacket in _ALLOCATIONS:
+            for t in outputs:
+                self.graph.allocated[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        else:
             inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor)}
             aliases = outputs and all(t.untyped_storage().data_ptr() in inputs for t in outputs)

@@ -9,12 +9,13 @@ a prefill gives each expert many rows, which the same kernels run on AMX tiles w
 CPU has them.
 
 Steps of up to DRIVEN_MAX_TOKENS tokens (a decode's) run the whole layer in one C call
-(moe_layer.c: the pairs sorted by expert, each expert's projections through the same
-kernels, passed as function pointers, the SwiGLU, the weighted sum), so a mixture's decode
-step is kernels alone, which its kernel graph replays (ops/cpu/graph.py), and pays no Python
-per expert. In a step padded to a graph's rows the padded rows run no experts (the step's
-live_rows, read by the call). Longer steps, other activations and stacks a builder left unpacked take the
-per-expert loop (ops/moe.py's run_grouped).
+(`run_layer`, moe_layer.c: the pairs sorted by expert, each expert's projections through the
+same kernels, passed as function pointers, the activation, the weighted sum), so a mixture's
+decode step is kernels alone, which its kernel graph replays (ops/cpu/graph.py), and pays no
+Python per expert. The MXFP4 stacks' builder (ops/cpu/moe_mxfp4.py) runs through it too. In a
+step padded to a graph's rows the padded rows run no experts (the step's live_rows, read by
+the call). Longer steps, activations without a kernel and stacks a builder left unpacked take
+the per-expert loop (ops/moe.py's run_grouped).
 """
 from __future__ import annotations
 
@@ -24,107 +25,131 @@ from typing import Callable
 
 import torch
 
+from tessera.ops.activation import ClampedSwiGLU, GeluTanhAndMul
 from tessera.ops.attention.metadata import live_rows_buffer
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu import linear_int4 as cpu_int4
 from tessera.ops.cpu import linear_int8 as cpu_int8
-from tessera.ops.cpu.activation import silu_and_mul_kernel
+from tessera.ops.cpu.activation import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.moe import ExpertsImpl, register_per_expert
 
 DRIVEN_MAX_TOKENS = 32  # a decode step's rows (the kernel graphs' largest bucket)
 MAX_TOP_K = 64          # (moe_layer.c's per-token arrays)
+PACKED_GEMM, MXFP4_BLOCKS = 0, 1  # moe_layer.c's stack kinds
+GATED_KERNEL, CLAMPED_SWIGLU = 0, 1  # and activation kinds
 
-_GEMM_FNS = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+# a stack: kind, matrices, bytes per expert, scales (MXFP4), their bytes per expert, the kernel
+# below wide_rows rows, the one from them, wide_rows; then its bias
+_STACK = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
 _LAYER = Kernel("moe_layer.c", "tessera_moe_experts",
-                (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 5 + _GEMM_FNS * 2
-                + (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int), ctypes.c_int)
+                (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 5 + _STACK * 2
+                + (ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_float)
+                + (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int), ctypes.c_int)
 _SCRATCH = Kernel("moe_layer.c", "tessera_moe_scratch_bytes", (ctypes.c_int64,) * 5, ctypes.c_int64)
 # moe_layer.c's statuses past the GEMMs' own (1 shapes, 2 memory, 3 AMX refused)
 _STATUS = {1: "a GEMM refused its shapes", 2: "a GEMM found no memory for working copies",
            3: "the OS refused AMX's tile state", 4: "an expert id is out of range",
            5: "the scratch buffer is too small"}
 
-Gemms = tuple[Kernel, Kernel, int]  # (kernel below wide_rows rows, kernel from them, wide_rows)
+StackArgs = tuple  # _STACK's values but the bias: how moe_layer.c reads one stack
 
 
 @functools.lru_cache(maxsize=None)
-def _address(kernel: Kernel) -> int:
+def address(kernel: Kernel) -> int:
+    """The C function behind `kernel` (built and bound on first use)."""
     return ctypes.cast(kernel._fn, ctypes.c_void_p).value
 
 
 @functools.lru_cache(maxsize=None)
-def _layer_ready() -> bool:
-    return not _LAYER.check(None) and silu_and_mul_kernel() is not None
+def layer_ready() -> bool:
+    return not _LAYER.check(None)
 
 
-def _gemms(stack: torch.Tensor, k: int, avx2: bool) -> Gemms | None:
-    """The kernels that multiply each expert of a prepared `stack` by rows of `k` features,
-    or None where it is not in a packed layout they take (a stack left as loaded)."""
+def decode_sized(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *biases: torch.Tensor | None) -> bool:
+    """Whether run_layer takes this step: a decode's few bf16 rows, float32 weights and int64
+    ids from a routing op, bf16 biases."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= DRIVEN_MAX_TOKENS and x.dtype == torch.bfloat16
+            and x.is_contiguous() and ids.dtype == torch.int64 and weights.dtype == torch.float32
+            and ids.is_contiguous() and weights.is_contiguous() and ids.shape == weights.shape
+            and ids.dim() == 2 and ids.shape[0] == x.shape[0] and 0 < ids.shape[1] <= MAX_TOP_K
+            and all(b is None or (b.dtype == torch.bfloat16 and b.is_contiguous()) for b in biases)
+            and layer_ready())
+
+
+def activation_args(activation: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple | None:
+    """moe_layer.c's (kind, kernel, alpha, limit) for `activation` (None: SwiGLU), or None
+    where it has no kernel."""
+    if isinstance(activation, ClampedSwiGLU):
+        return CLAMPED_SWIGLU, None, activation.alpha, activation.limit
+    kernel = (silu_and_mul_kernel() if activation is None
+              else gelu_tanh_and_mul_kernel() if isinstance(activation, GeluTanhAndMul) else None)
+    return None if kernel is None else (GATED_KERNEL, address(kernel), 0.0, 0.0)
+
+
+def _packed_stack(stack: torch.Tensor, k: int, avx2: bool) -> StackArgs | None:
+    """A prepared `stack` multiplied by rows of `k` features, or None where it is not in a
+    packed layout (a stack left as loaded)."""
     if not stack.is_contiguous():
         return None
+    kernels = None
     if stack.dtype == torch.bfloat16 and stack.dim() == 4 and stack.shape[2] * 2 == k:
-        return cpu_linear.packed_kernels(k, avx2)
+        kernels = cpu_linear.packed_kernels(k, avx2)
     layouts = ((torch.int8, cpu_int8.panel_bytes(k), cpu_int8.packed_kernel),
                (torch.uint8, cpu_int4.PANEL_BYTES_PER_K * k, cpu_int4.packed_kernel))
     for dtype, row_bytes, kernel_of in layouts:
         if stack.dtype == dtype and stack.dim() == 3 and stack.shape[2] == row_bytes and k % 32 == 0:
             kernel = kernel_of()
-            return None if kernel is None else (kernel, kernel, 1)
-    return None
+            kernels = None if kernel is None else (kernel, kernel, 1)
+    if kernels is None:
+        return None
+    small, wide, wide_rows = kernels
+    return (PACKED_GEMM, stack.data_ptr(), stack.stride(0) * stack.element_size(), None, 0,
+            address(small), address(wide), wide_rows)
+
+
+def run_layer(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: int, inter: int,
+              up: StackArgs, b13: torch.Tensor | None, down: StackArgs, b2: torch.Tensor | None,
+              activation: tuple) -> torch.Tensor:
+    """The layer in one moe_layer.c call (decode_sized steps): `up` and `down` each stack's
+    StackArgs, `activation` activation_args'."""
+    (tokens, hidden), top_k = x.shape, ids.shape[1]
+    size = _SCRATCH._fn(tokens, top_k, experts, hidden, inter)  # (not a recorded call: its result is a size)
+    scratch = torch.empty(size, dtype=torch.uint8)
+    out = torch.empty_like(x)
+    live = live_rows_buffer(tokens)  # (a padded graph step: its padded rows fetch no experts)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    status = _LAYER(x.data_ptr(), weights.data_ptr(), ids.data_ptr(), ptr(live), out.data_ptr(),
+                    tokens, top_k, experts, hidden, inter, *up, ptr(b13), *down, ptr(b2), *activation,
+                    scratch.data_ptr(), size, torch.get_num_threads())
+    if status:
+        raise (ValueError if status in (1, 4) else RuntimeError)(
+            f"moe_layer.c: {_STATUS.get(status, f'status {status}')} (x {tuple(x.shape)}, {experts} experts)")
+    return out
 
 
 def driven(fallback: ExpertsImpl, avx2: bool) -> ExpertsImpl:
-    """A moe_experts implementation that runs decode-sized steps in one moe_layer.c call and
-    the rest through `fallback` (the per-expert loop)."""
+    """A moe_experts implementation over packed stacks that runs decode-sized steps in one
+    moe_layer.c call and the rest through `fallback` (the per-expert loop)."""
     def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        run = (activation is None and x.dim() == 2 and 0 < x.shape[0] <= DRIVEN_MAX_TOKENS
-               and x.dtype == torch.bfloat16 and x.is_contiguous() and _layer_ready()
-               and ids.dtype == torch.int64 and weights.dtype == torch.float32
-               and ids.is_contiguous() and weights.is_contiguous() and ids.shape == weights.shape
-               and ids.dim() == 2 and ids.shape[0] == x.shape[0] and 0 < ids.shape[1] <= MAX_TOP_K
-               and all(b is None or (b.dtype == torch.bfloat16 and b.is_contiguous()) for b in (b13, b2)))
-        if run:
+        if decode_sized(x, weights, ids, b13, b2):
             hidden, n13 = x.shape[1], w13.shape[1] * 16
-            up, down = _gemms(w13, hidden, avx2), _gemms(w2, n13 // 2, avx2)
-            run = up is not None and down is not None and w2.shape[1] * 16 == hidden and w2.shape[0] == w13.shape[0]
-        if not run:
-            return fallback(x, w13, w2, weights, ids, b13, b2, activation)
-        return _run_layer(x, w13, w2, weights, ids, b13, b2, up, down)
+            act = activation_args(activation)
+            up, down = _packed_stack(w13, hidden, avx2), _packed_stack(w2, n13 // 2, avx2)
+            if (act is not None and up is not None and down is not None and w2.shape[1] * 16 == hidden
+                    and w2.shape[0] == w13.shape[0]):
+                return run_layer(x, weights, ids, w13.shape[0], n13 // 2, up, b13, down, b2, act)
+        return fallback(x, w13, w2, weights, ids, b13, b2, activation)
     experts.__name__ = experts.__qualname__ = fallback.__name__
     experts.__doc__ = fallback.__doc__
     return experts
 
 
-def _run_layer(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               b13: torch.Tensor | None, b2: torch.Tensor | None, up: Gemms, down: Gemms) -> torch.Tensor:
-    (tokens, hidden), top_k, experts = x.shape, ids.shape[1], w13.shape[0]
-    inter = w13.shape[1] * 8
-    size = _SCRATCH._fn(tokens, top_k, experts, hidden, inter)  # (not a recorded call: its result is a size)
-    scratch = torch.empty(size, dtype=torch.uint8)
-    out = torch.empty_like(x)
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    live = live_rows_buffer(tokens)  # (a padded graph step: its padded rows fetch no experts)
-    status = _LAYER(x.data_ptr(), weights.data_ptr(), ids.data_ptr(), None if live is None else live.data_ptr(),
-                    out.data_ptr(),
-                    tokens, top_k, experts, hidden, inter,
-                    w13.data_ptr(), w13.stride(0) * w13.element_size(), ptr(b13),
-                    _address(up[0]), _address(up[1]), up[2],
-                    w2.data_ptr(), w2.stride(0) * w2.element_size(), ptr(b2),
-                    _address(down[0]), _address(down[1]), down[2],
-                    _address(silu_and_mul_kernel()), scratch.data_ptr(), size, torch.get_num_threads())
-    if status:
-        raise (ValueError if status in (1, 4) else RuntimeError)(
-            f"moe_layer.c: {_STATUS.get(status, f'status {status}')} (x {tuple(x.shape)}, "
-            f"stacks {tuple(w13.shape)} and {tuple(w2.shape)})")
-    return out
-
-
 def _register(linear_builder: str, name: str, avx2: bool = False) -> ExpertsImpl:
-    return register_per_expert(linear_builder, name,
-                               wrap=lambda impl: driven(impl, avx2))
+    return register_per_expert(linear_builder, name, wrap=lambda impl: driven(impl, avx2))
 
 
 packed_experts = _register("cpu_gemm_bf16", "cpu_packed_experts")

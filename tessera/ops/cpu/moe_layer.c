@@ -1,7 +1,8 @@
 /* A mixture-of-experts layer's routing and experts on CPU, each in one C call, so that a
  * decode step of a mixture is kernels alone (its kernel graph replays it; ops/cpu/graph.py)
  * and pays no Python per expert. Plain C (built for any CPU): the work is the GEMMs, which
- * run through the dense builders' own kernels, passed in as function pointers.
+ * run through the dense builders' own kernels (or the MXFP4 experts' kernel), passed in as
+ * function pointers.
  *
  * tessera_moe_softmax_topk: float32 softmax over a token's expert logits (bf16), its top k
  * (largest first; of equal logits the lower expert first), renormalised to sum to 1 where
@@ -9,9 +10,10 @@
  *
  * tessera_moe_experts: the (token, expert) pairs are counted and sorted by expert (stable:
  * token order within an expert); each expert with pairs runs its gate-up projection over its
- * rows, the gated activation runs once over all pairs, then each expert's down projection;
- * each token's output is the float32 sum, in expert order, of its pairs' bf16 products
- * down * bf16(weight), rounded once (ops/moe.py's run_grouped rounds so too). */
+ * rows, the gated activation (a kernel, or gpt-oss's clamped SwiGLU here) runs once over all
+ * pairs, then each expert's down projection; each token's output is the float32 sum, in
+ * expert order, of its pairs' bf16 products down * bf16(weight), rounded once (ops/moe.py's
+ * run_grouped rounds so too). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -72,45 +74,103 @@ int tessera_moe_softmax_topk(const uint16_t *logits, float *weights, int64_t *id
 
 static int64_t aligned(int64_t bytes) { return (bytes + 63) & ~(int64_t)63; }
 
-/* The scratch tessera_moe_experts needs (the Python side computes the same: moe_experts.py). */
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* The scratch tessera_moe_experts needs for these sizes (the Python side asks for it). */
 int64_t tessera_moe_scratch_bytes(int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden,
                                   int64_t inter) {
-    const int64_t pairs = tokens * top_k;
+    const int64_t pairs = tokens * top_k, widest = max64(2 * inter, hidden);
     return aligned(8 * (experts + 1)) + 2 * aligned(4 * pairs) + 2 * aligned(2 * pairs * hidden)
-           + aligned(2 * pairs * 2 * inter) + aligned(2 * pairs * inter) + aligned(4 * tokens * hidden);
+           + aligned(2 * pairs * 2 * inter) + aligned(2 * pairs * inter) + aligned(4 * tokens * hidden)
+           + aligned(4 * pairs * widest) + aligned(4 * widest);
 }
 
+/* The MXFP4 experts' kernel (mxfp4_linear.c): x [m, 32 groups] bf16, blocks [n, groups, 16]
+ * and scales [n, groups] uint8, bias [n] float32 or NULL -> out [m, n] float32. */
+typedef int (*mxfp4_fn)(const uint16_t *x, const uint8_t *blocks, const uint8_t *scales, const float *bias,
+                        float *out, int64_t m, int64_t n, int64_t groups, int threads);
+
+enum { PACKED_GEMM = 0, MXFP4_BLOCKS = 1 };  /* how a stack holds its experts */
+
+/* One stack: each expert's matrix `bytes` apart from `w` (and, MXFP4, its scales
+ * `scale_bytes` apart from `scales`); `wide` serves an expert from `wide_rows` rows on,
+ * `small` below (MXFP4: `small` always). */
+typedef struct {
+    int64_t kind;
+    const uint8_t *w;
+    int64_t bytes;
+    const uint8_t *scales;
+    int64_t scale_bytes;
+    void *small, *wide;
+    int64_t wide_rows;
+} Stack;
+
 /* One projection of every expert that has pairs: rows [starts[e], starts[e + 1]) of `in`
- * ([pairs, k]) times expert e's matrix (`bytes` apart in `w`) into the same rows of `out`
- * ([pairs, n]); `wide` serves an expert from `wide_rows` rows on, `small` below. */
-static int project(const int64_t *starts, int64_t experts, const uint16_t *in, uint16_t *out,
-                   const uint8_t *w, int64_t bytes, const uint16_t *bias, int64_t n, int64_t k,
-                   gemm_fn small, gemm_fn wide, int64_t wide_rows, int threads) {
+ * ([pairs, k]) times expert e's matrix into the same rows of `out` ([pairs, n]), plus its
+ * bias row (bf16, NULL: none). MXFP4 sums in float32 (into `sums`, with the bias widened
+ * into `bias_f32`), rounded to bf16 as its builder rounds them. */
+static int project(const int64_t *starts, int64_t experts, const uint16_t *in, uint16_t *out, Stack s,
+                   const uint16_t *bias, int64_t n, int64_t k, float *sums, float *bias_f32, int threads) {
     for (int64_t e = 0; e < experts; e++) {
         const int64_t first = starts[e], rows = starts[e + 1] - first;
         if (!rows) continue;
-        const int status = (rows >= wide_rows ? wide : small)(
-            in + first * k, w + e * bytes, bias ? bias + e * n : NULL, out + first * n, rows, n, k, threads);
+        const uint16_t *b = bias ? bias + e * n : NULL;
+        int status;
+        if (s.kind == MXFP4_BLOCKS) {
+            if (b)
+                for (int64_t c = 0; c < n; c++) bias_f32[c] = bf16_to_f32(b[c]);
+            status = ((mxfp4_fn)s.small)(in + first * k, s.w + e * s.bytes, s.scales + e * s.scale_bytes,
+                                         b ? bias_f32 : NULL, sums, rows, n, k / 32, threads);
+            for (int64_t i = 0; i < rows * n; i++) out[first * n + i] = f32_to_bf16(sums[i]);
+        } else {
+            status = ((gemm_fn)(rows >= s.wide_rows ? s.wide : s.small))(
+                in + first * k, s.w + e * s.bytes, b, out + first * n, rows, n, k, threads);
+        }
         if (status) return status;
     }
     return MOE_OK;
 }
 
+enum { GATED_KERNEL = 0, CLAMPED_SWIGLU = 1 };  /* the activation between the projections */
+
+static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+/* gpt-oss's (ops/activation.py's clamped_swiglu_ref), rounding to bf16 after each op as torch
+ * does: (clamp(up, -limit, limit) + 1) * (g * sigmoid(g * alpha)), g = min(gate, limit). */
+static void clamped_swiglu(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t h, float alpha,
+                           float limit, int threads) {
+#pragma omp parallel for num_threads(rows * h >= 65536 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * h, *u = g + h;
+        for (int64_t i = 0; i < h; i++) {
+            float gate = bf16_to_f32(g[i]), up = bf16_to_f32(u[i]);
+            gate = gate > limit ? limit : gate;  /* (NaN passes, as torch's clamp) */
+            up = up > limit ? limit : (up < -limit ? -limit : up);
+            const float glu = round_to_bf16(gate * round_to_bf16(sigmoid(round_to_bf16(gate * alpha))));
+            out[r * h + i] = f32_to_bf16(round_to_bf16(up + 1.0f) * glu);
+        }
+    }
+}
+
 /* x [tokens, hidden] bf16; weights [tokens, top_k] float32 and ids [tokens, top_k] int64 (the
  * routing); live: NULL, or how many leading tokens are real (a step padded to a captured
  * graph's rows, read at each call): the rest get no experts and zero rows; out [tokens,
- * hidden] bf16. w13: each expert's gate-then-up matrix [2 inter, hidden]
- * in a packed layout, `w13_bytes` apart, multiplied by up_small / up_wide (from up_wide_rows
- * rows); b13 [experts, 2 inter] bf16 or NULL; w2 likewise ([hidden, inter]); act the gated
- * activation. Returns 0, a GEMM's nonzero status, MOE_EXPERT_OUT_OF_RANGE or
+ * hidden] bf16. Stack 13: each expert's gate-then-up matrix [2 inter, hidden], b13 [experts,
+ * 2 inter] bf16 or NULL; stack 2 likewise ([hidden, inter]). Between them act_kind's
+ * activation: a gated kernel `act` (silu_and_mul_bf16.c's signature) or the clamped SwiGLU
+ * with alpha and limit. Returns 0, a GEMM's nonzero status, MOE_EXPERT_OUT_OF_RANGE or
  * MOE_SCRATCH_TOO_SMALL (before anything is written). */
 int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *ids, const int64_t *live,
-                        uint16_t *out, int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden, int64_t inter,
-                        const uint8_t *w13, int64_t w13_bytes, const uint16_t *b13,
-                        void *up_small, void *up_wide, int64_t up_wide_rows,
-                        const uint8_t *w2, int64_t w2_bytes, const uint16_t *b2,
-                        void *down_small, void *down_wide, int64_t down_wide_rows,
-                        void *act, uint8_t *scratch, int64_t scratch_bytes, int threads) {
+                        uint16_t *out, int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden,
+                        int64_t inter,
+                        int64_t kind13, const uint8_t *w13, int64_t w13_bytes, const uint8_t *scales13,
+                        int64_t scales13_bytes, void *up_small, void *up_wide, int64_t up_wide_rows,
+                        const uint16_t *b13,
+                        int64_t kind2, const uint8_t *w2, int64_t w2_bytes, const uint8_t *scales2,
+                        int64_t scales2_bytes, void *down_small, void *down_wide, int64_t down_wide_rows,
+                        const uint16_t *b2,
+                        int64_t act_kind, void *act, float alpha, float limit,
+                        uint8_t *scratch, int64_t scratch_bytes, int threads) {
     if (top_k < 1 || top_k > 64) return MOE_BAD_ARGS;
     const int64_t used = live && *live >= 0 && *live < tokens ? *live : tokens;
     const int64_t pairs = used * top_k;
@@ -118,6 +178,9 @@ int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *
         return MOE_SCRATCH_TOO_SMALL;
     for (int64_t p = 0; p < pairs; p++)
         if (ids[p] < 0 || ids[p] >= experts) return MOE_EXPERT_OUT_OF_RANGE;
+    const Stack s13 = {kind13, w13, w13_bytes, scales13, scales13_bytes, up_small, up_wide, up_wide_rows};
+    const Stack s2 = {kind2, w2, w2_bytes, scales2, scales2_bytes, down_small, down_wide, down_wide_rows};
+    const int64_t widest = max64(2 * inter, hidden);
     int64_t *starts = (int64_t *)scratch;
     int32_t *order = (int32_t *)(scratch + aligned(8 * (experts + 1)));  /* sorted slot -> pair */
     int32_t *slot = (int32_t *)((uint8_t *)order + aligned(4 * pairs));  /* pair -> sorted slot */
@@ -126,6 +189,8 @@ int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *
     uint16_t *hidden_rows = (uint16_t *)((uint8_t *)gate_up + aligned(2 * pairs * 2 * inter));
     uint16_t *down = (uint16_t *)((uint8_t *)hidden_rows + aligned(2 * pairs * inter));
     float *sums = (float *)((uint8_t *)down + aligned(2 * pairs * hidden));
+    float *projected = (float *)((uint8_t *)sums + aligned(4 * tokens * hidden));  /* [pairs, widest] */
+    float *bias_f32 = (float *)((uint8_t *)projected + aligned(4 * pairs * widest));
 
     /* counting sort of the pairs by expert (stable) */
     memset(starts, 0, 8 * (experts + 1));
@@ -144,12 +209,13 @@ int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *
     for (int64_t at = 0; at < pairs; at++)
         memcpy(rows + at * hidden, x + (order[at] / top_k) * hidden, 2 * hidden);
 
-    int status = project(starts, experts, rows, gate_up, w13, w13_bytes, b13, 2 * inter, hidden,
-                         (gemm_fn)up_small, (gemm_fn)up_wide, up_wide_rows, threads);
+    int status = project(starts, experts, rows, gate_up, s13, b13, 2 * inter, hidden, projected, bias_f32, threads);
     if (status) return status;
-    ((gated_fn)act)(gate_up, hidden_rows, pairs, inter, threads);
-    status = project(starts, experts, hidden_rows, down, w2, w2_bytes, b2, hidden, inter,
-                     (gemm_fn)down_small, (gemm_fn)down_wide, down_wide_rows, threads);
+    if (act_kind == CLAMPED_SWIGLU)
+        clamped_swiglu(gate_up, hidden_rows, pairs, inter, alpha, limit, threads);
+    else
+        ((gated_fn)act)(gate_up, hidden_rows, pairs, inter, threads);
+    status = project(starts, experts, hidden_rows, down, s2, b2, hidden, inter, projected, bias_f32, threads);
     if (status) return status;
 
 #pragma omp parallel for num_threads(big ? threads : 1) schedule(static)

@@ -1,8 +1,10 @@
 """The MXFP4 expert builder for CPUs: each expert's two projections read its packed blocks
-and widen them in registers, so decode streams a quarter of bf16's bytes; the activation
-between them runs in torch. bf16 inputs on AVX512 CPUs take mxfp4_linear.c (bf16 pair dots
-of the decoded weights); float32 inputs, and CPUs with AVX2 only, mxfp4_linear_avx2.c
-(float32 throughout)."""
+and widen them in registers, so decode streams a quarter of bf16's bytes. bf16 inputs on
+AVX512 CPUs take mxfp4_linear.c (bf16 pair dots of the decoded weights), a decode's steps
+the whole layer in one call (moe_experts.run_layer: routing order, the projections, the
+activation, gpt-oss's clamped SwiGLU included, and the weighted sum in C, so a captured
+decode graph replays it); float32 inputs, and CPUs with AVX2 only, mxfp4_linear_avx2.c
+(float32 throughout) per expert, the activation between the projections in torch."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +14,7 @@ from typing import Callable
 import torch
 
 from tessera.ops.cpu.build import Kernel
+from tessera.ops.cpu.moe_experts import MXFP4_BLOCKS, StackArgs, activation_args, address, decode_sized, run_layer
 from tessera.ops.moe_mxfp4 import Mxfp4Stack, run_mxfp4_experts
 from tessera.ops.registry import register_op
 
@@ -49,4 +52,19 @@ def mxfp4_experts_cpu(x: torch.Tensor, w13: Mxfp4Stack, w2: Mxfp4Stack, weights:
                       ids: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                       activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """moe_mxfp4.mxfp4_experts_ref with each projection in the kernel."""
+    if decode_sized(x, weights, ids, b13, b2) and _bf16_kernel_runs():
+        act = activation_args(activation)
+        (blocks13, _), (blocks2, _) = w13, w2
+        inter = blocks13.shape[1] // 2
+        if (act is not None and blocks13.shape[2] * 32 == x.shape[1] and blocks2.shape[1] == x.shape[1]
+                and blocks2.shape[2] * 32 == inter and blocks2.shape[0] == blocks13.shape[0]
+                and all(t.is_contiguous() for t in (*w13, *w2))):
+            return run_layer(x, weights, ids, blocks13.shape[0], inter, _stack_args(w13), b13,
+                             _stack_args(w2), b2, act)
     return run_mxfp4_experts(mxfp4_linear, x, w13, w2, weights, ids, b13, b2, activation)
+
+
+def _stack_args(stack: Mxfp4Stack) -> StackArgs:
+    blocks, scales = stack
+    kernel = address(_BF16_KERNEL)
+    return (MXFP4_BLOCKS, blocks.data_ptr(), blocks.stride(0), scales.data_ptr(), scales.stride(0), kernel, kernel, 1)
