@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tessera.distributed.parallel import TensorParallelError
 from tessera.ops.activation import clamped_swiglu_ref
 from tessera.ops.cpu import moe_mxfp4 as cpu_moe_mxfp4
+from tessera.ops.cpu.linear import has_amx
 from tessera.ops.moe_mxfp4 import Mxfp4Experts, mxfp4_experts_ref
 from tessera.ops.registry import OpTarget
 from tessera.weights.mxfp4 import dequantize_mxfp4
@@ -72,6 +73,34 @@ def test_bf16_kernel_scales_exactly_whatever_the_scale(low, high):
     err = (out.double() - want).abs() / want.abs().amax(dim=0, keepdim=True).clamp_min(1e-300)
     assert torch.isfinite(out).all() or low > 200  # 2^125 x 6 x sums may overflow float32
     assert (err[:, torch.isfinite(out).all(0)] < 1e-5).all(), err.max()
+
+
+@pytest.mark.skipif(bool(cpu_moe_mxfp4._BF16_KERNEL.check(None)), reason="no AVX512 kernel here")
+def test_dequantized_weights_are_exact_and_extreme_scales_are_refused():
+    blocks, scales = random_stack(40, groups=3, seed=5)
+    blocks[0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code, low and high nibble
+    scales[1, 2], scales[2, 0] = 2, 252                        # the exact range's ends
+    out = torch.empty(40, 96, dtype=torch.bfloat16)
+    assert cpu_moe_mxfp4._DEQUANTIZE(blocks.data_ptr(), scales.data_ptr(), out.data_ptr(), 40, 3, 2) == 0
+    assert torch.equal(out, dequantize_mxfp4(blocks, scales, torch.bfloat16))
+    scales[5, 1] = 253
+    out.zero_()
+    assert cpu_moe_mxfp4._DEQUANTIZE(blocks.data_ptr(), scales.data_ptr(), out.data_ptr(), 40, 3, 2) == 1
+    assert not out.any()
+
+
+@pytest.mark.skipif(bool(cpu_moe_mxfp4._BF16_KERNEL.check(None)) or not has_amx(), reason="no AVX512 kernel or AMX here")
+@pytest.mark.parametrize("tokens", [cpu_moe_mxfp4.DEQUANTIZE_MIN_ROWS - 1, cpu_moe_mxfp4.DEQUANTIZE_MIN_ROWS, 70])
+def test_a_prefills_rows_multiply_the_dequantized_weight_on_amx(tokens):
+    """From DEQUANTIZE_MIN_ROWS rows a projection multiplies the exactly dequantized weight
+    through torch's bf16 GEMM (AMX tiles): exact products and float32 sums there too."""
+    blocks, scales = random_stack(96, groups=4, seed=tokens)
+    g = torch.Generator().manual_seed(tokens)
+    x, bias = torch.randn(tokens, 128, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    got = cpu_moe_mxfp4.mxfp4_linear(x, blocks, scales, bias)
+    want = F.linear(x.double(), dequantize_mxfp4(blocks, scales, torch.float64), bias.double())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=2e-5 * want.abs().max().item(), rtol=2 ** -8)
 
 
 @needs_kernel

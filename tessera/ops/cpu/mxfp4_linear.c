@@ -122,3 +122,23 @@ int tessera_mxfp4_linear_bf16(const uint16_t *x, const uint8_t *blocks, const ui
     free(xs);
     return 0;
 }
+
+/* blocks [rows, groups, 16], scales [rows, groups] -> out [rows, 32 groups] bf16 in the
+ * weights' own order, exactly (a prefill's many rows per expert then multiply on AMX tiles
+ * through torch's bf16 GEMM, several times this kernel's rate). Returns 1, writing nothing,
+ * when some scale is too extreme for bf16 to hold its weights exactly. */
+int tessera_mxfp4_dequantize_bf16(const uint8_t *blocks, const uint8_t *scales, uint16_t *out, int64_t rows,
+                                  int64_t groups, int threads) {
+    for (int64_t r = 0; r < rows; r++)
+        if (!row_scalable(scales + r * groups, groups)) return 1;
+    int16_t order[32];  /* decode32's evens-then-odds back to element order */
+    for (int i = 0; i < 32; i++) order[i] = (int16_t)((i & 1) ? 16 + i / 2 : i / 2);
+    const __m512i table = e2m1_table(), interleave = _mm512_loadu_si512(order);
+#pragma omp parallel for num_threads(rows * groups >= 2048 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512i w = scaled(decode32(blocks + (r * groups + g) * 16, table), scales[r * groups + g]);
+            _mm512_storeu_si512(out + (r * groups + g) * 32, _mm512_permutexvar_epi16(interleave, w));
+        }
+    return 0;
+}
