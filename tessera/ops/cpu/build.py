@@ -240,6 +240,12 @@ class Kernel:
     def _fn(self):  # bound once per Kernel object (no per-call hashing of the dataclass)
         return _bind(self)
 
+    @cached_property
+    def address(self) -> int:
+        """The C function's address (built and bound on first use): what a kernel graph's
+        replayer, or a kernel taking another as a function pointer, calls."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     def runnable_source(self) -> str:
         """`source`, or `fallback_source` where only that one can run here."""
         if (self.fallback_source and unavailable_reason(self.source, self.defines)

@@ -139,7 +139,7 @@ class KernelGraph:
             offsets.append(len(flat))
             flat.extend(args)
         kinds = (ctypes.c_int32 * n)(*(index[_signature(k)] for k, _ in self.calls))
-        fns = (ctypes.c_void_p * n)(*(ctypes.cast(k._fn, ctypes.c_void_p).value for k, _ in self.calls))
+        fns = (ctypes.c_void_p * n)(*(k.address for k, _ in self.calls))
         offs = (ctypes.c_int64 * n)(*offsets)
         values = (ctypes.c_int64 * max(1, len(flat)))(*flat)
         failed = ctypes.c_int64(0)

@@ -161,8 +161,8 @@ def amx_build(kernel: Kernel, *defines: str) -> Kernel | None:
 
 def packed_kernels(k: int, avx2: bool = False) -> tuple[Kernel, Kernel, int]:
     """(kernel below `wide_rows` rows, kernel from them, wide_rows) that multiply packed
-    weights of `k` in features as the builders here choose them (gemm_linear up to
-    AMX_MIN_ROWS rows; `avx2`: gemm_linear_avx2's)."""
+    weights of `k` in features: gemm_linear's choice (up to AMX_MIN_ROWS rows where the AMX
+    kernel cannot run; `avx2`: gemm_linear_avx2's)."""
     if avx2:
         return _GEMM_PACKED_AVX2, _GEMM_PACKED_AVX2, 1
     wide = _GEMM_PACKED_AMX if k % 32 == 0 and amx_kernel_ready() else _GEMM_PACKED
@@ -204,12 +204,13 @@ def gemm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if is_packed(weight):
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        if rows >= AMX_KERNEL_MIN_ROWS and k % 32 == 0 and amx_kernel_ready():
-            return _packed_linear(_GEMM_PACKED_AMX, x, weight, bias)
+        small, wide, wide_rows = packed_kernels(k)  # (the MoE layer's one call chooses so too)
+        if rows >= wide_rows and wide is not small:
+            return _packed_linear(wide, x, weight, bias)
         if rows >= AMX_MIN_ROWS and has_amx():  # a prefill's rows: torch on AMX tiles
             return F.linear(x.to(torch.bfloat16), unpack_weight(weight),
                             None if bias is None else bias.to(torch.bfloat16))
-        return _packed_linear(_GEMM_PACKED, x, weight, bias)
+        return _packed_linear(small, x, weight, bias)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16

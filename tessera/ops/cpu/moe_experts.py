@@ -57,12 +57,6 @@ StackArgs = tuple  # _STACK's values but the bias: how moe_layer.c reads one sta
 
 
 @functools.lru_cache(maxsize=None)
-def address(kernel: Kernel) -> int:
-    """The C function behind `kernel` (built and bound on first use)."""
-    return ctypes.cast(kernel._fn, ctypes.c_void_p).value
-
-
-@functools.lru_cache(maxsize=None)
 def layer_ready() -> bool:
     return not _LAYER.check(None)
 
@@ -85,7 +79,7 @@ def activation_args(activation: Callable[[torch.Tensor], torch.Tensor] | None) -
         return CLAMPED_SWIGLU, None, activation.alpha, activation.limit
     kernel = (silu_and_mul_kernel() if activation is None
               else gelu_tanh_and_mul_kernel() if isinstance(activation, GeluTanhAndMul) else None)
-    return None if kernel is None else (GATED_KERNEL, address(kernel), 0.0, 0.0)
+    return None if kernel is None else (GATED_KERNEL, kernel.address, 0.0, 0.0)
 
 
 def _packed_stack(stack: torch.Tensor, k: int, avx2: bool) -> StackArgs | None:
@@ -106,7 +100,7 @@ def _packed_stack(stack: torch.Tensor, k: int, avx2: bool) -> StackArgs | None:
         return None
     small, wide, wide_rows = kernels
     return (PACKED_GEMM, stack.data_ptr(), stack.stride(0) * stack.element_size(), None, 0,
-            address(small), address(wide), wide_rows)
+            small.address, wide.address, wide_rows)
 
 
 def run_layer(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: int, inter: int,

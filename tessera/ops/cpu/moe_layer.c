@@ -120,7 +120,8 @@ static int project(const int64_t *starts, int64_t experts, const uint16_t *in, u
             if (b)
                 for (int64_t c = 0; c < n; c++) bias_f32[c] = bf16_to_f32(b[c]);
             status = ((mxfp4_fn)s.small)(in + first * k, s.w + e * s.bytes, s.scales + e * s.scale_bytes,
-                                         b ? bias_f32 : NULL, sums, rows, n, k / 32, threads);
+                                         b ? bias_f32 : NULL, sums, rows, n, k / 32, threads)
+                     ? 2 : 0;  /* (its one failure: no memory for its copy of the rows) */
             for (int64_t i = 0; i < rows * n; i++) out[first * n + i] = f32_to_bf16(sums[i]);
         } else {
             status = ((gemm_fn)(rows >= s.wide_rows ? s.wide : s.small))(

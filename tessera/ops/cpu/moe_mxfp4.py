@@ -1,12 +1,12 @@
 """The MXFP4 expert builder for CPUs: each expert's two projections read its packed blocks
 and widen them in registers, so decode streams a quarter of bf16's bytes. bf16 inputs on
-AVX512 CPUs take mxfp4_linear.c (bf16 pair dots of the decoded weights; on AMX hosts, from
-DEQUANTIZE_MIN_ROWS rows, a prefill's, the weights dequantized exactly and multiplied on AMX
-tiles by torch's bf16 GEMM), a decode's steps
-the whole layer in one call (moe_experts.run_layer: routing order, the projections, the
-activation, gpt-oss's clamped SwiGLU included, and the weighted sum in C, so a captured
-decode graph replays it); float32 inputs, and CPUs with AVX2 only, mxfp4_linear_avx2.c
-(float32 throughout) per expert, the activation between the projections in torch."""
+AVX512 CPUs take mxfp4_linear.c: bf16 pair dots of the decoded weights; on AMX hosts, from
+DEQUANTIZE_MIN_ROWS rows (a prefill's), the weights dequantized exactly and multiplied on AMX
+tiles by torch's bf16 GEMM. A decode's steps run the whole layer in one call
+(moe_experts.run_layer: the projections, the activation, gpt-oss's clamped SwiGLU included,
+and the weighted sum in C, so a captured decode graph replays it). float32 inputs, and CPUs
+with AVX2 only, take mxfp4_linear_avx2.c (float32 throughout) per expert, the activation
+between the projections in torch."""
 from __future__ import annotations
 
 import ctypes
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.cpu.linear import has_amx
-from tessera.ops.cpu.moe_experts import MXFP4_BLOCKS, StackArgs, activation_args, address, decode_sized, run_layer
+from tessera.ops.cpu.moe_experts import MXFP4_BLOCKS, StackArgs, activation_args, decode_sized, run_layer
 from tessera.ops.moe_mxfp4 import Mxfp4Stack, run_mxfp4_experts
 from tessera.ops.registry import register_op
 
@@ -82,5 +82,5 @@ def mxfp4_experts_cpu(x: torch.Tensor, w13: Mxfp4Stack, w2: Mxfp4Stack, weights:
 
 def _stack_args(stack: Mxfp4Stack) -> StackArgs:
     blocks, scales = stack
-    kernel = address(_BF16_KERNEL)
+    kernel = _BF16_KERNEL.address
     return (MXFP4_BLOCKS, blocks.data_ptr(), blocks.stride(0), scales.data_ptr(), scales.stride(0), kernel, kernel, 1)

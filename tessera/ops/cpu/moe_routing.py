@@ -11,10 +11,9 @@ import ctypes
 import torch
 
 from tessera.ops.cpu.build import Kernel
+from tessera.ops.cpu.moe_experts import MAX_TOP_K
 from tessera.ops.moe import softmax_topk_ref
 from tessera.ops.registry import register_op
-
-MAX_TOP_K = 64  # (moe_layer.c's per-token arrays)
 
 _KERNEL = Kernel("moe_layer.c", "tessera_moe_softmax_topk",
                  (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 3 + (ctypes.c_int,) * 2, ctypes.c_int)
