@@ -201,14 +201,19 @@ def _cos_sin_rows(freqs: torch.Tensor, scale: float, dtype: torch.dtype) -> torc
 
 @register_op("rotary", name="torch_rotary", priority=0)
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq*D], k: [T, Hk*D]; cos/sin: [T, 1, D] for these tokens' positions."""
+               head_size: int, full_head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq*D], k: [T, Hk*D]; cos/sin: [T, 1, D] for these tokens' positions (D:
+    head_size). `full_head` > head_size (partial rotary): the heads are that wide, only
+    their first head_size dimensions turn, the rest pass through."""
+    width = full_head or head_size
 
     def apply(x: torch.Tensor) -> torch.Tensor:
-        x = x.view(x.shape[0], -1, head_size)
+        heads = x.reshape(x.shape[0], -1, width)
+        x = heads[..., :head_size]
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
-        return (x * cos + rotated * sin).flatten(1)
+        turned = x * cos + rotated * sin
+        return (turned if width == head_size else torch.cat((turned, heads[..., head_size:]), dim=-1)).flatten(1)
 
     return apply(q), apply(k)
 
@@ -340,17 +345,16 @@ class ApplyRotary(OpModule):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.whole_heads:
-            return self._rotary(q, k, rope[0], rope[1], self.head_size)
         d, r = self.head_size, self.rotary_dim
+        if self.halves is None:  # whole heads, or their first r dimensions
+            return self._rotary(q, k, rope[0], rope[1], r, full_head=d)
+        # interleaved: the turned pairs gathered into halves and back
         heads_q, heads_k = q.reshape(q.shape[0], -1, d), k.reshape(k.shape[0], -1, d)
-        turned_q, turned_k = heads_q[..., :r], heads_k[..., :r]
-        if self.halves is not None:
-            turned_q, turned_k = turned_q.index_select(-1, self.halves[0]), turned_k.index_select(-1, self.halves[0])
+        turned_q, turned_k = heads_q[..., :r].index_select(-1, self.halves[0]), heads_k[..., :r].index_select(
+            -1, self.halves[0])
         q_rot, k_rot = self._rotary(turned_q.reshape(q.shape[0], -1), turned_k.reshape(k.shape[0], -1),
                                     rope[0], rope[1], r)
-        q_rot, k_rot = q_rot.view(q.shape[0], -1, r), k_rot.view(k.shape[0], -1, r)
-        if self.halves is not None:
-            q_rot, k_rot = q_rot.index_select(-1, self.halves[1]), k_rot.index_select(-1, self.halves[1])
+        q_rot = q_rot.view(q.shape[0], -1, r).index_select(-1, self.halves[1])
+        k_rot = k_rot.view(k.shape[0], -1, r).index_select(-1, self.halves[1])
         return (torch.cat((q_rot, heads_q[..., r:]), dim=-1).view(q.shape[0], -1),
                 torch.cat((k_rot, heads_k[..., r:]), dim=-1).view(k.shape[0], -1))

@@ -43,8 +43,11 @@ class CpuDecodeGraphs:
 
     replays_lora = True  # steps with LoRA rows replay too (the slots are an input buffer)
 
-    def __init__(self, model: nn.Module, block_size: int):
+    def __init__(self, model: nn.Module, block_size: int, state_pad_slot: int | None = None):
+        """`state_pad_slot`: a model with recurrent layers' spare state slot, which padded
+        rows use (StaticDecodeInputs)."""
         self.model = model
+        self.state_pad_slot = state_pad_slot
         self.block_size = block_size
         self.limits: GraphLimits | None = None
         self.inputs: StaticDecodeInputs | None = None
@@ -68,7 +71,7 @@ class CpuDecodeGraphs:
         self._eager.clear()
         self.limits = limits
         self.inputs = None if limits is None else StaticDecodeInputs(BUCKETS, limits, self.block_size,
-                                                                     torch.device("cpu"))
+                                                                     torch.device("cpu"), self.state_pad_slot)
 
     def run(self, inputs: ModelInputs) -> torch.Tensor | None:
         """The hidden states [rows, hidden] of a decode-only step, or None when no graph

@@ -26,7 +26,10 @@ class GraphLimits:
 
 class StaticDecodeInputs:
     def __init__(self, buckets: tuple[int, ...], limits: GraphLimits, block_size: int,
-                 device: torch.device):
+                 device: torch.device, state_pad_slot: int | None = None):
+        """`state_pad_slot`: for a model with recurrent layers, the state slot padded rows
+        read and write (one no sequence holds), so a padded step leaves the others' states
+        as they were."""
         self.buckets = buckets
         self.limits = limits
         size = buckets[-1]
@@ -40,6 +43,8 @@ class StaticDecodeInputs:
         self.starts = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device)  # -1: base model
         self.live = torch.zeros(1, dtype=torch.int64, device=device)  # the step's real rows (live_rows)
+        self.state_pad_slot = state_pad_slot
+        self.state_slots = None if state_pad_slot is None else torch.full((size,), state_pad_slot, **zeros)
         self._lora_slots_set = False  # whether rows may hold slots from an adapter step
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
@@ -60,6 +65,8 @@ class StaticDecodeInputs:
         self.tables[:rows, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.lens[:rows].copy_(meta.seq_lens)
         self.live.fill_(rows)
+        if self.state_slots is not None:
+            self.state_slots[:rows].copy_(meta.state_slots)
         if inputs.lora_row_slots is not None:
             self.lora_slots[:rows].copy_(inputs.lora_row_slots)
             self._lora_slots_set = True
@@ -75,6 +82,8 @@ class StaticDecodeInputs:
         self.slots[start:end] = -1
         self.tables[start:end, 0] = 0
         self.lens[start:end] = 1
+        if self.state_slots is not None:
+            self.state_slots[start:end] = self.state_pad_slot
         if self._lora_slots_set:
             self.lora_slots[start:end] = -1
 
@@ -86,4 +95,4 @@ class StaticDecodeInputs:
             seq_lens=self.lens[:bucket], query_start_loc=self.starts[:bucket + 1],
             num_decodes=bucket, num_decode_tokens=bucket,
             seq_lens_list=seq_lens_list, query_lens_list=[1] * bucket, has_padding=True,
-            live_rows=self.live)
+            live_rows=self.live, state_slots=None if self.state_slots is None else self.state_slots[:bucket])

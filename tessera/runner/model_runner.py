@@ -62,17 +62,21 @@ class ModelRunner:
         self.kv_cache_dtype = self.attn_layers[0].cache_dtype
         self.num_blocks = 0
         self.state_layers = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
+        # CPU kernel graphs replay a recurrent model's steps with the slots as an input
+        # buffer, padded rows on one spare slot; CUDA graphs of them are not written yet
+        state_graphs = decode_graphs and device.type == "cpu"
         if self.state_layers:
-            self._allocate_state(num_state_slots)
+            self._allocate_state(num_state_slots, spare=state_graphs)
         if device.type == "cpu":  # decode streams every weight once: fewer TLB misses pay
             move_weights_to_huge_pages(model)
         # decode steps replayed from captured graphs (one rank): kernel graphs on CPU, CUDA
         # graphs on GPU; they cover steps within `graph_limits` (the engine sets them before
         # allocating the cache; without them graphs stay off)
         self.graphs: CpuDecodeGraphs | CudaDecodeGraphs | None = None
-        if decode_graphs and not self.state_layers:  # graphs would replay fixed state slots
+        if decode_graphs and (state_graphs or not self.state_layers):
             self.graphs = (CudaDecodeGraphs(model, block_size, device) if device.type == "cuda"
-                           else CpuDecodeGraphs(model, block_size))
+                           else CpuDecodeGraphs(model, block_size,
+                                                self.num_state_slots if self.state_layers else None))
         self.graph_limits: GraphLimits | None = None
         self.lora: LoRASlots | None = None  # adapter slots, once enable_lora ran
         self.encoder_cache = EncoderCache()  # images seen before, by their pixels' hash
@@ -86,16 +90,17 @@ class ModelRunner:
         """Another rank: repeat a load the driver made."""
         self.lora.load(slot, adapter)
 
-    def _allocate_state(self, num_slots: int) -> None:
+    def _allocate_state(self, num_slots: int, spare: bool) -> None:
         """Every recurrent layer's state tensors, [num_slots, *shape], zeroed (a fresh
         sequence never reads its slot, but the memory is committed now, before warm-up
-        measures what is left for the KV cache)."""
+        measures what is left for the KV cache); `spare`: one slot more, number num_slots,
+        which no sequence gets (a padded graph step's rows use it)."""
         if num_slots <= 0:
             raise ValueError(f"{type(self.model).__name__} has recurrent layers: it needs state slots")
         per_slot = self.state_bytes_per_sequence()
         try:
             for layer in self.state_layers:
-                layer.state = tuple(torch.zeros((num_slots, *shape), dtype=dtype, device=self.device)
+                layer.state = tuple(torch.zeros((num_slots + spare, *shape), dtype=dtype, device=self.device)
                                     for shape, dtype in layer.state_shapes())
         except RuntimeError as exc:  # (torch.OutOfMemoryError among them)
             for layer in self.state_layers:

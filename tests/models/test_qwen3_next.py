@@ -71,14 +71,16 @@ def cached(case: Case) -> LLM:
 
 def test_layers_and_state(case: Case, cached: LLM):
     """Linear layers hold the recurrent core, attention layers the KV cache; the state has
-    a slot per max_num_seqs, and as many again for prefix-cache snapshots."""
+    a slot per max_num_seqs, as many again for prefix-cache snapshots, and one spare slot
+    for the padded rows of the CPU decode graphs."""
     engine = cached.engine
     layers = engine.runner.model.model.layers
     assert [layer.is_linear for layer in layers] == [True, False, True, False]
     assert len(engine.runner.attn_layers) == 2 and len(engine.runner.state_layers) == 2
     conv_state, recurrent = layers[0].linear_attn.core.state
     slots = engine.config.scheduler.max_num_seqs
-    assert conv_state.shape == (2 * slots, 2 * 2 * 16 + 4 * 8, 3) and recurrent.shape == (2 * slots, 4, 16, 8)
+    assert conv_state.shape == (2 * slots + 1, 2 * 2 * 16 + 4 * 8, 3) and recurrent.shape == (2 * slots + 1, 4, 16, 8)
+    assert engine.runner.num_state_slots == 2 * slots and engine.runner.graphs.state_pad_slot == 2 * slots
     assert recurrent.dtype == torch.float32
     assert engine.block_manager.enable_prefix_caching and engine.scheduler.state_cache.num_slots == slots
     torch.testing.assert_close(layers[0].linear_attn.A_log, case.hf.model.layers[0].linear_attn.A_log)

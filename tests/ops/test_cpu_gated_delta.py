@@ -12,7 +12,7 @@ import torch
 from tessera.ops.cpu import build
 from tessera.ops.cpu import gated_delta as cpu_gd
 from tessera.ops.cpu.graph import capture
-from tessera.ops.linear_attention.conv import causal_conv1d_decode_ref
+from tessera.ops.linear_attention.conv import causal_conv1d_decode_ref, short_conv_decode_ref
 from tessera.ops.linear_attention.delta_rule import gated_delta_decode_ref
 from tessera.ops.registry import OpSpec, select_op
 from tests.ops.state_slots import check_steps_on_scattered_slots
@@ -105,6 +105,40 @@ def test_conv_matches_the_torch_builder(dtype, width, with_bias, b, channels):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("b,channels", [(1, 1024), (4, 700), (3, 9)])
+def test_gated_short_conv_is_the_torch_builder_s(dtype, width, with_bias, b, channels):
+    """LFM2's operator (3 taps): C * conv(B x) bit for bit (to 4 taps: torch sums more in
+    another order), the states shifted at the given slots only, B, C and x read from a
+    strided view of the packed projection."""
+    gen = torch.Generator().manual_seed(b * 10 + width)
+    num_slots = b + 3
+    bcx = torch.randn(b, 3 * channels + 7, generator=gen).to(dtype)[:, 2:2 + 3 * channels]
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    bias = torch.randn(channels, generator=gen).to(dtype) if with_bias else None
+    state = torch.randn(num_slots, channels, width - 1, generator=gen).to(dtype)
+
+    def step(state, want_state, slots):
+        got = cpu_gd.gated_short_conv_decode(bcx, weight, bias, state, slots)
+        assert torch.equal(got, short_conv_decode_ref(bcx, weight, bias, want_state, slots))
+        bcx.copy_(torch.randn(bcx.shape, generator=gen).to(dtype))
+
+    check_steps_on_scattered_slots(state, b, gen, step, rtol=0, atol=0)
+
+
+def test_gated_short_conv_of_shapes_it_does_not_take_runs_the_torch_builder():
+    """Rows that are not three times the channels, or a state of another dtype."""
+    weight, state, slots = torch.randn(4, 3).bfloat16(), torch.zeros(2, 4, 2).bfloat16(), torch.tensor([1])
+    with pytest.raises(RuntimeError):  # the reference's own error: 10 columns are not 3 x 4
+        cpu_gd.gated_short_conv_decode(torch.randn(1, 10).bfloat16(), weight, None, state, slots)
+    bcx = torch.randn(1, 12).bfloat16()
+    want_state = state.float()
+    got = cpu_gd.gated_short_conv_decode(bcx, weight, None, state.float(), slots)
+    assert torch.equal(got, short_conv_decode_ref(bcx, weight, None, want_state, slots))
+
+
 def test_conv_silu_is_torch_s_for_every_bf16_value():
     """Weights (0, 1) pass x through unchanged: SiLU of all 65536 bf16 patterns."""
     x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)[None]
@@ -119,7 +153,8 @@ def test_conv_silu_is_torch_s_for_every_bf16_value():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_registry_picks_the_kernels(dtype):
-    for kind, name in (("gated_delta_rule", "cpu_gated_delta_decode"), ("causal_conv1d", "cpu_causal_conv1d_decode")):
+    for kind, name in (("gated_delta_rule", "cpu_gated_delta_decode"), ("causal_conv1d", "cpu_causal_conv1d_decode"),
+                       ("short_conv", "cpu_gated_short_conv_decode")):
         assert select_op(OpSpec(kind, "cpu", dtype, phase="decode")).builder.name == name
         assert select_op(OpSpec(kind, "cpu", dtype, phase="prefill")).builder.name.startswith("torch_")
 
@@ -156,4 +191,4 @@ def test_a_decode_step_replays_from_a_kernel_graph():
 
 def test_the_isa_setting_picks_the_build():
     want = "gated_delta_avx2.c" if build.missing_cpu_flags() else "gated_delta.c"
-    assert cpu_gd._RULE.runnable_source() == want and cpu_gd._CONV.runnable_source() == want
+    assert all(kernel.runnable_source() == want for kernel in (cpu_gd._RULE, cpu_gd._CONV, cpu_gd._SHORT_CONV))

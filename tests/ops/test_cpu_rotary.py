@@ -41,6 +41,26 @@ def test_bit_exact_to_the_torch_builder(tokens, q_heads, k_heads, d, gathered):
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+@pytest.mark.parametrize("tokens", [1, 9])
+@pytest.mark.parametrize("d, r", [(256, 64), (128, 96), (64, 32), (10, 4)])  # Qwen3.5's quarter, Phi-4-mini's 3/4
+def test_partial_rotary_turns_each_head_s_first_dimensions_only(tokens, d, r):
+    """full_head: the heads are d wide, their first r dimensions turn (bit-exact to the
+    torch builder), the other d - r are copied; the torch builder's partial rows are its
+    whole-head rotary of those dimensions."""
+    g = torch.Generator().manual_seed(tokens + d + r)
+    qkv = (3 * torch.randn(tokens, 7 * d, generator=g)).bfloat16()
+    q, k = qkv[:, :4 * d], qkv[:, 4 * d:6 * d]  # strided views, 4 and 2 heads
+    cos, sin = rope_rows(tokens, r, g, gathered=True)
+    got_q, got_k = rotary_bf16(q, k, cos, sin, r, full_head=d)
+    want_q, want_k = rotary_ref(q, k, cos, sin, r, full_head=d)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    for x, got in ((q, got_q), (k, got_k)):
+        heads, out = x.reshape(tokens, -1, d), got.view(tokens, -1, d)
+        assert torch.equal(out[..., r:], heads[..., r:])
+        turned = rotary_ref(heads[..., :r].reshape(tokens, -1), heads[..., :r].reshape(tokens, -1), cos, sin, r)[0]
+        assert torch.equal(out[..., :r].reshape(tokens, -1), turned)
+
+
 def test_other_inputs_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(3, 128, generator=g), torch.randn(3, 64, generator=g)

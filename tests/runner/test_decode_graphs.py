@@ -154,6 +154,24 @@ def test_gpt_oss_mxfp4_experts_replay_at_every_bucket(tiny_tokenizer_dir, tmp_pa
     assert replayed_and_eager_buckets(tmp_path / "gpt-oss") == ([1, 2, 3], [])
 
 
+def test_recurrent_layers_replay_with_their_slots_as_an_input(tiny_tokenizer_dir, tmp_path):
+    """LFM2's gated short convolutions keep a state per sequence: the graphs read the step's
+    state slots from a buffer, so every bucket replays, equal to the eager steps."""
+    from tests.models.test_lfm2 import make_tiny_lfm2
+
+    make_tiny_lfm2("lfm2-biased-conv", tmp_path, tiny_tokenizer_dir, seed=2)
+    assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
+
+
+def test_padded_rows_leave_the_recurrent_states_alone(tiny_tokenizer_dir, tmp_path):
+    """A padded step's spare rows run on a slot no sequence holds: every sequence's state,
+    and so its tokens, are what the eager steps give."""
+    from tests.models.test_lfm2 import make_tiny_lfm2
+
+    make_tiny_lfm2("lfm2-tied", tmp_path, tiny_tokenizer_dir, seed=4)
+    assert_padded_steps_equal_eager(tmp_path, None)
+
+
 def make_tiny_mixture(folder, tokenizer_dir) -> None:
     """A tiny Qwen3-MoE whose router picks varied experts (its weights scaled up), with 16
     experts: a router the packed kernels take on every build (8 rows run in torch on AVX2)."""

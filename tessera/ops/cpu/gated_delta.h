@@ -202,12 +202,13 @@ CONV_PRE(conv_pre_f32, float, SAME)
 #pragma GCC pop_options
 #endif
 
-/* x: [b, c] rows every x_stride elements; weight: [c, width]; bias: [c] or NULL (all three
- * and the state in one type, bf16 if is_bf16 else float32); state: [slots, c, width - 1];
- * out: [b, c]. */
-void tessera_causal_conv1d_decode(const void *x, int64_t x_stride, const void *w, const void *bias,
-                                  void *state, const int64_t *slots, void *out, int64_t b, int64_t c,
-                                  int64_t width, int is_bf16, int threads) {
+/* One decode token per row through the causal conv, states shifted at `slots`. Plain
+ * (tessera_causal_conv1d_decode): x rows -> silu(round(sum)). Gated (LFM2's short conv,
+ * tessera_gated_short_conv_decode): x rows pack [B | C | X], c channels each -> C *
+ * round(sum over B X), with torch's roundings in bf16 (B X rounded, the sum, the product). */
+static void conv_decode(const void *x, int64_t x_stride, const void *w, const void *bias, void *state,
+                        const int64_t *slots, void *out, int64_t b, int64_t c, int64_t width, int is_bf16,
+                        int gated, int threads) {
     const int64_t chunks = (c + CONV_CHUNK - 1) / CONV_CHUNK, km1 = width - 1, es = is_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(b * c >= 4096 ? threads : 1) schedule(static)
     for (int64_t item = 0; item < b * chunks; item++) {
@@ -217,7 +218,19 @@ void tessera_causal_conv1d_decode(const void *x, int64_t x_stride, const void *w
         const char *xr = (const char *)x + (row * x_stride + c0) * es, *wr = (const char *)w + c0 * width * es;
         const char *br = bias ? (const char *)bias + c0 * es : NULL;
         char *sr = (char *)state + (slots[row] * c + c0) * km1 * es;
-        if (is_bf16) {
+        if (gated && is_bf16) {
+            const uint16_t *xb = (const uint16_t *)xr, *xc = xb + c, *xx = xb + 2 * c;
+            uint16_t bx[CONV_CHUNK], *o = (uint16_t *)out + row * c + c0;
+            for (int64_t i = 0; i < n; i++) bx[i] = to_bf16(bf16_to_f32(xb[i]) * bf16_to_f32(xx[i]));
+            conv_pre_bf16(bx, (const uint16_t *)wr, (const uint16_t *)br, (uint16_t *)sr, pre, n, km1);
+            for (int64_t i = 0; i < n; i++) o[i] = to_bf16(bf16_to_f32(xc[i]) * bf16_to_f32(to_bf16(pre[i])));
+        } else if (gated) {
+            const float *xb = (const float *)xr, *xc = xb + c, *xx = xb + 2 * c;
+            float bx[CONV_CHUNK], *o = (float *)out + row * c + c0;
+            for (int64_t i = 0; i < n; i++) bx[i] = xb[i] * xx[i];
+            conv_pre_f32(bx, (const float *)wr, (const float *)br, (float *)sr, pre, n, km1);
+            for (int64_t i = 0; i < n; i++) o[i] = xc[i] * pre[i];
+        } else if (is_bf16) {
             conv_pre_bf16((const uint16_t *)xr, (const uint16_t *)wr, (const uint16_t *)br, (uint16_t *)sr,
                           pre, n, km1);
             /* torch rounds the sum to bf16 before SiLU: in a loop of its own, which vectorises
@@ -226,6 +239,7 @@ void tessera_causal_conv1d_decode(const void *x, int64_t x_stride, const void *w
         } else {
             conv_pre_f32((const float *)xr, (const float *)wr, (const float *)br, (float *)sr, pre, n, km1);
         }
+        if (gated) continue;
         for (int64_t i = 0; i < n; i += SILU_LANES) silu_lanes(pre + i); /* zeros past n */
         if (is_bf16) {
             uint16_t *o = (uint16_t *)out + row * c + c0;
@@ -234,4 +248,21 @@ void tessera_causal_conv1d_decode(const void *x, int64_t x_stride, const void *w
             memcpy((float *)out + row * c + c0, pre, sizeof(float) * n);
         }
     }
+}
+
+/* x: [b, c] rows every x_stride elements; weight: [c, width]; bias: [c] or NULL (all three
+ * and the state in one type, bf16 if is_bf16 else float32); state: [slots, c, width - 1];
+ * out: [b, c]. */
+void tessera_causal_conv1d_decode(const void *x, int64_t x_stride, const void *w, const void *bias,
+                                  void *state, const int64_t *slots, void *out, int64_t b, int64_t c,
+                                  int64_t width, int is_bf16, int threads) {
+    conv_decode(x, x_stride, w, bias, state, slots, out, b, c, width, is_bf16, 0, threads);
+}
+
+/* LFM2's gated short convolution: bcx [b, 3c] rows every bcx_stride elements packing
+ * [B | C | x]; the rest as tessera_causal_conv1d_decode's. */
+void tessera_gated_short_conv_decode(const void *bcx, int64_t bcx_stride, const void *w, const void *bias,
+                                     void *state, const int64_t *slots, void *out, int64_t b, int64_t c,
+                                     int64_t width, int is_bf16, int threads) {
+    conv_decode(bcx, bcx_stride, w, bias, state, slots, out, b, c, width, is_bf16, 1, threads);
 }

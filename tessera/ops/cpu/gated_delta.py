@@ -1,5 +1,6 @@
 """Gated DeltaNet decode builders for CPU (gated_delta.h, built as gated_delta.c or, without
-AVX512, gated_delta_avx2.c): the gated delta rule and the causal conv1d + SiLU before it.
+AVX512, gated_delta_avx2.c): the gated delta rule and the causal conv1d + SiLU before it;
+and LFM2's gated short convolution (C * conv(B x), one kernel for the whole operator).
 
 The torch delta rule gathers the slots' states, scales them, runs two einsums and scatters
 back: several full-size temporaries of a state that is 1 MiB per sequence per layer
@@ -21,7 +22,7 @@ import ctypes
 import torch
 
 from tessera.ops.cpu.build import Kernel
-from tessera.ops.linear_attention.conv import causal_conv1d_decode_ref
+from tessera.ops.linear_attention.conv import causal_conv1d_decode_ref, short_conv_decode_ref
 from tessera.ops.linear_attention.delta_rule import gated_delta_decode_ref
 from tessera.ops.registry import register_op
 
@@ -30,6 +31,8 @@ _RULE = Kernel("gated_delta.c", "tessera_gated_delta_decode", (_P,) * 8 + (_I64,
                ctypes.c_int, fallback_source="gated_delta_avx2.c")
 _CONV = Kernel("gated_delta.c", "tessera_causal_conv1d_decode",
                (_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I64, _INT, _INT), fallback_source="gated_delta_avx2.c")
+_SHORT_CONV = Kernel("gated_delta.c", "tessera_gated_short_conv_decode", _CONV.argtypes,
+                     fallback_source="gated_delta_avx2.c")
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -70,19 +73,41 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """causal_conv1d_decode_ref's op: x [B, C], weight [C, K], conv_state [slots, C, K - 1]
     (updated in place at `slots` [B]) -> [B, C]."""
-    b, c = x.shape
-    if (x.dtype not in _DTYPES or weight.dtype != x.dtype or conv_state.dtype != x.dtype
-            or (bias is not None and bias.dtype != x.dtype) or weight.dim() != 2 or weight.shape[0] != c
-            or weight.shape[1] < 1 or conv_state.shape[1:] != (c, weight.shape[1] - 1)
-            or not conv_state.is_contiguous() or slots.dtype != torch.int64):
+    if not _conv_takes(x, 1, weight, bias, conv_state, slots):
         return causal_conv1d_decode_ref(x, weight, bias, conv_state, slots)
+    return _conv(_CONV, x, weight, bias, conv_state, slots)
+
+
+@register_op("short_conv", name="cpu_gated_short_conv_decode", priority=10, devices=("cpu",),
+             dtypes=_DTYPES, phases=("decode",), check=_SHORT_CONV.check)
+def gated_short_conv_decode(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """short_conv_decode_ref's op (LFM2): bcx [B, 3C] packing B, C and x -> C * conv(B x),
+    [B, C], with the reference's roundings."""
+    if not _conv_takes(bcx, 3, weight, bias, conv_state, slots):
+        return short_conv_decode_ref(bcx, weight, bias, conv_state, slots)
+    return _conv(_SHORT_CONV, bcx, weight, bias, conv_state, slots)
+
+
+def _conv_takes(x: torch.Tensor, parts: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                conv_state: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether the conv kernels take these: rows of `parts` x C channels, one dtype."""
+    return (x.dtype in _DTYPES and x.dim() == 2 and weight.dtype == x.dtype and conv_state.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and weight.dim() == 2 and weight.shape[1] >= 1
+            and x.shape[1] == parts * weight.shape[0] and conv_state.shape[1:] == (weight.shape[0], weight.shape[1] - 1)
+            and conv_state.is_contiguous() and slots.dtype == torch.int64)
+
+
+def _conv(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     weight, slots = weight.contiguous(), slots.contiguous()
     bias = None if bias is None else bias.contiguous()
+    b, c = x.shape[0], weight.shape[0]
     out = torch.empty((b, c), dtype=x.dtype)
     if b and c:
-        _CONV(x.data_ptr(), x.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-              conv_state.data_ptr(), slots.data_ptr(), out.data_ptr(), b, c, weight.shape[1],
-              int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+               conv_state.data_ptr(), slots.data_ptr(), out.data_ptr(), b, c, weight.shape[1],
+               int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out

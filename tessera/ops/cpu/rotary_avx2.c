@@ -2,15 +2,17 @@
  * out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)); plain C vectorised for AVX2. */
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
 
 static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
-                       int64_t heads, int64_t d) {
+                       int64_t heads, int64_t d, int64_t full) {
     const int64_t half = d / 2;
     for (int64_t h = 0; h < heads; h++) {
-        const uint16_t *xh = x + h * d;
-        uint16_t *oh = out + h * d;
+        const uint16_t *xh = x + h * full;
+        uint16_t *oh = out + h * full;
+        if (full > d) memcpy(oh + d, xh + d, (size_t)(full - d) * sizeof(uint16_t)); /* partial: passed through */
         for (int64_t i = 0; i < half; i++) {
             const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[half + i]);
             oh[i] = f32_to_bf16(round_to_bf16(x1 * bf16_to_f32(cos[i])) + round_to_bf16(-x2 * bf16_to_f32(sin[i])));
@@ -20,14 +22,16 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
     }
 }
 
-/* as rotary_bf16.c: q, k row-strided; cos / sin [tokens, d] with row stride cs_stride */
+/* as rotary_bf16.c: q, k row-strided, heads full wide, their first d turned; cos / sin [tokens, d] */
 void tessera_rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                          const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
                          uint16_t *q_out, uint16_t *k_out,
-                         int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int threads) {
+                         int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int64_t full, int threads) {
 #pragma omp parallel for num_threads(tokens >= 32 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        rotate_row(q + t * q_stride, q_out + t * q_heads * d, cos + t * cs_stride, sin + t * cs_stride, q_heads, d);
-        rotate_row(k + t * k_stride, k_out + t * k_heads * d, cos + t * cs_stride, sin + t * cs_stride, k_heads, d);
+        rotate_row(q + t * q_stride, q_out + t * q_heads * full, cos + t * cs_stride, sin + t * cs_stride, q_heads,
+                   d, full);
+        rotate_row(k + t * k_stride, k_out + t * k_heads * full, cos + t * cs_stride, sin + t * cs_stride, k_heads,
+                   d, full);
     }
 }

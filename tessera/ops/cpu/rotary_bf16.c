@@ -5,16 +5,18 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd_bf16.h"
 
 /* heads of one token: x [heads, d] at x (contiguous within the row), out likewise. */
 static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
-                       int64_t heads, int64_t d) {
+                       int64_t heads, int64_t d, int64_t full) {
     const int64_t half = d / 2;
     for (int64_t h = 0; h < heads; h++) {
-        const uint16_t *xh = x + h * d;
-        uint16_t *oh = out + h * d;
+        const uint16_t *xh = x + h * full;
+        uint16_t *oh = out + h * full;
+        if (full > d) memcpy(oh + d, xh + d, (size_t)(full - d) * sizeof(uint16_t)); /* partial: passed through */
         for (int64_t i = 0; i < half; i += 16) {
             const __mmask16 m = lanes16(half - i);
             const __m512 x1 = load_bf16x16(xh + i, m), x2 = load_bf16x16(xh + half + i, m);
@@ -29,15 +31,19 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
     }
 }
 
-/* q [tokens, q_heads * d] with row stride q_stride, k likewise; cos / sin [tokens, d] with
- * row stride cs_stride (views of one gathered cos|sin row); q_out [tokens, q_heads * d], k_out [tokens, k_heads * d]; d even. */
+/* q [tokens, q_heads * full] with row stride q_stride, k likewise; cos / sin [tokens, d]
+ * with row stride cs_stride (views of one gathered cos|sin row); q_out [tokens, q_heads *
+ * full], k_out [tokens, k_heads * full]; d even. Each head's first d dimensions turn, the
+ * other full - d are copied (partial rotary). */
 void tessera_rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                          const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
                          uint16_t *q_out, uint16_t *k_out,
-                         int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int threads) {
+                         int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int64_t full, int threads) {
 #pragma omp parallel for num_threads(tokens >= 32 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        rotate_row(q + t * q_stride, q_out + t * q_heads * d, cos + t * cs_stride, sin + t * cs_stride, q_heads, d);
-        rotate_row(k + t * k_stride, k_out + t * k_heads * d, cos + t * cs_stride, sin + t * cs_stride, k_heads, d);
+        rotate_row(q + t * q_stride, q_out + t * q_heads * full, cos + t * cs_stride, sin + t * cs_stride, q_heads,
+                   d, full);
+        rotate_row(k + t * k_stride, k_out + t * k_heads * full, cos + t * cs_stride, sin + t * cs_stride, k_heads,
+                   d, full);
     }
 }

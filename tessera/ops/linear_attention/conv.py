@@ -1,6 +1,6 @@
 """The short causal depthwise convolution before linear attention (Qwen3-Next's and
 Qwen3.5's Gated DeltaNet, Mamba's conv1d), with SiLU, over a step's varlen rows; and the same
-convolution without activation (`short_conv`: LFM2's gated short-convolution layers).
+convolution without activation between LFM2's gates (`short_conv`: C * conv(B * x)).
 
 Each sequence's conv state holds its last kernel - 1 inputs, so a chunk (or a decode
 token) continues its sequence exactly as one long convolution would. A sequence whose
@@ -64,15 +64,18 @@ def conv_prefill_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 @register_op("short_conv", name="torch_short_conv_decode", priority=0, phases=("decode",))
-def short_conv_decode_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def short_conv_decode_ref(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The causal convolution without activation (LFM2's short convolution), decode rows."""
-    return conv_decode_sums(x, weight, bias, conv_state, slots).to(x.dtype)
+    """LFM2's gated short convolution, decode rows: bcx [B, 3C] packs B, C and x; C times the
+    causal convolution (no activation) of B x, [B, C]."""
+    b, c, x = bcx.split(weight.shape[0], dim=-1)
+    return c * conv_decode_sums(b * x, weight, bias, conv_state, slots).to(bcx.dtype)
 
 
 @register_op("short_conv", name="torch_short_conv_prefill", priority=0, phases=("prefill",))
-def short_conv_prefill_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def short_conv_prefill_ref(bcx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            conv_state: torch.Tensor, slots: list[int], query_lens: list[int],
                            fresh: list[bool]) -> torch.Tensor:
-    """The causal convolution without activation, prefill chunks."""
-    return conv_prefill_sums(x, weight, bias, conv_state, slots, query_lens, fresh).to(x.dtype)
+    """The gated short convolution over prefill chunks."""
+    b, c, x = bcx.split(weight.shape[0], dim=-1)
+    return c * conv_prefill_sums(b * x, weight, bias, conv_state, slots, query_lens, fresh).to(bcx.dtype)

@@ -124,13 +124,11 @@ class GatedShortConv(RecurrentLayer):
     def forward(self, bcx: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None) -> torch.Tensor:
         """bcx: [T, 3 * channels] -> [T, channels]."""
         _, (conv_state,) = self.bound_state()
-        b, c, x = bcx.split(self.channels, dim=-1)
-        bx = b * x
 
         def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
-            return self._decode(bx[rows], conv_weight, conv_bias, conv_state, slots)
+            return self._decode(bcx[rows], conv_weight, conv_bias, conv_state, slots)
 
         def prefill(rows: slice, slots: list[int], lens: list[int], fresh: list[bool]) -> torch.Tensor:
-            return self._prefill(bx[rows], conv_weight, conv_bias, conv_state, slots, lens, fresh)
+            return self._prefill(bcx[rows], conv_weight, conv_bias, conv_state, slots, lens, fresh)
 
-        return c * self.by_phase(bcx.shape[0], decode, prefill)
+        return self.by_phase(bcx.shape[0], decode, prefill)
