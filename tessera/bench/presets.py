@@ -72,6 +72,15 @@ PRESETS["qwen3.5-0.8b"] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
+# LiquidAI/LFM2-1.2B: 10 gated short-convolution layers, 6 attention layers
+PRESETS["lfm2-1.2b"] = dict(
+    architectures=["Lfm2ForCausalLM"], model_type="lfm2", hidden_size=2048, intermediate_size=12288,
+    block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.0, block_multiple_of=256, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, conv_L_cache=3, conv_bias=False, norm_eps=1e-5,
+    layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+    max_position_embeddings=128000, rope_theta=1000000.0, tie_word_embeddings=True, vocab_size=65536,
+    bos_token_id=1, eos_token_id=7, pad_token_id=0, torch_dtype="bfloat16")
+
 # Qwen/Qwen3-Embedding-0.6B (an embedding model: last-token pooling, normalized)
 PRESETS["qwen3-embedding-0.6b"] = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", attention_bias=False,

@@ -85,6 +85,14 @@ class Gelu(OpModule):
         return self._act(x, self.approximate)
 
 
+@register_op("sigmoid_gate_mul", name="torch_sigmoid_gate_mul", priority=0)
+def sigmoid_gate_mul_ref(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, N] * sigmoid(gate) (gate [T, N], or [T, 1]: one scale a row), plus `add`
+    [T, N] where given: Qwen3-Next's gated attention output, its shared expert's scale."""
+    gated = x * torch.sigmoid(gate)
+    return gated if add is None else add + gated
+
+
 @register_op("relu_squared", name="torch_relu_squared", priority=0)
 def relu_squared_ref(x: torch.Tensor) -> torch.Tensor:
     """relu(x)^2 (transformers' "relu2": Nemotron-H's and Primer's MLPs)."""

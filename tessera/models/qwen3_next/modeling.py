@@ -17,7 +17,6 @@ attention over the paged KV cache (config.layer_types).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -51,6 +50,7 @@ class GatedAttention(nn.Module):
         self.rotary = ApplyRotary(self.head_dim, target, rotary_dim_of(config))
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim ** -0.5,
                               target=target)
+        self._output_gate = target.op("sigmoid_gate_mul")
 
     def _head_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return norm_per_head(norm, x, self.head_dim)
@@ -58,7 +58,7 @@ class GatedAttention(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self.rotary(self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k), rope)
-        return self.o_proj(self.attn(q, k, v) * torch.sigmoid(gate))
+        return self.o_proj(self._output_gate(self.attn(q, k, v), gate))
 
 
 class GatedDeltaNet(nn.Module):
@@ -86,6 +86,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = make_param((split.v_heads.size,), target.dtype, target.device, loader=heads)
         self.A_log = make_param((split.v_heads.size,), target.dtype, target.device, loader=heads)
         self.norm = GatedRMSNorm(dv, config.rms_norm_eps, target)
+        self._gates = target.op("delta_rule_gates")
         self.out_proj = RowParallelLinear(self.full_value_dim, config.hidden_size, target,
                                           in_span=split.v_rows)
 
@@ -94,8 +95,7 @@ class GatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(hidden)
         mixed_qkv, z = qkvz[:, :core.conv_dim], qkvz[:, core.conv_dim:]
         b, a = self.in_proj_ba.split(self.in_proj_ba(hidden))
-        beta = torch.sigmoid(b).float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = self._gates(a, b, self.A_log, self.dt_bias)
         out = core(mixed_qkv, self.conv_weight, None, g, beta)  # [T, Hv, Dv]
         out = self.norm(out, z.reshape(out.shape))
         return self.out_proj(out.reshape(out.shape[0], -1))

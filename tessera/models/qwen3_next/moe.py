@@ -24,10 +24,11 @@ class SharedExpertMoE(nn.Module):
                                 config.num_experts_per_tok, renormalize=renormalize, target=target)
         self.shared_expert = LlamaMLP(config, target, config.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(config.hidden_size, 1, target)  # replicated: every rank gates
+        self._scale_and_add = target.op("sigmoid_gate_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.routed(x) + shared
+        """routed(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)"""
+        return self._scale_and_add(self.shared_expert(x), self.shared_expert_gate(x), self.routed(x))
 
 
 class Qwen3NextMoeModel(Qwen3NextModel):

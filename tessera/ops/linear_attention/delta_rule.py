@@ -21,10 +21,22 @@ Key heads may be fewer than value heads: key head h serves value heads h * r ...
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tessera.ops.registry import register_op
 
 CHUNK = 64
+
+
+@register_op("delta_rule_gates", name="torch_delta_rule_gates", priority=0)
+def delta_rule_gates_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                         dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet's per-head gates from its projections a, b [T, Hv] and parameters
+    A_log, dt_bias [Hv] -> (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), both
+    float32 [T, Hv]; beta is the model dtype's sigmoid, as transformers computes it."""
+    beta = torch.sigmoid(b).float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, beta
 
 
 def normalized_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,89 @@
+"""Linear-attention gates on CPU (gating.h, built as gating.c or, without AVX512,
+gating_avx2.c): the Gated DeltaNet's decay and write strength (`delta_rule_gates`), its
+gated output RMSNorm (`gated_rms_norm`, norm first, whole heads), and a sigmoid output gate
+(`sigmoid_gate_mul`). Each replaces 5-12 torch ops a layer and leaves a Qwen3.5 /
+Qwen3-Next decode step kernels alone, which the kernel graphs replay. Roundings are the
+torch builders' op by op; exp is a polynomial within 2e-7 of torch's, so a bf16 result can
+differ from torch's by one unit where the float32 value sits on a rounding edge.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tessera.ops.activation import sigmoid_gate_mul_ref
+from tessera.ops.cpu.build import Kernel
+from tessera.ops.linear_attention.delta_rule import delta_rule_gates_ref
+from tessera.ops.norm import gated_rms_norm_ref
+from tessera.ops.registry import register_op
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_GATES = Kernel("gating.c", "tessera_delta_gates", (_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, _INT),
+                fallback_source="gating_avx2.c")
+_NORM = Kernel("gating.c", "tessera_gated_rms_norm", (_P, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, _INT, _INT),
+               fallback_source="gating_avx2.c")
+_SIGMOID = Kernel("gating.c", "tessera_sigmoid_gate_mul", (_P, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT),
+                  fallback_source="gating_avx2.c")
+_DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD = 1024  # the norm's per-row stack buffers (gating.h's GATE_CHUNK)
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """2-D with its columns adjacent (rows may be any stride apart)."""
+    return x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1)
+
+
+@register_op("delta_rule_gates", name="cpu_delta_rule_gates", priority=10, devices=("cpu",), dtypes=_DTYPES,
+             check=_GATES.check)
+def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_rule_gates_ref's (g, beta), float32 [T, Hv]."""
+    tokens, heads = a.shape[0], a.shape[-1]
+    if not (a.dtype in _DTYPES and all(t.dtype == a.dtype for t in (b, a_log, dt_bias)) and _rows(a) and _rows(b)
+            and b.shape == a.shape and a_log.shape == (heads,) and dt_bias.shape == (heads,)
+            and a_log.is_contiguous() and dt_bias.is_contiguous()):
+        return delta_rule_gates_ref(a, b, a_log, dt_bias)
+    g = torch.empty((tokens, heads), dtype=torch.float32)
+    beta = torch.empty((tokens, heads), dtype=torch.float32)
+    if tokens and heads:
+        _GATES(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), a_log.data_ptr(), dt_bias.data_ptr(),
+               g.data_ptr(), beta.data_ptr(), tokens, heads, int(a.dtype == torch.bfloat16))
+    return g, beta
+
+
+@register_op("gated_rms_norm", name="cpu_gated_rms_norm", priority=10, devices=("cpu",), dtypes=_DTYPES,
+             check=_NORM.check)
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   gate_first: bool = False, group_size: int | None = None) -> torch.Tensor:
+    """gated_rms_norm_ref's op for the Gated DeltaNet's form (norm first, over whole heads):
+    x [T, H, D] contiguous, gate [T, H, D] with heads adjacent in each row; other forms (Mamba-2's
+    gate first or grouped) run the torch builder."""
+    if not (not gate_first and group_size is None and x.dim() == 3 and x.is_contiguous() and x.dtype in _DTYPES
+            and gate.dtype == x.dtype and weight.dtype == x.dtype and gate.shape == x.shape
+            and gate.stride(2) == 1 and gate.stride(1) == x.shape[2] and weight.shape == (x.shape[2],)
+            and weight.is_contiguous() and 0 < x.shape[2] <= MAX_HEAD):
+        return gated_rms_norm_ref(x, gate, weight, eps, gate_first, group_size)
+    tokens, heads, d = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if tokens and heads:
+        _NORM(x.data_ptr(), gate.data_ptr(), gate.stride(0), weight.data_ptr(), out.data_ptr(), tokens, heads, d,
+              eps, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+@register_op("sigmoid_gate_mul", name="cpu_sigmoid_gate_mul", priority=10, devices=("cpu",), dtypes=_DTYPES,
+             check=_SIGMOID.check)
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """sigmoid_gate_mul_ref's op: x, gate, add as 2-D rows (any row stride)."""
+    rows, cols = x.shape[0], x.shape[-1]
+    if not (x.dtype in _DTYPES and gate.dtype == x.dtype and _rows(x) and _rows(gate) and gate.shape[0] == rows
+            and gate.shape[1] in (1, cols) and (add is None or (add.dtype == x.dtype and _rows(add)
+                                                                and add.shape == x.shape))):
+        return sigmoid_gate_mul_ref(x, gate, add)
+    out = torch.empty((rows, cols), dtype=x.dtype)
+    if rows and cols:
+        _SIGMOID(x.data_ptr(), x.stride(0), gate.data_ptr(), gate.stride(0), gate.shape[1],
+                 0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), out.data_ptr(), rows,
+                 cols, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
