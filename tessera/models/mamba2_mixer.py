@@ -96,6 +96,7 @@ class Mamba2Mixer(nn.Module):
                                        loader=row_spans_loader(inner, [(0, split.x_rows)], "norm weight"))
                             if shape.norm != "none" else None)
         self._norm = target.op("gated_rms_norm")
+        self.A: torch.Tensor | None = None  # -exp(A_log) in float32, once loaded (prepare_weights)
         self.in_multiplier = shape.in_multiplier
         self.projection_scale = None
         if shape.projection_multipliers is not None:  # one factor per local row of [z | x | B | C | dt]
@@ -105,6 +106,11 @@ class Mamba2Mixer(nn.Module):
         out_bias = shape.proj_bias if shape.out_proj_bias is None else shape.out_proj_bias
         self.out_proj = RowParallelLinear(inner, shape.hidden_size, target, bias=out_bias, in_span=split.x_rows)
 
+    def prepare_weights(self) -> None:
+        """A = -exp(A_log), computed once: per step it was two torch ops a layer, which
+        also kept decode steps from the kernel graphs."""
+        self.A = -self.A_log.float().exp()
+
     def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
         out = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
         if self.projection_scale is not None:
@@ -112,7 +118,8 @@ class Mamba2Mixer(nn.Module):
         z_end = self.split.x_rows.size
         conv_end = z_end + self.core.conv_dim
         z, xbc, dt = out[:, :z_end], out[:, z_end:conv_end], out[:, conv_end:]
-        y = self.core(xbc, self.conv_weight, self.conv_bias, dt, self.dt_bias, -self.A_log.float().exp(), self.D)
+        A = self.A if self.A is not None else -self.A_log.float().exp()
+        y = self.core(xbc, self.conv_weight, self.conv_bias, dt, self.dt_bias, A, self.D)
         return self.out_proj(self._gated_norm(y, z))
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The linear-attention gate kernels (gating.h) against their torch builders: the Gated
-DeltaNet's g and beta, its gated RMSNorm and the sigmoid output gate, in bf16 and float32,
+"""The hybrid models' elementwise kernels (gating.h) against their torch builders: the Gated
+DeltaNet's g and beta, the gated RMSNorms, the sigmoid output gate and relu squared, in bf16 and float32,
 read from strided views as the layers pass them. exp is a polynomial within 2e-7 of torch's,
 so bf16 results may sit one unit off where the float32 value is on a rounding edge: the
 tests allow that for a small share of values and nothing more. Other forms run the torch
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.ops.activation import sigmoid_gate_mul_ref
+from tessera.ops.activation import relu_squared_ref, sigmoid_gate_mul_ref
 from tessera.ops.cpu import build
 from tessera.ops.cpu import gating
 from tessera.ops.cpu.graph import capture
@@ -65,14 +65,34 @@ def test_gated_rms_norm_is_the_torch_builder_s(dtype, tokens, heads, d):
     assert_near(gating.gated_rms_norm(x, gate, weight, 1e-6), gated_rms_norm_ref(x, gate, weight, 1e-6))
 
 
-def test_gated_rms_norm_of_other_forms_runs_the_torch_builder():
-    """Mamba-2's gate first, Falcon-H1's groups: the torch builder's results exactly."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_first,groups", [(True, 1), (True, 4), (False, 2), (False, 1)])
+def test_mamba2_s_gated_rms_norm_forms_are_the_torch_builder_s(dtype, gate_first, groups):
+    """Mamba-2's: y [T, inner] from the scan, z a column slice of the packed projection, a
+    weight per channel; gate first (Granite 4.0-H, Bamba, Nemotron-H) or norm first per
+    group (Falcon-H1), one group or several."""
+    gen = torch.Generator().manual_seed(groups + 10 * gate_first)
+    tokens, inner = 3, 256
+    y = (2 * torch.randn(tokens, inner, generator=gen)).to(dtype)
+    z = torch.randn(tokens, inner + 9, generator=gen).to(dtype)[:, 4:4 + inner]
+    weight = (1 + 0.3 * torch.randn(inner, generator=gen)).to(dtype)
+    group = inner // groups
+    assert_near(gating.gated_rms_norm(y, z, weight, 1e-5, gate_first, group),
+                gated_rms_norm_ref(y, z, weight, 1e-5, gate_first, group))
+
+
+def test_gated_rms_norm_of_shapes_it_does_not_take_runs_the_torch_builder():
+    """Groups past the kernel's buffers, or a gate whose token rows are not adjacent: the
+    torch builder's results exactly."""
     gen = torch.Generator().manual_seed(0)
-    x, gate = torch.randn(3, 2, 32, generator=gen).bfloat16(), torch.randn(3, 2, 32, generator=gen).bfloat16()
-    weight = torch.randn(32, generator=gen).bfloat16()
-    for kwargs in (dict(gate_first=True), dict(group_size=8), dict(gate_first=True, group_size=16)):
-        assert torch.equal(gating.gated_rms_norm(x, gate, weight, 1e-5, **kwargs),
-                           gated_rms_norm_ref(x, gate, weight, 1e-5, **kwargs))
+    x, gate = torch.randn(2, 2048, generator=gen).bfloat16(), torch.randn(2, 2048, generator=gen).bfloat16()
+    weight = torch.randn(2048, generator=gen).bfloat16()
+    assert torch.equal(gating.gated_rms_norm(x, gate, weight, 1e-5, True, 2048),
+                       gated_rms_norm_ref(x, gate, weight, 1e-5, True, 2048))
+    strided = torch.randn(2, 2, 64, generator=gen).bfloat16().transpose(1, 2)  # heads not adjacent
+    x3 = torch.randn(2, 64, 2, generator=gen).bfloat16()
+    assert torch.equal(gating.gated_rms_norm(x3, strided, torch.ones(2).bfloat16(), 1e-5),
+                       gated_rms_norm_ref(x3, strided, torch.ones(2).bfloat16(), 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,8 +121,18 @@ def test_sigmoid_of_every_bf16_gate_is_torch_s_but_on_rounding_edges():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_squared_is_the_torch_builder_s(dtype):
+    """Every bf16 pattern (NaN stays NaN), and a float32 row, bit for bit."""
+    x = (torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)[None] if dtype == torch.bfloat16
+         else 10 * torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)))
+    got, want = gating.relu_squared(x), relu_squared_ref(x)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_registry_picks_the_kernels(dtype):
-    for kind in ("delta_rule_gates", "gated_rms_norm", "sigmoid_gate_mul"):
+    for kind in ("delta_rule_gates", "gated_rms_norm", "sigmoid_gate_mul", "relu_squared"):
         assert select_op(OpSpec(kind, "cpu", dtype)).builder.name == f"cpu_{kind}"
 
 
@@ -130,4 +160,5 @@ def test_the_gates_replay_from_a_kernel_graph():
 
 def test_the_isa_setting_picks_the_build():
     want = "gating_avx2.c" if build.missing_cpu_flags() else "gating.c"
-    assert all(k.runnable_source() == want for k in (gating._GATES, gating._NORM, gating._SIGMOID))
+    assert all(k.runnable_source() == want for k in (gating._GATES, gating._NORM, gating._SIGMOID,
+                                                     gating._RELU_SQUARED))

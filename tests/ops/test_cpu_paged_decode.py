@@ -68,6 +68,24 @@ def test_long_contexts_split_and_merged(num_heads, num_kv_heads, head_size, wind
     assert err <= 1.5 * (torch_bf16.float() - exact).abs().max().item() + 4e-3, err
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(9, 3, 64), (4, 2, 20)])
+@pytest.mark.parametrize("lengths", [(37, 1, 20), (700, 1, 300, 2, 5, 9, 17, 33, 64)], ids=["3-seqs", "9-seqs"])
+def test_a_query_sliced_from_the_packed_projection_is_read_in_place(num_heads, num_kv_heads, head_size, lengths):
+    """Attention without rotary (NoPE layers: Granite 4.0-H, Nemotron-H) passes q as a column
+    slice of the packed QKV rows: the kernel reads it there, with what a contiguous copy gives."""
+    case = make_case([(n, 1) for n in lengths], block_size=16, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_size=head_size, seed=len(lengths))
+    kv_write_ref(case.key, case.value, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    k16, v16, q16 = case.k_cache.bfloat16(), case.v_cache.bfloat16(), case.query.bfloat16()
+    b, width = q16.shape[0], num_heads * head_size
+    packed = torch.randn(b, width + 2 * num_kv_heads * head_size).bfloat16()
+    packed[:, :width] = q16.reshape(b, width)
+    sliced = packed[:, :width].view(b, num_heads, head_size)
+    assert not sliced.is_contiguous()
+    want = paged_decode_bf16(q16.contiguous(), k16, v16, case.meta, case.scale)
+    assert torch.equal(paged_decode_bf16(sliced, k16, v16, case.meta, case.scale), want)
+
+
 def test_registry_prefers_it_for_bf16_decode_only():
     spec = OpSpec("paged_attention", "cpu", torch.bfloat16, phase="decode", sliding_window=True, softcap=True)
     assert select_op(spec).builder.name == "cpu_paged_decode_bf16"

@@ -154,15 +154,19 @@ def test_gpt_oss_mxfp4_experts_replay_at_every_bucket(tiny_tokenizer_dir, tmp_pa
     assert replayed_and_eager_buckets(tmp_path / "gpt-oss") == ([1, 2, 3], [])
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"])
 def test_recurrent_layers_replay_with_their_slots_as_an_input(kind, tiny_tokenizer_dir, tmp_path):
-    """LFM2's gated short convolutions and Qwen3.5's / Qwen3-Next's Gated DeltaNets keep a
-    state per sequence: the graphs read the step's state slots from a buffer, and their
-    gates, gated norms, partial rotary and sigmoid output gates are kernels, so every
-    bucket replays, equal to the eager steps."""
+    """LFM2's gated short convolutions, Qwen3.5's / Qwen3-Next's Gated DeltaNets and
+    Nemotron-H's Mamba-2 mixers keep a state per sequence: the graphs read the step's state
+    slots from a buffer, and their gates, gated norms, partial rotary, sigmoid output gates,
+    relu squared and unrotated queries are kernels, so every bucket replays, equal to the
+    eager steps."""
     if kind == "lfm2":
         from tests.models.test_lfm2 import make_tiny_lfm2
         make_tiny_lfm2("lfm2-biased-conv", tmp_path, tiny_tokenizer_dir, seed=2)
+    elif kind == "nemotron_h":
+        from tests.models.test_nemotron_h import make_tiny_nemotron_h
+        make_tiny_nemotron_h("nemotron-h-two-groups", tmp_path, tiny_tokenizer_dir, seed=2)
     else:
         from tests.models.test_qwen3_next import make_tiny_qwen3_next
         make_tiny_qwen3_next(kind, tmp_path, tiny_tokenizer_dir, seed=2)

@@ -1,7 +1,8 @@
 /* The gates around a linear-attention layer's core, one C call each instead of 5-12 small
  * torch ops (which also kept its decode steps out of the kernel graphs): the Gated
  * DeltaNet's decay and write strength, its gated output RMSNorm, and a sigmoid output gate
- * (Qwen3-Next / Qwen3.5's attention output, their shared expert's scale). One text for both
+ * (Qwen3-Next / Qwen3.5's attention output, their shared expert's scale); and Nemotron-H's
+ * relu(x)^2, the one hybrid-model activation without another kernel. One text for both
  * builds (gating.c with AVX512 flags, gating_avx2.c with AVX2); rounding follows the torch
  * builders step by step (bf16 where they round), exp is avx512_math.h's / avx2_math.h's
  * polynomial (within 2e-7 of torch's), the few per-head gates use libm. */
@@ -79,30 +80,37 @@ void tessera_delta_gates(const void *a, int64_t a_stride, const void *b, int64_t
     }
 }
 
-/* Each head's row normalised, weighted, gated by SiLU (Qwen3NextRMSNormGated, norm first):
- * bf16: round(round(w * round(x / rms)) * silu(gate)); float32: w * (x / rms) * silu(gate).
- * x, out: [tokens * heads, d] contiguous; gate: token t's head h at t * gate_stride + h * d;
- * w: [d]. d <= GATE_CHUNK. */
-void tessera_gated_rms_norm(const void *x, const void *gate, int64_t gate_stride, const void *w, void *out,
-                            int64_t tokens, int64_t heads, int64_t d, float eps, int is_bf16, int threads) {
-#pragma omp parallel for num_threads(tokens * heads * d >= 65536 ? threads : 1) schedule(static)
-    for (int64_t row = 0; row < tokens * heads; row++) {
-        const int64_t t = row / heads, h = row % heads;
+/* A gated RMSNorm per group of d values, in the torch builder's three forms:
+ *   mode 0, norm first (Qwen3NextRMSNormGated): bf16 round(round(w * round(x / rms)) * silu(g));
+ *   mode 1, gate first (Mamba-2's RMSNormGated): y = x silu(g) in float32, round(w * round(y / rms(y)));
+ *   mode 2, norm first per group (Falcon-H1's): round(w * (x / rms) * silu(g)) in float32.
+ * float32 models: the same without the roundings. x, out: [tokens, groups * d] contiguous;
+ * gate: token t's values from t * gate_stride, adjacent; w: [w_period], value p of a token
+ * weighted by w[p % w_period] (a weight per head dimension, or per channel). d <= GATE_CHUNK. */
+void tessera_gated_rms_norm(const void *x, const void *gate, int64_t gate_stride, const void *w, int64_t w_period,
+                            void *out, int64_t tokens, int64_t groups, int64_t d, float eps, int mode, int is_bf16,
+                            int threads) {
+#pragma omp parallel for num_threads(tokens * groups * d >= 65536 ? threads : 1) schedule(static)
+    for (int64_t row = 0; row < tokens * groups; row++) {
+        const int64_t t = row / groups, p0 = row % groups * d;
         float xs[GATE_CHUNK], gs[GATE_CHUNK], den[GATE_CHUNK];
-        float sum = 0.0f;
         for (int64_t i = 0; i < d; i++) {
             xs[i] = load(x, row * d + i, is_bf16);
-            sum += xs[i] * xs[i];
-            gs[i] = load(gate, t * gate_stride + h * d + i, is_bf16);
+            gs[i] = load(gate, t * gate_stride + p0 + i, is_bf16);
         }
-        const float inv = 1.0f / sqrtf(sum / (float)d + eps);
         denominators(gs, den, d);
+        for (int64_t i = 0; i < d; i++) gs[i] = gs[i] / den[i]; /* silu */
+        if (mode == 1) for (int64_t i = 0; i < d; i++) xs[i] = xs[i] * gs[i];
+        float sum = 0.0f;
+        for (int64_t i = 0; i < d; i++) sum += xs[i] * xs[i];
+        const float inv = 1.0f / sqrtf(sum / (float)d + eps);
         for (int64_t i = 0; i < d; i++) {
-            const float silu = gs[i] / den[i];
-            const float normed = xs[i] * inv;
-            const float weighted = is_bf16 ? round_to_bf16(load(w, i, 1) * round_to_bf16(normed))
-                                           : load(w, i, 0) * normed;
-            store(out, row * d + i, weighted * silu, is_bf16);
+            const float normed = xs[i] * inv, wv = load(w, (p0 + i) % w_period, is_bf16);
+            float v;
+            if (mode == 0) v = (is_bf16 ? round_to_bf16(wv * round_to_bf16(normed)) : wv * normed) * gs[i];
+            else if (mode == 1) v = wv * (is_bf16 ? round_to_bf16(normed) : normed);
+            else v = wv * normed * gs[i];
+            store(out, row * d + i, v, is_bf16);
         }
     }
 }
@@ -131,5 +139,14 @@ void tessera_sigmoid_gate_mul(const void *x, int64_t x_stride, const void *gate,
             if (add) v = (is_bf16 ? round_to_bf16(v) : v) + load(add, r * add_stride + c0 + i, is_bf16);
             store(out, r * cols + c0 + i, v, is_bf16);
         }
+    }
+}
+
+/* relu(x)^2 (Nemotron-H's MLP), the square rounded as torch's: x, out [n] contiguous. */
+void tessera_relu_squared(const void *x, void *out, int64_t n, int is_bf16, int threads) {
+#pragma omp parallel for num_threads(n >= 65536 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float v = load(x, i, is_bf16), r = v > 0.0f ? v : (v != v ? v : 0.0f);
+        store(out, i, r * r, is_bf16);
     }
 }

@@ -1,10 +1,12 @@
-"""Linear-attention gates on CPU (gating.h, built as gating.c or, without AVX512,
-gating_avx2.c): the Gated DeltaNet's decay and write strength (`delta_rule_gates`), its
-gated output RMSNorm (`gated_rms_norm`, norm first, whole heads), and a sigmoid output gate
-(`sigmoid_gate_mul`). Each replaces 5-12 torch ops a layer and leaves a Qwen3.5 /
-Qwen3-Next decode step kernels alone, which the kernel graphs replay. Roundings are the
-torch builders' op by op; exp is a polynomial within 2e-7 of torch's, so a bf16 result can
-differ from torch's by one unit where the float32 value sits on a rounding edge.
+"""The elementwise ops of hybrid models on CPU (gating.h, built as gating.c or, without
+AVX512, gating_avx2.c): the Gated DeltaNet's decay and write strength (`delta_rule_gates`),
+the gated output RMSNorm (`gated_rms_norm`: the Gated DeltaNet's norm first, Mamba-2's gate
+first, Falcon-H1's per group), a sigmoid output gate (`sigmoid_gate_mul`), and Nemotron-H's
+relu(x)^2 (`relu_squared`). Each replaces 2-12 torch ops a layer, so that Qwen3.5's,
+Qwen3-Next's and the Mamba-2 hybrids' decode steps are kernels alone, which the kernel
+graphs replay. Roundings are the torch builders' op by op; exp is a polynomial within 2e-7
+of torch's, so a bf16 result can differ from torch's by one unit where the float32 value
+sits on a rounding edge.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import ctypes
 
 import torch
 
-from tessera.ops.activation import sigmoid_gate_mul_ref
+from tessera.ops.activation import relu_squared_ref, sigmoid_gate_mul_ref
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.linear_attention.delta_rule import delta_rule_gates_ref
 from tessera.ops.norm import gated_rms_norm_ref
@@ -21,12 +23,14 @@ from tessera.ops.registry import register_op
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _GATES = Kernel("gating.c", "tessera_delta_gates", (_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, _INT),
                 fallback_source="gating_avx2.c")
-_NORM = Kernel("gating.c", "tessera_gated_rms_norm", (_P, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, _INT, _INT),
+_NORM = Kernel("gating.c", "tessera_gated_rms_norm",
+               (_P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, ctypes.c_float, _INT, _INT, _INT),
                fallback_source="gating_avx2.c")
 _SIGMOID = Kernel("gating.c", "tessera_sigmoid_gate_mul", (_P, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT),
                   fallback_source="gating_avx2.c")
+_RELU_SQUARED = Kernel("gating.c", "tessera_relu_squared", (_P, _P, _I64, _INT, _INT), fallback_source="gating_avx2.c")
 _DTYPES = (torch.float32, torch.bfloat16)
-MAX_HEAD = 1024  # the norm's per-row stack buffers (gating.h's GATE_CHUNK)
+MAX_HEAD = 1024  # the norm's group size: its per-group stack buffers (gating.h's GATE_CHUNK)
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -56,20 +60,33 @@ def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
              check=_NORM.check)
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    gate_first: bool = False, group_size: int | None = None) -> torch.Tensor:
-    """gated_rms_norm_ref's op for the Gated DeltaNet's form (norm first, over whole heads):
-    x [T, H, D] contiguous, gate [T, H, D] with heads adjacent in each row; other forms (Mamba-2's
-    gate first or grouped) run the torch builder."""
-    if not (not gate_first and group_size is None and x.dim() == 3 and x.is_contiguous() and x.dtype in _DTYPES
-            and gate.dtype == x.dtype and weight.dtype == x.dtype and gate.shape == x.shape
-            and gate.stride(2) == 1 and gate.stride(1) == x.shape[2] and weight.shape == (x.shape[2],)
-            and weight.is_contiguous() and 0 < x.shape[2] <= MAX_HEAD):
+    """gated_rms_norm_ref's op, its three forms: x contiguous ([T, H, D] from the delta rule,
+    [T, inner] from a Mamba-2 scan), gate of x's shape with each token's values adjacent
+    (a column slice of the packed projection), weight over x's last dimension."""
+    width = x.shape[-1]
+    group = group_size or width
+    if not (x.dim() >= 2 and x.is_contiguous() and x.dtype in _DTYPES and gate.dtype == x.dtype
+            and weight.dtype == x.dtype and gate.shape == x.shape and _token_rows(gate)
+            and weight.shape == (width,) and weight.is_contiguous() and 0 < group <= MAX_HEAD and width % group == 0):
         return gated_rms_norm_ref(x, gate, weight, eps, gate_first, group_size)
-    tokens, heads, d = x.shape
+    tokens = x.shape[0]
+    groups = x[0].numel() // group if tokens else 0
+    mode = 1 if gate_first else 0 if group_size is None else 2
     out = torch.empty(x.shape, dtype=x.dtype)
-    if tokens and heads:
-        _NORM(x.data_ptr(), gate.data_ptr(), gate.stride(0), weight.data_ptr(), out.data_ptr(), tokens, heads, d,
-              eps, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    if tokens and groups:
+        _NORM(x.data_ptr(), gate.data_ptr(), gate.stride(0), weight.data_ptr(), width, out.data_ptr(), tokens, groups,
+              group, eps, mode, int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out
+
+
+def _token_rows(x: torch.Tensor) -> bool:
+    """Each token's (first index's) values adjacent, in order; tokens any stride apart."""
+    expected = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 @register_op("sigmoid_gate_mul", name="cpu_sigmoid_gate_mul", priority=10, devices=("cpu",), dtypes=_DTYPES,
@@ -86,4 +103,17 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | No
         _SIGMOID(x.data_ptr(), x.stride(0), gate.data_ptr(), gate.stride(0), gate.shape[1],
                  0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), out.data_ptr(), rows,
                  cols, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+@register_op("relu_squared", name="cpu_relu_squared", priority=10, devices=("cpu",), dtypes=_DTYPES,
+             check=_RELU_SQUARED.check)
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu_squared_ref's op (Nemotron-H's MLP), bit-exact."""
+    if x.dtype not in _DTYPES:
+        return relu_squared_ref(x)
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if x.numel():
+        _RELU_SQUARED(x.data_ptr(), out.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out

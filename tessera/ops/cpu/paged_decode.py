@@ -20,7 +20,7 @@ from tessera.ops.cpu.fp8_builds import fp8_builds, fp8_check
 from tessera.ops.registry import register_op
 
 
-_ARGS = (ctypes.c_void_p,) * 6 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int)
+_ARGS = (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 6 + (ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int)
 _KERNEL = Kernel("paged_decode_bf16.c", "tessera_paged_decode_bf16", _ARGS, ctypes.c_int,
                  fallback_source="paged_decode_avx2.c")
 # an 8-bit float cache: the AVX2 kernel built per format (kv_rows.h), on any CPU with AVX2
@@ -35,11 +35,13 @@ def _decode(kernel: Kernel, query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _, block_size, num_kv_heads, _ = k_cache.shape
     if block_size & (block_size - 1):  # the kernel indexes blocks by shifts
         return paged_decode_ref(query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
-    q = query[:b].contiguous()
+    q = query[:b]
+    if q.stride(2) != 1 or q.stride(1) != d:  # (a token's heads side by side: read in place)
+        q = q.contiguous()
     tables, lens = meta.decode_int32()
-    out = torch.empty_like(q)
+    out = torch.empty((b, num_heads, d), dtype=q.dtype)
     failed = kernel(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), b, num_heads, num_kv_heads, d, block_size, tables.shape[1], scale,
         sliding_window or 0, softcap or 0.0, sink_pointer(sinks), torch.get_num_threads())
     if failed == 2:

@@ -276,9 +276,10 @@ static inline int64_t first_key(int64_t len, int64_t window) {
     return window > 0 && len > window ? len - window : 0;
 }
 
-/* q, out: [batch, num_heads, d]; block_tables: [batch, table_width]; seq_lens: [batch];
- * block_size a power of two (returns 2 otherwise); 1 if a buffer cannot be allocated. */
-int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t *v_cache,
+/* q: [batch, num_heads, d], its rows q_stride elements apart; out: [batch, num_heads, d];
+ * block_tables: [batch, table_width]; seq_lens: [batch]; block_size a power of two
+ * (returns 2 otherwise); 1 if a buffer cannot be allocated. */
+int tessera_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
                               const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out,
                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                               int64_t block_size, int64_t table_width, float scale, int64_t window,
@@ -350,7 +351,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const kv_t *k_cache, const kv_t
             const KvRows kv = {k_cache, v_cache, block_tables + b * table_width, shift, row_stride};
             /* keys and values are read widened (kv_rows.h): the query scaled up for the
              * scores, the output back below, by the same power of two */
-            for (int64_t i = 0; i < num_heads * d; i++) qf[i] = bf16_to_f32(q[b * num_heads * d + i]) * KV_WIDEN_SCALE;
+            for (int64_t i = 0; i < num_heads * d; i++) qf[i] = bf16_to_f32(q[b * q_stride + i]) * KV_WIDEN_SCALE;
             scores_pass(qf, num_kv_heads, group, d, &kv, start, end, scores);
             for (int64_t h = 0; h < num_heads; h++) sums[h] = exp_row(scores + h * n, n, scale, softcap, &best[h]);
             values_pass(scores, num_kv_heads, group, d, &kv, start, end, acc);

@@ -181,9 +181,10 @@ static void values_pass_any(const float *p, const float *inv, int64_t group, int
         for (int64_t i = 0; i < d; i++) out[g * d + i] = f32_to_bf16(acc[g * d + i] * inv[g]);
 }
 
-/* q, out: [batch, num_heads, d]; block_tables: [batch, table_width]; seq_lens: [batch];
- * block_size a power of two (returns 2 otherwise). */
-int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+/* q: [batch, num_heads, d], its rows q_stride elements apart (a column slice of a packed
+ * QKV projection); out: [batch, num_heads, d]; block_tables: [batch, table_width];
+ * seq_lens: [batch]; block_size a power of two (returns 2 otherwise). */
+int tessera_paged_decode_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                               const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out,
                               int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t d,
                               int64_t block_size, int64_t table_width, float scale, int64_t window,
@@ -221,7 +222,7 @@ int tessera_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const 
             const int64_t first_head = b * num_heads + kvh0 * group;
             KvRows kv = {k_cache, v_cache, block_tables + b * table_width, block_shift,
                          num_kv_heads * d, kvh0 * d};
-            scores_pass(q + first_head * d, kv_per_item, group, d, &kv, start, len, scores);
+            scores_pass(q + b * q_stride + kvh0 * group * d, kv_per_item, group, d, &kv, start, len, scores);
             for (int64_t h = 0; h < item_heads; h++)
                 inv[h] = softmax_row(scores + h * n, n, scale, softcap, sink_of(sinks, kvh0 * group + h));
             for (int64_t j = 0; j < kv_per_item; j++, kv.head_offset += d) {
