@@ -93,6 +93,14 @@ def sigmoid_gate_mul_ref(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor 
     return gated if add is None else add + gated
 
 
+@register_op("sum_and_scale", name="torch_sum_and_scale", priority=0)
+def sum_and_scale_ref(x: torch.Tensor, other: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """(x + other) * scale, `other` optional, a scale of 1 no product: Granite's residual
+    multiplier on a sublayer's output (its experts' and shared MLP's sum first)."""
+    out = x if other is None else x + other
+    return out if scale == 1.0 else out * scale
+
+
 @register_op("relu_squared", name="torch_relu_squared", priority=0)
 def relu_squared_ref(x: torch.Tensor) -> torch.Tensor:
     """relu(x)^2 (transformers' "relu2": Nemotron-H's and Primer's MLPs)."""

@@ -1,5 +1,6 @@
 """The hybrid models' elementwise kernels (gating.h) against their torch builders: the Gated
-DeltaNet's g and beta, the gated RMSNorms, the sigmoid output gate and relu squared, in bf16 and float32,
+DeltaNet's g and beta, the gated RMSNorms, the sigmoid output gate, relu squared and
+Granite's scaled sums, in bf16 and float32,
 read from strided views as the layers pass them. exp is a polynomial within 2e-7 of torch's,
 so bf16 results may sit one unit off where the float32 value is on a rounding edge: the
 tests allow that for a small share of values and nothing more. Other forms run the torch
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.ops.activation import relu_squared_ref, sigmoid_gate_mul_ref
+from tessera.ops.activation import relu_squared_ref, sigmoid_gate_mul_ref, sum_and_scale_ref
 from tessera.ops.cpu import build
 from tessera.ops.cpu import gating
 from tessera.ops.cpu.graph import capture
@@ -131,8 +132,19 @@ def test_relu_squared_is_the_torch_builder_s(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_other,scale", [(False, 0.22), (True, 0.22), (True, 1.0), (False, 1.0)])
+def test_sum_and_scale_is_the_torch_builder_s(dtype, with_other, scale):
+    """Granite's residual multiplier on a sublayer's output, its experts' and shared MLP's
+    sum first: bit for bit, x read from a strided view."""
+    gen = torch.Generator().manual_seed(int(with_other) + int(100 * scale))
+    x = (5 * torch.randn(7, 1030, generator=gen)).to(dtype)[:, 3:1027]
+    other = (5 * torch.randn(7, 1024, generator=gen)).to(dtype) if with_other else None
+    assert torch.equal(gating.sum_and_scale(x, other, scale), sum_and_scale_ref(x, other, scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_registry_picks_the_kernels(dtype):
-    for kind in ("delta_rule_gates", "gated_rms_norm", "sigmoid_gate_mul", "relu_squared"):
+    for kind in ("delta_rule_gates", "gated_rms_norm", "sigmoid_gate_mul", "relu_squared", "sum_and_scale"):
         assert select_op(OpSpec(kind, "cpu", dtype)).builder.name == f"cpu_{kind}"
 
 
@@ -161,4 +173,4 @@ def test_the_gates_replay_from_a_kernel_graph():
 def test_the_isa_setting_picks_the_build():
     want = "gating_avx2.c" if build.missing_cpu_flags() else "gating.c"
     assert all(k.runnable_source() == want for k in (gating._GATES, gating._NORM, gating._SIGMOID,
-                                                     gating._RELU_SQUARED))
+                                                     gating._RELU_SQUARED, gating._SUM_AND_SCALE))

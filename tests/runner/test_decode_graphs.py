@@ -154,19 +154,26 @@ def test_gpt_oss_mxfp4_experts_replay_at_every_bucket(tiny_tokenizer_dir, tmp_pa
     assert replayed_and_eager_buckets(tmp_path / "gpt-oss") == ([1, 2, 3], [])
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h",
+                                  "granite_hybrid", "bamba"])
 def test_recurrent_layers_replay_with_their_slots_as_an_input(kind, tiny_tokenizer_dir, tmp_path):
     """LFM2's gated short convolutions, Qwen3.5's / Qwen3-Next's Gated DeltaNets and
-    Nemotron-H's Mamba-2 mixers keep a state per sequence: the graphs read the step's state
-    slots from a buffer, and their gates, gated norms, partial rotary, sigmoid output gates,
-    relu squared and unrotated queries are kernels, so every bucket replays, equal to the
-    eager steps."""
+    Nemotron-H's, Granite 4.0-H's and Bamba's Mamba-2 mixers keep a state per sequence: the graphs
+    read the step's state slots from a buffer, and their gates, gated norms, partial rotary,
+    sigmoid output gates, relu squared, unrotated queries and scaled residual sums are
+    kernels, so every bucket replays, equal to the eager steps."""
     if kind == "lfm2":
         from tests.models.test_lfm2 import make_tiny_lfm2
         make_tiny_lfm2("lfm2-biased-conv", tmp_path, tiny_tokenizer_dir, seed=2)
     elif kind == "nemotron_h":
         from tests.models.test_nemotron_h import make_tiny_nemotron_h
         make_tiny_nemotron_h("nemotron-h-two-groups", tmp_path, tiny_tokenizer_dir, seed=2)
+    elif kind == "granite_hybrid":  # Granite 4.0-H: no rotary, experts and a shared MLP, multipliers
+        from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
+        make_tiny_granite_hybrid("granite-4.0-h-moe-nope", tmp_path, tiny_tokenizer_dir, seed=2)
+    elif kind == "bamba":
+        from tests.models.test_bamba import make_tiny_bamba
+        make_tiny_bamba("bamba-two-groups", tmp_path, tiny_tokenizer_dir, seed=2)
     else:
         from tests.models.test_qwen3_next import make_tiny_qwen3_next
         make_tiny_qwen3_next(kind, tmp_path, tiny_tokenizer_dir, seed=2)
@@ -198,6 +205,14 @@ def make_tiny_mixture(folder, tokenizer_dir) -> None:
                 p.mul_(25.0)
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+
+
+def test_granite_s_multipliers_replay_at_every_bucket(tiny_tokenizer_dir, tmp_path):
+    """Granite 3.x: each sublayer's output times residual_multiplier is a kernel too."""
+    from tests.models.families import make_family
+
+    make_family(tmp_path, tiny_tokenizer_dir, "granite-gqa", seed=2)
+    assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
 
 
 def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path, monkeypatch):

@@ -24,13 +24,15 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config, target)
         self.residual_multiplier = config.residual_multiplier
+        self._scale = target.op("sum_and_scale")
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.residual_multiplier
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(rope, hidden) * self.residual_multiplier
+        hidden = self._scale(self.self_attn(rope, hidden), None, m)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.residual_multiplier, residual
+        return self._scale(self.mlp(hidden), None, m), residual
 
 
 class GraniteModel(LlamaModel):

@@ -62,9 +62,10 @@ class ExpertsAndShared(nn.Module):
         self.block_sparse_moe = SparseMoE(config.hidden_size, config.intermediate_size, config.num_local_experts,
                                           config.num_experts_per_tok, renormalize=True, target=target)
         self.shared_mlp = SharedMLP(config, target)
+        self._sum = target.op("sum_and_scale")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) + self.shared_mlp(x)
+        return self._sum(self.block_sparse_moe(x), self.shared_mlp(x))
 
 
 class GraniteHybridDecoderLayer(nn.Module):
@@ -79,13 +80,15 @@ class GraniteHybridDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.residual_multiplier = config.residual_multiplier
+        self._scale = target.op("sum_and_scale")
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.residual_multiplier
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = (self.mamba if self.is_mamba else self.self_attn)(rope, hidden) * self.residual_multiplier
+        hidden = self._scale((self.mamba if self.is_mamba else self.self_attn)(rope, hidden), None, m)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.residual_multiplier, residual
+        return self._scale(self.mlp(hidden), None, m), residual
 
 
 class GraniteHybridModel(LlamaModel):

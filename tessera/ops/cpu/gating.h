@@ -1,8 +1,8 @@
 /* The gates around a linear-attention layer's core, one C call each instead of 5-12 small
  * torch ops (which also kept its decode steps out of the kernel graphs): the Gated
  * DeltaNet's decay and write strength, its gated output RMSNorm, and a sigmoid output gate
- * (Qwen3-Next / Qwen3.5's attention output, their shared expert's scale); and Nemotron-H's
- * relu(x)^2, the one hybrid-model activation without another kernel. One text for both
+ * (Qwen3-Next / Qwen3.5's attention output, their shared expert's scale); Nemotron-H's
+ * relu(x)^2, and Granite's scaled residual sums. One text for both
  * builds (gating.c with AVX512 flags, gating_avx2.c with AVX2); rounding follows the torch
  * builders step by step (bf16 where they round), exp is avx512_math.h's / avx2_math.h's
  * polynomial (within 2e-7 of torch's), the few per-head gates use libm. */
@@ -148,5 +148,24 @@ void tessera_relu_squared(const void *x, void *out, int64_t n, int is_bf16, int 
     for (int64_t i = 0; i < n; i++) {
         const float v = load(x, i, is_bf16), r = v > 0.0f ? v : (v != v ? v : 0.0f);
         store(out, i, r * r, is_bf16);
+    }
+}
+
+/* (x + other) * scale, each step rounded as torch's (Granite's residual multiplier, its
+ * experts' and shared MLP's sum); other may be NULL, scale 1 skips the product. x, other:
+ * rows every x_stride / other_stride elements; out: [rows, cols] contiguous. */
+void tessera_sum_and_scale(const void *x, int64_t x_stride, const void *other, int64_t other_stride, void *out,
+                           int64_t rows, int64_t cols, float scale, int is_bf16, int threads) {
+#pragma omp parallel for num_threads(rows * cols >= 65536 ? threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < cols; i++) {
+            float v = load(x, r * x_stride + i, is_bf16);
+            if (other) {
+                v = v + load(other, r * other_stride + i, is_bf16);
+                if (is_bf16 && scale != 1.0f) v = round_to_bf16(v);
+            }
+            if (scale != 1.0f) v = v * scale;
+            store(out, r * cols + i, v, is_bf16);
+        }
     }
 }

@@ -2,9 +2,9 @@
 AVX512, gating_avx2.c): the Gated DeltaNet's decay and write strength (`delta_rule_gates`),
 the gated output RMSNorm (`gated_rms_norm`: the Gated DeltaNet's norm first, Mamba-2's gate
 first, Falcon-H1's per group), a sigmoid output gate (`sigmoid_gate_mul`), and Nemotron-H's
-relu(x)^2 (`relu_squared`). Each replaces 2-12 torch ops a layer, so that Qwen3.5's,
-Qwen3-Next's and the Mamba-2 hybrids' decode steps are kernels alone, which the kernel
-graphs replay. Roundings are the torch builders' op by op; exp is a polynomial within 2e-7
+relu(x)^2 (`relu_squared`), and Granite's scaled residual sums (`sum_and_scale`). Each
+replaces 1-12 torch ops a layer, so that Qwen3.5's, Qwen3-Next's, the Mamba-2 hybrids' and
+Granite's decode steps are kernels alone, which the kernel graphs replay. Roundings are the torch builders' op by op; exp is a polynomial within 2e-7
 of torch's, so a bf16 result can differ from torch's by one unit where the float32 value
 sits on a rounding edge.
 """
@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from tessera.ops.activation import relu_squared_ref, sigmoid_gate_mul_ref
+from tessera.ops.activation import relu_squared_ref, sigmoid_gate_mul_ref, sum_and_scale_ref
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.linear_attention.delta_rule import delta_rule_gates_ref
 from tessera.ops.norm import gated_rms_norm_ref
@@ -29,6 +29,8 @@ _NORM = Kernel("gating.c", "tessera_gated_rms_norm",
 _SIGMOID = Kernel("gating.c", "tessera_sigmoid_gate_mul", (_P, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _INT, _INT),
                   fallback_source="gating_avx2.c")
 _RELU_SQUARED = Kernel("gating.c", "tessera_relu_squared", (_P, _P, _I64, _INT, _INT), fallback_source="gating_avx2.c")
+_SUM_AND_SCALE = Kernel("gating.c", "tessera_sum_and_scale",
+                        (_P, _I64, _P, _I64, _P, _I64, _I64, ctypes.c_float, _INT, _INT), fallback_source="gating_avx2.c")
 _DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD = 1024  # the norm's group size: its per-group stack buffers (gating.h's GATE_CHUNK)
 
@@ -116,4 +118,19 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype)
     if x.numel():
         _RELU_SQUARED(x.data_ptr(), out.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+@register_op("sum_and_scale", name="cpu_sum_and_scale", priority=10, devices=("cpu",), dtypes=_DTYPES,
+             check=_SUM_AND_SCALE.check)
+def sum_and_scale(x: torch.Tensor, other: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """sum_and_scale_ref's op, bit-exact: x and other as 2-D rows (any row stride)."""
+    if not (x.dtype in _DTYPES and _rows(x) and (other is None or (other.dtype == x.dtype and other.shape == x.shape
+                                                                    and _rows(other)))):
+        return sum_and_scale_ref(x, other, scale)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if x.numel():
+        _SUM_AND_SCALE(x.data_ptr(), x.stride(0), 0 if other is None else other.data_ptr(),
+                       0 if other is None else other.stride(0), out.data_ptr(), x.shape[0], x.shape[1], scale,
+                       int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out
