@@ -38,6 +38,45 @@ def softmax_topk_ref(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
+@register_op("moe_scored_routing", name="torch_scored_topk", priority=0)
+def scored_topk_ref(logits: torch.Tensor, top_k: int, sigmoid: bool = False, bias: torch.Tensor | None = None,
+                    groups: int = 1, topk_group: int = 1, group_rule: str = "top2_sum", renormalize: bool = False,
+                    renorm_eps: float = 0.0, renorm_floor: float = 0.0, scaling: float = 1.0,
+                    router_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (weights [T, k] float32, expert ids [T, k]) of the routers softmax_topk_ref does not
+    cover (DeepSeek V2 / V3, GLM-4.5, MiniMax-M2, Nemotron 3, Mistral 4, ERNIE 4.5, LFM2-MoE).
+    `logits` [T, E], or with `router_weight` [E, H] (float32) the hidden rows [T, H]: the
+    logits are then x W^T in float32. Scores: softmax or sigmoid in float32. The choice adds
+    `bias`; with `groups`, only the `topk_group` groups whose best choice ("max") or best
+    two's sum ("top2_sum") is largest stay eligible. The weights are the chosen scores
+    (without the bias), over max(sum, renorm_floor) + renorm_eps when `renormalize`, times
+    `scaling`."""
+    if router_weight is not None:
+        logits = F.linear(logits.float(), router_weight)
+    logits = logits.float()
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias
+    if groups > 1:
+        per_group = choice.view(choice.shape[0], groups, -1)
+        group_scores = (per_group.max(dim=-1).values if group_rule == "max"
+                        else per_group.topk(2, dim=-1)[0].sum(dim=-1))
+        choice = keep_groups(choice, group_scores, topk_group, float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True).clamp(min=renorm_floor) + renorm_eps)
+    return (weights if scaling == 1.0 else weights * scaling), ids
+
+
+def keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, keep: int, fill: float) -> torch.Tensor:
+    """`scores` [T, E] with the experts outside the `keep` best groups set to `fill`."""
+    tokens, groups = group_scores.shape
+    chosen = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    mask = mask.unsqueeze(-1).expand(tokens, groups, scores.shape[1] // groups).reshape(tokens, -1)
+    return scores.masked_fill(~mask, fill)
+
+
 ExpertLinear = Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor]  # (rows, expert, bias) -> out
 
 

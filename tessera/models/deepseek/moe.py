@@ -6,12 +6,12 @@ router in float32 (transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter).
 - V3 ("noaux_tc"): sigmoid scores; the choice adds e_score_correction_bias and keeps the
   topk_group groups with the largest sum of their two best; the weights are the scores
   without the bias, renormalised when norm_topk_prob.
-Both multiply the weights by routed_scaling_factor.
+Both multiply the weights by routed_scaling_factor; both are the `moe_scored_routing` op
+(ops/moe.py: scored_topk_ref; one C call on CPU, the float32 router GEMV included).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -21,15 +21,6 @@ from tessera.models.mixtral.modeling import check_silu
 from tessera.ops.moe import StackedExperts
 from tessera.ops.registry import OpTarget
 from tessera.ops.weights import make_param
-
-
-def _keep_groups(scores: torch.Tensor, group_scores: torch.Tensor, keep: int, fill: float) -> torch.Tensor:
-    """`scores` [T, E] with the experts outside the `keep` best groups set to `fill`."""
-    tokens, groups = group_scores.shape
-    chosen = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
-    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
-    mask = mask.unsqueeze(-1).expand(tokens, groups, scores.shape[1] // groups).reshape(tokens, -1)
-    return scores.masked_fill(~mask, fill)
 
 
 class DeepseekTopkRouter(nn.Module):
@@ -47,27 +38,17 @@ class DeepseekTopkRouter(nn.Module):
         self.weight = make_param((self.num_experts, config.hidden_size), torch.float32, target.device)
         self.e_score_correction_bias = (make_param((self.num_experts,), torch.float32, target.device)
                                         if v3 else None)
+        self._route = target.op("moe_scored_routing")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""
-        logits = F.linear(x.float(), self.weight)
-        tokens = logits.shape[0]
         if self.v3:
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            best_two = choice.view(tokens, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
-            choice = _keep_groups(choice, best_two, self.topk_group, float("-inf"))
-            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, ids)
-            if self.renormalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        else:
-            scores = logits.softmax(dim=-1)
-            if self.method == "group_limited_greedy":
-                best = scores.view(tokens, self.groups, -1).max(dim=-1).values
-                scores = _keep_groups(scores, best, self.topk_group, 0.0)
-            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
-        return weights * self.scaling, ids
+            return self._route(x, self.top_k, sigmoid=True, bias=self.e_score_correction_bias, groups=self.groups,
+                               topk_group=self.topk_group, group_rule="top2_sum", renormalize=self.renormalize,
+                               renorm_eps=1e-20, scaling=self.scaling, router_weight=self.weight)
+        groups = self.groups if self.method == "group_limited_greedy" else 1
+        return self._route(x, self.top_k, groups=groups, topk_group=self.topk_group if groups > 1 else 1,
+                           group_rule="max", scaling=self.scaling, router_weight=self.weight)
 
 
 class RoutedMoE(nn.Module):
@@ -85,12 +66,13 @@ class RoutedMoE(nn.Module):
         self.shared_experts = LlamaMLP(config, target, shared) if shared else None
         self.tp_size = target.tp_size
         self._experts = target.op("moe_experts", quant=self.experts.quant)
+        self._add = target.op("sum_and_scale")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         w13, w2 = self.experts.stacks()
         out = all_reduce(self._experts(x, w13, w2, weights, ids), self.tp_size)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None else self._add(out, self.shared_experts(x))
 
 
 class DeepseekMoE(RoutedMoE):

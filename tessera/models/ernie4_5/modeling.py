@@ -8,7 +8,6 @@ and add shared experts. The checkpoints' multi-token-prediction head is skipped.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -38,6 +37,7 @@ class Ernie45TopkRouter(nn.Module):
         self.top_k, self.norm_min = config.moe_k, config.moe_norm_min
         self.weight = make_param((experts, config.hidden_size), torch.float32, target.device)
         self.e_score_correction_bias = make_param((experts,), torch.float32, target.device, loader=self._load_bias)
+        self._route = target.op("moe_scored_routing")
 
     @staticmethod
     def _load_bias(param: nn.Parameter, tensor: torch.Tensor, shard_id=None) -> None:
@@ -49,10 +49,8 @@ class Ernie45TopkRouter(nn.Module):
             param.data.copy_(tensor.reshape(-1).to(param.dtype))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight).softmax(dim=-1)
-        ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        return weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min), ids
+        return self._route(x, self.top_k, bias=self.e_score_correction_bias, renormalize=True,
+                           renorm_floor=self.norm_min, router_weight=self.weight)
 
 
 class Ernie45MoE(RoutedMoE):

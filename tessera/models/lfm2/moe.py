@@ -27,16 +27,12 @@ class Lfm2MoeBlock(nn.Module):
         self.experts = StackedExperts(config.hidden_size, config.moe_intermediate_size, config.num_experts, target)
         self.tp_size = target.tp_size
         self._experts = target.op("moe_experts", quant=self.experts.quant)
+        self._route = target.op("moe_scored_routing")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""
-        scores = self.gate(x).float().sigmoid()
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
-        ids = torch.topk(choice, self.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-        return weights * self.scaling, ids
+        return self._route(self.gate(x), self.top_k, sigmoid=True, bias=self.expert_bias,
+                           renormalize=self.renormalize, renorm_eps=1e-6, scaling=self.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

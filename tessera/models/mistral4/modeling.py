@@ -9,11 +9,10 @@ routed_scaling_factor; no correction bias."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from tessera.models.deepseek.modeling import DeepseekDecoderLayer, DeepseekForCausalLM, DeepseekModel
-from tessera.models.deepseek.moe import DeepseekMoE, DeepseekTopkRouter, _keep_groups
+from tessera.models.deepseek.moe import DeepseekMoE, DeepseekTopkRouter
 from tessera.models.ministral3.modeling import Llama4QueryTemperature
 from tessera.ops.registry import OpTarget
 
@@ -28,13 +27,9 @@ class Mistral4TopkRouter(DeepseekTopkRouter):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""
-        scores = F.linear(x.float(), self.weight).softmax(dim=-1)
-        best_two = scores.view(scores.shape[0], self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
-        ids = torch.topk(_keep_groups(scores, best_two, self.topk_group, 0.0), k=self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        return self._route(x, self.top_k, groups=self.groups, topk_group=self.topk_group, group_rule="top2_sum",
+                           renormalize=self.renormalize, renorm_eps=1e-20, scaling=self.scaling,
+                           router_weight=self.weight)
 
 
 class Mistral4MoE(DeepseekMoE):

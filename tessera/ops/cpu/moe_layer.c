@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "topk_insert.h"
 
 /* The packed GEMMs' signature (gemm_bf16.c, gemm_int8.c, gemm_int4.c and their builds). */
 typedef int (*gemm_fn)(const void *x, const void *w, const void *bias, void *y,
@@ -42,20 +43,7 @@ int tessera_moe_softmax_topk(const uint16_t *logits, float *weights, int64_t *id
         for (int64_t e = 0; e < experts; e++) {
             const float v = bf16_to_f32(row[e]);
             if (v > max) max = v;
-            /* insertion into the k largest so far, kept in descending order: only a
-             * strictly larger value moves ahead, so of equal values the earlier expert stays
-             * first (NaN compares false: taken only while fewer than k are held) */
-            if (held < top_k || v > best[held - 1]) {
-                int64_t at = held < top_k ? held : top_k - 1;  /* full: the last one drops */
-                while (at > 0 && v > best[at - 1]) {
-                    best[at] = best[at - 1];
-                    which[at] = which[at - 1];
-                    at--;
-                }
-                best[at] = v;
-                which[at] = e;
-                if (held < top_k) held++;
-            }
+            keep_largest(best, which, &held, top_k, v, e);
         }
         float sum = 0.0f;
         for (int64_t e = 0; e < experts; e++) sum += expf(bf16_to_f32(row[e]) - max);
