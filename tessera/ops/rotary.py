@@ -201,18 +201,26 @@ def _cos_sin_rows(freqs: torch.Tensor, scale: float, dtype: torch.dtype) -> torc
 
 @register_op("rotary", name="torch_rotary", priority=0)
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               head_size: int, full_head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               head_size: int, full_head: int | None = None,
+               interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq*D], k: [T, Hk*D]; cos/sin: [T, 1, D] for these tokens' positions (D:
     head_size). `full_head` > head_size (partial rotary): the heads are that wide, only
-    their first head_size dimensions turn, the rest pass through."""
+    their first head_size dimensions turn, the rest pass through. `interleaved` (GLM-4,
+    ERNIE, Cohere 2): the turned pairs are neighbours (2i, 2i + 1), not i and i + D / 2; the
+    dimensions are gathered into halves (evens, then odds) around the rotation and back."""
     width = full_head or head_size
+    order = None
+    if interleaved:
+        order = torch.cat((torch.arange(0, head_size, 2), torch.arange(1, head_size, 2))).to(q.device)
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         heads = x.reshape(x.shape[0], -1, width)
-        x = heads[..., :head_size]
+        x = heads[..., :head_size] if order is None else heads[..., :head_size].index_select(-1, order)
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
         turned = x * cos + rotated * sin
+        if order is not None:
+            turned = turned.index_select(-1, torch.argsort(order))
         return (turned if width == head_size else torch.cat((turned, heads[..., head_size:]), dim=-1)).flatten(1)
 
     return apply(q), apply(k)
@@ -321,8 +329,8 @@ class ApplyRotary(OpModule):
     """Rotary on every head of q and k. `rotary_dim` < head_size (partial rotary, as
     Phi-4-mini's partial_rotary_factor 0.75): only each head's first rotary_dim dimensions
     turn (the cos / sin are that wide), the rest pass through, as transformers does.
-    `interleaved` (GLM-4): the turned pairs are neighbours (2i, 2i + 1), not i and
-    i + rotary_dim / 2; the dimensions are reordered into halves around the op and back."""
+    `interleaved` (GLM-4, ERNIE, Cohere 2): the turned pairs are neighbours (2i, 2i + 1),
+    not i and i + rotary_dim / 2. Both are arguments of the `rotary` op (rotary_ref)."""
 
     def __init__(self, head_size: int, target: OpTarget, rotary_dim: int | None = None, interleaved: bool = False):
         super().__init__()
@@ -331,30 +339,16 @@ class ApplyRotary(OpModule):
         if self.rotary_dim % 2 or self.rotary_dim > head_size:
             raise ValueError(f"rotary over {self.rotary_dim} of {head_size} head dimensions: it must be even "
                              "and at most the head")
-        self.halves = None
-        if interleaved:  # evens, then odds: the neighbours' pairs as the op's halves
-            order = torch.cat((torch.arange(0, self.rotary_dim, 2), torch.arange(1, self.rotary_dim, 2)))
-            self.halves = (order.to(target.device), torch.argsort(order).to(target.device))
+        self.interleaved = interleaved
         self._rotary = target.op("rotary", head_size=self.rotary_dim)
 
     @property
     def whole_heads(self) -> bool:
         """Whether the rotary turns whole heads in halves: what the fused rotary-and-cache-
         write op does (Attention.forward)."""
-        return self.rotary_dim == self.head_size and self.halves is None
+        return self.rotary_dim == self.head_size and not self.interleaved
 
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        d, r = self.head_size, self.rotary_dim
-        if self.halves is None:  # whole heads, or their first r dimensions
-            return self._rotary(q, k, rope[0], rope[1], r, full_head=d)
-        # interleaved: the turned pairs gathered into halves and back
-        heads_q, heads_k = q.reshape(q.shape[0], -1, d), k.reshape(k.shape[0], -1, d)
-        turned_q, turned_k = heads_q[..., :r].index_select(-1, self.halves[0]), heads_k[..., :r].index_select(
-            -1, self.halves[0])
-        q_rot, k_rot = self._rotary(turned_q.reshape(q.shape[0], -1), turned_k.reshape(k.shape[0], -1),
-                                    rope[0], rope[1], r)
-        q_rot = q_rot.view(q.shape[0], -1, r).index_select(-1, self.halves[1])
-        k_rot = k_rot.view(k.shape[0], -1, r).index_select(-1, self.halves[1])
-        return (torch.cat((q_rot, heads_q[..., r:]), dim=-1).view(q.shape[0], -1),
-                torch.cat((k_rot, heads_k[..., r:]), dim=-1).view(k.shape[0], -1))
+        return self._rotary(q, k, rope[0], rope[1], self.rotary_dim, full_head=self.head_size,
+                            interleaved=self.interleaved)

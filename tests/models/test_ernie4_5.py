@@ -84,7 +84,7 @@ def test_layers_are_what_the_config_says(case: Case):
     moe = case.hf.config.model_type == "ernie4_5_moe"
     for i, layer in enumerate(model.model.layers):
         assert isinstance(layer.mlp, Ernie45MoE) == (moe and i >= 1)
-        assert layer.self_attn.rotary.halves is not None  # (interleaved pairs)
+        assert layer.self_attn.rotary.interleaved  # (neighbouring pairs)
     if moe:
         gate = model.model.layers[-1].mlp.gate
         assert gate.e_score_correction_bias.abs().sum() > 0

@@ -61,6 +61,26 @@ def test_partial_rotary_turns_each_head_s_first_dimensions_only(tokens, d, r):
         assert torch.equal(out[..., :r].reshape(tokens, -1), turned)
 
 
+@pytest.mark.parametrize("tokens", [1, 9])
+@pytest.mark.parametrize("d, r", [(128, 64), (64, 64), (10, 6)])  # GLM-4's half, ERNIE's / Cohere 2's whole
+def test_interleaved_rotary_turns_neighbouring_pairs(tokens, d, r):
+    """GLM-4's, ERNIE's and Cohere 2's form: bit-exact to the torch builder, whose pairs are
+    its rotate-half of the evens-then-odds order, turned back."""
+    g = torch.Generator().manual_seed(tokens * d + r)
+    qkv = (3 * torch.randn(tokens, 7 * d, generator=g)).bfloat16()
+    q, k = qkv[:, :4 * d], qkv[:, 4 * d:6 * d]
+    cos, sin = rope_rows(tokens, r, g, gathered=True)
+    got = rotary_bf16(q, k, cos, sin, r, full_head=d, interleaved=True)
+    want = rotary_ref(q, k, cos, sin, r, full_head=d, interleaved=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    order = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))
+    heads = q.reshape(tokens, -1, d)
+    halves = heads[..., :r].index_select(-1, order).reshape(tokens, -1)
+    turned = rotary_ref(halves, halves, cos, sin, r)[0].view(tokens, -1, r).index_select(-1, torch.argsort(order))
+    assert torch.equal(got[0].view(tokens, -1, d)[..., :r], turned)
+    assert torch.equal(got[0].view(tokens, -1, d)[..., r:], heads[..., r:])
+
+
 def test_other_inputs_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(3, 128, generator=g), torch.randn(3, 64, generator=g)

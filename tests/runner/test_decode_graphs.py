@@ -155,6 +155,19 @@ def test_scored_routers_replay_at_every_bucket(kind, tiny_tokenizer_dir, tmp_pat
     assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
 
 
+@pytest.mark.parametrize("kind", ["glm4-gqa-bias", "ernie4_5_moe"])
+def test_interleaved_rotary_replays_at_every_bucket(kind, tiny_tokenizer_dir, tmp_path):
+    """Rotary on neighbouring pairs (GLM-4's over half of each head, ERNIE 4.5's with its
+    scored router) is the rotary kernel's too, so their decode steps replay."""
+    if kind == "ernie4_5_moe":
+        from tests.models.test_ernie4_5 import MOE, make_tiny_ernie
+        make_tiny_ernie(tmp_path, tiny_tokenizer_dir, kind, seed=2, **MOE)
+    else:
+        from tests.models.families import make_family
+        make_family(tmp_path, tiny_tokenizer_dir, kind, seed=2)
+    assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
+
+
 def test_gpt_oss_mxfp4_experts_replay_at_every_bucket(tiny_tokenizer_dir, tmp_path):
     """gpt-oss as its checkpoint keeps it: MXFP4 stacks, a biased router, biased experts
     and the clamped SwiGLU run in the one-call layer, the sinks in the attention kernels: its

@@ -18,7 +18,7 @@ from tessera.ops.rotary import rotary_ref
 
 _KERNEL = Kernel("rotary_bf16.c", "tessera_rotary_bf16",
                  (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,)
-                 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 5 + (ctypes.c_int,), None,
+                 + (ctypes.c_void_p,) * 2 + (ctypes.c_int64,) * 5 + (ctypes.c_int,) * 2, None,
                  fallback_source="rotary_avx2.c")
 
 
@@ -30,9 +30,10 @@ def _rows(x: torch.Tensor) -> bool:
 @register_op("rotary", name="cpu_rotary_bf16", priority=10, devices=("cpu",),
              dtypes=(torch.bfloat16,), check=_KERNEL.check)
 def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                head_size: int, full_head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                head_size: int, full_head: int | None = None,
+                interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_ref's op; with `full_head`, each head's other dimensions are copied in the
-    same pass."""
+    same pass; `interleaved` pairs are turned in place (rotary_pairs.h)."""
     tokens, width = q.shape[0], full_head or head_size
     if (head_size % 2 or width < head_size or q.shape[-1] % width or k.shape[-1] % width
             or any(t.dtype != torch.bfloat16 for t in (q, k, cos, sin))
@@ -40,11 +41,11 @@ def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
             or cos.numel() != tokens * head_size or cos.shape[0] != tokens or sin.shape != cos.shape
             or k.shape[0] != tokens
             or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)):
-        return rotary_ref(q, k, cos, sin, head_size, full_head)
+        return rotary_ref(q, k, cos, sin, head_size, full_head, interleaved)
     q_out = torch.empty(q.shape, dtype=torch.bfloat16)
     k_out = torch.empty(k.shape, dtype=torch.bfloat16)
     if tokens:
         _KERNEL(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(), sin.data_ptr(),
                 cos.stride(0), q_out.data_ptr(), k_out.data_ptr(), tokens, q.shape[1] // width,
-                k.shape[1] // width, head_size, width, torch.get_num_threads())
+                k.shape[1] // width, head_size, width, int(interleaved), torch.get_num_threads())
     return q_out, k_out

@@ -7,16 +7,22 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "rotary_pairs.h"
 #include "simd_bf16.h"
 
 /* heads of one token: x [heads, d] at x (contiguous within the row), out likewise. */
 static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
-                       int64_t heads, int64_t d, int64_t full) {
+                       int64_t heads, int64_t d, int64_t full, int interleaved) {
     const int64_t half = d / 2;
     for (int64_t h = 0; h < heads; h++) {
         const uint16_t *xh = x + h * full;
         uint16_t *oh = out + h * full;
         if (full > d) memcpy(oh + d, xh + d, (size_t)(full - d) * sizeof(uint16_t)); /* partial: passed through */
+        if (interleaved) { /* pairs (2i, 2i + 1), as rotate-half of the evens-then-odds order */
+            rotate_pairs(xh, oh, cos, sin, half);
+            continue;
+        }
         for (int64_t i = 0; i < half; i += 16) {
             const __mmask16 m = lanes16(half - i);
             const __m512 x1 = load_bf16x16(xh + i, m), x2 = load_bf16x16(xh + half + i, m);
@@ -38,12 +44,13 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
 void tessera_rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                          const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
                          uint16_t *q_out, uint16_t *k_out,
-                         int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int64_t full, int threads) {
+                         int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int64_t full,
+                         int interleaved, int threads) {
 #pragma omp parallel for num_threads(tokens >= 32 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         rotate_row(q + t * q_stride, q_out + t * q_heads * full, cos + t * cs_stride, sin + t * cs_stride, q_heads,
-                   d, full);
+                   d, full, interleaved);
         rotate_row(k + t * k_stride, k_out + t * k_heads * full, cos + t * cs_stride, sin + t * cs_stride, k_heads,
-                   d, full);
+                   d, full, interleaved);
     }
 }

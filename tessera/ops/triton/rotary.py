@@ -89,11 +89,12 @@ def rotary_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
 @register_op("rotary", name="triton_rotary", priority=20, devices=("cuda",), check=triton_missing)
 def triton_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  head_size: int, full_head: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  head_size: int, full_head: int | None = None,
+                  interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq*D], k: [T, Hk*D]; cos/sin: [T, 1, D] -> new q, k of the same shapes.
-    Partial rotary (`full_head` > head_size) runs the torch builder."""
-    if full_head not in (None, head_size):
-        return rotary_ref(q, k, cos, sin, head_size, full_head)
+    Partial or interleaved rotary runs the torch builder."""
+    if full_head not in (None, head_size) or interleaved:
+        return rotary_ref(q, k, cos, sin, head_size, full_head, interleaved)
     run = rotary_launch(q, k, cos, sin, head_size)
     if run.q.shape[0]:
         _kernel()[(run.q.shape[0], run.num_q + run.num_k)](
