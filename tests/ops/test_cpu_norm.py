@@ -56,6 +56,24 @@ def test_per_head_norm_reads_heads_in_place(tokens, weight_dtype):
                                rms_norm_ref(k.contiguous(), weight, 1e-6)[0].float(), rtol=2 ** -7, atol=1e-6)
 
 
+@pytest.mark.parametrize("tokens", [2, 5])
+def test_a_whole_projection_norm_reads_its_columns_in_place(tokens):
+    """MiniMax-M2's norm over a whole query (or key) projection: [tokens, width] columns of
+    the packed QKV rows, normed where they are, as the torch op on a copy; the capture of a
+    pass that norms them records the kernel alone (a copy would keep it from replaying)."""
+    from tessera.ops.cpu.graph import capture
+
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (3 * torch.randn(tokens, 3 * 64, generator=g)).bfloat16()
+    weight = (1 + 0.2 * torch.randn(64, generator=g)).bfloat16()
+    for part in (qkv[:, :64], qkv[:, 64:128]):
+        with capture() as graph:
+            got, _ = cpu_norm.rms_norm_bf16(part, weight, 1e-6)
+        assert graph.replayable, graph.refused
+        want, _ = rms_norm_ref(part.contiguous(), weight, 1e-6)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_other_dtypes_and_shapes_go_to_torch():
     x = torch.randn(2, 3, 16)
     w = torch.ones(16)

@@ -144,14 +144,18 @@ def test_mixtures_of_experts_replay_at_every_bucket(quantization, tiny_tokenizer
     assert replayed_and_eager_buckets(tmp_path, quantization) == ([1, 2, 3], [])
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe", "lfm2_moe"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "lfm2_moe", "minimax_m2"])
 def test_scored_routers_replay_at_every_bucket(kind, tiny_tokenizer_dir, tmp_path):
     """GLM-4.5's router (DeepSeek V3's: a float32 router, sigmoid scores, a choice bias, the
-    weights renormalised and scaled; its shared expert added by a kernel) and LFM2-MoE's are
-    one C call (moe_scored_routing), so their decode steps replay, equal to the eager ones."""
+    weights renormalised and scaled; its shared expert added by a kernel), MiniMax-M2's (its
+    norms over whole q / k projections read in place) and LFM2-MoE's are one C call
+    (moe_scored_routing), so their decode steps replay, equal to the eager ones."""
     if kind == "glm4_moe":
         from tests.models.test_glm4_moe import make_tiny_glm4_moe
         make_tiny_glm4_moe(tmp_path, tiny_tokenizer_dir, seed=2)
+    elif kind == "minimax_m2":
+        from tests.models.test_minimax_m2 import make_tiny_minimax_m2
+        make_tiny_minimax_m2(tmp_path, tiny_tokenizer_dir, seed=2)
     else:
         from tests.models.test_lfm2 import make_tiny_lfm2
         # 16 experts: a router the packed kernels take on every build (4 rows run in torch on AVX2)

@@ -42,6 +42,10 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
     # rows): read in place, groups of `heads` rows a token stride apart
     if residual is None and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == h and x.shape[0] > 1:
         group, group_stride = x.shape[1], x.stride(0)
+    elif residual is None and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 1:
+        # [tokens, h] rows of a wider matrix (MiniMax-M2's norm over a whole query or key
+        # projection, a column slice of the packed QKV rows): each row its own group
+        group, group_stride = 1, x.stride(0)
     else:
         x = x.contiguous()
         group, group_stride = max(rows, 1), 0
