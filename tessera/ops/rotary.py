@@ -5,6 +5,7 @@ by position once, so a batch mixing prefill and decode needs no special casing.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -209,9 +210,7 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     ERNIE, Cohere 2): the turned pairs are neighbours (2i, 2i + 1), not i and i + D / 2; the
     dimensions are gathered into halves (evens, then odds) around the rotation and back."""
     width = full_head or head_size
-    order = None
-    if interleaved:
-        order = torch.cat((torch.arange(0, head_size, 2), torch.arange(1, head_size, 2))).to(q.device)
+    order, back = _pair_order(head_size, q.device) if interleaved else (None, None)
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         heads = x.reshape(x.shape[0], -1, width)
@@ -219,11 +218,19 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
         turned = x * cos + rotated * sin
-        if order is not None:
-            turned = turned.index_select(-1, torch.argsort(order))
+        if back is not None:
+            turned = turned.index_select(-1, back)
         return (turned if width == head_size else torch.cat((turned, heads[..., head_size:]), dim=-1)).flatten(1)
 
     return apply(q), apply(k)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_order(head_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved rotary's gather (evens, then odds) and its inverse, made once per size and
+    device: not in every step (a CUDA graph cannot capture the host-to-device copy)."""
+    order = torch.cat((torch.arange(0, head_size, 2), torch.arange(1, head_size, 2)))
+    return order.to(device), torch.argsort(order).to(device)
 
 
 class RotaryEmbedding(OpModule):

@@ -33,7 +33,7 @@ def rotary_bf16(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
                 head_size: int, full_head: int | None = None,
                 interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_ref's op; with `full_head`, each head's other dimensions are copied in the
-    same pass; `interleaved` pairs are turned in place (rotary_pairs.h)."""
+    same pass; `interleaved` pairs are turned in place (rotary_forms.h)."""
     tokens, width = q.shape[0], full_head or head_size
     if (head_size % 2 or width < head_size or q.shape[-1] % width or k.shape[-1] % width
             or any(t.dtype != torch.bfloat16 for t in (q, k, cos, sin))

@@ -2,10 +2,9 @@
  * out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)); plain C vectorised for AVX2. */
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "bf16.h"
-#include "rotary_pairs.h"
+#include "rotary_forms.h"
 
 static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
                        int64_t heads, int64_t d, int64_t full, int interleaved) {
@@ -13,11 +12,7 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
     for (int64_t h = 0; h < heads; h++) {
         const uint16_t *xh = x + h * full;
         uint16_t *oh = out + h * full;
-        if (full > d) memcpy(oh + d, xh + d, (size_t)(full - d) * sizeof(uint16_t)); /* partial: passed through */
-        if (interleaved) { /* pairs (2i, 2i + 1), as rotate-half of the evens-then-odds order */
-            rotate_pairs(xh, oh, cos, sin, half);
-            continue;
-        }
+        if (rotate_head_aside(xh, oh, cos, sin, d, full, interleaved)) continue;
         for (int64_t i = 0; i < half; i++) {
             const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[half + i]);
             oh[i] = f32_to_bf16(round_to_bf16(x1 * bf16_to_f32(cos[i])) + round_to_bf16(-x2 * bf16_to_f32(sin[i])));

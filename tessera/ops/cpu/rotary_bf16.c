@@ -5,10 +5,9 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "bf16.h"
-#include "rotary_pairs.h"
+#include "rotary_forms.h"
 #include "simd_bf16.h"
 
 /* heads of one token: x [heads, d] at x (contiguous within the row), out likewise. */
@@ -18,11 +17,7 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
     for (int64_t h = 0; h < heads; h++) {
         const uint16_t *xh = x + h * full;
         uint16_t *oh = out + h * full;
-        if (full > d) memcpy(oh + d, xh + d, (size_t)(full - d) * sizeof(uint16_t)); /* partial: passed through */
-        if (interleaved) { /* pairs (2i, 2i + 1), as rotate-half of the evens-then-odds order */
-            rotate_pairs(xh, oh, cos, sin, half);
-            continue;
-        }
+        if (rotate_head_aside(xh, oh, cos, sin, d, full, interleaved)) continue;
         for (int64_t i = 0; i < half; i += 16) {
             const __mmask16 m = lanes16(half - i);
             const __m512 x1 = load_bf16x16(xh + i, m), x2 = load_bf16x16(xh + half + i, m);
