@@ -94,11 +94,13 @@ def sigmoid_gate_mul_ref(x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor 
 
 
 @register_op("sum_and_scale", name="torch_sum_and_scale", priority=0)
-def sum_and_scale_ref(x: torch.Tensor, other: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+def sum_and_scale_ref(x: torch.Tensor, other: torch.Tensor | None = None,
+                      scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """(x + other) * scale, `other` optional, a scale of 1 no product: Granite's residual
-    multiplier on a sublayer's output (its experts' and shared MLP's sum first)."""
+    multiplier on a sublayer's output (its experts' and shared MLP's sum first). A tensor
+    `scale` [T, 1] of x's dtype scales each row (Llama 4's query temperature)."""
     out = x if other is None else x + other
-    return out if scale == 1.0 else out * scale
+    return out if isinstance(scale, float | int) and scale == 1.0 else out * scale
 
 
 @register_op("relu_squared", name="torch_relu_squared", priority=0)

@@ -192,6 +192,18 @@ def token_seq_lens(positions: torch.Tensor) -> torch.Tensor:
     return lens
 
 
+def _decodes_only() -> bool:
+    """Whether this step's tokens are all decodes (each one its sequence's last position),
+    from the host copies of the runner's metadata; False outside a forward pass."""
+    from tessera.ops.attention.metadata import current_metadata
+
+    try:
+        md = current_metadata()
+    except RuntimeError:
+        return False
+    return md.num_decodes == len(md.query_lens_list)
+
+
 def _cos_sin_rows(freqs: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """[..., D / 2] angles -> [..., 2 D] rows (cos, cos, sin, sin): each step's cos and sin
     are then views of one gathered row, already repeated over both halves of the head.
@@ -266,6 +278,10 @@ class RotaryEmbedding(OpModule):
                 self.register_buffer("long_cos_sin", self._table(head_size, max_position,
                                                                  self.threshold + 1, target),
                                      persistent=False)
+                # a position past the threshold is only ever in a long sequence: the short
+                # table's rows there hold the long ones, so a decode token (its sequence
+                # one longer than its position) needs one gather, no look at the lengths
+                self.cos_sin[self.threshold:] = self.long_cos_sin[self.threshold:]
 
     def _table(self, head_size: int, max_position: int, seq_len: int | None,
                target: OpTarget) -> torch.Tensor:
@@ -274,6 +290,8 @@ class RotaryEmbedding(OpModule):
         return _cos_sin_rows(freqs, scale, target.dtype).to(target.device)
 
     def _length_dependent_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.params["rope_type"] == "longrope" and _decodes_only():
+            return self._gather(positions, self.cos_sin)  # (CPU / CUDA graphs capture it)
         # dynamic may run past the table (sequences longer than it was trained for)
         rows = self.cos_sin.index_select(0, positions.clamp(max=self.cos_sin.shape[0] - 1))
         lens = token_seq_lens(positions)

@@ -143,6 +143,21 @@ def test_sum_and_scale_is_the_torch_builder_s(dtype, with_other, scale):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_other", [False, True])
+def test_per_row_scales_are_the_torch_builder_s(dtype, with_other):
+    """A [T, 1] scale (Llama 4's query temperature, one a position): each row times its
+    own, bit for bit; a scale tensor of another dtype or shape goes to torch, still right."""
+    gen = torch.Generator().manual_seed(9 + int(with_other))
+    x = (5 * torch.randn(6, 520, generator=gen)).to(dtype)[:, 4:516]
+    other = (5 * torch.randn(6, 512, generator=gen)).to(dtype) if with_other else None
+    scales = (1 + 0.1 * torch.log1p(torch.arange(6.0) * 3)).to(dtype)[:, None]
+    assert torch.equal(gating.sum_and_scale(x, other, scales), sum_and_scale_ref(x, other, scales))
+    assert not torch.equal(gating.sum_and_scale(x, other, scales), sum_and_scale_ref(x, other, 1.0))
+    wide = scales.double()
+    assert torch.equal(gating.sum_and_scale(x, other, wide), sum_and_scale_ref(x, other, wide))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_registry_picks_the_kernels(dtype):
     for kind in ("delta_rule_gates", "gated_rms_norm", "sigmoid_gate_mul", "relu_squared", "sum_and_scale"):
         assert select_op(OpSpec(kind, "cpu", dtype)).builder.name == f"cpu_{kind}"

@@ -254,6 +254,23 @@ def test_granite_s_multipliers_replay_at_every_bucket(tiny_tokenizer_dir, tmp_pa
     assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
 
 
+@pytest.mark.parametrize("kind", ["olmo3-window8-yarn", "ministral3-yarn-temperature", "phi3-partial-longrope"])
+def test_post_norms_and_position_tables_replay_at_every_bucket(kind, tiny_tokenizer_dir, tmp_path):
+    """OLMo 3's residual adds after its post-norms are kernels; Ministral 3's query
+    temperature is a table by position (a gather and a row scale); Phi-3's longrope keeps
+    the long table's rows past its threshold in the short one, so a decode step gathers
+    from one table without looking at the lengths. The sequences here decode past
+    Ministral's original context (16) and Phi's threshold (32): every bucket replays,
+    equal to the eager steps."""
+    if kind.startswith("phi3"):
+        from tests.models.test_phi3_parity import CASES, make_tiny_phi3
+        make_tiny_phi3(tmp_path, tiny_tokenizer_dir, seed=2, **CASES["partial-longrope-tied"][0])
+    else:
+        from tests.models.families import make_family
+        make_family(tmp_path, tiny_tokenizer_dir, kind, seed=2)
+    assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
+
+
 def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path, monkeypatch):
     """A pass that runs torch compute from two rows on (here Qwen3's head norms through a
     reshape, which copies a strided slice from two rows: a view at one) runs eagerly at

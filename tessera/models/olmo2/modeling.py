@@ -88,12 +88,13 @@ class Olmo2DecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, target)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, target)
+        self._add = target.op("sum_and_scale")  # the residual adds as kernels (CPU decode graphs replay them)
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # (hidden, residual): the state is their sum, added here or by the final norm
-        state = hidden if residual is None else hidden + residual
-        state = state + self.post_attention_layernorm(self.self_attn(rope, state))
+        state = hidden if residual is None else self._add(hidden, residual)
+        state = self._add(state, self.post_attention_layernorm(self.self_attn(rope, state)))
         return self.post_feedforward_layernorm(self.mlp(state)), state
 
 
