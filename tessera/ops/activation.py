@@ -33,6 +33,12 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+@register_op("gelu_tanh_mul", name="torch_gelu_tanh_mul", priority=0)
+def gelu_tanh_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up of two tensors (Gemma 4's per-layer input gate)."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class GeluTanhAndMul(OpModule):
     kind = "gelu_tanh_and_mul"
 

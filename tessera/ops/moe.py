@@ -26,15 +26,18 @@ from tessera.weights.lazy import materialize, narrow
 
 
 @register_op("moe_routing", name="torch_softmax_topk", priority=0)
-def softmax_topk_ref(router_logits: torch.Tensor, top_k: int,
-                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                     expert_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (weights [T, k] float32, expert ids [T, k]). Softmax in float32 over all experts,
     then top-k; `renormalize` rescales the k weights to sum to 1 (Mixtral always,
-    Qwen3-MoE when norm_topk_prob)."""
+    Qwen3-MoE when norm_topk_prob); `expert_scales` [E] then multiplies each weight by its
+    expert's (Gemma 4's per_expert_scale)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if expert_scales is not None:
+        weights = weights * expert_scales[ids]
     return weights, ids
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.ops.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
-from tessera.ops.cpu.activation import gelu_tanh_and_mul_bf16, silu_and_mul_bf16
+from tessera.ops.activation import gelu_tanh_and_mul_ref, gelu_tanh_mul_ref, silu_and_mul_ref
+from tessera.ops.cpu.activation import gelu_tanh_and_mul_bf16, gelu_tanh_mul_bf16, silu_and_mul_bf16
 from tessera.ops.cpu import activation as cpu_activation
 from tessera.ops.registry import OpSpec, select_op
 
@@ -85,6 +85,23 @@ def test_every_bf16_gate_value_like_torch(op):
         assert ((got[tiny] == want[tiny]) | (got[tiny] == 0)).all()
         normal = finite & ~tiny
         assert (got[normal] == want[normal]).float().mean() > 0.999
+
+
+def test_gelu_of_two_tensors_is_the_packed_kernel_s():
+    """Gemma 4's per-layer input gate: gelu(gate) * up with the two as separate tensors (up a
+    strided slice of every layer's inputs) is the packed kernel's result bit for bit; other
+    shapes or dtypes go to torch."""
+    g = torch.Generator().manual_seed(4)
+    gate = (4 * torch.randn(5, 40, generator=g)).bfloat16()
+    per_layer = (2 * torch.randn(5, 3, 40, generator=g)).bfloat16()
+    up = per_layer[:, 1]  # rows 120 apart
+    got = gelu_tanh_mul_bf16(gate, up)
+    assert torch.equal(got, gelu_tanh_and_mul_bf16(torch.cat((gate, up), dim=-1)))
+    assert torch.equal(got, gelu_tanh_and_mul_f64(torch.cat((gate, up), dim=-1)))
+    torch.testing.assert_close(got, gelu_tanh_mul_ref(gate, up))
+    assert torch.equal(gelu_tanh_mul_bf16(gate.float(), up.float()), gelu_tanh_mul_ref(gate.float(), up.float()))
+    assert torch.equal(gelu_tanh_mul_bf16(gate[:, None], up[:, None]), gelu_tanh_mul_ref(gate[:, None], up[:, None]))
+    assert select_op(OpSpec("gelu_tanh_mul", "cpu", torch.bfloat16)).builder.name == "cpu_gelu_tanh_mul_bf16"
 
 
 def test_other_dtypes_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():

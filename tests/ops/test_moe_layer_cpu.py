@@ -53,6 +53,23 @@ def test_routing_matches_torch(experts, top_k, renormalize):
     torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_scales_each_chosen_expert_s_weight(renormalize):
+    """Gemma 4's per_expert_scale: each kept weight times its expert's bf16 scale, in the
+    same call; a scale of another dtype goes to torch, still right."""
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(40, 16, generator=g) * 3).bfloat16()
+    scales = (0.5 + torch.rand(16, generator=g)).bfloat16()
+    weights, ids = softmax_topk_bf16(logits, 4, renormalize, scales)
+    want_weights, want_ids = softmax_topk_ref(logits, 4, renormalize, scales)
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
+    plain, _ = softmax_topk_bf16(logits, 4, renormalize)
+    torch.testing.assert_close(weights, plain * scales.float()[ids], rtol=0, atol=0)
+    got = softmax_topk_bf16(logits, 4, renormalize, scales.float())
+    assert all(torch.equal(a, b) for a, b in zip(got, softmax_topk_ref(logits, 4, renormalize, scales.float())))
+
+
 def test_routing_ties_take_the_lower_expert_first_and_nan_never_escapes():
     logits = torch.zeros(2, 6).bfloat16()
     logits[1, 3] = float("nan")

@@ -271,6 +271,22 @@ def test_post_norms_and_position_tables_replay_at_every_bucket(kind, tiny_tokeni
     assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
 
 
+@pytest.mark.parametrize("case", ["e2b", "moe"])
+def test_gemma4_replays_at_every_bucket(case, tiny_tokenizer_dir, tmp_path):
+    """Gemma 4's residual sums with the layer scalar, its per-layer inputs (the gate a
+    two-tensor GELU product) and its router (norm, scales and the per-expert scales in the
+    routing call) are kernels: E2B's shape (per-layer inputs, KV-shared layers) and the
+    26B A4B's (experts beside the MLP) replay at every bucket, equal to the eager steps."""
+    from tests.models.test_gemma4 import make
+
+    make(tmp_path, tiny_tokenizer_dir, case)
+    captured, eager = replayed_and_eager_buckets(tmp_path)  # (the replays equal the eager steps)
+    if AVX2_GEMM:  # the tiny model's narrow projections (8 rows) run in torch there
+        assert sorted(captured + eager) == [1, 2, 3]
+    else:
+        assert (captured, eager) == ([1, 2, 3], [])
+
+
 def test_a_bucket_that_cannot_be_captured_leaves_the_others(tiny_tokenizer_dir, tmp_path, monkeypatch):
     """A pass that runs torch compute from two rows on (here Qwen3's head norms through a
     reshape, which copies a strided slice from two rows: a view at one) runs eagerly at

@@ -26,7 +26,6 @@ from tessera.models.gemma3.modeling import LAYER_TYPES, layer_rope_parameters
 from tessera.models.gemma4.attention import Gemma4Attention, Gemma4SharedKVAttention, gemma4_norm, layer_shape
 from tessera.models.gemma4.moe import Gemma4Experts, Gemma4Router
 from tessera.models.llama.modeling import Rope
-from tessera.ops.activation import Gelu
 from tessera.ops.attention import attention_context, current_metadata
 from tessera.ops.embedding import VocabEmbedding
 from tessera.ops.linear import Linear
@@ -79,8 +78,15 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = Linear(size, ple, target)  # small: replicated
             self.per_layer_projection = Linear(ple, size, target)
             self.post_per_layer_input_norm = gemma4_norm(size, eps, target)
-            self.act_fn = Gelu("gelu_pytorch_tanh", target)
+            self._gate = target.op("gelu_tanh_mul")
         self.layer_scalar = make_param((1,), target.dtype, target.device)
+        self.scalar = 1.0  # layer_scalar's value, read once loaded (prepare_weights)
+        self._add = target.op("sum_and_scale")  # the sums and the final scale as kernels
+
+    def prepare_weights(self) -> None:
+        """The layer scalar as a number: the last residual add scales by it in the same call
+        (times a bf16 scalar as torch's bf16 tensor product rounds)."""
+        self.scalar = float(self.layer_scalar)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, per_layer_input: torch.Tensor | None) -> torch.Tensor:
         attended = self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(hidden)))
@@ -89,12 +95,12 @@ class Gemma4DecoderLayer(nn.Module):
         if self.moe:
             weights, ids = self.router(residual)
             experts = self.experts(self.pre_feedforward_layernorm_2(residual), weights, ids)
-            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
-        hidden = residual + self.post_feedforward_layernorm(out)
-        if self.per_layer:
-            gated = self.act_fn(self.per_layer_input_gate(hidden)) * per_layer_input
-            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return hidden * self.layer_scalar
+            out = self._add(self.post_feedforward_layernorm_1(out), self.post_feedforward_layernorm_2(experts))
+        if not self.per_layer:
+            return self._add(residual, self.post_feedforward_layernorm(out), self.scalar)
+        hidden = self._add(residual, self.post_feedforward_layernorm(out))
+        gated = self._gate(self.per_layer_input_gate(hidden), per_layer_input)
+        return self._add(hidden, self.post_per_layer_input_norm(self.per_layer_projection(gated)), self.scalar)
 
 
 class Gemma4Model(nn.Module):
@@ -133,6 +139,7 @@ class Gemma4Model(nn.Module):
             self.per_layer_model_projection = Linear(size, packed, target)  # replicated
             self.per_layer_projection_norm = gemma4_norm(self.per_layer_size, config.rms_norm_eps, target)
             self.projection_scale = size ** -0.5
+            self._add = target.op("sum_and_scale")
 
     def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids` with placeholder ids made the padding token's."""
@@ -146,10 +153,10 @@ class Gemma4Model(nn.Module):
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T, layers, per-layer size]: the token's own per-layer embedding and a normed
         projection of its input embedding, averaged (times 1/sqrt(2))."""
-        rows = (embeds.shape[0], len(self.layers), self.per_layer_size)
-        projected = self.per_layer_model_projection(embeds) * self.projection_scale
-        projected = self.per_layer_projection_norm(projected.view(rows))
-        return (projected + self.embed_tokens_per_layer(input_ids).view(rows)) * 2 ** -0.5
+        tokens, rows = embeds.shape[0], (embeds.shape[0], len(self.layers), self.per_layer_size)
+        projected = self._add(self.per_layer_model_projection(embeds), None, self.projection_scale)
+        projected = self.per_layer_projection_norm(projected.view(rows)).view(tokens, -1)
+        return self._add(projected, self.embed_tokens_per_layer(input_ids), 2 ** -0.5).view(rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

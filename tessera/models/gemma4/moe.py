@@ -13,7 +13,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tessera.distributed.parallel import all_reduce
-from tessera.models.gemma4.attention import UnitRMSNorm
 from tessera.ops.activation import GeluTanhAndMul
 from tessera.ops.linear import Linear
 from tessera.ops.moe import StackedExperts
@@ -25,18 +24,22 @@ class Gemma4Router(nn.Module):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__()
         size, num_experts = config.hidden_size, config.num_experts
-        self.top_k = config.top_k_experts
-        self.norm = UnitRMSNorm(size, config.rms_norm_eps, target)
+        self.top_k, self.eps = config.top_k_experts, config.rms_norm_eps
         self.proj = Linear(size, num_experts, target)  # replicated: every rank routes
         self.scale = make_param((size,), target.dtype, target.device)
         self.per_expert_scale = make_param((num_experts,), target.dtype, target.device)
         self.root_size = size ** -0.5
-        self._route = target.op("moe_routing")  # float32 softmax, top k, renormalised
+        # the unit norm times `scale` is an RMSNorm with `scale` as its model-dtype weight
+        # (both round the normed row, then the product); each step a kernel
+        self._norm = target.op("rms_norm")
+        self._times = target.op("sum_and_scale")
+        self._route = target.op("moe_routing")  # float32 softmax, top k, renormalised, per-expert scales
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] float32, expert ids [T, k])."""
-        weights, ids = self._route(self.proj(self.norm(x) * self.scale * self.root_size), self.top_k, True)
-        return weights * self.per_expert_scale[ids], ids
+        normed = self._norm(x, self.scale, self.eps, None)[0]
+        logits = self.proj(self._times(normed, None, self.root_size))
+        return self._route(logits, self.top_k, True, self.per_expert_scale)
 
 
 class Gemma4Experts(StackedExperts):

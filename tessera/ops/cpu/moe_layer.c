@@ -6,7 +6,7 @@
  *
  * tessera_moe_softmax_topk: float32 softmax over a token's expert logits (bf16), its top k
  * (largest first; of equal logits the lower expert first), renormalised to sum to 1 where
- * asked.
+ * asked, then times each chosen expert's bf16 scale where given (Gemma 4's per_expert_scale).
  *
  * tessera_moe_experts: the (token, expert) pairs are counted and sorted by expert (stable:
  * token order within an expert); each expert with pairs runs its gate-up projection over its
@@ -30,8 +30,8 @@ typedef void (*gated_fn)(const uint16_t *gate_up, uint16_t *out, int64_t rows, i
 
 enum { MOE_OK = 0, MOE_BAD_ARGS = 1, MOE_EXPERT_OUT_OF_RANGE = 4, MOE_SCRATCH_TOO_SMALL = 5 };
 
-int tessera_moe_softmax_topk(const uint16_t *logits, float *weights, int64_t *ids, int64_t tokens,
-                             int64_t experts, int64_t top_k, int renormalize, int threads) {
+int tessera_moe_softmax_topk(const uint16_t *logits, const uint16_t *expert_scales, float *weights, int64_t *ids,
+                             int64_t tokens, int64_t experts, int64_t top_k, int renormalize, int threads) {
     if (top_k < 1 || top_k > experts || top_k > 64) return MOE_BAD_ARGS;
 #pragma omp parallel for num_threads(tokens * experts >= 16384 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
@@ -56,6 +56,8 @@ int tessera_moe_softmax_topk(const uint16_t *logits, float *weights, int64_t *id
         }
         if (renormalize)
             for (int64_t s = 0; s < top_k; s++) weights[t * top_k + s] /= kept;
+        if (expert_scales)
+            for (int64_t s = 0; s < top_k; s++) weights[t * top_k + s] *= bf16_to_f32(expert_scales[which[s]]);
     }
     return MOE_OK;
 }

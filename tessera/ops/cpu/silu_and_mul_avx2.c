@@ -29,12 +29,12 @@ static inline void silu_and_mul8(const uint16_t *g, const uint16_t *u, uint16_t 
     _mm_storeu_si128((__m128i *)out, f32x8_to_bf16(_mm256_mul_ps(s, bf16x8_to_f32(u))));
 }
 
-/* gate_up: [rows, 2 * h]; out: [rows, h]. */
-void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t h,
-                               int threads) {
+/* gate, up: rows every gate_stride / up_stride elements; out: [rows, h]. */
+void tessera_act_mul_rows_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t *up, int64_t up_stride,
+                               uint16_t *out, int64_t rows, int64_t h, int threads) {
 #pragma omp parallel for num_threads(rows * h >= 65536 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * 2 * h, *u = g + h;
+        const uint16_t *g = gate + r * gate_stride, *u = up + r * up_stride;
         uint16_t *o = out + r * h;
         int64_t i = 0;
         for (; i + 8 <= h; i += 8) silu_and_mul8(g + i, u + i, o + i);
@@ -46,4 +46,9 @@ void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t r
             memcpy(o + i, ot, (size_t)(h - i) * 2);
         }
     }
+}
+
+/* gate_up: [rows, 2 * h]; out: [rows, h]. */
+void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t h, int threads) {
+    tessera_act_mul_rows_bf16(gate_up, 2 * h, gate_up + h, 2 * h, out, rows, h, threads);
 }

@@ -24,12 +24,13 @@ static inline __m512 gate_arg16(__m512 x) {
 #endif
 }
 
-/* gate_up: [rows, 2 * h]; out: [rows, h]. */
-void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t h,
-                               int threads) {
+/* gate, up: rows every gate_stride / up_stride elements (a packed projection's halves, or
+ * two tensors: Gemma 4's per-layer input gate); out: [rows, h]. */
+void tessera_act_mul_rows_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t *up, int64_t up_stride,
+                               uint16_t *out, int64_t rows, int64_t h, int threads) {
 #pragma omp parallel for num_threads(rows * h >= 65536 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * 2 * h, *u = g + h;
+        const uint16_t *g = gate + r * gate_stride, *u = up + r * up_stride;
         for (int64_t i = 0; i < h; i += 16) {
             const __mmask16 m = lanes16(h - i);
             const __m512 x = load_bf16x16(g + i, m);
@@ -40,4 +41,9 @@ void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t r
             _mm256_mask_storeu_epi16(out + r * h + i, m, f32x16_to_bf16(_mm512_mul_ps(s, load_bf16x16(u + i, m))));
         }
     }
+}
+
+/* gate_up: [rows, 2 * h]; out: [rows, h]. */
+void tessera_silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t h, int threads) {
+    tessera_act_mul_rows_bf16(gate_up, 2 * h, gate_up + h, 2 * h, out, rows, h, threads);
 }
