@@ -254,9 +254,11 @@ def test_granite_s_multipliers_replay_at_every_bucket(tiny_tokenizer_dir, tmp_pa
     assert replayed_and_eager_buckets(tmp_path) == ([1, 2, 3], [])
 
 
-@pytest.mark.parametrize("kind", ["olmo3-window8-yarn", "ministral3-yarn-temperature", "phi3-partial-longrope"])
+@pytest.mark.parametrize("kind", ["olmo3-window8-yarn", "cohere2-window8-tied", "ministral3-yarn-temperature",
+                                  "phi3-partial-longrope"])
 def test_post_norms_and_position_tables_replay_at_every_bucket(kind, tiny_tokenizer_dir, tmp_path):
-    """OLMo 3's residual adds after its post-norms are kernels; Ministral 3's query
+    """OLMo 3's residual adds after its post-norms are kernels, and Cohere 2's parallel
+    block's sums and its bias-free LayerNorm (layer_norm.h); Ministral 3's query
     temperature is a table by position (a gather and a row scale); Phi-3's longrope keeps
     the long table's rows past its threshold in the short one, so a decode step gathers
     from one table without looking at the lengths. The sequences here decode past

@@ -37,19 +37,21 @@ class Cohere2DecoderLayer(nn.Module):
         self.self_attn = Cohere2Attention(config, target, layer_idx)
         self.mlp = LlamaMLP(config, target)
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, target, bias=False)
+        self._add = target.op("sum_and_scale")  # the sums as kernels (CPU decode graphs replay them)
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # (hidden, residual): the state is their sum; this layer's two outputs join it next
-        state = hidden if residual is None else hidden + residual
+        state = hidden if residual is None else self._add(hidden, residual)
         normed = self.input_layernorm(state)
-        return self.self_attn(rope, normed) + self.mlp(normed), state
+        return self._add(self.self_attn(rope, normed), self.mlp(normed)), state
 
 
 class Cohere2Model(LlamaModel):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config, target)
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, target, bias=False)
+        self._add = target.op("sum_and_scale")
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, target: OpTarget) -> nn.Module:
         return Cohere2DecoderLayer(config, target, layer_idx)
@@ -61,7 +63,7 @@ class Cohere2Model(LlamaModel):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual)
-        return self.norm(hidden + residual)
+        return self.norm(self._add(hidden, residual))
 
 
 class Cohere2ForCausalLM(LlamaForCausalLM):

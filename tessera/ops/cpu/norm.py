@@ -1,4 +1,5 @@
-"""The fused bf16 RMSNorm (+ residual add) builder for `rms_norm` on CPU.
+"""The fused bf16 RMSNorm (+ residual add) builder for `rms_norm` on CPU, and the LayerNorm
+builder (layer_norm.h: Cohere's bias-free norm, the encoders' biased one).
 
 At decode batch sizes an RMSNorm is ~8 small torch ops whose dispatch costs far more than
 their arithmetic; rms_norm_bf16.c does the add and the norm in one pass per row. Exact to
@@ -12,7 +13,7 @@ import dataclasses
 import torch
 
 from tessera.ops.cpu.build import Kernel
-from tessera.ops.norm import rms_norm_ref
+from tessera.ops.norm import layer_norm_ref, rms_norm_ref
 from tessera.ops.registry import register_op
 
 
@@ -58,3 +59,27 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
         kernel(x.data_ptr(), _ptr(residual), _ptr(new_residual), weight.data_ptr(), out.data_ptr(),
                rows, h, group, group_stride, eps, torch.get_num_threads())
     return out, new_residual
+
+
+_LAYER_NORM = Kernel("layer_norm.c", "tessera_layer_norm",
+                     (ctypes.c_void_p, ctypes.c_int64) + (ctypes.c_void_p,) * 3 + (ctypes.c_int64,) * 2
+                     + (ctypes.c_float, ctypes.c_int, ctypes.c_int), None, fallback_source="layer_norm_avx2.c")
+
+
+@register_op("layer_norm", name="cpu_layer_norm", priority=10, devices=("cpu",),
+             dtypes=(torch.bfloat16, torch.float32), check=_LAYER_NORM.check)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """layer_norm_ref's op in one call, within a unit of the last place (its float32 sums run
+    in another order): x as rows (2-D, any row stride; or contiguous), weight and bias of x's
+    dtype or None."""
+    if not (x.dtype in (torch.bfloat16, torch.float32) and x.dim() >= 1 and x.shape[-1] > 0
+            and all(t is None or (t.dtype == x.dtype and t.shape == x.shape[-1:] and t.is_contiguous())
+                    for t in (weight, bias))):
+        return layer_norm_ref(x, weight, bias, eps)
+    h = x.shape[-1]
+    rows_of = x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous().view(-1, h)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if rows_of.shape[0]:
+        _LAYER_NORM(rows_of.data_ptr(), rows_of.stride(0), _ptr(weight) or 0, _ptr(bias) or 0, out.data_ptr(),
+                    rows_of.shape[0], h, eps, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
