@@ -96,6 +96,8 @@ class Mamba2Mixer(nn.Module):
                                        loader=row_spans_loader(inner, [(0, split.x_rows)], "norm weight"))
                             if shape.norm != "none" else None)
         self._norm = target.op("gated_rms_norm")
+        self._gate = target.op("silu_mul")  # (norm "none")
+        self._scale = target.op("sum_and_scale")  # the muP multipliers, by a number or by column
         self.A: torch.Tensor | None = None  # -exp(A_log) in float32, once loaded (prepare_weights)
         self.in_multiplier = shape.in_multiplier
         self.projection_scale = None
@@ -112,9 +114,9 @@ class Mamba2Mixer(nn.Module):
         self.A = -self.A_log.float().exp()
 
     def forward(self, rope, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.in_proj(hidden * self.in_multiplier if self.in_multiplier != 1.0 else hidden)
+        out = self.in_proj(self._scale(hidden, None, self.in_multiplier) if self.in_multiplier != 1.0 else hidden)
         if self.projection_scale is not None:
-            out = out * self.projection_scale
+            out = self._scale(out, None, self.projection_scale)
         z_end = self.split.x_rows.size
         conv_end = z_end + self.core.conv_dim
         z, xbc, dt = out[:, :z_end], out[:, z_end:conv_end], out[:, conv_end:]
@@ -126,7 +128,7 @@ class Mamba2Mixer(nn.Module):
         """SiLU(z) gates y, before or after an RMSNorm per group of heads (over the ranks where
         the one group spans them), or alone."""
         if self.norm == "none":
-            return y * F.silu(z)
+            return self._gate(z, y)
         gate_first = self.norm == "gate_first"
         if not self.split.norm_spans_ranks:
             return self._norm(y, z, self.norm_weight, self.eps, gate_first, self.group_size)

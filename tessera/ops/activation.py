@@ -33,6 +33,12 @@ def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+@register_op("silu_mul", name="torch_silu_mul", priority=0)
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of two tensors (a Mamba-2 mixer's gate without its norm: Falcon-H1's)."""
+    return F.silu(gate) * up
+
+
 @register_op("gelu_tanh_mul", name="torch_gelu_tanh_mul", priority=0)
 def gelu_tanh_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu(gate, tanh approximation) * up of two tensors (Gemma 4's per-layer input gate)."""
@@ -104,7 +110,8 @@ def sum_and_scale_ref(x: torch.Tensor, other: torch.Tensor | None = None,
                       scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """(x + other) * scale, `other` optional, a scale of 1 no product: Granite's residual
     multiplier on a sublayer's output (its experts' and shared MLP's sum first). A tensor
-    `scale` [T, 1] of x's dtype scales each row (Llama 4's query temperature)."""
+    `scale` of x's dtype scales each row ([T, 1]: Llama 4's query temperature) or each column
+    ([N]: Falcon-H1's muP vectors)."""
     out = x if other is None else x + other
     return out if isinstance(scale, float | int) and scale == 1.0 else out * scale
 

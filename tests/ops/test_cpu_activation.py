@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.ops.activation import gelu_tanh_and_mul_ref, gelu_tanh_mul_ref, silu_and_mul_ref
-from tessera.ops.cpu.activation import gelu_tanh_and_mul_bf16, gelu_tanh_mul_bf16, silu_and_mul_bf16
+from tessera.ops.activation import gelu_tanh_and_mul_ref, gelu_tanh_mul_ref, silu_and_mul_ref, silu_mul_ref
+from tessera.ops.cpu.activation import gelu_tanh_and_mul_bf16, gelu_tanh_mul_bf16, silu_and_mul_bf16, silu_mul_bf16
 from tessera.ops.cpu import activation as cpu_activation
 from tessera.ops.registry import OpSpec, select_op
 
@@ -102,6 +102,19 @@ def test_gelu_of_two_tensors_is_the_packed_kernel_s():
     assert torch.equal(gelu_tanh_mul_bf16(gate.float(), up.float()), gelu_tanh_mul_ref(gate.float(), up.float()))
     assert torch.equal(gelu_tanh_mul_bf16(gate[:, None], up[:, None]), gelu_tanh_mul_ref(gate[:, None], up[:, None]))
     assert select_op(OpSpec("gelu_tanh_mul", "cpu", torch.bfloat16)).builder.name == "cpu_gelu_tanh_mul_bf16"
+
+
+def test_silu_of_two_tensors_is_the_packed_kernel_s():
+    """A Mamba-2 mixer's ungated-norm output, y * silu(z) with z a slice of the projection's
+    rows: the packed kernel's result bit for bit, torch's within its rounding."""
+    g = torch.Generator().manual_seed(6)
+    projection = (4 * torch.randn(3, 100, generator=g)).bfloat16()
+    z, y = projection[:, 10:58], (2 * torch.randn(3, 48, generator=g)).bfloat16()
+    got = silu_mul_bf16(z, y)
+    assert torch.equal(got, silu_and_mul_bf16(torch.cat((z, y), dim=-1)))
+    assert torch.equal(got, silu_mul_ref(z, y))
+    assert not torch.equal(got, gelu_tanh_mul_bf16(z, y))
+    assert select_op(OpSpec("silu_mul", "cpu", torch.bfloat16)).builder.name == "cpu_silu_mul_bf16"
 
 
 def test_other_dtypes_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():

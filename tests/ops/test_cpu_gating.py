@@ -144,15 +144,19 @@ def test_sum_and_scale_is_the_torch_builder_s(dtype, with_other, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_other", [False, True])
-def test_per_row_scales_are_the_torch_builder_s(dtype, with_other):
-    """A [T, 1] scale (Llama 4's query temperature, one a position): each row times its
-    own, bit for bit; a scale tensor of another dtype or shape goes to torch, still right."""
+def test_row_and_column_scales_are_the_torch_builder_s(dtype, with_other):
+    """A [T, 1] scale (Llama 4's query temperature, one a position) or an [N] one: each row
+    or column times its own, bit for bit; a scale tensor of another dtype goes to torch,
+    still right."""
     gen = torch.Generator().manual_seed(9 + int(with_other))
     x = (5 * torch.randn(6, 520, generator=gen)).to(dtype)[:, 4:516]
     other = (5 * torch.randn(6, 512, generator=gen)).to(dtype) if with_other else None
     scales = (1 + 0.1 * torch.log1p(torch.arange(6.0) * 3)).to(dtype)[:, None]
     assert torch.equal(gating.sum_and_scale(x, other, scales), sum_and_scale_ref(x, other, scales))
     assert not torch.equal(gating.sum_and_scale(x, other, scales), sum_and_scale_ref(x, other, 1.0))
+    columns = (0.5 + torch.rand(512, generator=gen)).to(dtype)  # one a column (Falcon-H1's muP vectors)
+    assert torch.equal(gating.sum_and_scale(x, other, columns), sum_and_scale_ref(x, other, columns))
+    assert not torch.equal(gating.sum_and_scale(x, other, columns), sum_and_scale_ref(x, other, 1.0))
     wide = scales.double()
     assert torch.equal(gating.sum_and_scale(x, other, wide), sum_and_scale_ref(x, other, wide))
 

@@ -190,13 +190,14 @@ def test_gpt_oss_mxfp4_experts_replay_at_every_bucket(tiny_tokenizer_dir, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["lfm2", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h",
-                                  "granite_hybrid", "bamba"])
+                                  "granite_hybrid", "bamba", "falcon_h1"])
 def test_recurrent_layers_replay_with_their_slots_as_an_input(kind, tiny_tokenizer_dir, tmp_path):
     """LFM2's gated short convolutions, Qwen3.5's / Qwen3-Next's Gated DeltaNets and
-    Nemotron-H's, Granite 4.0-H's and Bamba's Mamba-2 mixers keep a state per sequence: the graphs
-    read the step's state slots from a buffer, and their gates, gated norms, partial rotary,
-    sigmoid output gates, relu squared, unrotated queries and scaled residual sums are
-    kernels, so every bucket replays, equal to the eager steps."""
+    Nemotron-H's, Granite 4.0-H's, Bamba's and Falcon-H1's Mamba-2 mixers keep a state per
+    sequence: the graphs read the step's state slots from a buffer, and their gates, gated
+    norms, partial rotary, sigmoid output gates, relu squared, unrotated queries, scaled
+    residual sums and muP multipliers are kernels, so every bucket replays, equal to the
+    eager steps."""
     if kind == "lfm2":
         from tests.models.test_lfm2 import make_tiny_lfm2
         make_tiny_lfm2("lfm2-biased-conv", tmp_path, tiny_tokenizer_dir, seed=2)
@@ -209,6 +210,9 @@ def test_recurrent_layers_replay_with_their_slots_as_an_input(kind, tiny_tokeniz
     elif kind == "bamba":
         from tests.models.test_bamba import make_tiny_bamba
         make_tiny_bamba("bamba-two-groups", tmp_path, tiny_tokenizer_dir, seed=2)
+    elif kind == "falcon_h1":  # muP multipliers throughout (by number and by column), the gate without a norm
+        from tests.models.test_falcon_h1 import make_tiny_falcon_h1
+        make_tiny_falcon_h1("falcon-h1-gate-only", tmp_path, tiny_tokenizer_dir, seed=2)
     else:
         from tests.models.test_qwen3_next import make_tiny_qwen3_next
         make_tiny_qwen3_next(kind, tmp_path, tiny_tokenizer_dir, seed=2)

@@ -41,11 +41,12 @@ class FalconH1Attention(LlamaAttention):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config, target)
         self.key_multiplier = float(config.key_multiplier)
+        self._scale = target.op("sum_and_scale")
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.key_multiplier != 1.0:
-            k = k * self.key_multiplier
+            k = self._scale(k, None, self.key_multiplier)
         q, k = self.rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v))
 
@@ -54,13 +55,17 @@ class FalconH1MLP(LlamaMLP):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
         super().__init__(config, target)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
+        # the gate's columns times gate_multiplier, the up's times 1 (exact): one call
+        size, up = self.gate_up_proj.shard_sizes[0], self.gate_up_proj.shard_sizes[1]
+        self.gate_scales = torch.cat((torch.full((size,), self.gate_multiplier), torch.ones(up))).to(
+            target.device, target.dtype)
+        self._scale = target.op("sum_and_scale")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.gate_multiplier != 1.0:
-            size = self.gate_up_proj.shard_sizes[0]
-            gate_up = torch.cat((gate_up[:, :size] * self.gate_multiplier, gate_up[:, size:]), dim=-1)
-        return self.down_proj(self.act_fn(gate_up)) * self.down_multiplier
+            gate_up = self._scale(gate_up, None, self.gate_scales)
+        return self._scale(self.down_proj(self.act_fn(gate_up)), None, self.down_multiplier)
 
 
 class FalconH1DecoderLayer(nn.Module):
@@ -74,12 +79,14 @@ class FalconH1DecoderLayer(nn.Module):
         self.ssm_out, self.attn_in, self.attn_out = (float(config.ssm_out_multiplier),
                                                      float(config.attention_in_multiplier),
                                                      float(config.attention_out_multiplier))
+        self._scale = target.op("sum_and_scale")  # each product and the sum a kernel call
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = add_and_norm(self.input_layernorm, hidden, residual)
-        mixed = self.mamba(rope, hidden) * self.ssm_out
-        mixed = mixed + self.self_attn(rope, hidden * self.attn_in) * self.attn_out
+        mixed = self._scale(self.mamba(rope, hidden), None, self.ssm_out)
+        attended = self.self_attn(rope, self._scale(hidden, None, self.attn_in))
+        mixed = self._scale(mixed, self._scale(attended, None, self.attn_out))
         hidden, residual = self.pre_ff_layernorm(mixed, residual)
         return self.feed_forward(hidden), residual
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from tessera.ops.activation import gelu_tanh_and_mul_ref, gelu_tanh_mul_ref, silu_and_mul_ref
+from tessera.ops.activation import gelu_tanh_and_mul_ref, gelu_tanh_mul_ref, silu_and_mul_ref, silu_mul_ref
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.registry import register_op
 
@@ -26,9 +26,10 @@ _KERNEL = Kernel("silu_and_mul_bf16.c", "tessera_silu_and_mul_bf16",
                  fallback_source="silu_and_mul_avx2.c")
 _GELU_KERNEL = dataclasses.replace(_KERNEL, defines=("TESSERA_GELU_TANH 1",))
 # the same loop over two tensors' rows (gate, its stride, up, its stride, out, rows, h, threads)
-_GELU_ROWS = Kernel("silu_and_mul_bf16.c", "tessera_act_mul_rows_bf16",
+_SILU_ROWS = Kernel("silu_and_mul_bf16.c", "tessera_act_mul_rows_bf16",
                     (ctypes.c_void_p, ctypes.c_int64) * 2 + (ctypes.c_void_p,) + (ctypes.c_int64,) * 2 + (ctypes.c_int,),
-                    None, fallback_source="silu_and_mul_avx2.c", defines=("TESSERA_GELU_TANH 1",))
+                    None, fallback_source="silu_and_mul_avx2.c")
+_GELU_ROWS = dataclasses.replace(_SILU_ROWS, defines=("TESSERA_GELU_TANH 1",))
 
 
 @register_op("silu_and_mul", name="cpu_silu_and_mul_bf16", priority=10, devices=("cpu",),
@@ -47,14 +48,26 @@ def gelu_tanh_and_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
              dtypes=(torch.bfloat16,), check=_GELU_ROWS.check)
 def gelu_tanh_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh_mul_ref's op: gate and up as 2-D rows of one shape (any row strides)."""
+    return _two_tensors(_GELU_ROWS, gelu_tanh_mul_ref, gate, up)
+
+
+@register_op("silu_mul", name="cpu_silu_mul_bf16", priority=10, devices=("cpu",),
+             dtypes=(torch.bfloat16,), check=_SILU_ROWS.check)
+def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu_mul_ref's op: gate and up as 2-D rows of one shape (any row strides)."""
+    return _two_tensors(_SILU_ROWS, silu_mul_ref, gate, up)
+
+
+def _two_tensors(kernel: Kernel, reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not (gate.dtype == up.dtype == torch.bfloat16 and gate.dim() == 2 and gate.shape == up.shape
             and gate.stride(1) == 1 and up.stride(1) == 1):
-        return gelu_tanh_mul_ref(gate, up)
+        return reference(gate, up)
     rows, h = gate.shape
     out = torch.empty((rows, h), dtype=torch.bfloat16)
     if rows and h:
-        _GELU_ROWS(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, h,
-                   torch.get_num_threads())
+        kernel(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, h,
+               torch.get_num_threads())
     return out
 
 

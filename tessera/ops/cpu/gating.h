@@ -152,24 +152,23 @@ void tessera_relu_squared(const void *x, void *out, int64_t n, int is_bf16, int 
 }
 
 /* (x + other) * scale, each step rounded as torch's (Granite's residual multiplier, its
- * experts' and shared MLP's sum); other may be NULL, scale 1 skips the product. row_scales
- * (x's dtype, one a row; may be NULL) replaces scale row by row (Llama 4's query
- * temperature). x, other: rows every x_stride / other_stride elements; out: [rows, cols]
- * contiguous. */
+ * experts' and shared MLP's sum); other may be NULL, scale 1 skips the product. scales (x's
+ * dtype; may be NULL) replaces scale: element r * row_step + i * col_step scales row r,
+ * column i (one a row: Llama 4's query temperature; one a column: Falcon-H1's muP vectors).
+ * x, other: rows every x_stride / other_stride elements; out: [rows, cols] contiguous. */
 void tessera_sum_and_scale(const void *x, int64_t x_stride, const void *other, int64_t other_stride,
-                           const void *row_scales, void *out, int64_t rows, int64_t cols, float scale, int is_bf16,
-                           int threads) {
+                           const void *scales, int64_t row_step, int64_t col_step, void *out, int64_t rows,
+                           int64_t cols, float scale, int is_bf16, int threads) {
 #pragma omp parallel for num_threads(rows * cols >= 65536 ? threads : 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float s = row_scales ? load(row_scales, r, is_bf16) : scale;
-        const int scaled = row_scales || scale != 1.0f;
+        const int scaled = scales || scale != 1.0f;
         for (int64_t i = 0; i < cols; i++) {
             float v = load(x, r * x_stride + i, is_bf16);
             if (other) {
                 v = v + load(other, r * other_stride + i, is_bf16);
                 if (is_bf16 && scaled) v = round_to_bf16(v);
             }
-            if (scaled) v = v * s;
+            if (scaled) v = v * (scales ? load(scales, r * row_step + i * col_step, is_bf16) : scale);
             store(out, r * cols + i, v, is_bf16);
         }
     }

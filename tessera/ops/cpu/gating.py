@@ -30,7 +30,7 @@ _SIGMOID = Kernel("gating.c", "tessera_sigmoid_gate_mul", (_P, _I64, _P, _I64, _
                   fallback_source="gating_avx2.c")
 _RELU_SQUARED = Kernel("gating.c", "tessera_relu_squared", (_P, _P, _I64, _INT, _INT), fallback_source="gating_avx2.c")
 _SUM_AND_SCALE = Kernel("gating.c", "tessera_sum_and_scale",
-                        (_P, _I64, _P, _I64, _P, _P, _I64, _I64, ctypes.c_float, _INT, _INT),
+                        (_P, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, ctypes.c_float, _INT, _INT),
                         fallback_source="gating_avx2.c")
 _DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD = 1024  # the norm's group size: its per-group stack buffers (gating.h's GATE_CHUNK)
@@ -127,17 +127,18 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
 def sum_and_scale(x: torch.Tensor, other: torch.Tensor | None = None,
                   scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """sum_and_scale_ref's op, bit-exact: x and other as 2-D rows (any row stride), a
-    tensor scale [rows, 1] of x's dtype, contiguous."""
-    row_scales = scale if isinstance(scale, torch.Tensor) else None
+    tensor scale of x's dtype, contiguous, one a row ([rows, 1]) or one a column ([cols])."""
+    scales = scale if isinstance(scale, torch.Tensor) else None
+    steps = None if scales is None else {(x.shape[0], 1): (1, 0), (x.shape[1],): (0, 1)}.get(tuple(scales.shape))
     if not (x.dtype in _DTYPES and _rows(x) and (other is None or (other.dtype == x.dtype and other.shape == x.shape
                                                                     and _rows(other)))
-            and (row_scales is None or (row_scales.dtype == x.dtype and row_scales.shape == (x.shape[0], 1)
-                                        and row_scales.is_contiguous()))):
+            and (scales is None or (scales.dtype == x.dtype and steps is not None and scales.is_contiguous()))):
         return sum_and_scale_ref(x, other, scale)
     out = torch.empty(x.shape, dtype=x.dtype)
     if x.numel():
+        row_step, col_step = steps or (0, 0)
         _SUM_AND_SCALE(x.data_ptr(), x.stride(0), 0 if other is None else other.data_ptr(),
-                       0 if other is None else other.stride(0), 0 if row_scales is None else row_scales.data_ptr(),
-                       out.data_ptr(), x.shape[0], x.shape[1], 1.0 if row_scales is not None else scale,
+                       0 if other is None else other.stride(0), 0 if scales is None else scales.data_ptr(),
+                       row_step, col_step, out.data_ptr(), x.shape[0], x.shape[1], 1.0 if scales is not None else scale,
                        int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out
