@@ -45,6 +45,8 @@ from tessera.weights.gguf_lfm2 import lfm2_config
 from tessera.weights.gguf_mistral3 import ARCH as MISTRAL3
 from tessera.weights.gguf_mistral3 import mistral3_config
 from tessera.weights.gguf_mxfp4 import MXFP4, mxfp4_parts
+from tessera.weights.gguf_nemotron_h import ARCHES as NEMOTRON_H_ARCHES
+from tessera.weights.gguf_nemotron_h import nemotron_h_config
 from tessera.weights.gguf_olmo2 import ARCH as OLMO2
 from tessera.weights.gguf_olmo2 import olmo2_config
 from tessera.weights.gguf_pretokenizers import apply_gguf_pretokenizer
@@ -293,7 +295,7 @@ OWN_READERS: dict[str, Callable[[dict, list], Any]] = {
     GPT_OSS: gpt_oss_config, GRANITE: granite_config, GRANITEHYBRID: granitehybrid_config, OLMO2: olmo2_config,
     COHERE2: cohere2_config, **{arch: lfm2_config for arch in LFM2_ARCHES},
     **{arch: qwen35_config for arch in QWEN35_ARCHES}, **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES},
-    **{arch: qwen_vl_text_config for arch in QWEN_VL_ARCHES}}
+    **{arch: qwen_vl_text_config for arch in QWEN_VL_ARCHES}, **{arch: nemotron_h_config for arch in NEMOTRON_H_ARCHES}}
 COMPLETE_READERS: dict[str, Callable[[dict, list], Any]] = {GEMMA4: gemma4_config, DEEPSEEK2: deepseek2_config}
 # the archs of natively served types whose config transformers' conversion reads (completed after)
 TRANSFORMERS_READ = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "minimax-m2")

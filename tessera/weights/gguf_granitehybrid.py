@@ -57,10 +57,11 @@ def _whole(inner: int, hidden: int) -> int:
     return inner // hidden
 
 
-def granitehybrid_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A Mamba-2 tensor as the Hugging Face checkpoint holds it (module docstring)."""
-    if name.endswith(".mamba.A_log"):
+def mamba2_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A Mamba-2 tensor as the Hugging Face checkpoint holds it (module docstring), by its
+    Hugging Face name (the mixer `mamba` in Granite's, `mixer` in Nemotron-H's)."""
+    if name.endswith((".mamba.A_log", ".mixer.A_log")):
         return torch.log(-materialize(tensor)).reshape(-1)
-    if name.endswith((".mamba.D", ".mamba.norm.weight")):
+    if name.endswith((".mamba.D", ".mamba.norm.weight", ".mixer.D", ".mixer.norm.weight")):
         return materialize(tensor).reshape(-1)
     return tensor

@@ -42,12 +42,12 @@ def plain_decoder_config(config_cls: type, arch: str, fields: dict, tensors: lis
         return None if value is None else int(value)
 
     heads = int(key("attention.head_count"))
-    kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, (list, tuple)):  # per layer, 0 where a layer has no attention (LFM2's)
-        kv_heads = max(kv_heads)
+    kv_heads, feed_forward = key("attention.head_count_kv", heads), key("feed_forward_length")
+    # per layer: 0 where a layer has no attention (LFM2's), or no feed-forward (Nemotron-H's)
+    kv_heads, feed_forward = (max(v) if isinstance(v, (list, tuple)) else v for v in (kv_heads, feed_forward))
     values = dict(
         vocab_size=int(vocab), hidden_size=int(key("embedding_length")),
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(feed_forward),
         num_hidden_layers=int(key("block_count")), num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         max_position_embeddings=int(key("context_length", 2048)),

@@ -392,6 +392,24 @@ def add_decoder_keys(w: gguf.GGUFWriter, cfg, *, blocks: int | None = None, feed
     w.add_head_count_kv(cfg.num_key_value_heads if head_count_kv is None else head_count_kv)
 
 
+def add_ssm_keys(w: gguf.GGUFWriter, *, conv_kernel: int, state: int, groups: int, inner: int, heads: int) -> None:
+    """The `ssm.*` sizes llama.cpp's recurrent layers read (Mamba-2's, the Gated DeltaNet's)."""
+    w.add_ssm_conv_kernel(conv_kernel)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+
+
+def assert_mamba2_vectors_back(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """A Mamba-2 mixer loaded from a file holds the checkpoint's A_log, D, gated norm and
+    dt_bias (llama.cpp stores -exp(A_log) and reshapes the others; a tiny model's logits
+    barely feel A, so it is checked here)."""
+    for mine, original in ((ours.A_log, theirs.A_log), (ours.D, theirs.D), (ours.norm_weight, theirs.norm.weight),
+                           (ours.dt_bias, theirs.dt_bias)):
+        torch.testing.assert_close(mine.float(), original.float(), rtol=1e-6, atol=1e-6)
+
+
 def round_tripped(model: torch.nn.Module, qtype: QT, stored: Callable[[str, np.ndarray], bool]) -> torch.nn.Module:
     """`model` holding what a `qtype` file stores: the parameters `stored(name, array)` says
     the file quantizes, quantized and back (the others as they are)."""

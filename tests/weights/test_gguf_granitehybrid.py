@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched, check_prefill_and_decode_logits
 from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
-from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, llama_cpp_permute, round_tripped, write_tensors
+from tests.weights.gguf_writer import (add_decoder_keys, add_ssm_keys, add_tokenizer, assert_mamba2_vectors_back,
+                                      llama_cpp_permute, round_tripped, write_tensors)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "granitehybrid"
@@ -40,11 +41,8 @@ def _metadata(w: gguf.GGUFWriter, cfg) -> None:
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
-    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
-    w.add_ssm_state_size(cfg.mamba_d_state)
-    w.add_ssm_group_count(cfg.mamba_n_groups)
-    w.add_ssm_inner_size(cfg.mamba_n_heads * cfg.mamba_d_head)
-    w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    add_ssm_keys(w, conv_kernel=cfg.mamba_d_conv, state=cfg.mamba_d_state, groups=cfg.mamba_n_groups,
+                 inner=cfg.mamba_n_heads * cfg.mamba_d_head, heads=cfg.mamba_n_heads)
     w.add_rope_scaling_finetuned(cfg.position_embedding_type == "rope")
 
 
@@ -123,10 +121,7 @@ def test_granitehybrid_gguf_equals_transformers(case, qtype, tmp_path, tiny_toke
         assert config.model_type == "granitemoehybrid"
         assert config.position_embedding_type == hf.config.position_embedding_type
         # the Mamba-2 vectors back as the checkpoint has them (a tiny model's logits barely feel A)
-        ours, theirs = llm.engine.runner.model.model.layers[0].mamba, hf.model.layers[0].mamba
-        for mine, original in ((ours.A_log, theirs.A_log), (ours.D, theirs.D), (ours.norm_weight, theirs.norm.weight),
-                               (ours.dt_bias, theirs.dt_bias)):
-            torch.testing.assert_close(mine.float(), original.float(), rtol=1e-6, atol=1e-6)
+        assert_mamba2_vectors_back(llm.engine.runner.model.model.layers[0].mamba, hf.model.layers[0].mamba)
         reference = round_tripped(hf, qtype, _quantized)
         # every logit (a tiny model's greedy tokens hide much), then tokens alone and batched
         check_prefill_and_decode_logits(llm, reference, f"granitehybrid-{case}", monkeypatch)

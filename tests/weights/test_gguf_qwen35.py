@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_qwen3_next import make_tiny_qwen3_next
-from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, round_tripped, write_tensors
+from tests.weights.gguf_writer import add_decoder_keys, add_ssm_keys, add_tokenizer, round_tripped, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "qwen35"
@@ -86,11 +86,9 @@ def write_qwen35_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT, chat_temp
     w.add_rope_dimension_sections((list(cfg.rope_parameters.get("mrope_section") or [2, 1, 1]) + [0] * 4)[:4])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
-    w.add_ssm_state_size(cfg.linear_key_head_dim)
-    w.add_ssm_group_count(cfg.linear_num_key_heads)
-    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
-    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    add_ssm_keys(w, conv_kernel=cfg.linear_conv_kernel_dim, state=cfg.linear_key_head_dim,
+                 groups=cfg.linear_num_key_heads, inner=cfg.linear_value_head_dim * cfg.linear_num_value_heads,
+                 heads=cfg.linear_num_value_heads)
     w.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)
     if moe:
         w.add_expert_count(cfg.num_experts)

@@ -2,7 +2,7 @@ import torch
 
 from tessera.models.base import BaseRouter
 from tessera.models.granitemoehybrid.modeling import GraniteMoeHybridForCausalLM
-from tessera.weights.gguf_granitehybrid import granitehybrid_tensor
+from tessera.weights.gguf_granitehybrid import mamba2_tensor
 
 
 class GraniteMoeHybridRouter(BaseRouter):
@@ -23,4 +23,4 @@ class GraniteMoeHybridRouter(BaseRouter):
                   **{f"ffn_{proj}_shexp": f"mlp.shared_mlp.{proj}_proj" for proj in ("gate", "up", "down")}}
 
     def gguf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return granitehybrid_tensor(name, tensor)
+        return mamba2_tensor(name, tensor)
