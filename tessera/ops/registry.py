@@ -17,7 +17,7 @@ OP_KINDS = (
     "kv_write", "paged_attention", "moe_routing", "moe_experts", "gelu_tanh_and_mul",
     "layer_norm", "gelu", "clamped_swiglu", "causal_conv1d", "gated_delta_rule", "gated_rms_norm", "ssm_scan", "relu_squared", "short_conv",
     "delta_rule_gates", "sigmoid_gate_mul", "sum_and_scale", "moe_scored_routing",
-    "gelu_tanh_mul", "silu_mul",
+    "gelu_tanh_mul", "silu_mul", "head_matmul", "concat_columns",
     # fused, optional (a layer without a builder runs the ops one by one): rotary, then
     # kv_write; a gated MLP's activation, then its down projection; a layer's input
     # RMSNorm, then the linear reading it

@@ -81,6 +81,22 @@ def test_interleaved_rotary_turns_neighbouring_pairs(tokens, d, r):
     assert torch.equal(got[0].view(tokens, -1, d)[..., r:], heads[..., r:])
 
 
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_parts_of_wider_heads_are_read_in_place(tokens, interleaved):
+    """MLA's queries: each head 24 wide, its last 8 the rotary part, given as a [tokens,
+    heads, 8] view (heads 24 apart); its shared rotary key a column slice. The outputs are
+    [tokens, heads * 8] rows, bit-exact to torch's."""
+    g = torch.Generator().manual_seed(tokens + 40 * interleaved)
+    q = (3 * torch.randn(tokens, 4 * 24, generator=g)).bfloat16().view(tokens, 4, 24)
+    kv = (3 * torch.randn(tokens, 32 + 8, generator=g)).bfloat16()
+    cos, sin = rope_rows(tokens, 8, g, gathered=True)
+    got = rotary_bf16(q[..., 16:], kv[:, 32:], cos, sin, 8, interleaved=interleaved)
+    want = rotary_ref(q[..., 16:], kv[:, 32:], cos, sin, 8, interleaved=interleaved)
+    assert got[0].shape == (tokens, 32) and got[1].shape == (tokens, 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_other_inputs_go_to_torch_and_the_registry_prefers_the_kernel_for_bf16():
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(3, 128, generator=g), torch.randn(3, 64, generator=g)

@@ -113,6 +113,7 @@ _KERNEL_TESTS = ["ops/test_cpu_gemm.py", "ops/test_linear_int8.py", "ops/test_li
                  "ops/test_cpu_kv_write.py", "ops/test_cpu_embedding.py", "ops/test_cpu_graph.py",
                  "ops/test_cpu_simd_bf16.py", "ops/test_cpu_gated_delta.py", "ops/test_cpu_ssm_scan.py",
                  "ops/test_cpu_gating.py", "ops/test_cpu_scored_routing.py", "ops/test_cpu_layer_norm.py",
+                 "ops/test_cpu_latent_attention.py",
                  "runner/test_decode_graphs.py"]
 
 

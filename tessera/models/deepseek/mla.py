@@ -74,6 +74,9 @@ class MLAttention(nn.Module):
         interleaved = getattr(config, "rope_interleave", True) is not False  # V2's are always
         self.rotary = ApplyRotary(self.rope_dim, target, interleaved=interleaved)
         self.attn = Attention(span.size, self.rank + self.rope_dim, 1, mla_scale(config), target, value_is_key=True)
+        self._head_matmul = target.op("head_matmul")  # ops/latent_attention.py
+        self._concat = target.op("concat_columns")
+        self._scale = target.op("sum_and_scale")
 
     def _load_kv_b(self, param: nn.Parameter, tensor: torch.Tensor, shard_id: Hashable = None) -> None:
         """kv_b_proj whole ([heads x (nope + v), rank]), or llama.cpp's halves: K_B, the key
@@ -106,16 +109,18 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(t, h, self.nope + self.rope_dim)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split((self.rank, self.rope_dim), dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        q_pe, k_pe = self.rotary(q[..., self.nope:].reshape(t, -1), k_pe.contiguous(), rope)
+        # (the ops read their slices of q and of the latent projection in place: no copies, so
+        # a decode step is kernels alone on CPU, which its kernel graph replays)
+        compressed = self.kv_a_proj_with_mqa(hidden)
+        latent = self.kv_a_layernorm(compressed[:, :self.rank])
+        q_pe, k_pe = self.rotary(q[..., self.nope:], compressed[:, self.rank:], rope)
         w = self.kv_b_weight.view(h, self.nope + self.v_dim, self.rank)
         # W_UK_h^T q_nope_h: each head's query in the latent space
-        q_latent = torch.einsum("thn,hnr->thr", q[..., :self.nope], w[:, :self.nope])
-        query = torch.cat((q_latent, q_pe.view(t, h, self.rope_dim)), dim=-1).reshape(t, -1)
+        q_latent = self._head_matmul(q[..., :self.nope], w[:, :self.nope])
+        query = self._concat(q_latent.view(t * h, self.rank), q_pe.view(t * h, self.rope_dim)).view(t, -1)
         if len(rope) > 2:  # each token's query scale (Llama 4's temperature: Mistral 4), linear through W_UK
-            query = query * rope[2].to(query.dtype)
-        key = torch.cat((latent, k_pe), dim=-1)
+            query = self._scale(query, None, rope[2])
+        key = self._concat(latent, k_pe)
         out = self.attn(query, key, key).view(t, h, self.rank + self.rope_dim)[..., :self.rank]
-        values = torch.einsum("thr,hvr->thv", out, w[:, self.nope:])  # W_UV_h of the latent output
-        return self.o_proj(values.reshape(t, h * self.v_dim))
+        values = self._head_matmul(out, w[:, self.nope:], True)  # W_UV_h of the latent output
+        return self.o_proj(values.view(t, h * self.v_dim))

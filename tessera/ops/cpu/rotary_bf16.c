@@ -11,11 +11,11 @@
 #include "simd_bf16.h"
 
 /* heads of one token: x [heads, d] at x (contiguous within the row), out likewise. */
-static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
+static void rotate_row(const uint16_t *x, int64_t x_head, uint16_t *out, const uint16_t *cos, const uint16_t *sin,
                        int64_t heads, int64_t d, int64_t full, int interleaved) {
     const int64_t half = d / 2;
     for (int64_t h = 0; h < heads; h++) {
-        const uint16_t *xh = x + h * full;
+        const uint16_t *xh = x + h * x_head;
         uint16_t *oh = out + h * full;
         if (rotate_head_aside(xh, oh, cos, sin, d, full, interleaved)) continue;
         for (int64_t i = 0; i < half; i += 16) {
@@ -32,20 +32,21 @@ static void rotate_row(const uint16_t *x, uint16_t *out, const uint16_t *cos, co
     }
 }
 
-/* q [tokens, q_heads * full] with row stride q_stride, k likewise; cos / sin [tokens, d]
+/* q [tokens, q_heads * full] with row stride q_stride, a head every q_head values (full, or
+ * more: MLA's rotary parts of heads that hold more), k likewise; cos / sin [tokens, d]
  * with row stride cs_stride (views of one gathered cos|sin row); q_out [tokens, q_heads *
  * full], k_out [tokens, k_heads * full]; d even. Each head's first d dimensions turn, the
  * other full - d are copied (partial rotary). */
-void tessera_rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
-                         const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
+void tessera_rotary_bf16(const uint16_t *q, int64_t q_stride, int64_t q_head, const uint16_t *k, int64_t k_stride,
+                         int64_t k_head, const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
                          uint16_t *q_out, uint16_t *k_out,
                          int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t d, int64_t full,
                          int interleaved, int threads) {
 #pragma omp parallel for num_threads(tokens >= 32 ? threads : 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        rotate_row(q + t * q_stride, q_out + t * q_heads * full, cos + t * cs_stride, sin + t * cs_stride, q_heads,
-                   d, full, interleaved);
-        rotate_row(k + t * k_stride, k_out + t * k_heads * full, cos + t * cs_stride, sin + t * cs_stride, k_heads,
-                   d, full, interleaved);
+        rotate_row(q + t * q_stride, q_head, q_out + t * q_heads * full, cos + t * cs_stride, sin + t * cs_stride,
+                   q_heads, d, full, interleaved);
+        rotate_row(k + t * k_stride, k_head, k_out + t * k_heads * full, cos + t * cs_stride, sin + t * cs_stride,
+                   k_heads, d, full, interleaved);
     }
 }

@@ -79,7 +79,8 @@ def rotary_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if head_size % 2 or q.shape[-1] % head_size or k.shape[-1] % head_size:
         raise ValueError(f"rotary needs an even head_size dividing q and k, got {head_size} "
                          f"for widths {q.shape[-1]}, {k.shape[-1]}")
-    q, k = rows_of(q), rows_of(k)
+    # [tokens, heads, width] views (MLA's rotary parts of wider heads) as rows, copied if need be
+    q, k = (rows_of(t.reshape(t.shape[0], -1)) for t in (q, k))
     return RotaryLaunch(q, k, rows_of(cos.reshape(cos.shape[0], -1)), rows_of(sin.reshape(sin.shape[0], -1)),
                         torch.empty(q.shape, dtype=q.dtype, device=q.device),
                         torch.empty(k.shape, dtype=k.dtype, device=k.device),
