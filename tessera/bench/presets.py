@@ -81,6 +81,13 @@ PRESETS["lfm2-1.2b"] = dict(
     max_position_embeddings=128000, rope_theta=1000000.0, tie_word_embeddings=True, vocab_size=65536,
     bos_token_id=1, eos_token_id=7, pad_token_id=0, torch_dtype="bfloat16")
 
+# allenai/OLMo-2-0425-1B: norms after each sublayer, RMSNorms over the whole q / k projections
+PRESETS["olmo-2-1b"] = dict(
+    architectures=["Olmo2ForCausalLM"], model_type="olmo2", hidden_act="silu", hidden_size=2048,
+    intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+    attention_bias=False, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=500000,
+    tie_word_embeddings=False, vocab_size=100352, pad_token_id=100277, eos_token_id=100257, torch_dtype="bfloat16")
+
 # Qwen/Qwen3-Embedding-0.6B (an embedding model: last-token pooling, normalized)
 PRESETS["qwen3-embedding-0.6b"] = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", attention_bias=False,

@@ -372,8 +372,8 @@ def test_llama_with_attention_bias_from_gguf(bias_gguf, tmp_path):
 
 
 def test_architecture_nobody_reads_is_named_with_what_tessera_reads(untied, tokenizer_json, tmp_path):
-    """A file of an arch neither transformers' conversion nor tessera reads (Nemotron-H's,
+    """A file of an arch neither transformers' conversion nor tessera reads (Jamba's,
     say) names the arch and lists the ones tessera does."""
-    path = write_llama_gguf(tmp_path / "hybrid.gguf", untied, tokenizer_json, QT.F32, arch="nemotron_h")
-    with pytest.raises(ValueError, match=r"'nemotron_h' is not read by tessera \(it reads .*deepseek2.*\)"):
+    path = write_llama_gguf(tmp_path / "hybrid.gguf", untied, tokenizer_json, QT.F32, arch="jamba")
+    with pytest.raises(ValueError, match=r"'jamba' is not read by tessera \(it reads .*deepseek2.*\)"):
         load(path, tmp_path / "cache")

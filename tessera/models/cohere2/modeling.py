@@ -49,6 +49,9 @@ class Cohere2DecoderLayer(nn.Module):
 
 class Cohere2Model(LlamaModel):
     def __init__(self, config: PretrainedConfig, target: OpTarget):
+        # (LlamaModel's RMSNorm reads this name before the LayerNorm below replaces it; the
+        # released configs have layer_norm_eps only)
+        config.rms_norm_eps = config.layer_norm_eps
         super().__init__(config, target)
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, target, bias=False)
         self._add = target.op("sum_and_scale")
