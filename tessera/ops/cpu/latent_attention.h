@@ -16,6 +16,9 @@
 #include "bf16.h"
 
 #define HM_LANES 16
+#define HM_TOKENS 8
+typedef float hm_vec __attribute__((vector_size(HM_LANES * sizeof(float))));
+#define HM_MAX_K 1024 /* the widest per-head input of the untransposed form (a stack buffer) */
 
 static float dot_f32_bf16(const float *x, const uint16_t *w, int64_t k) {
     float acc[HM_LANES] = {0}, sum = 0.0f;
@@ -37,30 +40,65 @@ int tessera_head_matmul(const uint16_t *x, int64_t x_row, int64_t x_head, const 
 #pragma omp parallel for num_threads(heads * k * n >= 65536 ? threads : 1) schedule(static) reduction(| : failed)
     for (int64_t h = 0; h < heads; h++) {
         const uint16_t *wh = w + h * w_head;
-        /* transposed: the tokens' rows in float32; else: their float32 sums */
-        float *scratch = calloc((size_t)(tokens * (transposed ? k : n)), sizeof(float));
-        if (!scratch) {
-            failed = 1;
-            continue;
-        }
-        if (transposed) {
-            for (int64_t t = 0; t < tokens; t++)
-                for (int64_t i = 0; i < k; i++) scratch[t * k + i] = bf16_to_f32(x[t * x_row + h * x_head + i]);
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t t = 0; t < tokens; t++)
-                    out[(t * heads + h) * n + j] = f32_to_bf16(dot_f32_bf16(scratch + t * k, wh + j * w_row, k));
-        } else {
+        if (!transposed && tokens <= 2) {
+            /* a token or two: W's rows streamed once, each an axpy into the tokens' sums */
+            float *acc = calloc((size_t)(tokens * n), sizeof(float));
+            if (!acc) {
+                failed = 1;
+                continue;
+            }
             for (int64_t i = 0; i < k; i++) {
                 const uint16_t *wr = wh + i * w_row;
                 for (int64_t t = 0; t < tokens; t++) {
                     const float xv = bf16_to_f32(x[t * x_row + h * x_head + i]);
-                    float *acc = scratch + t * n;
-                    for (int64_t j = 0; j < n; j++) acc[j] += xv * bf16_to_f32(wr[j]);
+                    for (int64_t j = 0; j < n; j++) acc[t * n + j] += xv * bf16_to_f32(wr[j]);
                 }
             }
             for (int64_t t = 0; t < tokens; t++)
-                for (int64_t j = 0; j < n; j++) out[(t * heads + h) * n + j] = f32_to_bf16(scratch[t * n + j]);
+                for (int64_t j = 0; j < n; j++) out[(t * heads + h) * n + j] = f32_to_bf16(acc[t * n + j]);
+            free(acc);
+            continue;
         }
+        if (!transposed) {
+            /* blocks of 8 tokens x 16 columns held in registers while W's rows go by: each
+             * value of W is widened and read once per 8 tokens */
+            float xs[HM_TOKENS][HM_MAX_K];
+            for (int64_t t0 = 0; t0 < tokens; t0 += HM_TOKENS) {
+                const int64_t tn = tokens - t0 < HM_TOKENS ? tokens - t0 : HM_TOKENS;
+                for (int64_t t = 0; t < HM_TOKENS; t++)
+                    for (int64_t i = 0; i < k; i++)
+                        xs[t][i] = t < tn ? bf16_to_f32(x[(t0 + t) * x_row + h * x_head + i]) : 0.0f;
+                for (int64_t j0 = 0; j0 < n; j0 += HM_LANES) {
+                    const int64_t jn = n - j0 < HM_LANES ? n - j0 : HM_LANES;
+                    hm_vec acc[HM_TOKENS] = {{0}};  /* (a vector type: the compiler keeps them in registers) */
+                    for (int64_t i = 0; i < k; i++) {
+                        float widened[HM_LANES] = {0};
+                        const uint16_t *wr = wh + i * w_row + j0;
+                        for (int64_t j = 0; j < jn; j++) widened[j] = bf16_to_f32(wr[j]);
+                        hm_vec wv;
+                        memcpy(&wv, widened, sizeof wv);
+                        for (int t = 0; t < HM_TOKENS; t++) acc[t] += xs[t][i] * wv;
+                    }
+                    for (int64_t t = 0; t < tn; t++) {
+                        float sums[HM_LANES];
+                        memcpy(sums, &acc[t], sizeof sums);
+                        for (int64_t j = 0; j < jn; j++) out[((t0 + t) * heads + h) * n + j0 + j] = f32_to_bf16(sums[j]);
+                    }
+                }
+            }
+            continue;
+        }
+        /* the tokens' rows in float32 */
+        float *scratch = malloc((size_t)(tokens * k) * sizeof(float));
+        if (!scratch) {
+            failed = 1;
+            continue;
+        }
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t i = 0; i < k; i++) scratch[t * k + i] = bf16_to_f32(x[t * x_row + h * x_head + i]);
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t t = 0; t < tokens; t++)
+                out[(t * heads + h) * n + j] = f32_to_bf16(dot_f32_bf16(scratch + t * k, wh + j * w_row, k));
         free(scratch);
     }
     return failed;

@@ -21,6 +21,7 @@ _CONCAT = Kernel("latent_attention.c", "tessera_concat_columns", (_P, _I64, _I64
 # a decode graph's largest bucket: each weight row is read once for all the tokens; past it a
 # prefill's tokens are better served by torch's (MKL's) batched GEMM
 HEAD_MATMUL_MAX_TOKENS = 32
+MAX_K = 1024  # the untransposed form's widest per-head input (latent_attention.h's HM_MAX_K)
 
 
 @register_op("head_matmul", name="cpu_head_matmul", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
@@ -32,7 +33,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) -> t
     k, n = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
     if not (x.dim() == 3 and w.dim() == 3 and x.dtype == w.dtype == torch.bfloat16 and x.stride(2) == 1
             and w.stride(2) == 1 and w.shape[0] == heads and x.shape[2] == k
-            and x.shape[0] <= HEAD_MATMUL_MAX_TOKENS):
+            and x.shape[0] <= HEAD_MATMUL_MAX_TOKENS and (transposed or k <= MAX_K)):
         return head_matmul_ref(x, w, transposed)
     tokens = x.shape[0]
     out = torch.empty((tokens, heads, n), dtype=torch.bfloat16)
