@@ -29,11 +29,11 @@ CASES = {"nemotron-h-two-groups": dict(n_groups=2), "nemotron-h-one-group": dict
          "nemotron-3-moe": dict(MOE, n_groups=2)}
 
 
-def make_tiny_nemotron_h(case: str, folder: Path, tokenizer_dir: Path, seed: int = 0) -> torch.nn.Module:
+def make_tiny_nemotron_h(case: str, folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> torch.nn.Module:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     return make_tiny(folder, tokenizer_dir, NemotronHConfig, NemotronHForCausalLM, seed=seed,
-                     base={**BASE, **CASES[case]}, tweak=draw_hybrid_parameters)
+                     base={**BASE, **CASES[case], **overrides}, tweak=draw_hybrid_parameters)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))

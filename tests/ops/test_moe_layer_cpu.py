@@ -218,6 +218,29 @@ def test_gemma_and_gpt_oss_activations_run_in_the_call(activation):
     assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("name", list(LINEAR_OF))
+def test_gateless_relu_squared_experts_run_in_the_call(name, tokens):
+    """Nemotron 3's experts: an up stack of I rows an expert (no gate), relu squared between
+    (gating.h's kernel), then down: one call, as the loop computes it."""
+    from tessera.ops.activation import ReluSquared
+    from tessera.ops.registry import OpTarget
+
+    builder = runnable(name)
+    g = torch.Generator().manual_seed(20 + tokens)
+    up, w2 = (torch.randn(E, I, H, generator=g) * 0.1).bfloat16(), (torch.randn(E, H, I, generator=g) * 0.1).bfloat16()
+    p13, p2 = builder.prepare(up), builder.prepare(w2)
+    x = torch.randn(tokens, H, generator=g).bfloat16()
+    weights, ids = softmax_topk_ref(torch.randn(tokens, E, generator=g) * 3, K, True)
+    act = ReluSquared(OpTarget("cpu", torch.bfloat16))
+    with capture() as graph:
+        got = builder.impl(x, p13, p2, weights, ids, None, None, act)
+    assert [kernel.symbol for kernel, _ in graph.calls] == ["tessera_moe_experts"]
+    expected = loop_of(name)(x, p13, p2, weights, ids, None, None, act)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-3)
+    assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 2e-3
+
+
 @pytest.mark.parametrize("tokens", [1, 6])
 def test_mxfp4_stacks_run_in_the_call(tokens):
     """gpt-oss's experts as its checkpoint keeps them (MXFP4 blocks and scales, the bf16

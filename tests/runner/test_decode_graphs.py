@@ -190,20 +190,23 @@ def test_gpt_oss_mxfp4_experts_replay_at_every_bucket(tiny_tokenizer_dir, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["lfm2", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h",
-                                  "granite_hybrid", "bamba", "falcon_h1"])
+                                  "nemotron_3", "granite_hybrid", "bamba", "falcon_h1"])
 def test_recurrent_layers_replay_with_their_slots_as_an_input(kind, tiny_tokenizer_dir, tmp_path):
     """LFM2's gated short convolutions, Qwen3.5's / Qwen3-Next's Gated DeltaNets and
     Nemotron-H's, Granite 4.0-H's, Bamba's and Falcon-H1's Mamba-2 mixers keep a state per
     sequence: the graphs read the step's state slots from a buffer, and their gates, gated
-    norms, partial rotary, sigmoid output gates, relu squared, unrotated queries, scaled
-    residual sums and muP multipliers are kernels, so every bucket replays, equal to the
-    eager steps."""
+    norms, partial rotary, sigmoid output gates, relu squared (Nemotron 3's gateless experts
+    too), unrotated queries, scaled residual sums and muP multipliers are kernels, so every
+    bucket replays, equal to the eager steps."""
     if kind == "lfm2":
         from tests.models.test_lfm2 import make_tiny_lfm2
         make_tiny_lfm2("lfm2-biased-conv", tmp_path, tiny_tokenizer_dir, seed=2)
     elif kind == "nemotron_h":
         from tests.models.test_nemotron_h import make_tiny_nemotron_h
         make_tiny_nemotron_h("nemotron-h-two-groups", tmp_path, tiny_tokenizer_dir, seed=2)
+    elif kind == "nemotron_3":  # gateless relu-squared experts in the one-call layer, in a latent width
+        from tests.models.test_nemotron_h import make_tiny_nemotron_h
+        make_tiny_nemotron_h("nemotron-3-moe-latent", tmp_path, tiny_tokenizer_dir, seed=2, moe_latent_size=32)
     elif kind == "granite_hybrid":  # Granite 4.0-H: no rotary, experts and a shared MLP, multipliers
         from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
         make_tiny_granite_hybrid("granite-4.0-h-moe-nope", tmp_path, tiny_tokenizer_dir, seed=2)

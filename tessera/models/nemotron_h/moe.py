@@ -74,6 +74,7 @@ class NemotronHMoE(nn.Module):
         self.act_fn = ReluSquared(target)
         self.tp_size = target.tp_size
         self._experts = target.op("moe_experts", quant=self.experts.quant)
+        self._add = target.op("sum_and_scale")
 
     def forward(self, rope: Rope, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -82,4 +83,4 @@ class NemotronHMoE(nn.Module):
         routed = all_reduce(self._experts(inner, w13, w2, weights, ids, None, None, self.act_fn), self.tp_size)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(rope, x)
+        return self._add(routed, self.shared_experts(rope, x))

@@ -11,6 +11,7 @@ sits on a rounding edge.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -120,6 +121,13 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     if x.numel():
         _RELU_SQUARED(x.data_ptr(), out.data_ptr(), x.numel(), int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def relu_squared_kernel() -> Kernel | None:
+    """gating.h's relu squared (x, out, n, is_bf16, threads), where it runs here: the
+    one-call MoE layer's ungated activation (ops/cpu/moe_experts.py)."""
+    return None if _RELU_SQUARED.check(None) else _RELU_SQUARED
 
 
 @register_op("sum_and_scale", name="cpu_sum_and_scale", priority=10, devices=("cpu",), dtypes=_DTYPES,

@@ -25,19 +25,20 @@ from typing import Callable
 
 import torch
 
-from tessera.ops.activation import ClampedSwiGLU, GeluTanhAndMul
+from tessera.ops.activation import ClampedSwiGLU, GeluTanhAndMul, ReluSquared
 from tessera.ops.attention.metadata import live_rows_buffer
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu import linear_int4 as cpu_int4
 from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.cpu.activation import gelu_tanh_and_mul_kernel, silu_and_mul_kernel
+from tessera.ops.cpu.gating import relu_squared_kernel
 from tessera.ops.cpu.build import Kernel
 from tessera.ops.moe import ExpertsImpl, register_per_expert
 
 DRIVEN_MAX_TOKENS = 32  # a decode step's rows (the kernel graphs' largest bucket)
 MAX_TOP_K = 64          # (moe_layer.c's per-token arrays)
 PACKED_GEMM, MXFP4_BLOCKS = 0, 1  # moe_layer.c's stack kinds
-GATED_KERNEL, CLAMPED_SWIGLU = 0, 1  # and activation kinds
+GATED_KERNEL, CLAMPED_SWIGLU, UNGATED_KERNEL = 0, 1, 2  # and activation kinds
 
 # a stack: kind, matrices, bytes per expert, scales (MXFP4), their bytes per expert, the kernel
 # below wide_rows rows, the one from them, wide_rows; then its bias
@@ -77,6 +78,9 @@ def activation_args(activation: Callable[[torch.Tensor], torch.Tensor] | None) -
     where it has no kernel."""
     if isinstance(activation, ClampedSwiGLU):
         return CLAMPED_SWIGLU, None, activation.alpha, activation.limit
+    if isinstance(activation, ReluSquared):  # (gateless experts: Nemotron 3's)
+        kernel = relu_squared_kernel()
+        return None if kernel is None else (UNGATED_KERNEL, kernel.address, 0.0, 0.0)
     kernel = (silu_and_mul_kernel() if activation is None
               else gelu_tanh_and_mul_kernel() if isinstance(activation, GeluTanhAndMul) else None)
     return None if kernel is None else (GATED_KERNEL, kernel.address, 0.0, 0.0)
@@ -130,12 +134,13 @@ def driven(fallback: ExpertsImpl, avx2: bool) -> ExpertsImpl:
                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         if decode_sized(x, weights, ids, b13, b2):
-            hidden, n13 = x.shape[1], w13.shape[1] * 16
             act = activation_args(activation)
-            up, down = _packed_stack(w13, hidden, avx2), _packed_stack(w2, n13 // 2, avx2)
+            hidden, n13 = x.shape[1], w13.shape[1] * 16
+            inter = n13 if act is not None and act[0] == UNGATED_KERNEL else n13 // 2
+            up, down = _packed_stack(w13, hidden, avx2), _packed_stack(w2, inter, avx2)
             if (act is not None and up is not None and down is not None and w2.shape[1] * 16 == hidden
                     and w2.shape[0] == w13.shape[0]):
-                return run_layer(x, weights, ids, w13.shape[0], n13 // 2, up, b13, down, b2, act)
+                return run_layer(x, weights, ids, w13.shape[0], inter, up, b13, down, b2, act)
         return fallback(x, w13, w2, weights, ids, b13, b2, activation)
     experts.__name__ = experts.__qualname__ = fallback.__name__
     experts.__doc__ = fallback.__doc__

@@ -122,7 +122,12 @@ static int project(const int64_t *starts, int64_t experts, const uint16_t *in, u
     return MOE_OK;
 }
 
-enum { GATED_KERNEL = 0, CLAMPED_SWIGLU = 1 };  /* the activation between the projections */
+/* the activation between the projections: a gated kernel over [gate | up] rows, gpt-oss's
+ * clamped SwiGLU, or an ungated kernel over up rows alone (relu squared: Nemotron 3's
+ * gateless experts, whose first stack holds `inter` rows an expert, not 2 inter) */
+enum { GATED_KERNEL = 0, CLAMPED_SWIGLU = 1, UNGATED_KERNEL = 2 };
+/* The ungated activations' (gating.h's tessera_relu_squared): n values of x -> out. */
+typedef void (*plain_fn)(const void *x, void *out, int64_t n, int is_bf16, int threads);
 
 static inline float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
@@ -148,8 +153,8 @@ static void clamped_swiglu(const uint16_t *gate_up, uint16_t *out, int64_t rows,
  * graph's rows, read at each call): the rest get no experts and zero rows; out [tokens,
  * hidden] bf16. Stack 13: each expert's gate-then-up matrix [2 inter, hidden], b13 [experts,
  * 2 inter] bf16 or NULL; stack 2 likewise ([hidden, inter]). Between them act_kind's
- * activation: a gated kernel `act` (silu_and_mul_bf16.c's signature) or the clamped SwiGLU
- * with alpha and limit. Returns 0, a GEMM's nonzero status, MOE_EXPERT_OUT_OF_RANGE or
+ * activation: a gated kernel `act` (silu_and_mul_bf16.c's signature), the clamped SwiGLU
+ * with alpha and limit, or an ungated kernel `act` (stack 13 then [inter, hidden] an expert). Returns 0, a GEMM's nonzero status, MOE_EXPERT_OUT_OF_RANGE or
  * MOE_SCRATCH_TOO_SMALL (before anything is written). */
 int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *ids, const int64_t *live,
                         uint16_t *out, int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden,
@@ -200,10 +205,13 @@ int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *
     for (int64_t at = 0; at < pairs; at++)
         memcpy(rows + at * hidden, x + (order[at] / top_k) * hidden, 2 * hidden);
 
-    int status = project(starts, experts, rows, gate_up, s13, b13, 2 * inter, hidden, projected, bias_f32, threads);
+    const int64_t up_rows = act_kind == UNGATED_KERNEL ? inter : 2 * inter;
+    int status = project(starts, experts, rows, gate_up, s13, b13, up_rows, hidden, projected, bias_f32, threads);
     if (status) return status;
     if (act_kind == CLAMPED_SWIGLU)
         clamped_swiglu(gate_up, hidden_rows, pairs, inter, alpha, limit, threads);
+    else if (act_kind == UNGATED_KERNEL)
+        ((plain_fn)act)(gate_up, hidden_rows, pairs * inter, 1, threads);
     else
         ((gated_fn)act)(gate_up, hidden_rows, pairs, inter, threads);
     status = project(starts, experts, hidden_rows, down, s2, b2, hidden, inter, projected, bias_f32, threads);
