@@ -28,6 +28,8 @@ from tessera.weights.gguf_deepseek2 import ARCH as DEEPSEEK2
 from tessera.weights.gguf_deepseek2 import deepseek2_config
 from tessera.weights.gguf_ernie4_5 import ARCHES as ERNIE4_5_ARCHES
 from tessera.weights.gguf_ernie4_5 import ernie4_5_config
+from tessera.weights.gguf_falcon_h1 import ARCH as FALCON_H1
+from tessera.weights.gguf_falcon_h1 import falcon_h1_config
 from tessera.weights.gguf_gemma4 import ARCH as GEMMA4
 from tessera.weights.gguf_gemma4 import gemma4_config
 from tessera.weights.gguf_glm4 import ARCH as GLM4
@@ -293,7 +295,7 @@ def _dequantized(tensor: GGUFTensor, data: np.ndarray, shape: tuple[int, ...]) -
 OWN_READERS: dict[str, Callable[[dict, list], Any]] = {
     SMOLLM3: smollm3_config, MISTRAL3: mistral3_config, GLM4: glm4_config, GLM4MOE: glm4moe_config,
     GPT_OSS: gpt_oss_config, GRANITE: granite_config, GRANITEHYBRID: granitehybrid_config, OLMO2: olmo2_config,
-    COHERE2: cohere2_config, **{arch: lfm2_config for arch in LFM2_ARCHES},
+    COHERE2: cohere2_config, FALCON_H1: falcon_h1_config, **{arch: lfm2_config for arch in LFM2_ARCHES},
     **{arch: qwen35_config for arch in QWEN35_ARCHES}, **{arch: ernie4_5_config for arch in ERNIE4_5_ARCHES},
     **{arch: qwen_vl_text_config for arch in QWEN_VL_ARCHES}, **{arch: nemotron_h_config for arch in NEMOTRON_H_ARCHES}}
 COMPLETE_READERS: dict[str, Callable[[dict, list], Any]] = {GEMMA4: gemma4_config, DEEPSEEK2: deepseek2_config}

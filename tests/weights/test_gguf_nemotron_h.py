@@ -11,14 +11,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as QT
 
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched, check_prefill_and_decode_logits
 from tests.models.test_nemotron_h import make_tiny_nemotron_h
 from tests.weights.gguf_writer import (add_decoder_keys, add_ssm_keys, add_tokenizer, assert_mamba2_vectors_back,
-                                      llama_cpp_permute, round_tripped, write_tensors)
+                                      llama_cpp_hybrid_tensor, round_tripped, write_tensors)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,18 +65,7 @@ def _tensors(hf) -> list[tuple[str, np.ndarray]]:
             proj = name.rsplit(".", 1)[1].split("_")[0]
             out.append((f"blk.{block}.ffn_{proj}_exps.weight", t.numpy()))
             continue
-        if name.endswith("mixer.conv1d.weight"):
-            t = t.squeeze(1)
-        elif name.endswith("mixer.A_log"):
-            t = -torch.exp(t).reshape(-1, 1)
-        elif name.endswith("mixer.D"):
-            t = t.reshape(-1, 1)
-        elif name.endswith("mixer.norm.weight"):
-            t = t.reshape(cfg.n_groups, -1)
-        elif name.endswith("mixer.q_proj.weight"):
-            t = torch.from_numpy(llama_cpp_permute(t.numpy(), cfg.num_attention_heads))
-        elif name.endswith("mixer.k_proj.weight"):
-            t = torch.from_numpy(llama_cpp_permute(t.numpy(), cfg.num_key_value_heads))
+        t = llama_cpp_hybrid_tensor(name, t, cfg, cfg.n_groups)
         # the converter reads the original checkpoint's names (backbone.*)
         lookup = (name.replace("model.", "backbone.", 1).replace("mixer.dt_bias", "mixer.dt.bias")
                   .replace("gate.e_score_correction_bias", "gate.e_score_correction.bias"))
