@@ -80,7 +80,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = gemma4_norm(size, eps, target)
             self._gate = target.op("gelu_tanh_mul")
         self.layer_scalar = make_param((1,), target.dtype, target.device)
-        self.scalar = 1.0  # layer_scalar's value, read once loaded (prepare_weights)
+        self.scalar: float | None = None  # layer_scalar's value, read once loaded (prepare_weights)
         self._add = target.op("sum_and_scale")  # the sums and the final scale as kernels
 
     def prepare_weights(self) -> None:
@@ -96,11 +96,12 @@ class Gemma4DecoderLayer(nn.Module):
             weights, ids = self.router(residual)
             experts = self.experts(self.pre_feedforward_layernorm_2(residual), weights, ids)
             out = self._add(self.post_feedforward_layernorm_1(out), self.post_feedforward_layernorm_2(experts))
+        scalar = self.scalar if self.scalar is not None else float(self.layer_scalar)  # (unprepared: read it)
         if not self.per_layer:
-            return self._add(residual, self.post_feedforward_layernorm(out), self.scalar)
+            return self._add(residual, self.post_feedforward_layernorm(out), scalar)
         hidden = self._add(residual, self.post_feedforward_layernorm(out))
         gated = self._gate(self.per_layer_input_gate(hidden), per_layer_input)
-        return self._add(hidden, self.post_per_layer_input_norm(self.per_layer_projection(gated)), self.scalar)
+        return self._add(hidden, self.post_per_layer_input_norm(self.per_layer_projection(gated)), scalar)
 
 
 class Gemma4Model(nn.Module):
