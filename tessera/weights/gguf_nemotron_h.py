@@ -18,14 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.weights.gguf_plain_config import plain_decoder_config, required_keys
+from tessera.weights.gguf_rope import field_value
 
 ARCHES = ("nemotron_h", "nemotron_h_moe")
 
 
 def nemotron_h_config(fields: dict, tensors: list) -> Any:
     from transformers import NemotronHConfig
-
-    from tessera.weights.gguf_rope import field_value
 
     arch = field_value(fields, "general.architecture")
     key = required_keys(fields, arch)
@@ -55,8 +54,7 @@ def nemotron_h_config(fields: dict, tensors: list) -> Any:
                      topk_group=int(used_groups or 1), moe_latent_size=None if latent is None else int(latent))
     return plain_decoder_config(
         NemotronHConfig, arch, fields, tensors, architectures=["NemotronHForCausalLM"], layers_block_type=blocks,
-        head_dim=int(key("attention.key_length")), intermediate_size=max(int(n) for n in feed_forward),
-        layer_norm_epsilon=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        head_dim=int(key("attention.key_length")), layer_norm_epsilon=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         mamba_num_heads=heads, mamba_head_dim=inner // heads, n_groups=int(key("ssm.group_count")),
         ssm_state_size=int(key("ssm.state_size")), conv_kernel=int(key("ssm.conv_kernel")),
         use_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in names),

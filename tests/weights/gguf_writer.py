@@ -392,45 +392,6 @@ def add_decoder_keys(w: gguf.GGUFWriter, cfg, *, blocks: int | None = None, feed
     w.add_head_count_kv(cfg.num_key_value_heads if head_count_kv is None else head_count_kv)
 
 
-def add_ssm_keys(w: gguf.GGUFWriter, *, conv_kernel: int, state: int, groups: int, inner: int, heads: int) -> None:
-    """The `ssm.*` sizes llama.cpp's recurrent layers read (Mamba-2's, the Gated DeltaNet's)."""
-    w.add_ssm_conv_kernel(conv_kernel)
-    w.add_ssm_state_size(state)
-    w.add_ssm_group_count(groups)
-    w.add_ssm_inner_size(inner)
-    w.add_ssm_time_step_rank(heads)
-
-
-def llama_cpp_hybrid_tensor(name: str, t: torch.Tensor, cfg, groups: int) -> torch.Tensor:
-    """A Mamba-2 hybrid's checkpoint tensor as llama.cpp's converter stores it (by its name:
-    the mixer `mamba` or `mixer`): the conv squeezed, -exp(A_log) and D as [heads, 1], the
-    gated norm as [groups, inner / groups], Q / K rows permuted as Llama's; others as they are."""
-    if name.endswith("conv1d.weight"):
-        return t.squeeze(1)
-    if name.endswith(".A_log"):
-        return -torch.exp(t).reshape(-1, 1)
-    if name.endswith(".D"):
-        return t.reshape(-1, 1)
-    if name.endswith(("mamba.norm.weight", "mixer.norm.weight")):
-        return t.reshape(groups, -1)
-    if name.endswith("q_proj.weight"):
-        return torch.from_numpy(llama_cpp_permute(t.numpy(), cfg.num_attention_heads))
-    if name.endswith("k_proj.weight"):
-        return torch.from_numpy(llama_cpp_permute(t.numpy(), cfg.num_key_value_heads))
-    return t
-
-
-def assert_mamba2_vectors_back(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
-    """A Mamba-2 mixer loaded from a file holds the checkpoint's A_log, D, gated norm and
-    dt_bias (llama.cpp stores -exp(A_log) and reshapes the others; a tiny model's logits
-    barely feel A, so it is checked here)."""
-    pairs = [(ours.A_log, theirs.A_log), (ours.D, theirs.D), (ours.dt_bias, theirs.dt_bias)]
-    if ours.norm_weight is not None or hasattr(theirs.norm, "weight"):  # (a mixer without its norm: Falcon-H1's)
-        pairs.append((ours.norm_weight, theirs.norm.weight))
-    for mine, original in pairs:
-        torch.testing.assert_close(mine.float(), original.float(), rtol=1e-6, atol=1e-6)
-
-
 def round_tripped(model: torch.nn.Module, qtype: QT, stored: Callable[[str, np.ndarray], bool]) -> torch.nn.Module:
     """`model` holding what a `qtype` file stores: the parameters `stored(name, array)` says
     the file quantizes, quantized and back (the others as they are)."""

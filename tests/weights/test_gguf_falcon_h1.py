@@ -15,10 +15,11 @@ from gguf import GGMLQuantizationType as QT
 
 from tessera import LLM
 from tessera.weights.gguf_falcon_h1 import ARCH, FOLDED
-from tests.models.parity import check_greedy_alone_and_batched, check_prefill_and_decode_logits, hf_logits
+from tests.models.parity import hf_logits
 from tests.models.test_falcon_h1 import make_tiny_falcon_h1
-from tests.weights.gguf_writer import (add_decoder_keys, add_ssm_keys, add_tokenizer, assert_mamba2_vectors_back,
-                                      llama_cpp_hybrid_tensor, round_tripped, write_tensors)
+from tests.weights.gguf_hybrids import (add_ssm_keys, assert_mamba2_vectors_back, check_equals_reference,
+                                       llama_cpp_hybrid_tensor, loaded_hybrid)
+from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,14 +101,11 @@ def test_falcon_h1_gguf_equals_transformers(qtype, tmp_path, tiny_tokenizer_dir,
     ids = [5, 9, 17, 33, 60, 7, 81]  # (the fold is the same model)
     torch.testing.assert_close(hf_logits(reference, ids), hf_logits(hf, ids), rtol=1e-4, atol=1e-4)
     path = write_falcon_h1_gguf(tmp_path / "falcon.gguf", reference, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
-    with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache",
-             enable_prefix_caching=False) as llm:
+    with loaded_hybrid(path, tmp_path / "cache") as llm:
         config = llm.engine.router.config
         assert config.model_type == "falcon_h1" and config.key_multiplier == 1.0 and config.mlp_multipliers == [1, 1]
         assert_mamba2_vectors_back(llm.engine.runner.model.model.layers[0].mamba, hf.model.layers[0].mamba)
-        reference = round_tripped(reference, qtype, _quantized)
-        check_prefill_and_decode_logits(llm, reference, f"falcon-h1-gguf-{qtype.name}", monkeypatch)
-        check_greedy_alone_and_batched(llm, reference, (5, 23))
+        check_equals_reference(llm, reference, qtype, _quantized, f"falcon-h1-gguf-{qtype.name}", monkeypatch)
 
 
 def test_a_mixer_norm_is_refused(tmp_path, tiny_tokenizer_dir):

@@ -14,10 +14,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from tessera import LLM
-from tests.models.parity import check_greedy_alone_and_batched, check_prefill_and_decode_logits
 from tests.models.test_nemotron_h import make_tiny_nemotron_h
-from tests.weights.gguf_writer import (add_decoder_keys, add_ssm_keys, add_tokenizer, assert_mamba2_vectors_back,
-                                      llama_cpp_hybrid_tensor, round_tripped, write_tensors)
+from tests.weights.gguf_hybrids import (add_ssm_keys, assert_mamba2_vectors_back, check_equals_reference,
+                                       llama_cpp_hybrid_tensor, loaded_hybrid)
+from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,9 +96,7 @@ def write_nemotron_h_gguf(path: Path, hf, tokenizer_json: Path, qtype: QT) -> Pa
 def test_nemotron_h_gguf_equals_transformers(case, qtype, tmp_path, tiny_tokenizer_dir, monkeypatch):
     hf = make_tiny_nemotron_h(case, tmp_path / "hf", tiny_tokenizer_dir, seed=3)
     path = write_nemotron_h_gguf(tmp_path / "nemotron.gguf", hf, Path(tiny_tokenizer_dir) / "tokenizer.json", qtype)
-    # (without prefix caching, which cuts a hybrid's prompts at block boundaries: the logit check counts steps)
-    with LLM(path, dtype="float32", num_kv_blocks=64, show_progress=False, cache_dir=tmp_path / "cache",
-             enable_prefix_caching=False) as llm:
+    with loaded_hybrid(path, tmp_path / "cache") as llm:
         config = llm.engine.router.config
         assert config.model_type == "nemotron_h"
         assert list(config.layers_block_type) == list(hf.config.layers_block_type)
@@ -107,11 +105,8 @@ def test_nemotron_h_gguf_equals_transformers(case, qtype, tmp_path, tiny_tokeniz
                           "moe_shared_expert_intermediate_size", "norm_topk_prob", "moe_latent_size"):
                 assert getattr(config, field) == getattr(hf.config, field), field
             assert config.routed_scaling_factor == pytest.approx(hf.config.routed_scaling_factor)
-        # the Mamba-2 vectors back as the checkpoint has them
         assert_mamba2_vectors_back(llm.engine.runner.model.model.layers[0].mixer, hf.model.layers[0].mixer)
-        reference = round_tripped(hf, qtype, _quantized)
-        check_prefill_and_decode_logits(llm, reference, f"nemotron-h-gguf-{case}", monkeypatch)
-        check_greedy_alone_and_batched(llm, reference, (5, 23))
+        check_equals_reference(llm, hf, qtype, _quantized, f"nemotron-h-gguf-{case}", monkeypatch)
 
 
 def test_expert_groups_without_their_used_count_are_refused(tmp_path, tiny_tokenizer_dir):

@@ -17,7 +17,8 @@ from gguf import GGMLQuantizationType as QT
 from tessera import LLM
 from tests.models.parity import check_greedy_alone_and_batched
 from tests.models.test_qwen3_next import make_tiny_qwen3_next
-from tests.weights.gguf_writer import add_decoder_keys, add_ssm_keys, add_tokenizer, round_tripped, write_tensors
+from tests.weights.gguf_hybrids import add_ssm_keys
+from tests.weights.gguf_writer import add_decoder_keys, add_tokenizer, round_tripped, write_tensors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARCH = "qwen35"

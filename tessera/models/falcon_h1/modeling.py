@@ -56,14 +56,16 @@ class FalconH1MLP(LlamaMLP):
         super().__init__(config, target)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
         # the gate's columns times gate_multiplier, the up's times 1 (exact): one call
-        size, up = self.gate_up_proj.shard_sizes[0], self.gate_up_proj.shard_sizes[1]
-        self.gate_scales = torch.cat((torch.full((size,), self.gate_multiplier), torch.ones(up))).to(
-            target.device, target.dtype)
+        self.gate_scales = None
+        if self.gate_multiplier != 1.0:
+            size, up = self.gate_up_proj.shard_sizes[0], self.gate_up_proj.shard_sizes[1]
+            self.gate_scales = torch.cat((torch.full((size,), self.gate_multiplier), torch.ones(up))).to(
+                target.device, target.dtype)
         self._scale = target.op("sum_and_scale")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.gate_multiplier != 1.0:
+        if self.gate_scales is not None:
             gate_up = self._scale(gate_up, None, self.gate_scales)
         return self._scale(self.down_proj(self.act_fn(gate_up)), None, self.down_multiplier)
 

@@ -154,7 +154,8 @@ static void clamped_swiglu(const uint16_t *gate_up, uint16_t *out, int64_t rows,
  * hidden] bf16. Stack 13: each expert's gate-then-up matrix [2 inter, hidden], b13 [experts,
  * 2 inter] bf16 or NULL; stack 2 likewise ([hidden, inter]). Between them act_kind's
  * activation: a gated kernel `act` (silu_and_mul_bf16.c's signature), the clamped SwiGLU
- * with alpha and limit, or an ungated kernel `act` (stack 13 then [inter, hidden] an expert). Returns 0, a GEMM's nonzero status, MOE_EXPERT_OUT_OF_RANGE or
+ * with alpha and limit, or an ungated kernel `act` (stack 13 then [inter, hidden] an
+ * expert). Returns 0, a GEMM's nonzero status, MOE_EXPERT_OUT_OF_RANGE or
  * MOE_SCRATCH_TOO_SMALL (before anything is written). */
 int tessera_moe_experts(const uint16_t *x, const float *weights, const int64_t *ids, const int64_t *live,
                         uint16_t *out, int64_t tokens, int64_t top_k, int64_t experts, int64_t hidden,
