@@ -111,6 +111,26 @@ class BlockManager:
                 self.free_blocks.move_to_end(block, last=False)
         del seq.block_table[keep:]
 
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of each of `blocks` (a beam forked from the sequence holding them)."""
+        for block in blocks:
+            self.ref_counts[block] += 1
+
+    def is_shared(self, block: int) -> bool:
+        return self.ref_counts[block] > 1
+
+    def unshare(self, seq: Sequence, index: int) -> tuple[int, int] | None:
+        """Give `seq` a block of its own in place of its shared block `index`, before it
+        writes there (copy-on-write): (the shared block, the new one) for the caller to copy
+        the contents; None when no block is free."""
+        if not self.free_blocks:
+            return None
+        shared = seq.block_table[index]
+        fresh = self._take_free_block()
+        self.ref_counts[shared] -= 1
+        seq.block_table[index] = fresh
+        return shared, fresh
+
     def all_free(self) -> bool:
         return self.num_free_blocks == self.num_blocks and not any(self.ref_counts)
 

@@ -16,6 +16,7 @@ from tessera.config import EngineConfig
 from tessera.distributed.channel import StepChannel
 from tessera.engine.block_manager import BlockManager
 from tessera.engine.config_checks import check_engine_config
+from tessera.engine.engine_beams import BeamSearchMethods
 from tessera.engine.engine_lora import LoRAMethods
 from tessera.engine.engine_parallel import TensorParallelMethods
 from tessera.engine.engine_pooling import PoolingRequests
@@ -53,7 +54,7 @@ from tessera.sampling.structured import GrammarCompiler, StructuredOutputError, 
 logger = logging.getLogger(__name__)
 
 
-class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
+class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods, BeamSearchMethods):
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         self.config = config
         self.router = get_router(config.model)
@@ -133,6 +134,7 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
         self._grammars: GrammarCompiler | None = None  # structured outputs, built on first use
         self._grammars_lock = threading.Lock()
         self._spec_counts = [0, 0, 0]  # steps of a sequence with drafts, drafts, accepted drafts
+        self._beam_requests: set[str] = set()  # running beam searches: their steps run synchronously
 
     def _decode_graphs(self, config: EngineConfig) -> bool:
         """Captured decode graphs (CPU kernel graphs, CUDA graphs): one rank only (a replay
@@ -190,11 +192,13 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
         vocab = self.router.config.vocab_size
         check_prompt(token_ids, vocab, self.max_model_len)
         check_against_vocab(params, vocab)
+        if params.use_beam_search:
+            self._check_beam_request(params, len(token_ids))
         # tokenized per request (the caller may have changed bad_words on a reused object)
         params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else None
         lora = self._resolve_lora(lora_request)
         seqs = []
-        for index in range(params.num_sequences):
+        for index in range(1 if params.use_beam_search else params.num_sequences):  # (beams fork from one)
             seed = params.child_seed(index)
             generator = None if seed is None else torch.Generator().manual_seed(seed)
             seqs.append(Sequence(request_id, text, token_ids, params, self.max_model_len,
@@ -208,6 +212,9 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
                     seq.grammar_may_open = params.reasoning_start_token_id
                     seq.grammar_waits = seq.grammar_may_open is None  # the output starts in it
         group = SequenceGroup(request_id, seqs, pending=seqs[1:])
+        if params.use_beam_search:
+            group.beams = self._new_beam_search(params)
+            self._beam_requests.add(request_id)
         for seq in seqs:
             seq.group = group
             seq.arrival_time = seqs[0].arrival_time
@@ -238,6 +245,7 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
                 s.finish_reason = FinishReason.ABORT
                 self.scheduler.finish(s)
         seq.group.pending.clear()
+        self._beam_requests.discard(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -283,7 +291,10 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
         With async scheduling a call launches the next step first and then reports the
         tokens of the step launched by the previous call."""
         if self.config.scheduler.async_scheduling and not self.is_pooling:
-            return self._step_async(stream)
+            if not self._beam_requests:
+                return self._step_async(stream)
+            if self._in_flight is not None or self._undelivered:  # beams pick tokens on the host: end
+                return self._step_async(stream, launch=False)   # the launched step before a synchronous one
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._check_progress()
@@ -304,14 +315,17 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
                 self._spec_counts[1] += drafts
                 self._spec_counts[2] += drafts - num_rejected.get(item.seq, drafts)
 
-    def _step_async(self, stream: bool) -> list[RequestOutput]:
+    def _step_async(self, stream: bool, launch: bool = True) -> list[RequestOutput]:
         """Schedule step N+1 while step N runs: its rows whose token N is sampling read it
         on the device; then wait for N's tokens and process them. A sequence that N
         finishes (EOS, stop string) has already been given a row in N+1, whose token is
         dropped; a step whose sampling needs those tokens on the host (penalties,
         min_tokens) first waits for N."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule() if launch else None
         previous, outputs, drained = self._in_flight, self._undelivered, False
+        if plan is None:  # only the step in flight, and what an earlier call left
+            self._in_flight, self._undelivered = None, []
+            return outputs + (self._process(previous.result(), stream) if previous is not None else [])
         self._undelivered = []
         if previous is not None and any(item.seq.num_pending_tokens and item.seq.params.needs_token_history
                                         for item in plan.scheduled):
@@ -357,6 +371,7 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
         for rows, infos in result.prompt_logprobs:
             processor.record_prompt_logprobs(rows.item.seq, rows.start, infos)
         progressed: dict[SequenceGroup, dict[Sequence, Delta]] = {}
+        searching: dict[SequenceGroup, None] = {}  # beam searches whose beams this step advanced
         for sample in result.samples:
             seq = sample.item.seq
             if seq.num_pending_tokens:
@@ -364,6 +379,10 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
             if seq.is_finished:  # finished or aborted after this step was launched
                 continue
             group = seq.group
+            if group.beams is not None:  # its token is the search's to pick
+                seq.beam_candidates = sample.beam_candidates
+                searching[group] = None
+                continue
             deltas = progressed.setdefault(group, {})
             text, ids = processor.append_token(seq, sample.token_id, sample.logprobs)
             if seq in deltas:  # accepted drafts: several tokens of one sequence in a step
@@ -375,6 +394,11 @@ class Engine(LoRAMethods, PoolingRequests, TensorParallelMethods):
                 for child in reversed(group.pending):
                     self.scheduler.requeue(child)  # ahead of newer requests (of its priority)
                 group.pending.clear()
+        for group in searching:
+            ended = self._advance_beams(group)
+            if ended is not None:
+                progressed[group] = ended
+                self._beam_requests.discard(group.request_id)
         if self.proposer is not None:
             self._propose(progressed)
         outputs = []

@@ -22,7 +22,7 @@ Delta = tuple[str, list[int]]  # text and token ids one step added to a sequence
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
-        self._decode = fast_decoder(tokenizer)
+        self.decode = fast_decoder(tokenizer)
         self.eos_token_ids = eos_token_ids
         self._token_text: dict[int, str] = {}
 
@@ -94,10 +94,10 @@ class OutputProcessor:
         end = seq.num_tokens - 1 if reason is not None and not params.include_stop_str_in_output else None
         before = len(seq.text)
         if reason is not None or at_length:
-            detokenize_incrementally(self._decode, seq, end)
-            flush(self._decode, seq, end)
+            detokenize_incrementally(self.decode, seq, end)
+            flush(self.decode, seq, end)
         else:
-            detokenize_incrementally(self._decode, seq)
+            detokenize_incrementally(self.decode, seq)
         visible = len(seq.text)
         if reason is None and params.stop and may_stop:
             match = find_stop(seq.text, len(seq.text) - before, params.stop)
@@ -134,7 +134,8 @@ class OutputProcessor:
             index=seq.index, text=seq.output_text, token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             delta_text=text, delta_token_ids=ids,
-            cumulative_logprob=seq.cumulative_logprob if seq.params.needs_logprobs else None,
+            cumulative_logprob=(seq.cumulative_logprob if seq.params.needs_logprobs or seq.params.use_beam_search
+                                else None),
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             stop_reason=seq.stop_reason)
 
@@ -146,7 +147,7 @@ class OutputProcessor:
         else:
             params = group.params
             seqs = group.seqs
-            if params.num_sequences > params.n:
+            if params.num_sequences > params.n and not params.use_beam_search:  # (beams: best first already)
                 seqs = sorted(seqs, key=lambda s: (-s.cumulative_logprob, s.index))[:params.n]
         first = group.seqs[0]
         return RequestOutput(

@@ -148,6 +148,9 @@ class Scheduler:
                 i += 1  # its pending token ends it: nothing more to compute
                 continue
             remaining = seq.num_tokens + pending - seq.num_computed_tokens
+            if remaining <= 0:  # a beam waiting for the rest of its search's beams
+                i += 1
+                continue
             n = min(remaining, budget)
             if not self.config.enable_chunked_prefill and n < remaining:
                 break
@@ -175,9 +178,12 @@ class Scheduler:
             self._drop_drafts()
             return out  # no admissions (nor drafts) in a step that had to give blocks back
         adapters = {seq.lora.key for seq in self.running if seq.lora is not None} if self.max_loras else set()
+        slots = _Slots(self.running)
         passed = 0  # waiting sequences passed over: their adapter cannot join this batch
-        while passed < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while passed < len(self.waiting) and budget > 0:
             seq = self.waiting[passed]
+            if not slots.fits(seq, self.config.max_num_seqs):
+                break
             if seq.lora is not None and (passed or (seq.lora.key not in adapters
                                                     and len(adapters) >= (self.max_loras or 0))):
                 passed += 1  # (behind a passed-over one, only the base model goes ahead)
@@ -202,6 +208,7 @@ class Scheduler:
                 adapters.add(seq.lora.key)
             seq.num_computed_tokens = self.blocks.take_prefix(seq, match)
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            slots.take(seq)
             seq.status = SequenceStatus.RUNNING
             if self.free_state_slots is not None:
                 seq.state_slot = self.free_state_slots.pop()
@@ -214,8 +221,21 @@ class Scheduler:
                 item.restore_from = self.state_cache.lookup(match.hashes[-1])
             out.scheduled.append(self._planned(item))
             budget -= n
+        if not out.scheduled and self.waiting and self._preempt_idle():
+            return self.schedule()
         self._add_drafts(out, budget)
         return out
+
+    def _preempt_idle(self) -> bool:
+        """Nothing could run: where running sequences wait with nothing to compute (beams
+        waiting for a preempted beam of their search that has no room to come back), the
+        latest of them gives its blocks back. Returns whether one did."""
+        idle = [s for s in self.running if s.num_tokens + s.num_pending_tokens <= s.num_computed_tokens]
+        if not idle:
+            return False
+        self.running.remove(idle[-1])
+        self._preempt(idle[-1], behind=True)  # (behind what it waits for)
+        return True
 
     # --- recurrent state with prefix caching (engine/state_cache.py) ------------------------
 
@@ -312,7 +332,12 @@ class Scheduler:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence between steps (its blocks go back; it recomputes)."""
+        self.running.remove(seq)
+        self._preempt(seq)
+
+    def _preempt(self, seq: Sequence, behind: bool = False) -> None:
         self.blocks.free(seq)
         self._release_state_slot(seq)
         seq.num_computed_tokens = 0
@@ -320,7 +345,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.requeue(seq)
+        if behind:
+            self.add(seq)
+        else:
+            self.requeue(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence wherever it is and free its blocks."""
@@ -331,6 +359,33 @@ class Scheduler:
         self.blocks.free(seq)
         self._release_state_slot(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+class _Slots:
+    """The running batch's share of max_num_seqs: a sequence takes one; a beam search takes
+    its width from its first running beam on, so that its forks always have room."""
+
+    def __init__(self, running: list[Sequence]):
+        self.searches = {id(s.group) for s in running if _searching(s)}
+        self.used = sum(1 for s in running if not _searching(s)) + sum(
+            {id(s.group): s.params.beam_width for s in running if _searching(s)}.values())
+
+    def cost(self, seq: Sequence) -> int:
+        if not _searching(seq):
+            return 1
+        return 0 if id(seq.group) in self.searches else seq.params.beam_width
+
+    def fits(self, seq: Sequence, limit: int) -> bool:
+        return self.used + self.cost(seq) <= limit
+
+    def take(self, seq: Sequence) -> None:
+        self.used += self.cost(seq)
+        if _searching(seq):
+            self.searches.add(id(seq.group))
+
+
+def _searching(seq: Sequence) -> bool:
+    return seq.group is not None and seq.group.beams is not None
 
 
 def _urgency(seq: Sequence) -> tuple[int, float, int]:

@@ -3,7 +3,8 @@ blocks. The scheduler moves it between waiting and running; preemption resets
 `num_computed_tokens` to 0 (the output so far is kept and recomputed as prompt).
 
 A request with n / best_of > 1 is a SequenceGroup of independent sequences sharing the
-prompt (each with its own seed); the engine hands them to the scheduler one by one."""
+prompt (each with its own seed); the engine hands them to the scheduler one by one. Under
+beam search the group's sequences are its beams, which fork from each other."""
 from __future__ import annotations
 
 import enum
@@ -89,6 +90,9 @@ class Sequence:
     # an embedding request (tessera.pooling.pooler.PoolingState): its prompt is pooled into
     # one vector and it ends there, sampling nothing
     pooling: Any = None
+    # beam search: this beam's best next tokens from its last step (sampling.TokenLogprobs),
+    # until every beam of its group has them and the group picks the next beams
+    beam_candidates: Any = None
 
     @property
     def forced_token(self) -> int | None:
@@ -192,11 +196,13 @@ class Sequence:
 
 @dataclass(eq=False)
 class SequenceGroup:
-    """One request: its sequences (n or best_of of them) and those not yet scheduled."""
+    """One request: its sequences (n or best_of of them) and those not yet scheduled. Under
+    beam search, `seqs` are its live beams, and at the end the n best hypotheses."""
 
     request_id: str
     seqs: list[Sequence]
     pending: list[Sequence] = field(default_factory=list)
+    beams: Any = None  # the search's state under beam search (engine/beam_search.py)
 
     @property
     def params(self) -> SamplingParams:

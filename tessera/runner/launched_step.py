@@ -19,6 +19,7 @@ class SampledToken:
     item: ScheduledSeq
     token_id: int
     logprobs: TokenLogprobs | None = None
+    beam_candidates: TokenLogprobs | None = None  # a beam search row's (engine/beam_search.py)
 
 
 @dataclass
@@ -82,13 +83,13 @@ class LaunchedStep:
         if self.host_token_ids is None:
             return StepResult(prompt_logprobs=self.prompt_logprobs,
                               pooled=[(seq, vector.cpu()) for seq, vector in self.pooled])
-        tokens, logprobs = self.host_token_ids.tolist(), self.sampled.logprobs
+        tokens, logprobs, beams = self.host_token_ids.tolist(), self.sampled.logprobs, self.sampled.beam_candidates
         result = StepResult(prompt_logprobs=self.prompt_logprobs)
         row = 0
         for item in self.inputs.sampled_rows:
             drafts = item.draft_token_ids
             count = num_accepted(drafts, tokens[row:row + len(drafts)]) if drafts else 0
-            result.samples += [SampledToken(item, tokens[r], logprobs[r]) for r in range(row, row + count + 1)]
+            result.samples += [SampledToken(item, tokens[r], logprobs[r], beams[r]) for r in range(row, row + count + 1)]
             if drafts:
                 result.num_rejected[item.seq] = len(drafts) - count
                 state = self.generator_states.get(item.seq)

@@ -154,6 +154,20 @@ class ModelRunner:
                 cache[self._zeroed_blocks:end].view(torch.uint8).zero_()
         self._zeroed_blocks = end
 
+    def copy_kv_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (src, dst) in every layer (a beam that forks from another takes a
+        copy of the block it writes next; engine/beam_search.py), queued on the device in
+        order before the next step. The driver's cache only: beam search runs on one rank."""
+        if not copies:
+            return
+        self._zero_blocks_up_to(max(max(pair) for pair in copies) + 1)  # (or a later first use wipes them)
+        src = torch.tensor([a for a, _ in copies], device=self.device)
+        dst = torch.tensor([b for _, b in copies], device=self.device)
+        for layer in self.attn_layers:
+            for cache in layer.kv_cache[:layer.cache_tensors]:
+                raw = cache.view(torch.uint8)  # (as bytes, as zeroing: float8 everywhere)
+                raw.index_copy_(0, dst, raw.index_select(0, src))
+
     def release_kv_cache(self) -> None:
         if self.channel is not None and self.num_blocks:
             self.channel.send(Command.RELEASE_KV)

@@ -88,6 +88,12 @@ class SamplingParams:
     # TGI: bias each step's green list, the engine's WatermarkConfig (sampling/watermark.py)
     watermark: bool = False
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    # beam search (engine/beam_search.py): best_of (else n) beams, the n best returned;
+    # hypotheses are ranked by cumulative logprob / generated length ** length_penalty, and
+    # early_stopping (true, false or "never") is transformers' rule for when to stop
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     bad_words: list[str] | None = None          # vLLM's: words kept out of the output
     # the engine's tokenization of bad_words (sampling/bad_words.py), set as a request arrives
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
@@ -135,7 +141,8 @@ class SamplingParams:
             raise bad("n", "must be an integer >= 1")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
             raise bad("best_of", f"must be null or an integer >= n ({self.n})")
-        if self.num_sequences > 1 and self.greedy:
+        self._check_beam_search()
+        if self.num_sequences > 1 and self.greedy and not self.use_beam_search:
             name = "best_of" if self.num_sequences > self.n else "n"
             raise bad(name, "must be 1 when decoding is greedy (set temperature > 0 or do_sample)")
 
@@ -174,6 +181,25 @@ class SamplingParams:
                       "`structured_outputs` or `thinking_token_budget` too, or leave it null")
         if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
             raise bad("reasoning_start_token_id", "needs `reasoning_end_token_id` (where the reasoning ends)")
+
+    def _check_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise SamplingParamsError(f"`use_beam_search` must be true or false, got {self.use_beam_search!r}")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise SamplingParamsError(f"`length_penalty` must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise SamplingParamsError(f"`early_stopping` must be true, false or \"never\", got {self.early_stopping!r}")
+        if not self.use_beam_search:
+            return
+        # what beam search cannot honour: a beam's text is not known while it searches (stop
+        # strings), a sampled or constrained token is not a ranked candidate, and a seed or a
+        # watermark has nothing to draw
+        unsupported = {"stop": bool(self.stop), "structured_outputs": self.structured_outputs is not None,
+                       "thinking_token_budget": self.thinking_token_budget is not None,
+                       "do_sample": self.do_sample is True, "watermark": self.watermark is True}
+        for name, given in unsupported.items():
+            if given:
+                raise SamplingParamsError(f"`{name}` is not supported with beam search (`use_beam_search`)")
 
     def _check_structured_outputs(self) -> StructuredOutputsParams | None:
         from tessera.sampling.structured import KINDS, StructuredOutputsParams
@@ -221,6 +247,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        if self.use_beam_search:  # (its rows' candidates are ranked, not drawn: no warpers)
+            return True
         if self.do_sample is False and not self.has_warpers:
             return True
         # Below this, logits / T overflows; the distribution is a point mass anyway.
@@ -235,9 +263,11 @@ class SamplingParams:
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens sampled so far (penalties count them; min_tokens
         counts the output; a grammar advances with each; the last seeds the watermark; bad
-        words match its end; a thinking budget counts the reasoning), so a
-        step cannot be launched before the last one's reach the host."""
+        words match its end; a thinking budget counts the reasoning; beam search picks each
+        beam's token on the host), so a step cannot be launched before the last one's reach
+        the host."""
         return (self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+                or self.use_beam_search
                 or self.watermark or bool(self.bad_words_token_ids) or self.thinking_token_budget is not None)
 
     @property
@@ -249,6 +279,11 @@ class SamplingParams:
     def needs_logprobs(self) -> bool:
         """Whether the chosen token's logprob is computed (asked for, or to rank best_of)."""
         return self.logprobs is not None or self.num_sequences > self.n
+
+    @property
+    def beam_width(self) -> int:
+        """How many beams the search keeps (0: no beam search)."""
+        return self.num_sequences if self.use_beam_search else 0
 
     def child_seed(self, index: int) -> int | None:
         """The seed of the request's `index`-th sequence (n / best_of): seed + index."""

@@ -130,20 +130,35 @@ class SamplerOutput:
     """The chosen tokens [B] (int64, on the logits' device) and, per row that asked, their
     logprobs, read on the host the first time `logprobs` is used."""
 
-    def __init__(self, token_ids: torch.Tensor, pending: tuple[list[int], LogprobTensors] | None = None):
+    def __init__(self, token_ids: torch.Tensor, pending: tuple[list[int], LogprobTensors] | None = None,
+                 beams: tuple[list[int], LogprobTensors] | None = None):
         self.token_ids = token_ids
         self._logprobs: list[TokenLogprobs | None] | None = None
         self._pending = pending  # (rows, their logprob tensors)
+        self._beam_candidates: list[TokenLogprobs | None] | None = None
+        self._beams = beams  # beam search rows: (rows, their candidates' tensors)
 
     @property
     def logprobs(self) -> list[TokenLogprobs | None]:
         if self._logprobs is None:
-            self._logprobs = [None] * self.token_ids.shape[0]
-            if self._pending is not None:
-                rows, tensors = self._pending
-                for i, item in zip(rows, tensors.to_host()):
-                    self._logprobs[i] = item
+            self._logprobs = _per_row(self._pending, self.token_ids.shape[0])
         return self._logprobs
+
+    @property
+    def beam_candidates(self) -> list[TokenLogprobs | None]:
+        """Per beam search row, its best next tokens (`top`, best first) by processed logprob."""
+        if self._beam_candidates is None:
+            self._beam_candidates = _per_row(self._beams, self.token_ids.shape[0])
+        return self._beam_candidates
+
+
+def _per_row(pending: tuple[list[int], LogprobTensors] | None, num_rows: int) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * num_rows
+    if pending is not None:
+        rows, tensors = pending
+        for i, item in zip(rows, tensors.to_host()):
+            out[i] = item
+    return out
 
 
 class Sampler:
@@ -175,7 +190,8 @@ class Sampler:
             warped = None
         else:
             chosen, warped = self._sample_rows(x, batch, sampled_rows)
-        return SamplerOutput(chosen, pending=self._logprobs(logits, x, warped, sampled_rows, chosen, params))
+        return SamplerOutput(chosen, pending=self._logprobs(logits, x, warped, sampled_rows, chosen, params),
+                             beams=self._beam_candidates(x, chosen, params))
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -288,6 +304,21 @@ class Sampler:
             if gen is not None:
                 uniforms[j] = _own_uniform(gen)
         return inverse_cdf(probs, to_device(uniforms, probs.device))
+
+    def _beam_candidates(self, x: torch.Tensor, chosen: torch.Tensor,
+                         params: list[SamplingParams]) -> tuple[list[int], LogprobTensors] | None:
+        """Beam search rows' candidates: the best tokens of the processed distribution (after
+        penalties, logit_bias, min_tokens; no warpers), as many as transformers keeps per
+        step, (1 + the tokens that end a beam, at least 2) x the width, so that at least
+        `width` candidates can go on however many of them end their beam."""
+        rows = [i for i, p in enumerate(params) if p.use_beam_search]
+        if not rows:
+            return None
+        index = P.device_tensor(rows, x.device)
+        wanted = [max(2, 1 + len(self.eos_token_ids) + len(params[i].stop_token_ids)) * params[i].beam_width
+                  for i in rows]
+        return rows, LogprobTensors(x.index_select(0, index).log_softmax(dim=-1), chosen.index_select(0, index),
+                                    wanted)
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
                   sampled_rows: list[int], chosen: torch.Tensor,

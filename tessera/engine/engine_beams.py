@@ -1,0 +1,177 @@
+"""The engine's side of beam search (mixed into tessera.engine.engine.Engine): checking a
+request, and after each step, once every live beam of a request has its candidates,
+turning the search's choice (engine/beam_search.py) into sequences.
+
+Beams share KV blocks: a beam continued twice forks, the fork taking a reference to each of
+its parent's blocks, and any beam whose next token goes into a block another beam still
+holds takes a copy of that block first (copy-on-write; full blocks are never written again,
+so they stay shared). Beams skip detokenization while they search; a hypothesis' text is
+decoded once, when the request ends.
+"""
+from __future__ import annotations
+
+import copy
+
+from tessera.engine.beam_search import BeamSearch, Candidate, Hypothesis
+from tessera.engine.block_manager import BlockManager
+from tessera.engine.detokenizer import flush
+from tessera.engine.output_processor import Delta, OutputProcessor
+from tessera.engine.request_checks import RequestError
+from tessera.engine.scheduler import Scheduler
+from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from tessera.sampling.params import SamplingParams
+from tessera.sampling.sampler import TokenLogprobs
+
+
+class BeamSearchMethods:
+    scheduler: Scheduler
+    block_manager: BlockManager
+    output_processor: OutputProcessor
+
+    def _check_beam_request(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """What a beam search request needs of this engine (RequestError if it cannot run)."""
+        width = params.beam_width
+        why = None
+        if self.proposer is not None:
+            why = "speculative decoding is on (its drafts verify one sequence at a time)"
+        elif self.runner.state_layers:
+            why = "this model has recurrent layers (a beam's state cannot be forked yet)"
+        elif self.tp_group is not None:
+            why = "the model runs on several ranks (beams fork the driver's KV cache only)"
+        elif width > self.config.scheduler.max_num_seqs:
+            why = f"its {width} beams exceed --max-num-seqs {self.config.scheduler.max_num_seqs}"
+        else:
+            longest = min(num_prompt_tokens + params.max_new_tokens, self.max_model_len)
+            need = width * self.block_manager.num_blocks_for(longest)
+            if need > self.block_manager.num_blocks:
+                why = (f"its {width} beams of up to {longest} tokens need {need} KV blocks, the cache "
+                       f"holds {self.block_manager.num_blocks} (lower max_tokens or the width)")
+        if why is not None:
+            raise RequestError(f"beam search cannot run: {why}", param="use_beam_search")
+
+    def _new_beam_search(self, params: SamplingParams) -> BeamSearch:
+        ends = 0 if params.ignore_eos else len(self.router.eos_token_ids)
+        return BeamSearch(params.beam_width, params.length_penalty, params.early_stopping,
+                          num_ends=ends + len(params.stop_token_ids))
+
+    def _advance_beams(self, group: SequenceGroup) -> dict[Sequence, Delta] | None:
+        """After a step: if every live beam of `group` has its candidates, run the search's
+        step; returns the outputs' deltas when the request has ended (its n best hypotheses
+        are then `group.seqs`), else None."""
+        beams = group.seqs
+        if any(beam.beam_candidates is None for beam in beams):
+            return None  # some beam's step is still to come (preempted, or not scheduled yet)
+        search: BeamSearch = group.beams
+        first = beams[0]
+        generated = first.num_output_tokens + 1
+        longest = min(first.num_prompt_tokens + first.params.max_new_tokens, first.max_total_tokens)
+        going_on = search.step(beams, self._beam_end, generated, longest - first.num_prompt_tokens)
+        for beam in beams:
+            beam.beam_candidates = None
+        if search.done:
+            return self._finish_beams(group, beams)
+        group.seqs = self._continue_beams(beams, going_on)
+        return None
+
+    def _beam_end(self, candidate: Candidate) -> FinishReason | None:
+        """How `candidate` ends its beam (as append_token decides for a sampled token)."""
+        parent, token, params = candidate.parent, candidate.token, candidate.parent.params
+        may_stop = parent.num_output_tokens + 1 >= params.min_tokens
+        if may_stop and not params.ignore_eos and token in self.router.eos_token_ids:
+            return FinishReason.EOS
+        if may_stop and token in params.stop_token_ids:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if parent.at_length_limit(extra=1) else None
+
+    def _continue_beams(self, beams: list[Sequence], going_on: list[Candidate]) -> list[Sequence]:
+        """The next beams: each continuation on its parent (the first one) or on a fork of it,
+        then the beams nothing continues ended and shared blocks about to be written copied."""
+        taken: set[int] = set()
+        assigned = []
+        for candidate in going_on:  # forks first: each copies its parent before any extends it
+            parent = candidate.parent
+            seq = self._fork(parent) if id(parent) in taken else parent
+            taken.add(id(parent))
+            assigned.append((seq, candidate))
+        for beam in beams:
+            if id(beam) not in taken:
+                self.scheduler.finish(beam)  # (its blocks go back; it is no output)
+        out = []
+        for index, (seq, candidate) in enumerate(assigned):
+            self._extend(seq, candidate)
+            seq.index = index
+            out.append(seq)
+        self._copy_on_write(out)
+        return out
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        """A second beam with `parent`'s tokens, holding references to its blocks."""
+        child = copy.copy(parent)
+        child.token_ids = list(parent.token_ids)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.logprobs = None if parent.logprobs is None else list(parent.logprobs)
+        child.draft_token_ids = []
+        self.block_manager.share(child.block_table)
+        if parent.status is SequenceStatus.RUNNING:
+            self.scheduler.running.append(child)
+        else:  # (a preempted parent holds no blocks: the fork recomputes as it will)
+            self.scheduler.requeue(child)
+        return child
+
+    def _extend(self, seq: Sequence, candidate: Candidate) -> None:
+        seq.token_ids.append(candidate.token)
+        seq.cumulative_logprob = candidate.score
+        if seq.logprobs is not None:
+            seq.logprobs.append(self._position_logprobs(seq, candidate))
+
+    def _position_logprobs(self, seq: Sequence, candidate: Candidate):
+        row = candidate.row
+        return self.output_processor.position_logprobs(
+            TokenLogprobs(candidate.token, candidate.logprob, candidate.rank, row.top[:seq.params.logprobs or 0]))
+
+    def _copy_on_write(self, beams: list[Sequence]) -> None:
+        """Give each running beam whose next token goes into a block another holds its own
+        copy of that block (none free: the beam is preempted, to recompute later)."""
+        manager, copies = self.block_manager, []
+        for seq in beams:
+            at = seq.num_computed_tokens
+            index = at // manager.block_size
+            if seq.status is not SequenceStatus.RUNNING or at % manager.block_size == 0 or index >= len(seq.block_table):
+                continue
+            if not manager.is_shared(seq.block_table[index]):
+                continue
+            pair = manager.unshare(seq, index)
+            if pair is None:
+                self.scheduler.preempt(seq)
+            else:
+                copies.append(pair)
+        self.runner.copy_kv_blocks(copies)
+
+    def _finish_beams(self, group: SequenceGroup, beams: list[Sequence]) -> dict[Sequence, Delta]:
+        """End the request: its live beams go, its n best hypotheses become its outputs."""
+        for beam in beams:
+            self.scheduler.finish(beam)
+        search: BeamSearch = group.beams
+        best = search.best(group.params.n)
+        group.seqs = [self._hypothesis(h, index) for index, h in enumerate(best)]
+        return {seq: (seq.text, seq.output_token_ids) for seq in group.seqs}
+
+    def _hypothesis(self, hypothesis: Hypothesis, index: int) -> Sequence:
+        """A finished sequence: the hypothesis' parent and token, its text decoded."""
+        candidate = hypothesis.candidate
+        seq = copy.copy(candidate.parent)  # (its parent may have moved on since)
+        seq.token_ids = list(hypothesis.parent_token_ids)
+        seq.logprobs = None if hypothesis.parent_logprobs is None else list(hypothesis.parent_logprobs)
+        seq.block_table, seq.block_hashes, seq.draft_token_ids = [], [], []
+        seq.cumulative_logprob = hypothesis.parent_cumulative
+        self._extend(seq, candidate)
+        seq.index, seq.status = index, SequenceStatus.FINISHED
+        seq.finish_reason = hypothesis.reason
+        seq.stop_reason = candidate.token if hypothesis.reason is FinishReason.STOP else None
+        ends_in_stop = hypothesis.reason in (FinishReason.EOS, FinishReason.STOP)
+        end = seq.num_tokens - 1 if ends_in_stop and not seq.params.include_stop_str_in_output else None
+        seq.text = ""
+        flush(self.output_processor.decode, seq, end)
+        seq.num_emitted_chars = len(seq.text)
+        return seq
