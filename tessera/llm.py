@@ -16,6 +16,7 @@ from tessera.engine.outputs import RequestOutput
 from tessera.lora.request import LoRARequest
 from tessera.multimodal.chat import ContentPartError, template_content
 from tessera.platform import async_scheduling_default, resolve_device
+from tessera.llm_beam_search import BeamSearchMethods
 from tessera.llm_pooling import PoolingMethods
 from tessera.pooling.outputs import PoolingRequestOutput
 from tessera.pooling.params import PoolingParams
@@ -152,7 +153,7 @@ def _watermark_config(watermark: WatermarkConfig | dict | None) -> WatermarkConf
     return WatermarkConfig(**(watermark or {}))
 
 
-class LLM(PoolingMethods):
+class LLM(PoolingMethods, BeamSearchMethods):
     """`model=None` loads the embedded default model (SmolLM2-135M-Instruct). Keyword
     arguments are engine_config's; `tensor_parallel_size` > 1 shards the model over that
     many ranks started on this machine, `parallel` gives the whole ParallelConfig (ports,

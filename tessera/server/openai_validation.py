@@ -116,7 +116,8 @@ def sampling_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int
             skip_special_tokens=body.skip_special_tokens and (tools is None or tools.parser is None),
             logprobs=logprobs, watermark=body.watermark,
             allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, use_beam_search=body.use_beam_search,
+            length_penalty=body.length_penalty, early_stopping=body.early_stopping)
     except SamplingParamsError as exc:
         raise ValidationFailed(str(exc)) from exc
 

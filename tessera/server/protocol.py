@@ -115,6 +115,11 @@ class _OpenAISampling(_NullIsTheDefault):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     # TGI's and MindIE's green-list watermark, on the OpenAI routes too (a tessera extra)
     watermark: bool = False
+    # vLLM's beam search: n beams (best_of on /v1/completions), returned best first; the
+    # sampling warpers (temperature, top_p, top_k, min_p) do not apply to it
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # vLLM's structured outputs: one of json / regex / choice / grammar / json_object, and
     # its older guided_* fields
     structured_outputs: dict[str, Any] | None = None

@@ -219,3 +219,15 @@ def test_beam_requests_the_engine_cannot_run(make_llm):
     with pytest.raises(RequestError, match="need 20 KV blocks, the cache holds 16"):
         llm.engine.add_request("long", prompt_ids(5, 1), SamplingParams(use_beam_search=True, best_of=4, max_tokens=12))
     assert llm.engine.requests == {}
+
+
+def test_vllm_beam_search_call(make_llm, checkpoint):
+    from tessera import BeamSearchParams
+
+    llm = make_llm()
+    prompt = prompt_ids(7, 16)
+    got = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=NEW_TOKENS))
+    expected = hf_beams(checkpoint[1], prompt, 3, 3)
+    assert [s.tokens for s in got[0].sequences] == [prompt + tokens for tokens, _ in expected]
+    for seq in got[0].sequences:
+        assert seq.text.startswith(llm.get_tokenizer().decode(prompt))
