@@ -137,7 +137,8 @@ class BeamSearchMethods:
         for seq in beams:
             at = seq.num_computed_tokens
             index = at // manager.block_size
-            if seq.status is not SequenceStatus.RUNNING or at % manager.block_size == 0 or index >= len(seq.block_table):
+            writes_a_new_block = at % manager.block_size == 0 or index >= len(seq.block_table)
+            if seq.status is not SequenceStatus.RUNNING or writes_a_new_block:
                 continue
             if not manager.is_shared(seq.block_table[index]):
                 continue

@@ -141,7 +141,8 @@ def test_beams_beside_other_requests_and_under_preemption(make_llm, checkpoint):
     params = beam_params(3, 2)
     alone = [ours(o) for o in make_llm().generate(prompts, params)]
     mixed_llm = make_llm(max_num_seqs=8)
-    others = [SamplingParams(temperature=0.8, seed=1, max_new_tokens=12), SamplingParams(temperature=0, max_new_tokens=5)]
+    others = [SamplingParams(temperature=0.8, seed=1, max_new_tokens=12),
+              SamplingParams(temperature=0, max_new_tokens=5)]
     mixed = mixed_llm.generate([prompts[0], prompt_ids(4, 8), prompts[1], prompt_ids(9, 9)],
                                [params, others[0], params, others[1]])
     assert_same_beams(ours(mixed[0]), alone[0])
