@@ -3,7 +3,8 @@ request, and after each step, once every live beam of a request has its candidat
 turning the search's choice (engine/beam_search.py) into sequences.
 
 Beams share KV blocks: a beam continued twice forks, the fork taking a reference to each of
-its parent's blocks, and any beam whose next token goes into a block another beam still
+its parent's blocks (and, in a model with recurrent layers, a state slot holding a copy of
+its parent's state), and any beam whose next token goes into a block another beam still
 holds takes a copy of that block first (copy-on-write; full blocks are never written again,
 so they stay shared). Beams skip detokenization while they search; a hypothesis' text is
 decoded once, when the request ends.
@@ -34,8 +35,6 @@ class BeamSearchMethods:
         why = None
         if self.proposer is not None:
             why = "speculative decoding is on (its drafts verify one sequence at a time)"
-        elif self.runner.state_layers:
-            why = "this model has recurrent layers (a beam's state cannot be forked yet)"
         elif self.tp_group is not None:
             why = "the model runs on several ranks (beams fork the driver's KV cache only)"
         elif width > self.config.scheduler.max_num_seqs:
@@ -86,16 +85,17 @@ class BeamSearchMethods:
     def _continue_beams(self, beams: list[Sequence], going_on: list[Candidate]) -> list[Sequence]:
         """The next beams: each continuation on its parent (the first one) or on a fork of it,
         then the beams nothing continues ended and shared blocks about to be written copied."""
+        parents = {id(c.parent) for c in going_on}
+        for beam in beams:  # first: their blocks and state slots go to the forks
+            if id(beam) not in parents:
+                self.scheduler.finish(beam)  # (it is no output)
         taken: set[int] = set()
         assigned = []
-        for candidate in going_on:  # forks first: each copies its parent before any extends it
+        for candidate in going_on:  # forks before extensions: each copies its parent as it was
             parent = candidate.parent
             seq = self._fork(parent) if id(parent) in taken else parent
             taken.add(id(parent))
             assigned.append((seq, candidate))
-        for beam in beams:
-            if id(beam) not in taken:
-                self.scheduler.finish(beam)  # (its blocks go back; it is no output)
         out = []
         for index, (seq, candidate) in enumerate(assigned):
             self._extend(seq, candidate)
@@ -113,7 +113,11 @@ class BeamSearchMethods:
         child.logprobs = None if parent.logprobs is None else list(parent.logprobs)
         child.draft_token_ids = []
         self.block_manager.share(child.block_table)
+        child.decode_snapshot = None  # (its parent's to forget: engine/state_cache.py)
         if parent.status is SequenceStatus.RUNNING:
+            if parent.state_slot is not None:  # recurrent layers: a slot holding a copy of the state
+                child.state_slot = self.scheduler.take_state_slot()
+                self.runner.copy_states([(parent.state_slot, child.state_slot)])
             self.scheduler.running.append(child)
         else:  # (a preempted parent holds no blocks: the fork recomputes as it will)
             self.scheduler.requeue(child)
@@ -165,6 +169,7 @@ class BeamSearchMethods:
         seq.token_ids = list(hypothesis.parent_token_ids)
         seq.logprobs = None if hypothesis.parent_logprobs is None else list(hypothesis.parent_logprobs)
         seq.block_table, seq.block_hashes, seq.draft_token_ids = [], [], []
+        seq.state_slot = seq.decode_snapshot = None
         seq.cumulative_logprob = hypothesis.parent_cumulative
         self._extend(seq, candidate)
         seq.index, seq.status = index, SequenceStatus.FINISHED

@@ -327,6 +327,11 @@ class Scheduler:
         for seq in self.running:
             seq.draft_token_ids = []
 
+    def take_state_slot(self) -> int:
+        """A free state slot for a running sequence that did not come through admission (a
+        beam's fork: its search's width is reserved in max_num_seqs, so one is free)."""
+        return self.free_state_slots.pop()
+
     def _release_state_slot(self, seq: Sequence) -> None:
         if seq.state_slot is not None:
             self.free_state_slots.append(seq.state_slot)

@@ -212,13 +212,13 @@ class ModelRunner:
             hidden = self.graphs.run(inputs)
             if hidden is not None:
                 return hidden
-        self._copy_states(inputs.state_restores)
+        self.copy_states(inputs.state_restores)
         with attention_context(inputs.attn), lora_context(LoRAPass(inputs.lora_segments, inputs.lora_row_slots)):
             hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
-        self._copy_states(inputs.state_saves)
+        self.copy_states(inputs.state_saves)
         return hidden
 
-    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy recurrent states between slots (engine/state_cache.py's snapshots), every
         layer's, in the device's order of work."""
         if not copies:

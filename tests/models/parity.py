@@ -27,6 +27,7 @@ from tessera.sampling.params import SamplingParams
 FP32_ATOL = 1e-4
 
 VOCAB = 512
+EOS = 2  # every tiny config's eos_token_id
 GREEDY_NEW_TOKENS = 32
 
 # A tiny Llama-family config (Mistral's argument names); make_tiny's default base.
@@ -317,11 +318,32 @@ class RecurrentParity(LogitParity):
     prompt_lengths = (5, 23, 90)  # 90: two of the prefill kernels' 64-token blocks in one chunk
 
 
+def check_beam_search(llm: LLM, hf: torch.nn.Module, width: int = 3, new_tokens: int = 8) -> None:
+    """Beam search's hypotheses and scores are transformers' (its beams recomputed from
+    scratch each step: use_cache=False, so no cache of its needs reordering)."""
+    prompts = [prompt_ids(6, seed=31), prompt_ids(13, seed=32)]
+    params = SamplingParams(use_beam_search=True, n=width, max_tokens=new_tokens)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        hf_out = hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width, do_sample=False,
+                             max_new_tokens=new_tokens, use_cache=False, eos_token_id=EOS, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+        expected = []
+        for seq in hf_out.sequences.tolist():
+            generated = seq[len(prompt):]
+            expected.append(generated[:generated.index(EOS) + 1] if EOS in generated else generated)
+        assert [list(c.token_ids) for c in out.outputs] == expected
+        scores = torch.tensor([c.cumulative_logprob / len(c.token_ids) for c in out.outputs])
+        assert torch.allclose(scores, hf_out.sequences_scores.float(), atol=1e-4)
+
+
 class RecurrentStateChecks(RecurrentParity):
     """... and with prefix caching on, a restored second turn; bf16 near float32."""
 
     def test_second_turn_restores_state(self, case: Case):
         check_second_turn_restores_state(case.folder, case.hf, self.num_kv_blocks)
+
+    def test_beam_search_forks_the_state(self, case: Case):
+        check_beam_search(case.llm, case.hf)
 
     def test_bf16_stays_close(self, case: Case):
         check_bf16_close(case.folder, case.hf, self.num_kv_blocks, prompt_len=80, new_tokens=8)

@@ -18,8 +18,8 @@ from tessera import LLM, SamplingParams
 from tessera.config import ConfigError
 from tessera.ops.linear_attention import GatedDeltaRule
 
-from tests.models.parity import (VOCAB, Case, RecurrentParity, check_bf16_close, hf_generate, hf_logits, make_tiny,
-                                 prompt_ids, recurrent_case)
+from tests.models.parity import (VOCAB, Case, RecurrentParity, check_beam_search, check_bf16_close, hf_generate,
+                                 hf_logits, make_tiny, prompt_ids, recurrent_case)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -228,6 +228,16 @@ def test_async_scheduling_with_preemption(tmp_path, tiny_tokenizer_dir):
     assert [o.outputs[0].token_ids for o in outs] == [hf_generate(hf, p, 24) for p in prompts]
     cache = llm.engine.scheduler.state_cache
     assert len(cache.free) + len(cache.by_hash) == cache.num_slots
+
+
+def test_beam_search_forks_the_state(case: Case, cached: LLM):
+    """Beams fork the gated delta rule's state and the convolution's, with prefix caching's
+    snapshots (`cached`) and without; every state slot and snapshot comes back."""
+    for llm in (case.llm, cached):
+        check_beam_search(llm, case.hf)
+        scheduler = llm.engine.scheduler
+        assert sorted(scheduler.free_state_slots) == list(range(llm.engine.config.scheduler.max_num_seqs))
+        assert llm.engine.block_manager.all_free()
 
 
 class TestParity(RecurrentParity):
