@@ -26,6 +26,8 @@ class Command(enum.IntEnum):
     ALLOCATE_KV = 3        # arg = number of blocks
     RELEASE_KV = 4
     LOAD_LORA = 5          # arg = slot; then the adapter as safetensors bytes
+    COPY_KV_BLOCKS = 6     # arg = number of (src, dst) block pairs, then the pairs (a beam's fork)
+    COPY_STATES = 7        # arg = number of (src, dst) state slot pairs, then the pairs (likewise)
 
 
 # command, arg, tokens, seqs, table width, decodes, logit rows, max block id, has padding,
@@ -43,6 +45,7 @@ class Received:
     arg: int = 0
     inputs: ModelInputs | None = None
     lora: LoRAAdapter | None = None  # LOAD_LORA: the driver's adapter
+    copies: list[tuple[int, int]] | None = None  # COPY_KV_BLOCKS / COPY_STATES: the pairs
 
 
 class StepChannel:
@@ -95,6 +98,13 @@ class StepChannel:
         dist.broadcast(header.to(self.device), src=0)
         dist.broadcast(data.to(self.device), src=0)
 
+    def send_copies(self, command: Command, copies: list[tuple[int, int]]) -> None:
+        """Rank 0: every rank copies these KV blocks or state slots (src, dst) in its cache."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        header[0], header[1] = int(command), len(copies)
+        dist.broadcast(header.to(self.device), src=0)
+        dist.broadcast(torch.tensor(copies, dtype=torch.long).flatten().to(self.device), src=0)
+
     def recv(self) -> Received:
         """Other ranks: block until the driver's next command."""
         header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
@@ -106,6 +116,10 @@ class StepChannel:
             data = torch.empty(tokens, dtype=torch.uint8, device=self.device)
             dist.broadcast(data, src=0)
             return Received(command, arg, lora=adapter_from_bytes(data.cpu().numpy().tobytes()))
+        if command in (Command.COPY_KV_BLOCKS, Command.COPY_STATES):
+            pairs = torch.empty(2 * arg, dtype=torch.long, device=self.device)
+            dist.broadcast(pairs, src=0)
+            return Received(command, arg, copies=[tuple(pair) for pair in pairs.view(-1, 2).tolist()])
         if command not in (Command.FORWARD, Command.FORWARD_NO_LOGITS):
             return Received(command, arg)
         sizes = [tokens, tokens, tokens, seqs * width, seqs, seqs + 1, rows, 3 * num_segments,

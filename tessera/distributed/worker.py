@@ -72,6 +72,10 @@ def serve_rank(config: EngineConfig, info: RankInfo) -> None:
             runner.release_kv_cache()
         elif msg.command == Command.LOAD_LORA:  # the driver's checked adapter, as it holds it
             runner.load_lora(msg.arg, msg.lora)
+        elif msg.command == Command.COPY_KV_BLOCKS:
+            runner.copy_kv_blocks(msg.copies)
+        elif msg.command == Command.COPY_STATES:
+            runner.fork_states(msg.copies)
         elif msg.command == Command.FORWARD:
             for _ in runner.forward(msg.inputs):  # its LM head joins each pass's all-gather
                 pass

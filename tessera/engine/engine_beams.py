@@ -35,8 +35,6 @@ class BeamSearchMethods:
         why = None
         if self.proposer is not None:
             why = "speculative decoding is on (its drafts verify one sequence at a time)"
-        elif self.tp_group is not None:
-            why = "the model runs on several ranks (beams fork the driver's KV cache only)"
         elif width > self.config.scheduler.max_num_seqs:
             why = f"its {width} beams exceed --max-num-seqs {self.config.scheduler.max_num_seqs}"
         else:
@@ -117,7 +115,7 @@ class BeamSearchMethods:
         if parent.status is SequenceStatus.RUNNING:
             if parent.state_slot is not None:  # recurrent layers: a slot holding a copy of the state
                 child.state_slot = self.scheduler.take_state_slot()
-                self.runner.copy_states([(parent.state_slot, child.state_slot)])
+                self.runner.fork_states([(parent.state_slot, child.state_slot)])
             self.scheduler.running.append(child)
         else:  # (a preempted parent holds no blocks: the fork recomputes as it will)
             self.scheduler.requeue(child)

@@ -156,10 +156,12 @@ class ModelRunner:
 
     def copy_kv_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (src, dst) in every layer (a beam that forks from another takes a
-        copy of the block it writes next; engine/beam_search.py), queued on the device in
-        order before the next step. The driver's cache only: beam search runs on one rank."""
+        copy of the block it writes next; engine/engine_beams.py), queued on the device in
+        order before the next step; on every rank."""
         if not copies:
             return
+        if self.channel is not None:
+            self.channel.send_copies(Command.COPY_KV_BLOCKS, copies)
         self._zero_blocks_up_to(max(max(pair) for pair in copies) + 1)  # (or a later first use wipes them)
         src = torch.tensor([a for a, _ in copies], device=self.device)
         dst = torch.tensor([b for _, b in copies], device=self.device)
@@ -217,6 +219,13 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
         self.copy_states(inputs.state_saves)
         return hidden
+
+    def fork_states(self, copies: list[tuple[int, int]]) -> None:
+        """Between steps, copy recurrent states (src slot, dst slot) on every rank (a beam's
+        fork takes its parent's; engine/engine_beams.py)."""
+        if self.channel is not None and copies:
+            self.channel.send_copies(Command.COPY_STATES, copies)
+        self.copy_states(copies)
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy recurrent states between slots (engine/state_cache.py's snapshots), every

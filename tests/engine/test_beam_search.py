@@ -232,3 +232,15 @@ def test_vllm_beam_search_call(make_llm, checkpoint):
     assert [s.tokens for s in got[0].sequences] == [prompt + tokens for tokens, _ in expected]
     for seq in got[0].sequences:
         assert seq.text.startswith(llm.get_tokenizer().decode(prompt))
+
+
+def test_beams_across_two_ranks(make_llm, checkpoint):
+    """Under tensor parallelism every rank forks the same blocks: the beams of one rank."""
+    prompts = [prompt_ids(6, 17), prompt_ids(11, 18)]
+    params = beam_params(3, 3)
+    alone = make_llm().generate(prompts, params)
+    with LLM(checkpoint[0], dtype="float32", show_progress=False, num_kv_blocks=256, block_size=4,
+             tensor_parallel_size=2) as llm:
+        for got, expected in zip(llm.generate(prompts, params), alone):
+            assert_same_beams(ours(got), ours(expected))
+        assert llm.engine.block_manager.all_free()

@@ -203,7 +203,8 @@ def test_inspect_reports_the_state(case: Case):
 def test_snapshot_copies_reach_every_rank(case: Case):
     """Tensor parallelism: each rank holds its heads' states, so the snapshot copies
     (restores before a step, saves after) go to every rank with the step; a second turn
-    restored from a snapshot gives one process's tokens."""
+    restored from a snapshot gives one process's tokens; a beam's fork copies its parent's
+    state on every rank."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     first = prompt_ids(37, seed=51)
     with LLM(case.folder, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=2,
@@ -213,6 +214,7 @@ def test_snapshot_copies_reach_every_rank(case: Case):
         hits = two.engine.block_manager.prefix_hits
         got = two.generate([second], params, use_tqdm=False)[0].outputs[0].token_ids
         assert two.engine.block_manager.prefix_hits - hits == 48
+        check_beam_search(two, case.hf)  # beams' forked states too
     assert got == hf_generate(case.hf, second, 12)
 
 
