@@ -42,6 +42,10 @@ def add_generate_parser(sub: argparse._SubParsersAction, add_engine_args) -> Non
     gen.add_argument("--include-stop-str", action="store_true", help="keep the matched stop text")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--best-of", type=int, default=None, help="generate this many, keep the n best")
+    gen.add_argument("--beam-search", action="store_true",
+                     help="beam search over --best-of (else --n) beams; the --n best are printed, best first")
+    gen.add_argument("--length-penalty", type=float, default=1.0,
+                     help="beam search: a hypothesis scores its cumulative logprob / its length ** this")
     gen.add_argument("--logprobs", type=int, default=None, metavar="N",
                      help="logprob of each token and its N best alternatives (in --output-file)")
     gen.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
@@ -144,7 +148,8 @@ def _sampling_params(args: argparse.Namespace, model_defaults: dict | None = Non
         presence_penalty=args.presence_penalty, logit_bias=bias or None, seed=args.sample_seed,
         ignore_eos=args.ignore_eos, stop=args.stop, stop_token_ids=args.stop_token_id,
         include_stop_str_in_output=args.include_stop_str, n=args.n, best_of=args.best_of,
-        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, watermark=args.watermark)
+        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, watermark=args.watermark,
+        use_beam_search=args.beam_search, length_penalty=args.length_penalty)
 
 
 def _structured_outputs(args: argparse.Namespace) -> dict | None:

@@ -67,6 +67,16 @@ def test_n_with_a_seed_prints_every_completion(tiny, reference, tmp_path, capsys
         assert f"[{c.index}] {c.text}" in printed
 
 
+def test_beam_search_prints_the_best_beams_first(tiny, reference, capsys):
+    code = main(["generate", "--model", str(tiny), *ENGINE_ARGS, "Paged attention", "--max-new-tokens", "5",
+                 "--beam-search", "--n", "2", "--best-of", "4", "--length-penalty", "0.5"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    expected = reference.generate("Paged attention", SamplingParams(
+        use_beam_search=True, n=2, best_of=4, max_new_tokens=5, length_penalty=0.5))[0]
+    assert printed.index(f"[0] {expected.outputs[0].text}") < printed.index(f"[1] {expected.outputs[1].text}")
+
+
 def test_stop_and_stream(tiny, reference, capsys):
     full = reference.generate("Café", SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))[0]
     text = full.outputs[0].text
