@@ -371,9 +371,14 @@ class _Slots:
     its width from its first running beam on, so that its forks always have room."""
 
     def __init__(self, running: list[Sequence]):
-        self.searches = {id(s.group) for s in running if _searching(s)}
-        self.used = sum(1 for s in running if not _searching(s)) + sum(
-            {id(s.group): s.params.beam_width for s in running if _searching(s)}.values())
+        widths: dict[int, int] = {}  # search (its group's id) -> its width
+        beams = 0
+        for seq in running:  # (one pass: this runs every step)
+            if _searching(seq):
+                widths[id(seq.group)] = seq.params.beam_width
+                beams += 1
+        self.searches = set(widths)
+        self.used = len(running) - beams + sum(widths.values())
 
     def cost(self, seq: Sequence) -> int:
         if not _searching(seq):
