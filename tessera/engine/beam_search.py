@@ -8,9 +8,9 @@ its cumulative logprob (the beam's plus the token's):
 
 - The best K are kept (K = (1 + the tokens that end a beam, at least 2) x width, so that
   `width` of them can go on however many end).
-- Those among the best `width` that end a beam (an EOS, a stop token id, the length limit)
-  become hypotheses, scored cumulative logprob / generated tokens ** length_penalty; the
-  best `width` hypotheses are kept.
+- Those among the best `width` that end a beam (an EOS, a stop token id, a stop string
+  the token completes, the length limit) become hypotheses, scored cumulative logprob /
+  generated tokens ** length_penalty; the best `width` hypotheses are kept.
 - The best `width` that do not end are the next beams (a beam continued twice forks; a
   beam nothing continues ends).
 - The search stops when nothing can go on, when (`early_stopping` true) `width`
@@ -42,6 +42,8 @@ class Candidate:
     score: float  # the parent's cumulative logprob + logprob
     rank: int     # 1 = the parent row's most likely token
     row: TokenLogprobs  # the parent row's candidates (for logprobs' alternatives)
+    stop: str | None = None  # the stop string its text completes (set by the end rule) ...
+    stop_text: str = ""      # ... and its output text up to the stop (or through it)
 
 
 @dataclass

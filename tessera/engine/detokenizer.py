@@ -72,6 +72,13 @@ class TokenTexts:
         return delta
 
 
+def text_delta(decode: Decode, seq: Sequence, token_ids: list[int]) -> str:
+    """What `token_ids` (the sequence's tokens and more) add to its text so far, without
+    changing it (a beam's candidate: engine/engine_beams.py)."""
+    return _text_delta(decode, token_ids, seq.prefix_offset, seq.read_offset, seq.params.skip_special_tokens,
+                       False)[0]
+
+
 def detokenize_incrementally(decode: Decode, seq: Sequence, end: int | None = None) -> str:
     """Append to `seq.text` what the newest tokens (up to `end`) add, and return that delta."""
     return _advance(decode, seq, final=False, end=end)

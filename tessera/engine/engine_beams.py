@@ -6,8 +6,9 @@ Beams share KV blocks: a beam continued twice forks, the fork taking a reference
 its parent's blocks (and, in a model with recurrent layers, a state slot holding a copy of
 its parent's state), and any beam whose next token goes into a block another beam still
 holds takes a copy of that block first (copy-on-write; full blocks are never written again,
-so they stay shared). Beams skip detokenization while they search; a hypothesis' text is
-decoded once, when the request ends.
+so they stay shared). Beams skip detokenization while they search unless stop strings are
+set (their candidates' text is searched for them then); a hypothesis' text is decoded
+once, when the request ends.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import copy
 
 from tessera.engine.beam_search import BeamSearch, Candidate, Hypothesis
 from tessera.engine.block_manager import BlockManager
-from tessera.engine.detokenizer import flush
+from tessera.engine.detokenizer import detokenize_incrementally, flush, text_delta
 from tessera.engine.output_processor import Delta, OutputProcessor
 from tessera.engine.request_checks import RequestError
 from tessera.engine.scheduler import Scheduler
 from tessera.engine.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from tessera.engine.stop import find_stop
 from tessera.sampling.params import SamplingParams
 from tessera.sampling.sampler import TokenLogprobs
 
@@ -78,6 +80,13 @@ class BeamSearchMethods:
             return FinishReason.EOS
         if may_stop and token in params.stop_token_ids:
             return FinishReason.STOP
+        if may_stop and params.stop:  # the text the token adds to its parent's, searched as append_token does
+            added = text_delta(self.output_processor.decode, parent, parent.token_ids + [token])
+            match = find_stop(parent.text + added, len(added), params.stop)
+            if match is not None:
+                candidate.stop = match.stop
+                candidate.stop_text = (parent.text + added)[:match.end(params.include_stop_str_in_output)]
+                return FinishReason.STOP
         return FinishReason.LENGTH if parent.at_length_limit(extra=1) else None
 
     def _continue_beams(self, beams: list[Sequence], going_on: list[Candidate]) -> list[Sequence]:
@@ -126,6 +135,8 @@ class BeamSearchMethods:
         seq.cumulative_logprob = candidate.score
         if seq.logprobs is not None:
             seq.logprobs.append(self._position_logprobs(seq, candidate))
+        if seq.params.stop:  # (its text, for the stop strings of its continuations; not handed out)
+            detokenize_incrementally(self.output_processor.decode, seq)
 
     def _position_logprobs(self, seq: Sequence, candidate: Candidate):
         row = candidate.row
@@ -172,10 +183,15 @@ class BeamSearchMethods:
         self._extend(seq, candidate)
         seq.index, seq.status = index, SequenceStatus.FINISHED
         seq.finish_reason = hypothesis.reason
-        seq.stop_reason = candidate.token if hypothesis.reason is FinishReason.STOP else None
-        ends_in_stop = hypothesis.reason in (FinishReason.EOS, FinishReason.STOP)
-        end = seq.num_tokens - 1 if ends_in_stop and not seq.params.include_stop_str_in_output else None
-        seq.text = ""
-        flush(self.output_processor.decode, seq, end)
+        stop_token = hypothesis.reason is FinishReason.EOS or (
+            hypothesis.reason is FinishReason.STOP and candidate.stop is None)
+        seq.stop_reason = candidate.token if stop_token and hypothesis.reason is FinishReason.STOP else None
+        end = seq.num_tokens - 1 if stop_token and not seq.params.include_stop_str_in_output else None
+        if candidate.stop is not None:  # its text as the search found it, cut at the stop string
+            seq.text, seq.stop_reason = candidate.stop_text, candidate.stop
+        else:
+            seq.text, seq.read_offset = "", seq.num_prompt_tokens
+            seq.prefix_offset = max(seq.read_offset - 6, 0)  # (as a new sequence's: see Sequence)
+            flush(self.output_processor.decode, seq, end)
         seq.num_emitted_chars = len(seq.text)
         return seq

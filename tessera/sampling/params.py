@@ -191,15 +191,15 @@ class SamplingParams:
             raise SamplingParamsError(f"`early_stopping` must be true, false or \"never\", got {self.early_stopping!r}")
         if not self.use_beam_search:
             return
-        # what beam search cannot honour: a beam's text is not known while it searches (stop
-        # strings), a sampled or constrained token is not a ranked candidate, and a seed or a
-        # watermark has nothing to draw
-        unsupported = {"stop": bool(self.stop), "structured_outputs": self.structured_outputs is not None,
-                       "thinking_token_budget": self.thinking_token_budget is not None,
-                       "do_sample": self.do_sample is True, "watermark": self.watermark is True}
-        for name, given in unsupported.items():
+        # what beam search cannot honour: a sampled or constrained token is not a ranked
+        # candidate, and a watermark has nothing to draw
+        unsupported = {"structured outputs (`structured_outputs`, `response_format`, guided decoding, "
+                       "a forced tool call)": self.structured_outputs is not None,
+                       "`thinking_token_budget`": self.thinking_token_budget is not None,
+                       "`do_sample`": self.do_sample is True, "`watermark`": self.watermark is True}
+        for what, given in unsupported.items():
             if given:
-                raise SamplingParamsError(f"`{name}` is not supported with beam search (`use_beam_search`)")
+                raise SamplingParamsError(f"{what} cannot be used with beam search (`use_beam_search`)")
 
     def _check_structured_outputs(self) -> StructuredOutputsParams | None:
         from tessera.sampling.structured import KINDS, StructuredOutputsParams

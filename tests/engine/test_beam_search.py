@@ -202,9 +202,45 @@ def test_abort_gives_back_every_beam_block(make_llm):
     assert engine.block_manager.all_free() and not engine.has_unfinished()
 
 
+def test_stop_strings_end_beams_as_transformers_stop_strings_do(make_llm, checkpoint):
+    """A stop string ends a beam at the token whose text completes it, however tokens cut it
+    (transformers' stop_strings criterion); the output text stops before it (or, with
+    include_stop_str_in_output, after it) and stop_reason names it."""
+    llm = make_llm()
+    tokenizer = llm.get_tokenizer()
+    prompts = [prompt_ids(5, 19), prompt_ids(8, 20), prompt_ids(6, 21)]
+    plain = llm.generate(prompts, beam_params(3, 3))
+    tested = 0  # returned beams that a stop string ended
+    for prompt, free in zip(prompts, plain):
+        text = free.outputs[0].text  # two letters the best beam writes, after its first character
+        stop = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].isalpha()), None)
+        if stop is None:
+            continue
+        for include in (False, True):
+            out = llm.generate([prompt], beam_params(3, 3, stop=[stop], include_stop_str_in_output=include))[0]
+            hf = checkpoint[1].generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
+                                        max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=0,
+                                        stop_strings=[stop], tokenizer=tokenizer, output_scores=True,
+                                        return_dict_in_generate=True)
+            expected = []
+            for seq, score in zip(hf.sequences.tolist(), hf.sequences_scores.tolist()):
+                generated = seq[len(prompt):]
+                ends = [i + 1 for i in range(len(generated)) if generated[i] == EOS
+                        or stop in tokenizer.decode(generated[:i + 1])]
+                expected.append((generated[:ends[0]] if ends else generated, score))
+            assert_same_beams(ours(out), expected)
+            stopped = [c for c in out.outputs if c.finish_reason == "stop_sequence"]
+            tested += len(stopped)
+            for c in stopped:
+                full = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                assert c.stop_reason == stop
+                assert c.text == full[:full.index(stop) + (len(stop) if include else 0)]
+    assert tested, "test setup: some returned beam should end at its stop string"
+
+
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(stop=["x"]), "`stop` is not supported with beam search"),
-    (dict(do_sample=True), "`do_sample` is not supported with beam search"),
+    (dict(structured_outputs={"regex": "a+"}), "structured outputs .* cannot be used with beam search"),
+    (dict(do_sample=True), "`do_sample` cannot be used with beam search"),
     (dict(early_stopping="sometimes"), "`early_stopping` must be true, false or \"never\""),
     (dict(length_penalty=float("nan")), "`length_penalty` must be a finite number"),
 ])

@@ -27,6 +27,17 @@ def test_completion_beams_come_best_first(openai_client):
     assert len(wider.choices) == 3  # 5 beams searched, the 3 best returned
 
 
+def test_stop_strings_end_beams(openai_client):
+    free = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=2, extra_body=BEAMS)
+    text = free.choices[0].text
+    stop = text[-3:-1]  # two characters the best beam writes near its end
+    out = openai_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=2, stop=[stop],
+                                           extra_body=BEAMS)
+    assert all(stop not in c.text for c in out.choices)
+    stopped = [c for c in out.choices if c.finish_reason == "stop"]
+    assert stopped and all(c.model_extra["stop_reason"] == stop for c in stopped)
+
+
 def test_streamed_beams_equal_the_reply(url):
     body = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=2, **BEAMS)
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
@@ -48,8 +59,8 @@ def test_beam_search_refusals(url):
         return httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4,
                                                          "n": 2, "use_beam_search": True, **extra}, timeout=60)
 
-    refused = post(stop=["x"])
+    refused = post(response_format={"type": "json_object"})
     assert refused.status_code == 400
-    assert "`stop` is not supported with beam search" in refused.json()["error"]["message"]
+    assert "structured outputs (`structured_outputs`, `response_format`" in refused.json()["error"]["message"]
     refused = post(early_stopping="sometimes")
     assert refused.status_code in (400, 422)
