@@ -97,7 +97,7 @@ async def respond(request: Request, state: ServerState, chat: PreparedChat, item
     """Run the request: the whole reply, or its events as they come."""
     outputs = run_request(state, items.id, chat.ids, chat.params, chat.lora, 0, chat.images)
     if stream:
-        outputs = await admit(outputs)
+        outputs = await admit(request, outputs)
         return StreamingResponse(_events(chat, outputs, items), media_type="text/event-stream")
     result = await collect(request, outputs)
     out, items.cached_tokens = result.outputs[0], result.num_cached_tokens

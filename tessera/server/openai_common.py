@@ -13,6 +13,7 @@ from tessera.engine.outputs import RequestOutput
 from tessera.server.errors import APIError, ValidationFailed, openai_error_body
 from tessera.server.protocol import _OpenAISampling
 from tessera.server.state import ServerState
+from tessera.server.tracking import until_done
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +80,17 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def admit(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+async def admit(request: Request, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
     """Wait for the engine to accept the request (its first output) before the response
     starts, so that overload and engine-side validation get their HTTP status (429, 400)
-    instead of an error chunk inside a 200 stream."""
-    first = await stream.__anext__()
+    instead of an error chunk inside a 200 stream. A client that leaves meanwhile (queued,
+    in a long prefill, or in a beam search, whose first output is its last) ends the
+    request (ClientGone): nothing is sent yet that would show it gone."""
+    try:
+        first = await until_done(request, asyncio.ensure_future(stream.__anext__()))
+    except BaseException:
+        await stream.aclose()
+        raise
 
     async def rest() -> AsyncIterator[RequestOutput]:
         try:

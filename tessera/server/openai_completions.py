@@ -82,7 +82,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         admitted = []
         try:
             for s in streams:
-                admitted.append(await admit(s))
+                admitted.append(await admit(request, s))
         except BaseException:
             for s in [*admitted, *streams[len(admitted):]]:
                 await s.aclose()

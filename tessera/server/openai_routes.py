@@ -183,7 +183,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     stream = run_request(state, rid, ids, params, lora, body.priority, images)
 
     if body.stream:
-        stream = await admit(stream)
+        stream = await admit(request, stream)
         async def chunks() -> AsyncIterator[dict]:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": served,
                     "system_fingerprint": SYSTEM_FINGERPRINT}

@@ -5,8 +5,9 @@ do is refused with a 400 naming the field. Real HTTP against the shared tiny-mod
 from __future__ import annotations
 
 import httpx
+import pytest
 
-from tests.server.conftest import CHAT, MODEL_NAME, PROMPT
+from tests.server.conftest import CHAT, MODEL_NAME, PROMPT, start_server, wait_until
 from tests.server.test_openai_vllm_behaviour import stream_chunks
 
 BEAMS = {"use_beam_search": True, "ignore_eos": True}
@@ -64,3 +65,56 @@ def test_beam_search_refusals(url):
     assert "structured outputs (`structured_outputs`, `response_format`" in refused.json()["error"]["message"]
     refused = post(early_stopping="sometimes")
     assert refused.status_code in (400, 422)
+
+
+def test_beams_beside_other_requests_under_load(server, url):
+    """Beam searches of several widths (some with stop strings) among sampled and greedy
+    requests, all at once: every reply is whole, and then no request and no KV block is
+    left (the `server` fixture checks)."""
+    import asyncio
+
+    bodies = []
+    for i in range(12):
+        body = dict(model=MODEL_NAME, prompt=f"{PROMPT} {i}", max_tokens=6 + i % 5)
+        if i % 3 == 0:
+            body.update(use_beam_search=True, n=1 + i % 4, best_of=2 + i % 4)
+        elif i % 3 == 1:
+            body.update(use_beam_search=True, n=2, stop=[" "], stream=i % 2 == 0)
+        else:
+            body.update(temperature=0.8, seed=i, n=2)
+        bodies.append(body)
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    for body, reply in zip(bodies, asyncio.run(run())):
+        assert reply.status_code == 200, reply.text
+        if not body.get("stream"):
+            assert len(reply.json()["choices"]) == body.get("n", 1)
+
+
+@pytest.fixture(scope="module")
+def long_server(long_model_dir):
+    """A 4096-token context: a search that runs for many seconds."""
+    running = start_server(long_model_dir)
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize("route,stream", [("completions", False), ("completions", True),
+                                          ("chat/completions", True)])
+def test_a_client_leaving_mid_search_ends_it(long_server, route, stream):
+    """Beams send nothing until they end (a stream's first chunk holds them whole); a client
+    that gives up before then still aborts the search, long before it would end."""
+    engine = long_server.engine
+    long_server.assert_idle()
+    steps = engine.num_steps
+    body = {"model": MODEL_NAME, "max_tokens": 3500, "n": 2, "stream": stream, "use_beam_search": True,
+            "ignore_eos": True, **({"prompt": PROMPT} if route == "completions" else {"messages": CHAT})}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as client:
+        with client.stream("POST", f"{long_server.url}/v1/{route}", json=body) as reply:
+            for _ in reply.iter_lines():  # (a chat stream's first chunks come at once)
+                pass
+    assert wait_until(long_server.idle, timeout=5), "the search kept running after its client left"
+    assert engine.num_steps - steps < 3000
