@@ -23,6 +23,7 @@ The n best hypotheses are the request's outputs, best first. The engine does the
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -88,7 +89,7 @@ class BeamSearch:
         for order, beam in enumerate(beams):
             row: TokenLogprobs = beam.beam_candidates
             for rank, (token, logprob) in enumerate(row.top, 1):
-                if logprob != float("-inf"):  # (a masked token is no candidate)
+                if math.isfinite(logprob):  # (a masked token is no candidate; nor NaN: all masked)
                     out.append((order, Candidate(beam, token, logprob, beam.cumulative_logprob + logprob, rank, row)))
         out.sort(key=lambda pair: (-pair[1].score, pair[0], pair[1].rank))
         return [candidate for _, candidate in out[:self.keep]]

@@ -124,7 +124,8 @@ class BeamSearchMethods:
         if parent.status is SequenceStatus.RUNNING:
             if parent.state_slot is not None:  # recurrent layers: a slot holding a copy of the state
                 child.state_slot = self.scheduler.take_state_slot()
-                self.runner.fork_states([(parent.state_slot, child.state_slot)])
+                copies = [(parent.state_slot, child.state_slot)]
+                self._on_ranks(lambda: self.runner.fork_states(copies))
             self.scheduler.running.append(child)
         else:  # (a preempted parent holds no blocks: the fork recomputes as it will)
             self.scheduler.requeue(child)
@@ -160,16 +161,35 @@ class BeamSearchMethods:
                 self.scheduler.preempt(seq)
             else:
                 copies.append(pair)
-        self.runner.copy_kv_blocks(copies)
+        if copies:
+            self._on_ranks(lambda: self.runner.copy_kv_blocks(copies))
 
     def _finish_beams(self, group: SequenceGroup, beams: list[Sequence]) -> dict[Sequence, Delta]:
         """End the request: its live beams go, its n best hypotheses become its outputs."""
         for beam in beams:
             self.scheduler.finish(beam)
         search: BeamSearch = group.beams
-        best = search.best(group.params.n)
-        group.seqs = [self._hypothesis(h, index) for index, h in enumerate(best)]
+        n = group.params.n
+        group.seqs = [self._hypothesis(h, index) for index, h in enumerate(search.best(n))]
+        if not group.seqs:  # nothing ended and nothing could go on (every token masked)
+            group.seqs = [self._cut_short(beam, index) for index, beam in enumerate(beams[:n])]
         return {seq: (seq.text, seq.output_token_ids) for seq in group.seqs}
+
+    def _cut_short(self, beam: Sequence, index: int) -> Sequence:
+        """A live beam ended as it is, as a sequence whose constraint allows nothing more ends."""
+        seq = copy.copy(beam)
+        seq.block_table, seq.block_hashes, seq.draft_token_ids = [], [], []
+        seq.state_slot = seq.decode_snapshot = None
+        seq.index, seq.status, seq.finish_reason = index, SequenceStatus.FINISHED, FinishReason.ABORT
+        self._decode_whole(seq, None)
+        return seq
+
+    def _decode_whole(self, seq: Sequence, end: int | None) -> None:
+        """`seq.text`: its output decoded at once (up to `end`), all of it handed out."""
+        seq.text, seq.read_offset = "", seq.num_prompt_tokens
+        seq.prefix_offset = max(seq.read_offset - 6, 0)  # (as a new sequence's: see Sequence)
+        flush(self.output_processor.decode, seq, end)
+        seq.num_emitted_chars = len(seq.text)
 
     def _hypothesis(self, hypothesis: Hypothesis, index: int) -> Sequence:
         """A finished sequence: the hypothesis' parent and token, its text decoded."""
@@ -189,9 +209,7 @@ class BeamSearchMethods:
         end = seq.num_tokens - 1 if stop_token and not seq.params.include_stop_str_in_output else None
         if candidate.stop is not None:  # its text as the search found it, cut at the stop string
             seq.text, seq.stop_reason = candidate.stop_text, candidate.stop
+            seq.num_emitted_chars = len(seq.text)
         else:
-            seq.text, seq.read_offset = "", seq.num_prompt_tokens
-            seq.prefix_offset = max(seq.read_offset - 6, 0)  # (as a new sequence's: see Sequence)
-            flush(self.output_processor.decode, seq, end)
-        seq.num_emitted_chars = len(seq.text)
+            self._decode_whole(seq, end)
         return seq

@@ -3,7 +3,7 @@ a step that fails with a rank, the listeners told as soon as one dies, and closi
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -14,6 +14,7 @@ from tessera.engine.errors import EngineFatalError
 from tessera.runner.launched_step import StepResult
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TensorParallelMethods:
@@ -30,13 +31,19 @@ class TensorParallelMethods:
             self.tp_group.watch(self._rank_died)
 
     def _execute(self, scheduled) -> StepResult:
+        return self._on_ranks(lambda: self.runner.execute(scheduled))
+
+    def _on_ranks(self, work: Callable[[], T]) -> T:
+        """`work()`, which may run collectives with the other ranks (a step, a beam's block
+        copies): a rank that died or a collective that failed becomes the engine's fatal
+        RankFailedError, raised now and by every later call."""
         if self._fatal is not None:
             raise self._fatal
         if self.tp_group is None:
-            return self.runner.execute(scheduled)
+            return work()
         try:
             self.tp_group.check_alive()
-            return self.runner.execute(scheduled)
+            return work()
         except RankFailedError as exc:
             self._fatal = exc
         except (RuntimeError, dist.DistBackendError) as exc:  # a collective failed or timed out

@@ -126,6 +126,15 @@ class Scheduler:
         else:
             self.waiting.appendleft(seq)
 
+    def _behind_its_group(self, seq: Sequence) -> None:
+        """Queue `seq` right behind the last waiting sequence of its group (the beam it waits
+        for), or ahead of newer requests if none waits; the priority policy keeps its order."""
+        if self.by_priority:
+            self._insert(seq)
+            return
+        mine = [i for i, other in enumerate(self.waiting) if other.group is seq.group]
+        self.waiting.insert(mine[-1] + 1 if mine else 0, seq)
+
     def _insert(self, seq: Sequence) -> None:
         """Behind every waiting sequence at least as urgent (the queue stays sorted)."""
         self.waiting.insert(bisect.bisect_right(self.waiting, _urgency(seq), key=_urgency), seq)
@@ -233,8 +242,9 @@ class Scheduler:
         idle = [s for s in self.running if s.num_tokens + s.num_pending_tokens <= s.num_computed_tokens]
         if not idle:
             return False
-        self.running.remove(idle[-1])
-        self._preempt(idle[-1], behind=True)  # (behind what it waits for)
+        victim = idle[-1]
+        self.running.remove(victim)
+        self._preempt(victim, behind=True)
         return True
 
     # --- recurrent state with prefix caching (engine/state_cache.py) ------------------------
@@ -351,7 +361,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         if behind:
-            self.add(seq)
+            self._behind_its_group(seq)
         else:
             self.requeue(seq)
 

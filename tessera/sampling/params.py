@@ -187,7 +187,7 @@ class SamplingParams:
             raise SamplingParamsError(f"`use_beam_search` must be true or false, got {self.use_beam_search!r}")
         if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise SamplingParamsError(f"`length_penalty` must be a finite number, got {self.length_penalty!r}")
-        if self.early_stopping not in (True, False, "never"):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise SamplingParamsError(f"`early_stopping` must be true, false or \"never\", got {self.early_stopping!r}")
         if not self.use_beam_search:
             return
@@ -278,7 +278,7 @@ class SamplingParams:
     @property
     def needs_logprobs(self) -> bool:
         """Whether the chosen token's logprob is computed (asked for, or to rank best_of)."""
-        return self.logprobs is not None or self.num_sequences > self.n
+        return self.logprobs is not None or (self.num_sequences > self.n and not self.use_beam_search)
 
     @property
     def beam_width(self) -> int:

@@ -76,6 +76,15 @@ class SamplingBatch:
     def _drafts(self, row: int) -> list[int]:
         return [] if self.draft_token_ids is None else self.draft_token_ids[row]
 
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The batch of these rows only."""
+        def pick(values: list | None) -> list | None:
+            return None if values is None else [values[i] for i in rows]
+
+        return SamplingBatch(pick(self.params), pick(self.generators), pick(self.token_ids),
+                             pick(self.num_prompt_tokens), pick(self.grammars), pick(self.draft_token_ids),
+                             pick(self.forced_token_ids))
+
 
 @dataclass
 class TokenLogprobs:
@@ -191,7 +200,7 @@ class Sampler:
         else:
             chosen, warped = self._sample_rows(x, batch, sampled_rows)
         return SamplerOutput(chosen, pending=self._logprobs(logits, x, warped, sampled_rows, chosen, params),
-                             beams=self._beam_candidates(x, chosen, params))
+                             beams=self._beam_candidates(logits, chosen, batch))
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -305,20 +314,22 @@ class Sampler:
                 uniforms[j] = _own_uniform(gen)
         return inverse_cdf(probs, to_device(uniforms, probs.device))
 
-    def _beam_candidates(self, x: torch.Tensor, chosen: torch.Tensor,
-                         params: list[SamplingParams]) -> tuple[list[int], LogprobTensors] | None:
-        """Beam search rows' candidates: the best tokens of the processed distribution (after
-        penalties, logit_bias, min_tokens; no warpers), as many as transformers keeps per
-        step, (1 + the tokens that end a beam, at least 2) x the width, so that at least
-        `width` candidates can go on however many of them end their beam."""
+    def _beam_candidates(self, logits: torch.Tensor, chosen: torch.Tensor,
+                         batch: SamplingBatch) -> tuple[list[int], LogprobTensors] | None:
+        """Beam search rows' candidates, scored as transformers' beam search scores them:
+        the log_softmax of the logits, then the processors (penalties, logit_bias, min_tokens:
+        no renormalizing; no warpers). As many as transformers keeps per step, (1 + the
+        tokens that end a beam, at least 2) x the width, so that `width` can go on however
+        many of them end; or more where `logprobs` asks for more alternatives."""
+        params = batch.params
         rows = [i for i, p in enumerate(params) if p.use_beam_search]
         if not rows:
             return None
-        index = P.device_tensor(rows, x.device)
-        wanted = [max(2, 1 + len(self.eos_token_ids) + len(params[i].stop_token_ids)) * params[i].beam_width
-                  for i in rows]
-        return rows, LogprobTensors(x.index_select(0, index).log_softmax(dim=-1), chosen.index_select(0, index),
-                                    wanted)
+        index = P.device_tensor(rows, logits.device)
+        scores = self._preprocess(logits.index_select(0, index).log_softmax(dim=-1), batch.select(rows))
+        wanted = [max(max(2, 1 + len(self.eos_token_ids) + len(params[i].stop_token_ids)) * params[i].beam_width,
+                      params[i].logprobs or 0) for i in rows]
+        return rows, LogprobTensors(scores, chosen.index_select(0, index), wanted)
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,
                   sampled_rows: list[int], chosen: torch.Tensor,

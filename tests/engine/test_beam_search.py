@@ -108,6 +108,22 @@ def test_beams_match_transformers(make_llm, checkpoint, width, n, length_penalty
 
 
 
+PROCESSORS = [  # (ours, transformers'): applied to the log-probs, as transformers' beam search does
+    (dict(min_tokens=4), dict(min_new_tokens=4)),
+    (dict(repetition_penalty=1.5), dict(repetition_penalty=1.5)),
+    (dict(logit_bias={EOS: 2.0, 7: 1.5}), dict(sequence_bias=[[[EOS], 2.0], [[7], 1.5]])),
+]
+
+
+@pytest.mark.parametrize("ours_kwargs,hf_kwargs", PROCESSORS, ids=["min_tokens", "repetition", "logit_bias"])
+def test_beams_with_processors_match_transformers(make_llm, checkpoint, ours_kwargs, hf_kwargs):
+    llm = make_llm()
+    prompts = [prompt_ids(length, seed) for length, seed in ((5, 1), (9, 2), (6, 7), (3, 4))]
+    outs = llm.generate(prompts, beam_params(3, 3, **ours_kwargs))
+    for prompt, out in zip(prompts, outs):
+        assert_same_beams(ours(out), hf_beams(checkpoint[1], prompt, 3, 3, **hf_kwargs))
+
+
 def test_beams_share_blocks_and_copy_the_one_they_write(make_llm):
     """Prefix caching on or off, any block size: the same beams; forks share blocks (fewer
     taken than beams x blocks) and every block is given back."""
@@ -168,6 +184,21 @@ def test_beam_logprobs_and_text(make_llm):
         assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
     scores = [c.cumulative_logprob / NEW_TOKENS for c in out.outputs]
     assert scores == sorted(scores, reverse=True)
+
+
+def test_beam_logprobs_give_every_alternative_asked_for(make_llm):
+    out = make_llm().generate([prompt_ids(6, 22)], beam_params(2, 2, logprobs=9, ignore_eos=True))[0]
+    for c in out.outputs:  # (more than the 4 candidates a row keeps for a width of 2)
+        assert all(len(pos) in (9, 10) for pos in c.logprobs)
+
+
+def test_every_token_masked_ends_the_beams(make_llm):
+    """Nothing may follow (only EOS allowed, and min_tokens forbids it): the request ends
+    with its beams as they are (here its one, the prompt), as a sequence whose constraint
+    allows nothing ends."""
+    out = make_llm().generate([prompt_ids(5, 23)], beam_params(2, 2, allowed_token_ids=[EOS], min_tokens=2))[0]
+    assert [c.finish_reason for c in out.outputs] == ["abort"]
+    assert all(c.token_ids == [] for c in out.outputs)
 
 
 def test_streamed_beams_come_whole_at_the_end(make_llm):
@@ -242,6 +273,7 @@ def test_stop_strings_end_beams_as_transformers_stop_strings_do(make_llm, checkp
     (dict(structured_outputs={"regex": "a+"}), "structured outputs .* cannot be used with beam search"),
     (dict(do_sample=True), "`do_sample` cannot be used with beam search"),
     (dict(early_stopping="sometimes"), "`early_stopping` must be true, false or \"never\""),
+    (dict(early_stopping=1), "`early_stopping` must be true, false or \"never\""),
     (dict(length_penalty=float("nan")), "`length_penalty` must be a finite number"),
 ])
 def test_beam_parameters_refused(kwargs, message):
