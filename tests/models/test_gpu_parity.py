@@ -94,7 +94,7 @@ def test_hybrids_on_the_gpu_match_transformers(family, tmp_path, tiny_tokenizer_
     """The recurrent layers on a GPU (the Triton conv, gated-delta and scan kernels, the
     state slots on the device) in float32: prefill and decode logits, greedy alone and
     batched, a chunked prefill, and a second turn restored from a state snapshot."""
-    from tests.models.parity import check_chunked_prefill, check_second_turn_restores_state
+    from tests.models.parity import check_beam_search, check_chunked_prefill, check_second_turn_restores_state
     from tests.models.test_granite_hybrid import make_tiny_granite_hybrid
     from tests.models.test_lfm2 import make_tiny_lfm2
     from tests.models.test_qwen3_next import make_tiny_qwen3_next
@@ -107,7 +107,20 @@ def test_hybrids_on_the_gpu_match_transformers(family, tmp_path, tiny_tokenizer_
         check_prefill_and_decode_logits(llm, hf, f"{family} cuda", monkeypatch)
         check_greedy_alone_and_batched(llm, hf, PROMPT_LENGTHS)
         check_chunked_prefill(tmp_path, llm, hf, f"{family} cuda", monkeypatch, 64, PROMPT_LENGTHS)
+        check_beam_search(llm, hf)  # forks copy device states
     check_second_turn_restores_state(tmp_path, hf, 64)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_beam_search_on_the_gpu_matches_transformers(eager, make_tiny_llama):
+    """Beams on the GPU: forks share device KV blocks, copy-on-write copies them on the
+    device, and the Triton attention reads the copies (block size 16, so most forks copy)."""
+    from tests.models.parity import check_beam_search
+
+    folder, hf = make_checkpoint(make_tiny_llama, "gqa-untied")
+    with _llm(folder, "float32", eager) as llm:
+        check_beam_search(llm, hf, width=4, new_tokens=12)
+        assert llm.engine.block_manager.all_free()
 
 
 @pytest.mark.parametrize("case", ["e2b", "moe"])
