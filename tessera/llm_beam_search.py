@@ -53,8 +53,11 @@ class BeamSearchMethods:
 
 
 def _as_vllm(out: RequestOutput, tokenizer) -> BeamSearchOutput:
-    prompt = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
-    return BeamSearchOutput([
-        BeamSearchSequence(list(out.prompt_token_ids) + list(c.token_ids), c.cumulative_logprob, prompt + c.text,
-                           c.finish_reason, c.stop_reason, list(c.logprobs or []))
-        for c in out.outputs])
+    """vLLM's shape: each beam's tokens are the prompt's and its own, its text all of them
+    decoded (special tokens kept, as vLLM's decode keeps them)."""
+    sequences = []
+    for c in out.outputs:
+        tokens = list(out.prompt_token_ids) + list(c.token_ids)
+        sequences.append(BeamSearchSequence(tokens, c.cumulative_logprob, tokenizer.decode(tokens),
+                                            c.finish_reason, c.stop_reason, list(c.logprobs or [])))
+    return BeamSearchOutput(sequences)
