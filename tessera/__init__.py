@@ -7,5 +7,5 @@ from tessera.pooling.params import PoolingParams
 from tessera.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EmbeddingRequestOutput", "PoolingParams", "PoolingRequestOutput",
-           "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EmbeddingRequestOutput", "PoolingParams",
+           "PoolingRequestOutput", "RequestOutput", "SamplingParams", "__version__"]

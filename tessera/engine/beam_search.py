@@ -6,7 +6,7 @@ prompt. Each step every live beam's row gives its best next tokens by processed 
 (the sampler's beam candidates). Once all of them have, the group ranks every candidate by
 its cumulative logprob (the beam's plus the token's):
 
-- The best K are kept (K = (1 + the tokens that end a beam, at least 2) x width, so that
+- The best `keep` are kept (SamplingParams.beam_candidates: transformers' count, so that
   `width` of them can go on however many end).
 - Those among the best `width` that end a beam (an EOS, a stop token id, a stop string
   the token completes, the length limit) become hypotheses, scored cumulative logprob /
@@ -29,9 +29,6 @@ from typing import Callable
 
 from tessera.engine.sequence import FinishReason, Sequence
 from tessera.sampling.sampler import TokenLogprobs
-
-NEVER_IMPROVES = -1.0e9  # transformers' score of an empty hypothesis slot
-
 
 @dataclass
 class Candidate:
@@ -73,14 +70,10 @@ class BeamSearch:
     width: int
     length_penalty: float
     early_stopping: bool | str
-    num_ends: int  # how many tokens may end a beam (EOS ids, stop token ids)
+    keep: int  # candidates ranked a step (SamplingParams.beam_candidates)
     hypotheses: list[Hypothesis] = field(default_factory=list)  # best first, at most width
     improvable: bool = True  # transformers' early-stop heuristic, once false for good
     done: bool = False
-
-    @property
-    def keep(self) -> int:
-        return max(2, 1 + self.num_ends) * self.width
 
     def ranked(self, beams: list[Sequence]) -> list[Candidate]:
         """The best `keep` candidates of every beam's row, best first (ties: earlier beam,

@@ -49,9 +49,8 @@ class BeamSearchMethods:
             raise RequestError(f"beam search cannot run: {why}", param="use_beam_search")
 
     def _new_beam_search(self, params: SamplingParams) -> BeamSearch:
-        ends = 0 if params.ignore_eos else len(self.router.eos_token_ids)
         return BeamSearch(params.beam_width, params.length_penalty, params.early_stopping,
-                          num_ends=ends + len(params.stop_token_ids))
+                          keep=params.beam_candidates(len(self.router.eos_token_ids)))
 
     def _advance_beams(self, group: SequenceGroup) -> dict[Sequence, Delta] | None:
         """After a step: if every live beam of `group` has its candidates, run the search's
@@ -106,6 +105,8 @@ class BeamSearchMethods:
         out = []
         for index, (seq, candidate) in enumerate(assigned):
             self._extend(seq, candidate)
+            if seq.params.stop:  # (its text, for the stop strings of its continuations; not handed out)
+                detokenize_incrementally(self.output_processor.decode, seq)
             seq.index = index
             out.append(seq)
         self._copy_on_write(out)
@@ -136,8 +137,6 @@ class BeamSearchMethods:
         seq.cumulative_logprob = candidate.score
         if seq.logprobs is not None:
             seq.logprobs.append(self._position_logprobs(seq, candidate))
-        if seq.params.stop:  # (its text, for the stop strings of its continuations; not handed out)
-            detokenize_incrementally(self.output_processor.decode, seq)
 
     def _position_logprobs(self, seq: Sequence, candidate: Candidate):
         row = candidate.row
@@ -177,10 +176,7 @@ class BeamSearchMethods:
 
     def _cut_short(self, beam: Sequence, index: int) -> Sequence:
         """A live beam ended as it is, as a sequence whose constraint allows nothing more ends."""
-        seq = copy.copy(beam)
-        seq.block_table, seq.block_hashes, seq.draft_token_ids = [], [], []
-        seq.state_slot = seq.decode_snapshot = None
-        seq.index, seq.status, seq.finish_reason = index, SequenceStatus.FINISHED, FinishReason.ABORT
+        seq = _finished_copy(beam, index, FinishReason.ABORT)
         self._decode_whole(seq, None)
         return seq
 
@@ -194,15 +190,11 @@ class BeamSearchMethods:
     def _hypothesis(self, hypothesis: Hypothesis, index: int) -> Sequence:
         """A finished sequence: the hypothesis' parent and token, its text decoded."""
         candidate = hypothesis.candidate
-        seq = copy.copy(candidate.parent)  # (its parent may have moved on since)
-        seq.token_ids = list(hypothesis.parent_token_ids)
+        seq = _finished_copy(candidate.parent, index, hypothesis.reason)
+        seq.token_ids = list(hypothesis.parent_token_ids)  # (its parent may have moved on since)
         seq.logprobs = None if hypothesis.parent_logprobs is None else list(hypothesis.parent_logprobs)
-        seq.block_table, seq.block_hashes, seq.draft_token_ids = [], [], []
-        seq.state_slot = seq.decode_snapshot = None
         seq.cumulative_logprob = hypothesis.parent_cumulative
         self._extend(seq, candidate)
-        seq.index, seq.status = index, SequenceStatus.FINISHED
-        seq.finish_reason = hypothesis.reason
         stop_token = hypothesis.reason is FinishReason.EOS or (
             hypothesis.reason is FinishReason.STOP and candidate.stop is None)
         seq.stop_reason = candidate.token if stop_token and hypothesis.reason is FinishReason.STOP else None
@@ -213,3 +205,12 @@ class BeamSearchMethods:
         else:
             self._decode_whole(seq, end)
         return seq
+
+
+def _finished_copy(beam: Sequence, index: int, reason: FinishReason) -> Sequence:
+    """An output of the search: a copy of `beam` that holds no blocks, slot or snapshot."""
+    seq = copy.copy(beam)
+    seq.block_table, seq.block_hashes, seq.draft_token_ids = [], [], []
+    seq.state_slot = seq.decode_snapshot = None
+    seq.index, seq.status, seq.finish_reason = index, SequenceStatus.FINISHED, reason
+    return seq

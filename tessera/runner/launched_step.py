@@ -89,7 +89,8 @@ class LaunchedStep:
         for item in self.inputs.sampled_rows:
             drafts = item.draft_token_ids
             count = num_accepted(drafts, tokens[row:row + len(drafts)]) if drafts else 0
-            result.samples += [SampledToken(item, tokens[r], logprobs[r], beams[r]) for r in range(row, row + count + 1)]
+            result.samples += [SampledToken(item, tokens[r], logprobs[r], beams[r])
+                               for r in range(row, row + count + 1)]
             if drafts:
                 result.num_rejected[item.seq] = len(drafts) - count
                 state = self.generator_states.get(item.seq)

@@ -214,10 +214,10 @@ class ModelRunner:
             hidden = self.graphs.run(inputs)
             if hidden is not None:
                 return hidden
-        self.copy_states(inputs.state_restores)
+        self._copy_states(inputs.state_restores)
         with attention_context(inputs.attn), lora_context(LoRAPass(inputs.lora_segments, inputs.lora_row_slots)):
             hidden = self.model(inputs.input_ids, inputs.positions, **inputs.model_kwargs)
-        self.copy_states(inputs.state_saves)
+        self._copy_states(inputs.state_saves)
         return hidden
 
     def fork_states(self, copies: list[tuple[int, int]]) -> None:
@@ -225,9 +225,9 @@ class ModelRunner:
         fork takes its parent's; engine/engine_beams.py)."""
         if self.channel is not None and copies:
             self.channel.send_copies(Command.COPY_STATES, copies)
-        self.copy_states(copies)
+        self._copy_states(copies)
 
-    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy recurrent states between slots (engine/state_cache.py's snapshots), every
         layer's, in the device's order of work."""
         if not copies:

@@ -285,6 +285,13 @@ class SamplingParams:
         """How many beams the search keeps (0: no beam search)."""
         return self.num_sequences if self.use_beam_search else 0
 
+    def beam_candidates(self, num_eos: int) -> int:
+        """How many candidates a beam search keeps a step (transformers' count): (1 + the
+        tokens that end a beam, at least 2) x the width, so that `width` can go on however
+        many of them end."""
+        ends = (0 if self.ignore_eos else num_eos) + len(self.stop_token_ids)
+        return max(2, 1 + ends) * self.beam_width
+
     def child_seed(self, index: int) -> int | None:
         """The seed of the request's `index`-th sequence (n / best_of): seed + index."""
         return None if self.seed is None else (self.seed + index) % 2**64

@@ -318,17 +318,15 @@ class Sampler:
                          batch: SamplingBatch) -> tuple[list[int], LogprobTensors] | None:
         """Beam search rows' candidates, scored as transformers' beam search scores them:
         the log_softmax of the logits, then the processors (penalties, logit_bias, min_tokens:
-        no renormalizing; no warpers). As many as transformers keeps per step, (1 + the
-        tokens that end a beam, at least 2) x the width, so that `width` can go on however
-        many of them end; or more where `logprobs` asks for more alternatives."""
+        no renormalizing; no warpers). As many as the search keeps a step
+        (SamplingParams.beam_candidates), or more where `logprobs` asks for more alternatives."""
         params = batch.params
         rows = [i for i, p in enumerate(params) if p.use_beam_search]
         if not rows:
             return None
         index = P.device_tensor(rows, logits.device)
         scores = self._preprocess(logits.index_select(0, index).log_softmax(dim=-1), batch.select(rows))
-        wanted = [max(max(2, 1 + len(self.eos_token_ids) + len(params[i].stop_token_ids)) * params[i].beam_width,
-                      params[i].logprobs or 0) for i in rows]
+        wanted = [max(params[i].beam_candidates(len(self.eos_token_ids)), params[i].logprobs or 0) for i in rows]
         return rows, LogprobTensors(scores, chosen.index_select(0, index), wanted)
 
     def _logprobs(self, raw: torch.Tensor, x: torch.Tensor, warped: torch.Tensor | None,

@@ -14,6 +14,8 @@ from tessera import LLM, SamplingParams
 from tessera.engine.engine import RequestError
 from tessera.sampling.params import SamplingParamsError
 
+from tests.engine.llms import idle_checked_llms
+
 VOCAB = 512
 EOS = 2
 NEW_TOKENS = 10
@@ -33,20 +35,8 @@ def checkpoint(make_tiny_llama):
 
 @pytest.fixture
 def make_llm(checkpoint):
-    built: list[LLM] = []
-
-    def make(**kwargs) -> LLM:
-        kwargs.setdefault("num_kv_blocks", 256)
-        kwargs.setdefault("block_size", 4)
-        llm = LLM(checkpoint[0], dtype="float32", show_progress=False, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield make
-    for llm in built:
-        assert not llm.engine.has_unfinished()
-        assert llm.engine.block_manager.all_free()
-        assert llm.engine.requests == {}
+    with idle_checked_llms(checkpoint[0], num_kv_blocks=256) as make:
+        yield make
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:

@@ -11,6 +11,8 @@ from tessera.config import ConfigError
 from tessera.engine.engine import RequestError
 from tessera.engine.sequence import FinishReason, SequenceStatus
 
+from tests.engine.llms import idle_checked_llms
+
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention stores the KV cache",
@@ -34,20 +36,8 @@ def tiny(make_tiny_llama):
 
 @pytest.fixture
 def make_llm(tiny):
-    built: list[LLM] = []
-
-    def make(folder=None, **kwargs) -> LLM:
-        kwargs.setdefault("num_kv_blocks", 256)
-        kwargs.setdefault("block_size", 4)
-        llm = LLM(folder or tiny, dtype="float32", show_progress=False, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield make
-    for llm in built:  # every run must give every block back
-        assert not llm.engine.has_unfinished()
-        assert llm.engine.block_manager.all_free()
-        assert llm.engine.requests == {}
+    with idle_checked_llms(tiny, num_kv_blocks=256) as make:
+        yield make
 
 
 def token_ids(outputs) -> list[list[int]]:

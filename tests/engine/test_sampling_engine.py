@@ -14,6 +14,8 @@ import torch
 from tessera import LLM, SamplingParams
 from tessera.engine.engine import RequestError
 
+from tests.engine.llms import idle_checked_llms
+
 VOCAB = 512
 EOS = 2
 ATOL = 1e-4  # float32 on both sides; see tests/models/test_llama_parity.py
@@ -31,20 +33,8 @@ def checkpoint(make_tiny_llama):
 
 @pytest.fixture
 def make_llm(checkpoint):
-    built: list[LLM] = []
-
-    def make(**kwargs) -> LLM:
-        kwargs.setdefault("num_kv_blocks", 128)
-        kwargs.setdefault("block_size", 4)
-        llm = LLM(checkpoint[0], dtype="float32", show_progress=False, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield make
-    for llm in built:
-        assert not llm.engine.has_unfinished()
-        assert llm.engine.block_manager.all_free()
-        assert llm.engine.requests == {}
+    with idle_checked_llms(checkpoint[0], num_kv_blocks=128) as make:
+        yield make
 
 
 @pytest.fixture
