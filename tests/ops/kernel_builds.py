@@ -1,10 +1,12 @@
 """The two builds of a compact-weight GEMM (linear_int8, linear_int4): the AVX512 one, and on
-CPUs with AMX the AMX one (its widened rows on tiles); a test's `build` fixture runs on each."""
+CPUs with AMX the AMX one (its widened rows on tiles); a test's `build` fixture runs on each.
+And x as their 8-bit tiles round it (AVX512-VNNI builds)."""
 from __future__ import annotations
 
 from types import ModuleType
 
 import pytest
+import torch
 
 
 def avx512_or_amx(request, monkeypatch, module: ModuleType) -> str:
@@ -16,3 +18,13 @@ def avx512_or_amx(request, monkeypatch, module: ModuleType) -> str:
     else:
         monkeypatch.setattr(module, "amx_kernel", lambda: None)
     return request.param
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] bf16 as the 8-bit x tiles multiply it (ops/cpu/int8_rows.h), in double: per
+    group of 32 the codes rint(x / d), d = max |x| / 127, each step in float32 as there."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = (groups * inverse).clamp(-127, 127).round()
+    return (codes.double() * d.double()).view(x.shape)

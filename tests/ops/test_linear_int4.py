@@ -23,7 +23,7 @@ from tessera.ops.linear_int4 import (GROUP, dequantize_int4, linear_int4_ref, lm
 from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.linear_int8 import dequantize_int8_groups, quantize_int8, quantize_int8_groups
 from tessera.ops.registry import OpSpec, select_op
-from tests.ops.kernel_builds import avx512_or_amx
+from tests.ops.kernel_builds import avx512_or_amx, int8_rows
 
 UNAVAILABLE = "; ".join(cpu_int4.kernel_unavailable()) or None  # the AVX512 or the AVX2 build
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -81,14 +81,15 @@ def build(request, monkeypatch):
 
 @needs_kernel
 @pytest.mark.usefixtures("build")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 40, 300, 600])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 32, 33, 40, 300, 600])
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
-    """Row tiles of 4 and their remainders (AVX2: 2 rows by both panels up to 2 rows); from
-    17 rows (64 without AVX512-BF16; AVX512 only) the dequantized bf16 path with 12-row
-    tiles and their remainders (300 rows; on AMX 600 rows are two blocks of x); odd panel
-    counts (80); one group (k = 32) and 64 groups."""
+    """Row tiles of 4 and their remainders (AVX2: 2 rows by both panels up to 2 rows); on
+    AVX512-VNNI from 4 to 32 rows (on AMX to 8) the 8-bit x path's 6-row tiles and their
+    remainders; from 17 rows (33 with VNNI, 64 without AVX512-BF16, 9 on AMX; AVX512 only) the
+    dequantized bf16 path with 12-row tiles and their remainders (300 rows; on AMX 600 rows
+    are two blocks of x); odd panel counts (80); one group (k = 32) and 64 groups."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()
@@ -99,6 +100,11 @@ def test_kernel_matches_the_dequantized_product(m, n, k, bias):
         assert torch.equal(got, want)
     got = cpu_int4.gemm_int4_linear(x, packed, b).double()
     wd = dequantized(w)
+    if cpu_int4.rounds_x_to_8_bits(m):  # exact on x as it rounds it
+        exact = F.linear(int8_rows(x), wd, None if b is None else b.double())
+        tol = exact.abs() * 2.0 ** -7 + F.linear(x.double().abs(), wd.abs()) * 2.0 ** -16 + 1e-6
+        assert ((got - exact).abs() <= tol).all(), (got - exact).abs().max()
+        return
     exact = F.linear(x.double(), wd, None if b is None else b.double())
     x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2   # the int16 path's rounding of x
     w_round = F.linear(x.double().abs(), wd.abs()) * 2.0 ** -8        # the bf16 path's rounding of w

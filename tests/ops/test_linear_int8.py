@@ -22,7 +22,7 @@ from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.linear_int8 import (dequantize_int8_groups, linear_int8_ref, quantize_int8, quantize_int8_groups,
                                      quantize_rows, split_rows)
 from tessera.ops.registry import OpSpec, select_op
-from tests.ops.kernel_builds import avx512_or_amx
+from tests.ops.kernel_builds import avx512_or_amx, int8_rows
 
 UNAVAILABLE = "; ".join(cpu_int8.kernel_unavailable()) or None  # the AVX512 or the AVX2 build
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -127,14 +127,14 @@ def build(request, monkeypatch):
 
 @needs_kernel
 @pytest.mark.usefixtures("build")
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 40, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 32, 33, 40, 300])
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
     """The int16 path: row tiles of 6 (AVX2: 3 rows by both panels up to 3 rows) and their
-    remainders, one group (k = 32) to 64; from the widening threshold (AVX512 only) the
-    widened-bf16 path: 12-row tiles and their remainders (300 rows); odd panel counts (80)
-    in both."""
+    remainders, one group (k = 32) to 64; on AVX512-VNNI from 4 to 32 rows the 8-bit x path
+    (6-row tiles); from the widening threshold (AVX512 only) the widened-bf16 path: 12-row
+    tiles and their remainders (300 rows); odd panel counts (80) in all."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)[torch.randperm(k, generator=g)]).bfloat16()
@@ -150,8 +150,12 @@ def test_kernel_matches_the_dequantized_product(m, n, k, bias):
 
 def product_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x times the kernel's values of w, exactly; how far the kernel may be from it): the
-    int16 path rounds x to 15 bits a row, the widened path each d * q to bf16."""
+    int16 path rounds x to 15 bits a row, the widened path each d * q to bf16; the 8-bit x
+    path is exact on x as it rounds it (int8_rows) but for float32 sums and bf16 output."""
     wd = grouped(w)
+    if cpu_int8.rounds_x_to_8_bits(x.shape[0]):
+        exact = F.linear(int8_rows(x), wd, None if b is None else b.double())
+        return exact, exact.abs() * 2.0 ** -7 + F.linear(x.double().abs(), wd.abs()) * 2.0 ** -16 + 1e-6
     exact = F.linear(x.double(), wd, None if b is None else b.double())
     x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2
     w_round = F.linear(x.double().abs(), wd.abs()) * 2.0 ** -8
@@ -252,12 +256,15 @@ def test_the_transformers_fallback_refuses_quantization(make_tiny_llama):
 
 @needs_kernel
 @pytest.mark.usefixtures("build")
-def test_kernel_across_row_blocks():
+@pytest.mark.parametrize("m", [1100, 30])
+def test_kernel_across_row_blocks(m):
     """More rows than one block of x: the AVX512 widened path's 4 MB (1024 rows at
-    k = 2048), the int16 path's 96 KB (24 rows)."""
+    k = 2048), the int16 path's 96 KB (24 rows); the 8-bit path's 96 KB (48 rows) at k =
+    4096."""
     g = torch.Generator().manual_seed(10)
-    x = torch.randn(1100, 2048, generator=g).bfloat16()
-    w = torch.randn(48, 2048, generator=g).bfloat16()
+    k = 2048 if m > 1000 else 4096
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(48, k, generator=g).bfloat16()
     got = cpu_int8.gemm_int8_linear(x, cpu_int8.pack_int8(w), None).double()
     exact, tol = product_bound(x, w, None)
     assert ((got - exact).abs() <= tol).all()

@@ -12,8 +12,12 @@ import torch.nn.functional as F
 
 from tessera.ops.linear_int4 import dequantize_int4, quantize_int4
 from tessera.ops.linear_int8 import dequantize_int8_groups, quantize_int8, quantize_int8_groups
-from tessera.ops.moe import expert_quantization, grouped_experts_ref, softmax_topk_ref, stacked
+from tessera.ops.cpu import linear_int4 as cpu_int4
+from tessera.ops.cpu import linear_int8 as cpu_int8
+from tessera.ops.moe import (ExpertLinear, expert_quantization, grouped_experts_ref, run_grouped, softmax_topk_ref,
+                             stacked)
 from tessera.ops.registry import OpSpec, OpTarget, builders, select_op
+from tests.ops.kernel_builds import int8_rows
 
 H, I, E, K = 64, 96, 8, 2
 
@@ -51,6 +55,20 @@ def held(stack: torch.Tensor, values) -> torch.Tensor:
     return torch.stack([values(w) for w in stack]).double()
 
 
+def kernel_projection(name: str, stack: torch.Tensor, values) -> ExpertLinear:
+    """One expert's projection with the values its builder holds, in double; where the CPU
+    int8 / int4 kernel rounds an expert's rows of x to 8 bits (decode batches on AVX512-VNNI:
+    rounds_x_to_8_bits), on x so rounded."""
+    module = {"cpu_int8_experts": cpu_int8, "cpu_int4_experts": cpu_int4}.get(name)
+    weights = held(stack, values)
+
+    def project(rows: torch.Tensor, expert: int, bias: torch.Tensor | None) -> torch.Tensor:
+        if module is not None and module.rounds_x_to_8_bits(rows.shape[0]):
+            rows = int8_rows(rows.bfloat16())  # the kernel's x: bf16 rows, then 8 bits a group
+        return F.linear(rows, weights[expert], bias)
+    return project
+
+
 def random_stack(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """Weights ~0.1 with 2% of them 8x larger: outliers widen a quantization step, as in
     real checkpoints, so holding int8 values differs clearly from holding bf16 ones."""
@@ -85,9 +103,9 @@ def test_each_builder_equals_the_reference_on_the_values_it_holds(name, tokens):
     assert p13.shape[0] == E and (p13.dtype != dtype or p13.dim() == 4)  # really re-laid out
     got = builder.impl(x, p13, p2, weights, ids, b13, b2, activation)
     assert got.dtype == dtype and got.shape == x.shape
-    expected = grouped_experts_ref(x.double(), held(w13, values), held(w2, values), weights.double(), ids,
-                                   None if b13 is None else b13.double(), None if b2 is None else b2.double(),
-                                   activation)
+    expected = run_grouped(x.double(), weights.double(), ids, E, kernel_projection(name, w13, values),
+                           kernel_projection(name, w2, values), None if b13 is None else b13.double(),
+                           None if b2 is None else b2.double(), activation)
     # bf16: x, the hidden rows and each projection's output are rounded to bf16 (and the int
     # kernels' narrow paths round x further): 0.3-0.6% of the output's norm here, where
     # holding the wrong values (bf16 for int8, int8 for bf16) misses by 1.8% or more
@@ -191,8 +209,8 @@ def hf_on_held_values(model: torch.nn.Module, quant: str) -> torch.nn.Module:
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_tiny_qwen3_moe_quantized_equals_transformers_on_the_same_values(tiny_qwen3_moe, quant):
     """float32 (the reference builders; every matrix takes the format): the logprobs of
-    transformers on the dequantized weights; bf16 (the CPU kernels): the same greedy tokens
-    as tessera's float32 run and logprobs within bf16's rounding of them."""
+    transformers on the dequantized weights; bf16 (the CPU kernels): a first greedy token
+    among transformers' best and logprobs within bf16's rounding of them."""
     from tessera.llm import LLM
     from tessera.sampling.params import SamplingParams
 
@@ -213,7 +231,11 @@ def test_tiny_qwen3_moe_quantized_equals_transformers_on_the_same_values(tiny_qw
     assert first.token_ids[0] == int(reference.argmax())
     for token_id, logprob in first.logprobs[0].items():
         assert abs(logprob.logprob - reference[token_id].item()) <= 1e-4, token_id
-    assert runs["bfloat16"].token_ids[:3] == first.token_ids[:3]
+    # this random model's best tokens lie within 0.01-0.03 of each other: bf16 may pick
+    # another of them (the int kernels' 8-bit x in a prompt's expert batches moves logprobs
+    # ~0.005 here), but never one transformers ranks clearly lower
+    chosen = runs["bfloat16"].token_ids[0]
+    assert reference[chosen] >= reference.max() - 0.02, (chosen, reference[chosen] - reference.max())
     for token_id, logprob in runs["bfloat16"].logprobs[0].items():
         assert abs(logprob.logprob - reference[token_id].item()) <= 0.1, token_id
 

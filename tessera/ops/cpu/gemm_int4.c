@@ -17,6 +17,12 @@
  * 15 * 16383 cannot overflow), then sum_k w x = d * that + m * sum_k x over the group, both
  * in float32, and the row's scale at the end. Tiles: ROWS rows by two panels.
  *
+ * Decode batches with AVX512-VNNI (Q8_MIN_ROWS to Q8_END_ROWS rows; below the AMX build's
+ * widening): x rounded to 8 bits per group of 32 with a step each (int8_rows.h, as llama.cpp's
+ * CPU kernels take x), and vpdpbusd sums four code * x products per lane per instruction,
+ * twice vpdpwssd's: per group, sum_k w x = x_step * (d * that + m * the codes' sum), in
+ * float32. Tiles: ROWS8 rows by two panels.
+ *
  * From WIDEN_MIN_ROWS rows on (prefill) each thread dequantizes a pair of panels to bf16
  * once per block of rows and runs gemm_bf16.c's 12-row tile on it; x stays bf16.
  * Requires n % 16 == 0 and k % 32 == 0. Built by tessera/ops/cpu/build.py. */
@@ -27,6 +33,7 @@
 #include <string.h>
 
 #include "int16_rows.h"
+#include "int8_rows.h"
 #include "packed_tile.h"
 #include "panel_tiles.h"
 #include "simd_bf16.h"
@@ -45,14 +52,32 @@
  * host with the extensions off, TESSERA_CPU_KERNEL_ISA=avx512: 32 rows 31.0 vs 41.2 ms,
  * 48 rows 51.2 vs 57.4). T - 1 must be the top of a captured CPU decode bucket or above them
  * all (tessera/runner/decode_graphs.py), so that a replay takes the path its eager step
- * took: 17 and 64 are. Overridable for measurements. */
+ * took: 17 and 64 are (and the AMX build's 9). With AVX512-VNNI the 8-bit x tiles take the
+ * decode batches and prompts widen. Overridable for measurements. */
+/* The rows at which AVX512-VNNI builds round x to 8 bits (tile_q8): [Q8_MIN_ROWS,
+ * Q8_END_ROWS), passed by linear_int4.py (INT8_X_ROWS). Over the default model's 210 layer
+ * matrices (AVX512-BF16 host, 2 threads) 1.2x the int16 tiles' speed at 4 rows, 1.5x at
+ * 8-16, 1.3x the widened tiles' at 32; still 1.07-1.1x at 512-2048 rows, and 1.05x at 1 row,
+ * but there, one stream's decode and prompts, x stays as exact as it was: the 8-bit rounding
+ * moves a token's logprob by ~1.5x what bf16 arithmetic does (docs/benchmarks.md, session
+ * 42), enough to flip near ties that a gain this small does not pay for. */
+#ifndef Q8_MIN_ROWS
+#define Q8_MIN_ROWS 4
+#endif
+#ifndef Q8_END_ROWS
+#define Q8_END_ROWS 33
+#endif
 #ifndef WIDEN_MIN_ROWS
-#if TESSERA_NATIVE_BF16
+#if defined(__AVX512VNNI__) && Q8_END_ROWS > Q8_MIN_ROWS
+#define WIDEN_MIN_ROWS Q8_END_ROWS
+#elif TESSERA_NATIVE_BF16
 #define WIDEN_MIN_ROWS 17
 #else
 #define WIDEN_MIN_ROWS 64
 #endif
 #endif
+#define ROWS8 6  /* rows of an 8-bit x tile: 4 and 8 were slower (2 threads, 4-256 rows) */
+#define Q8_BLOCK_BYTES (96 * 1024)  /* of int8 x rows */
 
 static inline __m512i codes_low(__m512i words) { return _mm512_and_si512(words, _mm512_set1_epi16(15)); }
 static inline __m512i codes_high(__m512i words) { return _mm512_srli_epi16(words, 4); }
@@ -109,6 +134,101 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
+#if defined(__AVX512VNNI__)
+/* Four codes of one feature as the four bytes of its 32-bit lane, k in order: a chunk's 16
+ * features' two bytes (c0 | c2 << 4, c1 | c3 << 4) zero-extended to a lane v, then bytes
+ * (v & 15, v >> 8 & 15, v >> 4 & 15, v >> 12 & 15) = ((v | v << 12) & 0x0F0F0F0F). */
+static inline __m512i chunk_bytes(const uint8_t *chunk) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)chunk));
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
+}
+
+/* ROWS8 rows of 8-bit x (int8_rows.h, with its groups' codes' sums) by one or two panels. */
+static inline __attribute__((always_inline)) void tile_q8(
+        const int8_t *x, const float *x_steps, const float *x_sums, const uint8_t *panel,
+        int64_t panel_bytes, const uint16_t *bias, uint16_t *y, int64_t k, int64_t n_total,
+        int64_t col, const int rows, const int panels, const NextPair next) {
+    const int64_t groups = k / GROUP;
+    int64_t prefetch_at = next.phase;
+    __m512 total[ROWS8][2];
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < panels; q++) total[r][q] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *g0 = panel + g * GROUP_BYTES, *g1 = g0 + panel_bytes;
+        __m512i acc[ROWS8][2];
+        for (int r = 0; r < rows; r++)
+            for (int q = 0; q < panels; q++) acc[r][q] = _mm512_setzero_si512();
+        for (int t = 0; t < CHUNKS; t++) {
+            prefetch_next_pair(&next, g * CHUNKS + t, &prefetch_at);
+            const __m512i w0 = chunk_bytes(g0 + 64 + 32 * t);
+            const __m512i w1 = panels == 2 ? chunk_bytes(g1 + 64 + 32 * t) : w0;
+            for (int r = 0; r < rows; r++) {
+                int32_t quad;
+                memcpy(&quad, x + r * k + g * GROUP + 4 * t, sizeof quad);
+                const __m512i a = _mm512_set1_epi32(quad);
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, a);
+                if (panels == 2) acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, a);
+            }
+        }
+        for (int q = 0; q < panels; q++) {
+            const uint8_t *head = q ? g1 : g0;
+            const __m512 step = load_f16x16(head), offset = load_f16x16(head + 32);
+            for (int r = 0; r < rows; r++) {
+                const float step_x = x_steps[r * groups + g];
+                const __m512 x_step = _mm512_set1_ps(step_x);
+                const __m512 sum_x = _mm512_set1_ps(step_x * x_sums[r * groups + g]);  /* of the rounded x */
+                total[r][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][q]), _mm512_mul_ps(step, x_step), total[r][q]);
+                total[r][q] = _mm512_fmadd_ps(offset, sum_x, total[r][q]);
+            }
+        }
+    }
+    for (int q = 0; q < panels; q++) {
+        const __m512 b = bias ? bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(bias + col + 16 * q)))
+                              : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_si256((__m256i *)(y + r * n_total + col + 16 * q),
+                                f32x16_to_bf16(_mm512_add_ps(total[r][q], b)));
+    }
+}
+
+#define Q8_TILE_CASES(PANELS)                                                                       \
+    switch (rows) {                                                                                 \
+        case 1: tile_q8(xm, xs, sums, panel, panel_bytes, bias, ym, k, n, col, 1, PANELS, next); break;    \
+        case 2: tile_q8(xm, xs, sums, panel, panel_bytes, bias, ym, k, n, col, 2, PANELS, next); break;    \
+        case 3: tile_q8(xm, xs, sums, panel, panel_bytes, bias, ym, k, n, col, 3, PANELS, next); break;    \
+        case 4: tile_q8(xm, xs, sums, panel, panel_bytes, bias, ym, k, n, col, 4, PANELS, next); break;    \
+        case 5: tile_q8(xm, xs, sums, panel, panel_bytes, bias, ym, k, n, col, 5, PANELS, next); break;    \
+        default: tile_q8(xm, xs, sums, panel, panel_bytes, bias, ym, k, n, col, ROWS8, PANELS, next); break; \
+    }
+
+static int gemm_q8(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k, int threads) {
+    int8_t *xq;
+    float *x_steps, *x_sums;
+    if (quantize_rows8(x, m, k, threads, &xq, &x_steps, &x_sums)) return 2;
+    const int64_t groups = k / GROUP, panels = n / 16, panel_bytes = groups * GROUP_BYTES;
+    int64_t block = Q8_BLOCK_BYTES / k;
+    block = block < ROWS8 ? ROWS8 : block / ROWS8 * ROWS8;
+#pragma omp parallel num_threads(threads)
+    FOR_EACH_PANEL_TILE(m, panels, block, ROWS8, {
+        const uint8_t *panel = packed + p * panel_bytes;
+        const NextPair next = next_pair(next_p >= 0 ? packed + next_p * panel_bytes : NULL,
+                                        panel_bytes, 40, tile_index, tiles);
+        const int8_t *xm = xq + mt * k;
+        const float *xs = x_steps + mt * groups;
+        const float *sums = x_sums + mt * groups;
+        uint16_t *ym = y + mt * n;
+        if (two_panels) {
+            Q8_TILE_CASES(2)
+        } else {
+            Q8_TILE_CASES(1)
+        }
+    });
+    free(x_steps);  /* the codes and sums share its allocation */
+    return 0;
+}
+#endif
+
 #define TILE_CASES(PANELS)                                                                          \
     switch (rows) {                                                                                 \
         case 1: tile(xm, xs, sums, panel, panel_bytes, bias, ym, k, n, col, 1, PANELS, next); break;    \
@@ -142,15 +262,9 @@ static void widen_panel(const uint8_t *panel, uint16_t *out, int64_t k) {
     }
 }
 
-/* x [m, k] bf16, packed [n / 16, 10 k] uint8, bias [n] bf16 or NULL, y [m, n] bf16.
- * Returns 1 on bad shapes, 2 when a copy of x cannot be allocated. */
-int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *y,
-                      int64_t m, int64_t n, int64_t k, int threads) {
-    if (m < 1 || n % 16 || k % GROUP || n < 16 || k < GROUP) return 1;
-    if (m >= WIDEN_MIN_ROWS) {
-        const CompactPanels w = {packed, k / GROUP * GROUP_BYTES, 0, PAIR_BYTES, widen_panel};
-        return gemm_widened(x, w, bias, y, m, n, k, threads);
-    }
+/* The 15-bit x tiles. */
+static int gemm_i16(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *y,
+                    int64_t m, int64_t n, int64_t k, int threads) {
     int16_t *xq;
     float *x_scale, *x_sums;
     if (quantize_grouped_rows(x, m, k, threads, GROUP, &xq, &x_scale, &x_sums)) return 2;
@@ -175,4 +289,19 @@ int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *
     free(x_sums);
     free(x_scale);  /* xq shares its allocation */
     return 0;
+}
+
+/* x [m, k] bf16, packed [n / 16, 10 k] uint8, bias [n] bf16 or NULL, y [m, n] bf16.
+ * Returns 1 on bad shapes, 2 when a copy of x cannot be allocated. */
+int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, uint16_t *y,
+                      int64_t m, int64_t n, int64_t k, int threads) {
+    if (m < 1 || n % 16 || k % GROUP || n < 16 || k < GROUP) return 1;
+    if (m >= WIDEN_MIN_ROWS) {
+        const CompactPanels w = {packed, k / GROUP * GROUP_BYTES, 0, PAIR_BYTES, widen_panel};
+        return gemm_widened(x, w, bias, y, m, n, k, threads);
+    }
+#if defined(__AVX512VNNI__)
+    if (m >= Q8_MIN_ROWS && m < Q8_END_ROWS) return gemm_q8(x, packed, bias, y, m, n, k, threads);
+#endif
+    return gemm_i16(x, packed, bias, y, m, n, k, threads);
 }

@@ -24,7 +24,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from tessera.ops.cpu.build import AMX_DEFINE, Kernel, cpu_flags, unavailable_reason
+from tessera.ops.cpu.build import AMX_DEFINE, Kernel, cpu_flags, extensions_used, unavailable_reason
 from tessera.ops.registry import OpSpec, register_op
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,12 @@ def amx_build(kernel: Kernel, *defines: str) -> Kernel | None:
     where AMX runs here and that build compiles; else None."""
     amx = dataclasses.replace(kernel, defines=(*kernel.defines, AMX_DEFINE, *defines), fallback_source=None)
     return amx if amx_kernel_ready() and unavailable_reason(amx.source, amx.defines) is None else None
+
+
+def vnni_build(kernel: Kernel) -> bool:
+    """Whether `kernel` runs here as its AVX512 source built with AVX512-VNNI: where the int8
+    and int4 GEMMs have their 8-bit x tiles (vpdpbusd)."""
+    return kernel.runnable_source() == kernel.source and "avx512_vnni" in extensions_used()
 
 
 def packed_kernels(k: int, avx2: bool = False) -> tuple[Kernel, Kernel, int]:

@@ -19,13 +19,21 @@ import torch.nn.functional as F
 from tessera.ops.cpu.build import Kernel, unavailable_with_f16c
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu import linear_int8 as cpu_int8
-from tessera.ops.cpu.linear import amx_build, run_packed
+from tessera.ops.cpu.linear import amx_build, run_packed, vnni_build
 from tessera.ops.linear_int4 import GROUP, Int4Parts, int4_parts, int4_quantizable, linear_int4_rows
 from tessera.ops.registry import register_op
 
+# The rows at which gemm_int4.c's AVX512-VNNI build rounds x to 8 bits per group of 32 and
+# multiplies with vpdpbusd (gemm_int4_avx2.c with vpmaddubsw): decode batches, 1.2-1.5x
+# faster there. One stream's decode keeps 15-bit x and prompts bf16 x against widened panels:
+# there the rounding would move logprobs for a few percent (gemm_int4.c). Its Q8_MIN_ROWS and
+# Q8_END_ROWS (the AMX build widens from AMX_WIDEN_ROWS); T - 1 tops a decode bucket or all
+# of them (runner/decode_graphs.py).
+INT8_X_ROWS = range(4, 33)
 _KERNEL = Kernel("gemm_int4.c", "tessera_gemm_int4",
                  (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int,
-                 fallback_source="gemm_int4_avx2.c")
+                 fallback_source="gemm_int4_avx2.c",
+                 defines=(f"Q8_MIN_ROWS {INT8_X_ROWS.start}", f"Q8_END_ROWS {INT8_X_ROWS.stop}"))
 
 
 def kernel_unavailable(spec: object = None) -> list[str]:
@@ -36,7 +44,8 @@ PANEL_BYTES_PER_K = 10  # 320 bytes per 16 features x 32 k
 # On AMX the widened multiply wins from fewer rows than gemm_int4.c's 17: 1.5-1.9x at 16 rows
 # (0.7-0.9x at 8; 2 threads, the default model's shapes), so from 9, a decode bucket's edge
 # (runner/decode_graphs.py: 9-16 rows replay as 16).
-AMX_WIDEN_MIN_ROWS = "WIDEN_MIN_ROWS 9"
+AMX_WIDEN_ROWS = 9
+AMX_WIDEN_MIN_ROWS = f"WIDEN_MIN_ROWS {AMX_WIDEN_ROWS}"
 
 
 def pack_int4(weight: torch.Tensor, stored: Int4Parts | None = None) -> torch.Tensor:
@@ -83,6 +92,16 @@ def packed_kernel() -> Kernel | None:
     """The kernel that multiplies pack_int4's panels here (at any row count), or None where
     neither build can run."""
     return None if kernel_unavailable() else (amx_kernel() or _KERNEL)
+
+
+def rounds_x_to_8_bits(m: int) -> bool:
+    """Whether the kernel that runs here multiplies m rows of x rounded to 8 bits per group of
+    32 (int8_rows.h): the AVX512-VNNI build and the AVX2 one at INT8_X_ROWS (the AMX build
+    only below its widening); 15-bit x, or bf16 x against widened panels, otherwise."""
+    amx = amx_kernel()
+    kernel = amx or _KERNEL
+    eight_bit = vnni_build(kernel) or kernel.runnable_source() == kernel.fallback_source
+    return eight_bit and m in INT8_X_ROWS and (amx is None or m < AMX_WIDEN_ROWS)
 
 
 @register_op("linear", name="cpu_gemm_int4", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),

@@ -20,14 +20,21 @@ import torch.nn.functional as F
 
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu.build import Kernel, unavailable_with_f16c
-from tessera.ops.cpu.linear import amx_build, packable, run_packed
+from tessera.ops.cpu.linear import amx_build, packable, run_packed, vnni_build
 from tessera.ops.linear_int8 import GROUP, int8_groupable, linear_int8_rows, quantize_int8_groups
 from tessera.ops.registry import register_op
 
 
+# The rows at which gemm_int8.c's AVX512-VNNI build rounds x to 8 bits per group of 32 and
+# multiplies with vpdpbusd: decode batches, 1.1-1.4x faster there than the widened bf16
+# tiles (gemm_int8.c). One stream's decode keeps 15-bit x and prompts bf16 x, as int4's
+# (linear_int4.INT8_X_ROWS). Its Q8_MIN_ROWS and Q8_END_ROWS (the AMX build widens from 4
+# instead); T - 1 tops a decode bucket or all of them (runner/decode_graphs.py).
+INT8_X_ROWS = range(4, 33)
 _KERNEL = Kernel("gemm_int8.c", "tessera_gemm_int8",
                  (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int,
-                 fallback_source="gemm_int8_avx2.c")
+                 fallback_source="gemm_int8_avx2.c",
+                 defines=(f"Q8_MIN_ROWS {INT8_X_ROWS.start}", f"Q8_END_ROWS {INT8_X_ROWS.stop}"))
 
 
 GROUP_BYTES = 544  # per 16 features x 32 k: 16 float16 steps, then 16 pairs x 32 bytes
@@ -84,6 +91,12 @@ def packed_kernel() -> Kernel | None:
     """The kernel that multiplies pack_int8's panels here (at any row count), or None where
     neither build can run."""
     return None if kernel_unavailable() else (amx_kernel() or _KERNEL)
+
+
+def rounds_x_to_8_bits(m: int) -> bool:
+    """Whether the kernel that runs here multiplies m rows of x rounded to 8 bits per group of
+    32 (int8_rows.h): the AVX512-VNNI build (not the AMX one) at INT8_X_ROWS."""
+    return amx_kernel() is None and vnni_build(_KERNEL) and m in INT8_X_ROWS
 
 
 @register_op("linear", name="cpu_gemm_int8", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
