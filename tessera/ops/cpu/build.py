@@ -146,11 +146,13 @@ def isa_description() -> str:
     if missing_cpu_flags():
         if missing_cpu_flags("gemm_bf16_avx2.c"):
             return "none (no AVX512 or AVX2)"
-        return "AVX2 builds (no AVX512): bf16 widened to float32; int8 and int4 weights via vpmaddwd"
+        return ("AVX2 builds (no AVX512): bf16 widened to float32; int8 and int4 weights via vpmaddwd "
+                "(int4's decode batches on 8-bit x via vpmaddubsw)")
     used = extensions_used()
     bf16 = "native bf16 dot products (avx512_bf16)" if "avx512_bf16" in used else \
         "bf16 widened to float32 in registers, no avx512_bf16"
-    int8 = "vpdpwssd" if "avx512_vnni" in used else "vpmaddwd, no avx512_vnni"
+    int8 = "vpdpwssd (decode batches on 8-bit x via vpdpbusd)" if "avx512_vnni" in used else \
+        "vpmaddwd, no avx512_vnni"
     return f"{bf16}; int8 and int4 weights via {int8}"
 
 
