@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -53,12 +55,18 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                         prompt_tokens_details=prompt_tokens_details)
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
+    stopping = threading.Event()  # the server is shutting down: a late engine is not attached
+    attach_lock = threading.Lock()
 
     def load() -> None:
         try:
             engine = AsyncEngine(make_engine(), max_concurrent_requests)
-            engine.start()
-            state.attach(engine)
+            with attach_lock:
+                if stopping.is_set():  # loaded just as the server stopped: nothing will serve it
+                    engine.engine.close()
+                    return
+                engine.start()
+                state.attach(engine)
             logger.info("ready: serving %s on http://%s:%d (TGI routes and OpenAI /v1)", model_name, host, port)
         except BaseException as exc:  # noqa: BLE001 - reported, then the server exits non-zero
             if isinstance(exc, (ValueError, FileNotFoundError)):  # a setting or a path: its message says it
@@ -69,10 +77,14 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
             if server is not None:
                 server.should_exit = True
 
+    loader = threading.Thread(target=load, name="tessera-load", daemon=True)
+
     @asynccontextmanager
     async def lifespan(app):
-        threading.Thread(target=load, name="tessera-load", daemon=True).start()
+        loader.start()
         yield
+        with attach_lock:
+            stopping.set()
         if state.engine is not None:  # uvicorn has drained the connections by now
             state.engine.shutdown(timeout=drain_timeout_s)
 
@@ -81,4 +93,14 @@ def run_server(make_engine: Callable[[], Engine], *, model_name: str, host: str 
                             timeout_graceful_shutdown=int(drain_timeout_s))
     server = _Server(config)
     server.run()
-    return 1 if failed else 0
+    status = 1 if failed else 0
+    if loader.is_alive():
+        # stopped (SIGTERM, Ctrl-C) while the model loads or warms up: the loader thread is
+        # inside torch and the kernels, which the interpreter's exit would tear down under it
+        # (std::terminate: an abort, status 134). Nothing has been served; end here.
+        logger.info("stopped while the model was loading")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

@@ -194,3 +194,48 @@ def test_serve_exits_promptly_on_sigterm(serve_run):
 
 def test_serve_exit_status_is_0_after_sigterm(serve_run):
     assert serve_run.returncode == 0, f"exit status {serve_run.returncode}:\n{serve_run.log[-2000:]}"
+
+
+SLOW_LOAD = """
+import logging, sys
+import torch
+from tessera.server.serve import run_server
+
+def make_engine():  # a load that never ends, busy in torch as a real one is
+    a = torch.randn(256, 256)
+    while True:
+        a = torch.tanh(a @ a)
+
+logging.basicConfig(level=logging.INFO)
+sys.exit(run_server(make_engine, model_name="slow", host=sys.argv[1], port=int(sys.argv[2])))
+"""
+
+
+def test_sigterm_while_the_model_loads_exits_cleanly(tmp_path):
+    """A server stopped before its model is ready (a rollout replacing a pod that is still
+    warming up) exits with status 0 and says why. Before, the interpreter's exit tore torch
+    down under the busy loader thread: std::terminate, an abort with status 134."""
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, HOST, str(port)], stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        def answering() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 503
+            except httpx.TransportError:
+                return proc.poll() is not None
+
+        wait_until(answering, timeout=60, interval=0.05)
+        time.sleep(0.5)  # the loader is in its torch loop
+        proc.send_signal(signal.SIGTERM)
+        returncode = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    log = log_path.read_text()
+    assert returncode == 0, f"exit status {returncode}:\n{log[-2000:]}"
+    assert "stopped while the model was loading" in log and "terminate called" not in log, log[-2000:]
