@@ -16,7 +16,7 @@ def avx512_or_amx(request, monkeypatch, module: ModuleType) -> str:
         if module.amx_kernel() is None:
             pytest.skip("no AMX, or its build does not compile")
     else:
-        monkeypatch.setattr(module, "amx_kernel", lambda: None)
+        monkeypatch.setattr(module, "amx_kernel", lambda *exact: None)
     return request.param
 
 
@@ -28,3 +28,18 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     codes = (groups * inverse).clamp(-127, 127).round()
     return (codes.double() * d.double()).view(x.shape)
+
+
+def step_metadata(query_lens: list[int]):
+    """A step's attention metadata with these query lengths, for ops that look at the step's
+    kind (one token per sequence or not); nothing in it is read otherwise."""
+    from tessera.ops.attention.metadata import AttentionMetadata
+
+    seqs, rows = len(query_lens), sum(query_lens)
+    decodes = next((i for i, q in enumerate(query_lens) if q != 1), seqs)
+    return AttentionMetadata(slot_mapping=torch.full((rows,), -1), block_tables=torch.zeros(seqs, 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(query_lens, dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                                                          dtype=torch.int32),
+                             num_decodes=decodes, num_decode_tokens=decodes, seq_lens_list=list(query_lens),
+                             query_lens_list=list(query_lens))

@@ -23,7 +23,7 @@ from tessera.ops.linear_int4 import (GROUP, dequantize_int4, linear_int4_ref, lm
 from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.linear_int8 import dequantize_int8_groups, quantize_int8, quantize_int8_groups
 from tessera.ops.registry import OpSpec, select_op
-from tests.ops.kernel_builds import avx512_or_amx, int8_rows
+from tests.ops.kernel_builds import avx512_or_amx, int8_rows, step_metadata
 
 UNAVAILABLE = "; ".join(cpu_int4.kernel_unavailable()) or None  # the AVX512 or the AVX2 build
 needs_kernel = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
@@ -110,6 +110,42 @@ def test_kernel_matches_the_dequantized_product(m, n, k, bias):
     w_round = F.linear(x.double().abs(), wd.abs()) * 2.0 ** -8        # the bf16 path's rounding of w
     tol = exact.abs() * 2.0 ** -7 + x_step * wd.abs().sum(dim=1) + w_round + 1e-6
     assert ((got - exact).abs() <= tol).all(), (got - exact).abs().max()
+
+
+@needs_kernel
+@pytest.mark.usefixtures("build")
+@pytest.mark.parametrize("module", ["int4", "int8"])
+def test_only_decode_steps_round_x_to_8_bits(module):
+    """8 rows as one prompt's (or a prompt and a draft's: not one token per sequence) are
+    multiplied as they are; the same 8 rows as 8 sequences' decode rows take 8-bit x where the
+    build has it (AVX512-VNNI, int4's AVX2 build), so prompts answer as they did before."""
+    from tessera.ops.attention.metadata import attention_context
+
+    kernels = cpu_int4 if module == "int4" else cpu_int8
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 576, generator=g).bfloat16()
+    x = (torch.randn(8, 576, generator=g) * torch.logspace(-2, 1, 576)[torch.randperm(576, generator=g)]).bfloat16()
+    if module == "int4":
+        packed, wd, op = cpu_int4.pack_int4(w), dequantized(w), cpu_int4.gemm_int4_linear
+    else:
+        packed, op = cpu_int8.pack_int8(w), cpu_int8.gemm_int8_linear
+        wd = dequantize_int8_groups(*quantize_int8_groups(w)).double()
+    exact, rounded = F.linear(x.double(), wd), F.linear(int8_rows(x), wd)
+    out_round = exact.abs() * 2.0 ** -7 + 1e-6  # bf16 output
+    for lens in ([8], [1, 7], [1] * 7 + [2]):
+        with attention_context(step_metadata(lens)):
+            assert not kernels.rounds_x_to_8_bits(8)
+            got = op(x, packed, None).double()
+        x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2  # 15-bit x, or bf16 w
+        assert ((got - exact).abs() <= out_round + x_step * wd.abs().sum(1) + F.linear(
+            x.double().abs(), wd.abs()) * 2.0 ** -8).all(), lens
+        assert (got - exact).norm() < 0.5 * (got - rounded).norm(), lens  # x's product, not 8-bit x's
+    with attention_context(step_metadata([1] * 8)):
+        eight_bit = kernels.rounds_x_to_8_bits(8)
+        got = op(x, packed, None).double()
+    if eight_bit:
+        assert ((got - rounded).abs() <= out_round + F.linear(x.double().abs(), wd.abs()) * 2.0 ** -16).all()
+        assert (got - rounded).norm() < 0.5 * (got - exact).norm()
 
 
 @needs_kernel

@@ -163,6 +163,13 @@ def live_rows_buffer(rows: int) -> torch.Tensor | None:
     return _current[-1].live_rows
 
 
+def one_token_per_sequence() -> bool:
+    """Whether the current step computes one token for each of its sequences (a decode step:
+    no prompt's rows, no draft tokens to verify); True outside a step (an op called alone).
+    The CPU int8 / int4 GEMMs round x to 8 bits only in such steps (ops/cpu/linear_int4.py)."""
+    return not _current or _current[-1].num_decodes == _current[-1].num_seqs
+
+
 def current_metadata() -> AttentionMetadata:
     if not _current:
         raise RuntimeError("attention called outside attention_context(); the runner installs it")

@@ -53,14 +53,15 @@
  * 48 rows 51.2 vs 57.4). T - 1 must be the top of a captured CPU decode bucket or above them
  * all (tessera/runner/decode_graphs.py), so that a replay takes the path its eager step
  * took: 17 and 64 are (and the AMX build's 9). With AVX512-VNNI the 8-bit x tiles take the
- * decode batches and prompts widen. Overridable for measurements. */
+ * rows below Q8_END_ROWS first. Overridable for measurements. */
 /* The rows at which AVX512-VNNI builds round x to 8 bits (tile_q8): [Q8_MIN_ROWS,
  * Q8_END_ROWS), passed by linear_int4.py (INT8_X_ROWS). Over the default model's 210 layer
  * matrices (AVX512-BF16 host, 2 threads) 1.2x the int16 tiles' speed at 4 rows, 1.5x at
  * 8-16, 1.3x the widened tiles' at 32; still 1.07-1.1x at 512-2048 rows, and 1.05x at 1 row,
  * but there, one stream's decode and prompts, x stays as exact as it was: the 8-bit rounding
  * moves a token's logprob by ~1.5x what bf16 arithmetic does (docs/benchmarks.md, session
- * 42), enough to flip near ties that a gain this small does not pay for. */
+ * 42), enough to flip near ties that a gain this small does not pay for. A step with a
+ * prompt's rows, however few, runs this source built with an empty range (linear.EXACT_X). */
 #ifndef Q8_MIN_ROWS
 #define Q8_MIN_ROWS 4
 #endif
@@ -68,12 +69,15 @@
 #define Q8_END_ROWS 33
 #endif
 #ifndef WIDEN_MIN_ROWS
-#if defined(__AVX512VNNI__) && Q8_END_ROWS > Q8_MIN_ROWS
-#define WIDEN_MIN_ROWS Q8_END_ROWS
-#elif TESSERA_NATIVE_BF16
-#define WIDEN_MIN_ROWS 17
+#if TESSERA_NATIVE_BF16
+#define WIDEN_FROM 17
 #else
-#define WIDEN_MIN_ROWS 64
+#define WIDEN_FROM 64
+#endif
+#if defined(__AVX512VNNI__) && Q8_END_ROWS > Q8_MIN_ROWS && Q8_END_ROWS > WIDEN_FROM
+#define WIDEN_MIN_ROWS Q8_END_ROWS  /* the 8-bit x rows first */
+#else
+#define WIDEN_MIN_ROWS WIDEN_FROM
 #endif
 #endif
 #define ROWS8 6  /* rows of an 8-bit x tile: 4 and 8 were slower (2 threads, 4-256 rows) */

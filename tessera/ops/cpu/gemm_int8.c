@@ -62,7 +62,7 @@
  * per group of 32 and multiply with vpdpbusd (tile_q8): [Q8_MIN_ROWS, Q8_END_ROWS), passed
  * by linear_int8.py (INT8_X_ROWS). Over the default model's 211 matrices as int8 (AVX512-BF16
  * host, 2 threads): 0.93x the 15-bit tiles' speed at 1 row, 1.4x the widened tiles' at 4,
- * 1.25x at 8-16, 1.1x at 32-64, 0.85x from 96. Decode batches only, as gemm_int4.c's. */
+ * 1.25x at 8-16, 1.1x at 32-64, 0.85x from 96. Decode steps only, as gemm_int4.c's. */
 #ifndef Q8_MIN_ROWS
 #define Q8_MIN_ROWS 4
 #endif
@@ -70,14 +70,17 @@
 #define Q8_END_ROWS 33
 #endif
 #ifndef WIDEN_MIN_ROWS
-#if defined(__AVX512VNNI__) && !defined(TESSERA_AMX) && Q8_END_ROWS > Q8_MIN_ROWS
-#define WIDEN_MIN_ROWS Q8_END_ROWS
-#elif TESSERA_NATIVE_BF16
-#define WIDEN_MIN_ROWS 4
+#if TESSERA_NATIVE_BF16
+#define WIDEN_FROM 4
 #elif defined(__AVX512VNNI__)
-#define WIDEN_MIN_ROWS 64
+#define WIDEN_FROM 64
 #else
-#define WIDEN_MIN_ROWS 17
+#define WIDEN_FROM 17
+#endif
+#if defined(__AVX512VNNI__) && !defined(TESSERA_AMX) && Q8_END_ROWS > Q8_MIN_ROWS && Q8_END_ROWS > WIDEN_FROM
+#define WIDEN_MIN_ROWS Q8_END_ROWS  /* the 8-bit x rows first */
+#else
+#define WIDEN_MIN_ROWS WIDEN_FROM
 #endif
 #endif
 #define ROWS8 6

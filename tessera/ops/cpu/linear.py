@@ -159,6 +159,11 @@ def amx_build(kernel: Kernel, *defines: str) -> Kernel | None:
     return amx if amx_kernel_ready() and unavailable_reason(amx.source, amx.defines) is None else None
 
 
+# The defines that build gemm_int8.c / gemm_int4.c without their 8-bit x rows (an empty
+# range): the kernels of steps with a prompt's or draft's rows.
+EXACT_X = ("Q8_MIN_ROWS 0", "Q8_END_ROWS 0")
+
+
 def vnni_build(kernel: Kernel) -> bool:
     """Whether `kernel` runs here as its AVX512 source built with AVX512-VNNI: where the int8
     and int4 GEMMs have their 8-bit x tiles (vpdpbusd)."""

@@ -11,6 +11,7 @@ AMX build runs: from 9 rows the widened panels multiply on AMX tiles.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import torch
@@ -19,21 +20,24 @@ import torch.nn.functional as F
 from tessera.ops.cpu.build import Kernel, unavailable_with_f16c
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu import linear_int8 as cpu_int8
-from tessera.ops.cpu.linear import amx_build, run_packed, vnni_build
+from tessera.ops.attention.metadata import one_token_per_sequence
+from tessera.ops.cpu.linear import EXACT_X, amx_build, run_packed, vnni_build
 from tessera.ops.linear_int4 import GROUP, Int4Parts, int4_parts, int4_quantizable, linear_int4_rows
 from tessera.ops.registry import register_op
 
 # The rows at which gemm_int4.c's AVX512-VNNI build rounds x to 8 bits per group of 32 and
-# multiplies with vpdpbusd (gemm_int4_avx2.c with vpmaddubsw): decode batches, 1.2-1.5x
-# faster there. One stream's decode keeps 15-bit x and prompts bf16 x against widened panels:
-# there the rounding would move logprobs for a few percent (gemm_int4.c). Its Q8_MIN_ROWS and
-# Q8_END_ROWS (the AMX build widens from AMX_WIDEN_ROWS); T - 1 tops a decode bucket or all
-# of them (runner/decode_graphs.py).
+# multiplies with vpdpbusd (gemm_int4_avx2.c with vpmaddubsw) in a decode step: 1.2-1.5x
+# faster there. One stream's decode keeps 15-bit x, and steps with a prompt's or draft's rows
+# take _EXACT_KERNEL, the same source without them: there the rounding would move logprobs
+# (a prompt's), or verification away from plain decoding (drafts), for a few percent
+# (gemm_int4.c). Its Q8_MIN_ROWS and Q8_END_ROWS (the AMX build widens from AMX_WIDEN_ROWS);
+# T - 1 tops a decode bucket or all of them (runner/decode_graphs.py).
 INT8_X_ROWS = range(4, 33)
 _KERNEL = Kernel("gemm_int4.c", "tessera_gemm_int4",
                  (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int,
                  fallback_source="gemm_int4_avx2.c",
                  defines=(f"Q8_MIN_ROWS {INT8_X_ROWS.start}", f"Q8_END_ROWS {INT8_X_ROWS.stop}"))
+_EXACT_KERNEL = dataclasses.replace(_KERNEL, defines=EXACT_X)
 
 
 def kernel_unavailable(spec: object = None) -> list[str]:
@@ -81,23 +85,37 @@ def unpack_int4(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @functools.lru_cache(maxsize=None)
-def amx_kernel() -> Kernel | None:
-    """This kernel's AMX build (its widened rows, from 9, multiply on AMX tiles), where it runs here; asked once,
-    not per call (a decode step makes ~120 calls)."""
-    return amx_build(_KERNEL, AMX_WIDEN_MIN_ROWS)
+def amx_kernel(exact: bool = False) -> Kernel | None:
+    """This kernel's AMX build (its widened rows, from 9, multiply on AMX tiles; `exact`: the
+    one without 8-bit x), where it runs here; asked once, not per call (a decode step makes
+    ~120 calls)."""
+    return amx_build(_EXACT_KERNEL if exact else _KERNEL, AMX_WIDEN_MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
+def _runs_here() -> bool:
+    return not kernel_unavailable()
+
+
+def step_kernel() -> Kernel:
+    """The build this step multiplies with: 8-bit x rows in a decode step, none in others."""
+    exact = not one_token_per_sequence()
+    return amx_kernel(exact) or (_EXACT_KERNEL if exact else _KERNEL)
+
+
 def packed_kernel() -> Kernel | None:
-    """The kernel that multiplies pack_int4's panels here (at any row count), or None where
-    neither build can run."""
-    return None if kernel_unavailable() else (amx_kernel() or _KERNEL)
+    """The kernel that multiplies pack_int4's panels in this step (at any row count), or None
+    where neither build can run."""
+    return step_kernel() if _runs_here() else None
 
 
 def rounds_x_to_8_bits(m: int) -> bool:
-    """Whether the kernel that runs here multiplies m rows of x rounded to 8 bits per group of
-    32 (int8_rows.h): the AVX512-VNNI build and the AVX2 one at INT8_X_ROWS (the AMX build
-    only below its widening); 15-bit x, or bf16 x against widened panels, otherwise."""
+    """Whether the kernel that runs here multiplies m rows of x in pack_int4's panels rounded
+    to 8 bits per group of 32 (int8_rows.h): in a decode step (or outside any), the AVX512-VNNI
+    build and the AVX2 one at INT8_X_ROWS (the AMX build only below its widening); 15-bit x,
+    or bf16 x against widened panels, otherwise."""
+    if not one_token_per_sequence():
+        return False
     amx = amx_kernel()
     kernel = amx or _KERNEL
     eight_bit = vnni_build(kernel) or kernel.runnable_source() == kernel.fallback_source
@@ -119,4 +137,4 @@ def gemm_int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != PANEL_BYTES_PER_K * k:
         raise ValueError(f"input has {k} features; the packed int4 weight {tuple(weight.shape)} "
                          f"expects {weight.shape[1] // PANEL_BYTES_PER_K}")
-    return run_packed(amx_kernel() or _KERNEL, x, weight, bias, weight.shape[0] * 16)  # (k: whole steps of 32)
+    return run_packed(step_kernel(), x, weight, bias, weight.shape[0] * 16)  # (k: whole steps of 32)

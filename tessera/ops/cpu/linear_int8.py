@@ -13,6 +13,7 @@ weight the reference builder prepared (its per-row layout) runs through it.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 
 import torch
@@ -20,21 +21,24 @@ import torch.nn.functional as F
 
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu.build import Kernel, unavailable_with_f16c
-from tessera.ops.cpu.linear import amx_build, packable, run_packed, vnni_build
+from tessera.ops.attention.metadata import one_token_per_sequence
+from tessera.ops.cpu.linear import EXACT_X, amx_build, packable, run_packed, vnni_build
 from tessera.ops.linear_int8 import GROUP, int8_groupable, linear_int8_rows, quantize_int8_groups
 from tessera.ops.registry import register_op
 
 
 # The rows at which gemm_int8.c's AVX512-VNNI build rounds x to 8 bits per group of 32 and
-# multiplies with vpdpbusd: decode batches, 1.1-1.4x faster there than the widened bf16
-# tiles (gemm_int8.c). One stream's decode keeps 15-bit x and prompts bf16 x, as int4's
-# (linear_int4.INT8_X_ROWS). Its Q8_MIN_ROWS and Q8_END_ROWS (the AMX build widens from 4
-# instead); T - 1 tops a decode bucket or all of them (runner/decode_graphs.py).
+# multiplies with vpdpbusd in a decode step: 1.1-1.4x faster there than the widened bf16
+# tiles (gemm_int8.c). One stream's decode keeps 15-bit x, and steps with a prompt's or
+# draft's rows take _EXACT_KERNEL, as int4's (linear_int4.INT8_X_ROWS). Its Q8_MIN_ROWS and
+# Q8_END_ROWS (the AMX build widens from 4 instead); T - 1 tops a decode bucket or all of
+# them (runner/decode_graphs.py).
 INT8_X_ROWS = range(4, 33)
 _KERNEL = Kernel("gemm_int8.c", "tessera_gemm_int8",
                  (ctypes.c_void_p,) * 4 + (ctypes.c_int64,) * 3 + (ctypes.c_int,), ctypes.c_int,
                  fallback_source="gemm_int8_avx2.c",
                  defines=(f"Q8_MIN_ROWS {INT8_X_ROWS.start}", f"Q8_END_ROWS {INT8_X_ROWS.stop}"))
+_EXACT_KERNEL = dataclasses.replace(_KERNEL, defines=EXACT_X)
 
 
 GROUP_BYTES = 544  # per 16 features x 32 k: 16 float16 steps, then 16 pairs x 32 bytes
@@ -81,22 +85,33 @@ def unpack_int8(packed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 @functools.lru_cache(maxsize=None)
 def amx_kernel() -> Kernel | None:
-    """This kernel's AMX build (its widened rows, from 4, multiply on AMX tiles), where it runs here; asked once,
-    not per call (a decode step makes ~120 calls)."""
-    return amx_build(_KERNEL)
+    """This kernel's AMX build (its widened rows, from 4, multiply on AMX tiles; it has no
+    8-bit x rows), where it runs here; asked once, not per call (a decode step makes ~120
+    calls)."""
+    return amx_build(_EXACT_KERNEL)
 
 
 @functools.lru_cache(maxsize=None)
+def _runs_here() -> bool:
+    return not kernel_unavailable()
+
+
+def step_kernel() -> Kernel:
+    """The build this step multiplies with: 8-bit x rows in a decode step, none in others."""
+    return amx_kernel() or (_KERNEL if one_token_per_sequence() else _EXACT_KERNEL)
+
+
 def packed_kernel() -> Kernel | None:
-    """The kernel that multiplies pack_int8's panels here (at any row count), or None where
-    neither build can run."""
-    return None if kernel_unavailable() else (amx_kernel() or _KERNEL)
+    """The kernel that multiplies pack_int8's panels in this step (at any row count), or None
+    where neither build can run."""
+    return step_kernel() if _runs_here() else None
 
 
 def rounds_x_to_8_bits(m: int) -> bool:
     """Whether the kernel that runs here multiplies m rows of x rounded to 8 bits per group of
-    32 (int8_rows.h): the AVX512-VNNI build (not the AMX one) at INT8_X_ROWS."""
-    return amx_kernel() is None and vnni_build(_KERNEL) and m in INT8_X_ROWS
+    32 (int8_rows.h): in a decode step (or outside any), the AVX512-VNNI build (not the AMX
+    one) at INT8_X_ROWS."""
+    return one_token_per_sequence() and amx_kernel() is None and vnni_build(_KERNEL) and m in INT8_X_ROWS
 
 
 @register_op("linear", name="cpu_gemm_int8", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
@@ -112,4 +127,4 @@ def gemm_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if weight.shape[1] != panel_bytes(k) or k % GROUP:
         raise ValueError(f"input has {k} features; the packed int8 weight {tuple(weight.shape)} "
                          f"expects {(weight.shape[1] - HEAD_BYTES) * GROUP // GROUP_BYTES}")
-    return run_packed(amx_kernel() or _KERNEL, x, weight, bias, weight.shape[0] * 16)
+    return run_packed(step_kernel(), x, weight, bias, weight.shape[0] * 16)
