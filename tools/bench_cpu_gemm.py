@@ -1,7 +1,9 @@
 """The CPU linear ops that run on this CPU (bf16, int8, int4) over the default model's 211
 weight matrices (30 layers x q, k, v, o, gate, up, down + the LM head; int4 runs the LM head
-in int8, as the engine does), called as the engine calls them (the registered ops, so the
-AMX builds run from the rows where the engine takes them), with the weights prepared and in
+in int8, as the engine does), called as the engine calls them in a decode step (the
+registered ops, so the AMX builds run from the rows where the engine takes them, and the
+int8 / int4 kernels take 8-bit x at 4-32 rows where their build has it; a prompt's step
+keeps exact x, as at 1-3 rows or from 33), with the weights prepared and in
 huge pages as the engine holds them: milliseconds per pass at each row count, medians, the
 kernels interleaved so they share the host's state.
 
