@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,8 +134,10 @@ def test_only_decode_steps_round_x_to_8_bits(module):
         wd = dequantize_int8_groups(*quantize_int8_groups(w)).double()
     exact, rounded = F.linear(x.double(), wd), F.linear(int8_rows(x), wd)
     out_round = exact.abs() * 2.0 ** -7 + 1e-6  # bf16 output
-    for lens in ([8], [1, 7], [1] * 7 + [2]):
-        with attention_context(step_metadata(lens)):
+    for lens in ([8], [1, 7], [1] * 7 + [2], "view"):
+        # "view": a prompt step inside which a model runs some rows as decodes (Gemma 4)
+        with attention_context(step_metadata([8] if lens == "view" else lens)), \
+                attention_context(step_metadata([1] * 8)) if lens == "view" else contextlib.nullcontext():
             assert not kernels.rounds_x_to_8_bits(8)
             got = op(x, packed, None).double()
         x_step = x.double().abs().amax(dim=1, keepdim=True) / 16383 / 2  # 15-bit x, or bf16 w

@@ -166,8 +166,10 @@ def live_rows_buffer(rows: int) -> torch.Tensor | None:
 def one_token_per_sequence() -> bool:
     """Whether the current step computes one token for each of its sequences (a decode step:
     no prompt's rows, no draft tokens to verify); True outside a step (an op called alone).
-    The CPU int8 / int4 GEMMs round x to 8 bits only in such steps (ops/cpu/linear_int4.py)."""
-    return not _current or _current[-1].num_decodes == _current[-1].num_seqs
+    The step is the outermost context, the runner's: a model's narrower view inside it (Gemma
+    4's output rows as decodes) does not change what the step is. The CPU int8 / int4 GEMMs
+    round x to 8 bits only in such steps (ops/cpu/linear_int4.py)."""
+    return not _current or _current[0].num_decodes == _current[0].num_seqs
 
 
 def current_metadata() -> AttentionMetadata:
