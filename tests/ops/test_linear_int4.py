@@ -87,9 +87,9 @@ def build(request, monkeypatch):
 @pytest.mark.parametrize("n, k", [(16, 32), (48, 576), (80, 1024), (32, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_dequantized_product(m, n, k, bias):
-    """Row tiles of 4 and their remainders (AVX2: 2 rows by both panels up to 2 rows); on
-    AVX512-VNNI from 4 to 32 rows (on AMX to 8) the 8-bit x path's 6-row tiles and their
-    remainders; from 17 rows (33 with VNNI, 64 without AVX512-BF16, 9 on AMX; AVX512 only) the
+    """Row tiles of 4 and their remainders (AVX2: 2 rows by both panels up to 2 rows); from 4
+    to 32 rows (on AMX to 8) the 8-bit x path's 6-row tiles and their remainders (AVX2: 4
+    rows by one panel); from 33 rows (64 without AVX512-BF16, 9 on AMX; AVX512 only) the
     dequantized bf16 path with 12-row tiles and their remainders (300 rows; on AMX 600 rows
     are two blocks of x); odd panel counts (80); one group (k = 32) and 64 groups."""
     g = torch.Generator().manual_seed(m * 100 + n + k)
@@ -120,7 +120,7 @@ def test_kernel_matches_the_dequantized_product(m, n, k, bias):
 def test_only_decode_steps_round_x_to_8_bits(module):
     """8 rows as one prompt's (or a prompt and a draft's: not one token per sequence) are
     multiplied as they are; the same 8 rows as 8 sequences' decode rows take 8-bit x where the
-    build has it (AVX512-VNNI, int4's AVX2 build), so prompts answer as they did before."""
+    build has it (int4: every build; int8: AVX512-VNNI), so prompts answer as they did before."""
     from tessera.ops.attention.metadata import attention_context
 
     kernels = cpu_int4 if module == "int4" else cpu_int8

@@ -152,7 +152,7 @@ def isa_description() -> str:
     bf16 = "native bf16 dot products (avx512_bf16)" if "avx512_bf16" in used else \
         "bf16 widened to float32 in registers, no avx512_bf16"
     int8 = "vpdpwssd (decode batches on 8-bit x via vpdpbusd)" if "avx512_vnni" in used else \
-        "vpmaddwd, no avx512_vnni"
+        "vpmaddwd, no avx512_vnni (int4's decode batches on 8-bit x via vpmaddubsw)"
     return f"{bf16}; int8 and int4 weights via {int8}"
 
 

@@ -17,11 +17,11 @@
  * 15 * 16383 cannot overflow), then sum_k w x = d * that + m * sum_k x over the group, both
  * in float32, and the row's scale at the end. Tiles: ROWS rows by two panels.
  *
- * Decode batches with AVX512-VNNI (Q8_MIN_ROWS to Q8_END_ROWS rows; below the AMX build's
- * widening): x rounded to 8 bits per group of 32 with a step each (int8_rows.h, as llama.cpp's
- * CPU kernels take x), and vpdpbusd sums four code * x products per lane per instruction,
- * twice vpdpwssd's: per group, sum_k w x = x_step * (d * that + m * the codes' sum), in
- * float32. Tiles: ROWS8 rows by two panels.
+ * Decode batches (Q8_MIN_ROWS to Q8_END_ROWS rows; below the AMX build's widening): x rounded
+ * to 8 bits per group of 32 with a step each (int8_rows.h, as llama.cpp's CPU kernels take
+ * x), and vpdpbusd sums four code * x products per lane per instruction, twice vpdpwssd's
+ * (without AVX512-VNNI: vpmaddubsw, int16 sums per group, one vpmaddwd): per group, sum_k w x
+ * = x_step * (d * that + m * the codes' sum), in float32. Tiles: ROWS8 rows by two panels.
  *
  * From WIDEN_MIN_ROWS rows on (prefill) each thread dequantizes a pair of panels to bf16
  * once per block of rows and runs gemm_bf16.c's 12-row tile on it; x stays bf16.
@@ -52,11 +52,12 @@
  * host with the extensions off, TESSERA_CPU_KERNEL_ISA=avx512: 32 rows 31.0 vs 41.2 ms,
  * 48 rows 51.2 vs 57.4). T - 1 must be the top of a captured CPU decode bucket or above them
  * all (tessera/runner/decode_graphs.py), so that a replay takes the path its eager step
- * took: 17 and 64 are (and the AMX build's 9). With AVX512-VNNI the 8-bit x tiles take the
- * rows below Q8_END_ROWS first. Overridable for measurements. */
-/* The rows at which AVX512-VNNI builds round x to 8 bits (tile_q8): [Q8_MIN_ROWS,
- * Q8_END_ROWS), passed by linear_int4.py (INT8_X_ROWS). Over the default model's 210 layer
- * matrices (AVX512-BF16 host, 2 threads) 1.2x the int16 tiles' speed at 4 rows, 1.5x at
+ * took: 17 and 64 are (and the AMX build's 9). The 8-bit x tiles take the rows below
+ * Q8_END_ROWS first. Overridable for measurements. */
+/* The rows at which x is rounded to 8 bits (tile_q8): [Q8_MIN_ROWS, Q8_END_ROWS), passed by
+ * linear_int4.py (INT8_X_ROWS). Without VNNI or AVX512-BF16 (TESSERA_CPU_KERNEL_ISA=avx512,
+ * as Skylake-SP) 1.15-1.4x the int16 tiles' speed at 4-32 rows. With both, over the default
+ * model's 210 layer matrices (2 threads), 1.2x the int16 tiles' speed at 4 rows, 1.5x at
  * 8-16, 1.3x the widened tiles' at 32; still 1.07-1.1x at 512-2048 rows, and 1.05x at 1 row,
  * but there, one stream's decode and prompts, x stays as exact as it was: the 8-bit rounding
  * moves a token's logprob by ~1.5x what bf16 arithmetic does (docs/benchmarks.md, session
@@ -74,7 +75,7 @@
 #else
 #define WIDEN_FROM 64
 #endif
-#if defined(__AVX512VNNI__) && Q8_END_ROWS > Q8_MIN_ROWS && Q8_END_ROWS > WIDEN_FROM
+#if Q8_END_ROWS > Q8_MIN_ROWS && Q8_END_ROWS > WIDEN_FROM
 #define WIDEN_MIN_ROWS Q8_END_ROWS  /* the 8-bit x rows first */
 #else
 #define WIDEN_MIN_ROWS WIDEN_FROM
@@ -138,13 +139,23 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#if defined(__AVX512VNNI__)
 /* Four codes of one feature as the four bytes of its 32-bit lane, k in order: a chunk's 16
  * features' two bytes (c0 | c2 << 4, c1 | c3 << 4) zero-extended to a lane v, then bytes
  * (v & 15, v >> 8 & 15, v >> 4 & 15, v >> 12 & 15) = ((v | v << 12) & 0x0F0F0F0F). */
 static inline __m512i chunk_bytes(const uint8_t *chunk) {
     const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)chunk));
     return _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x0F0F0F0F), 0xA8);
+}
+
+/* acc + four code * x products per 32-bit lane: vpdpbusd with VNNI. Without it vpmaddubsw's
+ * pairs (at most 2 * 15 * 127) add up in int16 lanes, at most 30480 over a group's 8 chunks:
+ * exact, and one vpmaddwd per group moves them to int32 (tile_q8). */
+static inline __m512i dot_u8_i8(__m512i acc, __m512i codes, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, codes, x);
+#else
+    return _mm512_add_epi16(acc, _mm512_maddubs_epi16(codes, x));
+#endif
 }
 
 /* ROWS8 rows of 8-bit x (int8_rows.h, with its groups' codes' sums) by one or two panels. */
@@ -170,12 +181,15 @@ static inline __attribute__((always_inline)) void tile_q8(
                 int32_t quad;
                 memcpy(&quad, x + r * k + g * GROUP + 4 * t, sizeof quad);
                 const __m512i a = _mm512_set1_epi32(quad);
-                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, a);
-                if (panels == 2) acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, a);
+                acc[r][0] = dot_u8_i8(acc[r][0], w0, a);
+                if (panels == 2) acc[r][1] = dot_u8_i8(acc[r][1], w1, a);
             }
         }
         for (int q = 0; q < panels; q++) {
             const uint8_t *head = q ? g1 : g0;
+#if !defined(__AVX512VNNI__)
+            for (int r = 0; r < rows; r++) acc[r][q] = _mm512_madd_epi16(acc[r][q], _mm512_set1_epi16(1));
+#endif
             const __m512 step = load_f16x16(head), offset = load_f16x16(head + 32);
             for (int r = 0; r < rows; r++) {
                 const float step_x = x_steps[r * groups + g];
@@ -231,7 +245,6 @@ static int gemm_q8(const uint16_t *x, const uint8_t *packed, const uint16_t *bia
     free(x_steps);  /* the codes and sums share its allocation */
     return 0;
 }
-#endif
 
 #define TILE_CASES(PANELS)                                                                          \
     switch (rows) {                                                                                 \
@@ -304,8 +317,6 @@ int tessera_gemm_int4(const uint16_t *x, const uint8_t *packed, const uint16_t *
         const CompactPanels w = {packed, k / GROUP * GROUP_BYTES, 0, PAIR_BYTES, widen_panel};
         return gemm_widened(x, w, bias, y, m, n, k, threads);
     }
-#if defined(__AVX512VNNI__)
     if (m >= Q8_MIN_ROWS && m < Q8_END_ROWS) return gemm_q8(x, packed, bias, y, m, n, k, threads);
-#endif
     return gemm_i16(x, packed, bias, y, m, n, k, threads);
 }

@@ -21,13 +21,13 @@ from tessera.ops.cpu.build import Kernel, unavailable_with_f16c
 from tessera.ops.cpu import linear as cpu_linear
 from tessera.ops.cpu import linear_int8 as cpu_int8
 from tessera.ops.attention.metadata import one_token_per_sequence
-from tessera.ops.cpu.linear import EXACT_X, amx_build, run_packed, vnni_build
+from tessera.ops.cpu.linear import EXACT_X, amx_build, run_packed
 from tessera.ops.linear_int4 import GROUP, Int4Parts, int4_parts, int4_quantizable, linear_int4_rows
 from tessera.ops.registry import register_op
 
-# The rows at which gemm_int4.c's AVX512-VNNI build rounds x to 8 bits per group of 32 and
-# multiplies with vpdpbusd (gemm_int4_avx2.c with vpmaddubsw) in a decode step: 1.2-1.5x
-# faster there. One stream's decode keeps 15-bit x, and steps with a prompt's or draft's rows
+# The rows at which gemm_int4.c rounds x to 8 bits per group of 32 and multiplies with
+# vpdpbusd (without AVX512-VNNI, and in gemm_int4_avx2.c, vpmaddubsw) in a decode step:
+# 1.2-1.5x faster there. One stream's decode keeps 15-bit x, and steps with a prompt's or draft's rows
 # take _EXACT_KERNEL, the same source without them: there the rounding would move logprobs
 # (a prompt's), or verification away from plain decoding (drafts), for a few percent
 # (gemm_int4.c). Its Q8_MIN_ROWS and Q8_END_ROWS (the AMX build widens from AMX_WIDEN_ROWS);
@@ -111,15 +111,12 @@ def packed_kernel() -> Kernel | None:
 
 def rounds_x_to_8_bits(m: int) -> bool:
     """Whether the kernel that runs here multiplies m rows of x in pack_int4's panels rounded
-    to 8 bits per group of 32 (int8_rows.h): in a decode step (or outside any), the AVX512-VNNI
-    build and the AVX2 one at INT8_X_ROWS (the AMX build only below its widening); 15-bit x,
-    or bf16 x against widened panels, otherwise."""
+    to 8 bits per group of 32 (int8_rows.h): in a decode step (or outside any), every build at
+    INT8_X_ROWS (the AMX build only below its widening); 15-bit x, or bf16 x against widened
+    panels, otherwise."""
     if not one_token_per_sequence():
         return False
-    amx = amx_kernel()
-    kernel = amx or _KERNEL
-    eight_bit = vnni_build(kernel) or kernel.runnable_source() == kernel.fallback_source
-    return eight_bit and m in INT8_X_ROWS and (amx is None or m < AMX_WIDEN_ROWS)
+    return m in INT8_X_ROWS and (amx_kernel() is None or m < AMX_WIDEN_ROWS)
 
 
 @register_op("linear", name="cpu_gemm_int4", priority=10, devices=("cpu",), dtypes=(torch.bfloat16,),
