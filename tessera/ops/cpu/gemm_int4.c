@@ -44,7 +44,7 @@
 #define CHUNKS (GROUP / 4)               /* 32-byte chunks of codes per group */
 #define PAIR_BYTES (GROUP_BYTES / (GROUP / 2))  /* a panel's bytes per pair of k, on average */
 #define ROWS 4
-#define ROW_BLOCK_BYTES (96 * 1024)      /* of int16 x rows */
+#define ROW_BLOCK_BYTES (96 * 1024)      /* of x rows, int16 or int8 */
 /* From how many rows dequantizing to bf16 and the 12-row bf16 tile beat the int16 tiles
  * (all 120 layer matrices of the default model, 2 threads, AVX512-BF16 host: 8 rows 8.3 ms
  * widened vs 7.0 int16, 16 rows level at 12.1 / 12.5, 24 rows 15.9 vs 19.3). Without
@@ -82,7 +82,6 @@
 #endif
 #endif
 #define ROWS8 6  /* rows of an 8-bit x tile: 4 and 8 were slower (2 threads, 4-256 rows) */
-#define Q8_BLOCK_BYTES (96 * 1024)  /* of int8 x rows */
 
 static inline __m512i codes_low(__m512i words) { return _mm512_and_si512(words, _mm512_set1_epi16(15)); }
 static inline __m512i codes_high(__m512i words) { return _mm512_srli_epi16(words, 4); }
@@ -225,7 +224,7 @@ static int gemm_q8(const uint16_t *x, const uint8_t *packed, const uint16_t *bia
     float *x_steps, *x_sums;
     if (quantize_rows8(x, m, k, threads, &xq, &x_steps, &x_sums)) return 2;
     const int64_t groups = k / GROUP, panels = n / 16, panel_bytes = groups * GROUP_BYTES;
-    int64_t block = Q8_BLOCK_BYTES / k;
+    int64_t block = ROW_BLOCK_BYTES / k;
     block = block < ROWS8 ? ROWS8 : block / ROWS8 * ROWS8;
 #pragma omp parallel num_threads(threads)
     FOR_EACH_PANEL_TILE(m, panels, block, ROWS8, {

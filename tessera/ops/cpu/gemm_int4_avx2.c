@@ -41,7 +41,7 @@
 #define CHUNKS (GROUP / 4)
 #define ROWS 4
 #define PAIR_ROWS 2                  /* rows of a tile that takes both panels */
-#define ROW_BLOCK_BYTES (96 * 1024)  /* of int16 x rows, as gemm_int4.c */
+#define ROW_BLOCK_BYTES (96 * 1024)  /* of x rows, int16 or int8, as gemm_int4.c */
 #ifndef Q8_MIN_ROWS                  /* passed by linear_int4.py (INT8_X_ROWS) */
 #define Q8_MIN_ROWS 4
 #endif

@@ -49,7 +49,7 @@
 #define HEAD_BYTES 64                    /* a panel's 16 float32 scales, before its groups */
 #define PAIR_BYTES (GROUP_BYTES / GROUP_PAIRS)  /* a panel's bytes per pair of k, on average */
 #define ROWS 6
-#define ROW_BLOCK_BYTES (96 * 1024)   /* of int16 x rows */
+#define ROW_BLOCK_BYTES (96 * 1024)   /* of x rows, int16 or int8 */
 /* From how many rows the widened bf16 tiles beat the 6-row int16 tiles (default model's
  * matrices, 2 threads). With AVX512-BF16: 4 (4-7 rows 8.4-9.7 ms widened vs 9.1-14.6).
  * Without it the bf16 tile runs as float32 FMAs and widening costs more, so the int16
